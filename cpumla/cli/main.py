@@ -1,0 +1,47 @@
+"""The `cpumla` command: a thin Typer layer over the library. Errors a user can fix print one line
+and exit non-zero; no tracebacks."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from cpumla.errors import CpumlaError
+
+app = typer.Typer(
+    name="cpumla",
+    help="Run DeepSeek MLA-family models (V2, V3, V3.2, V4, Moonlight) on the CPU alone.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _register() -> None:
+    from cpumla.cli import bench, info
+
+    app.command("info", help="CPU, detected features, chosen kernel implementations, build flags.")(info.info)
+    app.command("bench", help="Benchmarks: --kernels measures each GEMV format against memory bandwidth.")(
+        bench.bench
+    )
+
+
+_register()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from cpumla.cli.render import print_error
+
+    try:
+        app(args=argv, standalone_mode=True)
+    except CpumlaError as e:
+        print_error(str(e))
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print_error("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

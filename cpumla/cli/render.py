@@ -1,0 +1,30 @@
+"""All terminal rendering of the CLI (rich). Results go to stdout, messages and stats to stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+def print_error(msg: str) -> None:
+    err.print(f"[bold red]error:[/] {msg}", markup=True, soft_wrap=True)
+
+
+def print_json(obj) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+
+
+def table(title: str | None, columns: list[str], rows: list[list[str]], right: set[int] = frozenset(),
+          header: bool = True) -> None:
+    t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False, show_header=header)
+    for i, c in enumerate(columns):
+        t.add_column(c, justify="right" if i in right else "left")
+    for r in rows:
+        t.add_row(*[str(v) for v in r])
+    out.print(t)

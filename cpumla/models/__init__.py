@@ -1,0 +1,1 @@
+"""Model families, one file per Hugging Face model_type."""

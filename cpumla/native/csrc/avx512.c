@@ -1,0 +1,768 @@
+/* avx512.c: AVX-512 (F/BW/VL/DQ/BF16) kernels. Same semantics as scalar.c (the spec), to fp32 rounding:
+ * activations stay fp32 and every product is accumulated in fp32 (the weights are decoded exactly).
+ *
+ * Generic weight decoding, 16 columns at a time into fp32 (dq16; used by gemv_t, the gemm panel,
+ * dequant_row and unusual block shapes), with a power of two folded into the block scale:
+ *   BF16: shift left 16.                    F16: vcvtph2ps.
+ *   E4M3: fp16 bits ((b & 0x7f) << 7) | (b & 0x80) << 8 are exactly value * 2^-8 (subnormals too);
+ *         built as (sign_extend(b) << 7) & 0xbfff. 0x7f / 0xff decode to NaN as in the spec.
+ *   E2M1: a 16-entry byte table gives the high byte of the fp16 of value * 2^-14 (low byte is 0).
+ * gemv has its own streaming loops per format (BF16, E4M3 with 64-multiple blocks, E2M1 with 1x32
+ * blocks), 4 rows at a time with software prefetch; see each. Block scales (FP8 128x128, FP4 1x32) are
+ * applied once per block to a partial sum (gemv) or while dequantising a panel (gemm, gemv_t). The
+ * fold factors assume |scale| < 2^113 (scale * 2^14 must not overflow).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include "common.h"
+#include "kernels.h"
+
+const char cpumla_flags_avx512[] = CPUMLA_FLAGS;
+
+#define INLINE static inline __attribute__((always_inline))
+#define UNROLL _Pragma("GCC unroll 16")   /* small fixed loops: keep accumulators in registers */
+
+/* The entries we replace, for the rare shapes we leave to them (attention rows wider than the tile). */
+static void (*prev_attn_part)(const cpumla_attn_args *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                              float *, float *, float *);
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+INLINE __mmask16 tail16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u); }
+
+/* ---- weight decoding ---------------------------------------------------------------------------- */
+static const float dq_fold[5] = {1.0f, 1.0f, 1.0f, 256.0f, 16384.0f};   /* by dtype */
+
+/* high byte of fp16(value * 2^-14) of each E2M1 code: ((code & 7) << 1) | ((code & 8) << 4) */
+#define E2M1_HB 0, 2, 4, 6, 8, 10, 12, 14, -128, -126, -124, -122, -120, -118, -116, -114
+
+INLINE int blocked(const cpumla_weight *w) { return w->dtype == CPUMLA_E4M3 || w->dtype == CPUMLA_E2M1; }
+
+/* Scale of block (r, c), times the decode's fold factor. */
+INLINE float blk_scale(const cpumla_weight *w, int64_t r, int64_t c) {
+    return weight_scale(w, r, c) * dq_fold[w->dtype];
+}
+
+/* E4M3 bytes -> fp16 bits of value * 2^-8 (16 or 32 of them). */
+INLINE __m256i e4m3_h16(__m128i b) {
+    return _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16((short)0xbfff));
+}
+INLINE __m512i e4m3_h32(__m256i b) {
+    return _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7), _mm512_set1_epi16((short)0xbfff));
+}
+/* lanes whose byte is 0x7f or 0xff (e4m3fn NaN) */
+INLINE __mmask16 e4m3_nan16(__m128i b) {
+    return _mm_cmpeq_epi8_mask(_mm_or_si128(b, _mm_set1_epi8((char)0x80)), _mm_set1_epi8(-1));
+}
+
+/* Columns [c, c + n) of one row (n <= 16) as fp32, unscaled (see dq_fold); lanes >= n are 0.
+ * Reads no byte outside those columns. */
+INLINE __m512 dq16(int32_t dt, const uint8_t *row, int64_t c, int64_t n) {
+    __mmask16 m = tail16(n);
+    switch (dt) {
+    case CPUMLA_F32:
+        return _mm512_maskz_loadu_ps(m, (const float *)row + c);
+    case CPUMLA_BF16: {
+        __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)row + c);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    case CPUMLA_F16:
+        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)row + c));
+    case CPUMLA_E4M3: {
+        __m128i b = _mm_maskz_loadu_epi8(m, row + c);
+        __m512 f = _mm512_cvtph_ps(e4m3_h16(b));
+        return _mm512_mask_mov_ps(f, e4m3_nan16(b), _mm512_set1_ps(NAN));
+    }
+    case CPUMLA_E2M1: {
+        if (c & 1) {                   /* odd start (odd block_cols): rare, do it element by element */
+            float t[16] = {0};
+            for (int64_t i = 0; i < n; i++) {
+                uint8_t b = row[(c + i) >> 1];
+                t[i] = cpumla_e2m1_lut[((c + i) & 1) ? (b >> 4) : (b & 15)] * (1.0f / 16384.0f);
+            }
+            return _mm512_loadu_ps(t);
+        }
+        __m128i b = _mm_maskz_loadu_epi8((__mmask16)((1u << ((n + 1) >> 1)) - 1u), row + (c >> 1));
+        __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15));
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+        __m128i codes = _mm_unpacklo_epi8(lo, hi);                       /* column order */
+        __m128i hb = _mm_shuffle_epi8(_mm_setr_epi8(E2M1_HB), codes);
+        __m512 f = _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(hb), 8));
+        return _mm512_maskz_mov_ps(m, f);
+    }
+    default:
+        return _mm512_set1_ps(NAN);
+    }
+}
+
+/* out[c - c0] = W[r, c] (scale included) for c0 <= c < c1; the fp32 twin of weight_at. */
+static void dq_range(const cpumla_weight *w, int64_t r, int64_t c0, int64_t c1, float *out) {
+    const uint8_t *row = weight_row(w, r);
+    int32_t dt = w->dtype;
+    if (!blocked(w)) {
+        for (int64_t c = c0; c < c1; c += 16)
+            _mm512_mask_storeu_ps(out + (c - c0), tail16(c1 - c), dq16(dt, row, c, c1 - c));
+        return;
+    }
+    for (int64_t b0 = c0; b0 < c1;) {
+        int64_t b1 = min64((b0 / w->block_cols + 1) * w->block_cols, c1);
+        __m512 s = _mm512_set1_ps(blk_scale(w, r, b0));
+        for (int64_t c = b0; c < b1; c += 16)
+            _mm512_mask_storeu_ps(out + (c - c0), tail16(b1 - c), _mm512_mul_ps(dq16(dt, row, c, b1 - c), s));
+        b0 = b1;
+    }
+}
+
+static void dequant_row_avx512(const cpumla_weight *w, int64_t r, int64_t c0, int64_t c1, float *out) {
+    dq_range(w, r, c0, c1, out);
+}
+
+/* ---- gemv --------------------------------------------------------------------------------------- */
+/* R rows (1..4) at once so each x load serves all of them; one block at a time (the whole row when
+ * unblocked), two partial sums per row per block for latency. */
+INLINE void gemv_rows(const cpumla_weight *w, const float *x, float *y, int64_t r, int R, int32_t dt) {
+    const uint8_t *rp[4];
+    __m512 acc[4];
+    UNROLL for (int i = 0; i < R; i++) { rp[i] = weight_row(w, r + i); acc[i] = _mm512_setzero_ps(); }
+    int64_t cols = w->cols, bc = dt == CPUMLA_E4M3 || dt == CPUMLA_E2M1 ? w->block_cols : cols;
+    for (int64_t b0 = 0; b0 < cols; b0 += bc) {
+        int64_t b1 = min64(b0 + bc, cols), c = b0;
+        __m512 p0[4], p1[4];
+        UNROLL for (int i = 0; i < R; i++) { p0[i] = _mm512_setzero_ps(); p1[i] = _mm512_setzero_ps(); }
+        for (; c + 32 <= b1; c += 32) {
+            __m512 x0 = _mm512_loadu_ps(x + c), x1 = _mm512_loadu_ps(x + c + 16);
+            UNROLL for (int i = 0; i < R; i++) {
+                p0[i] = _mm512_fmadd_ps(dq16(dt, rp[i], c, 16), x0, p0[i]);
+                p1[i] = _mm512_fmadd_ps(dq16(dt, rp[i], c + 16, 16), x1, p1[i]);
+            }
+        }
+        for (; c < b1; c += 16) {
+            __m512 x0 = _mm512_maskz_loadu_ps(tail16(b1 - c), x + c);
+            UNROLL for (int i = 0; i < R; i++) p0[i] = _mm512_fmadd_ps(dq16(dt, rp[i], c, b1 - c), x0, p0[i]);
+        }
+        UNROLL for (int i = 0; i < R; i++) {
+            __m512 p = _mm512_add_ps(p0[i], p1[i]);
+            if (bc == cols && b0 == 0) acc[i] = p;
+            else acc[i] = _mm512_fmadd_ps(p, _mm512_set1_ps(blk_scale(w, r + i, b0)), acc[i]);
+        }
+    }
+    if (bc == cols && (dt == CPUMLA_E4M3 || dt == CPUMLA_E2M1)) {   /* one block spans the row */
+        UNROLL for (int i = 0; i < R; i++) acc[i] = _mm512_mul_ps(acc[i], _mm512_set1_ps(blk_scale(w, r + i, 0)));
+    }
+    UNROLL for (int i = 0; i < R; i++) y[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+/* The rows to prefetch while rows [r, r + 4) are computed: a later group about 16 KiB ahead (4 row
+ * streams, each starting a new page, leave the hardware prefetcher behind); at the end of the range,
+ * the last group (already read: cheap). */
+INLINE const uint8_t *pf_rows(const cpumla_weight *w, int64_t r, int64_t r1) {
+    int64_t ahead = 4 * max64(1, 4096 / max64(w->row_bytes, 1));
+    int64_t p = min64(r + ahead, r1 - 4);
+    return weight_row(w, p > r ? p : r);
+}
+
+/* BF16: a 64-byte load holds 32 columns; even columns are (v << 16), odd ones (v & 0xffff0000), so x
+ * is split into even and odd columns once per 32 and shared by 4 rows. */
+INLINE void gemv_bf16_rows(const cpumla_weight *w, const float *x, float *y, int64_t r, int R,
+                           const uint8_t *pf) {
+    const uint16_t *rp[4];
+    __m512 a0[4], a1[4];
+    UNROLL for (int i = 0; i < R; i++) {
+        rp[i] = (const uint16_t *)weight_row(w, r + i);
+        a0[i] = _mm512_setzero_ps(); a1[i] = _mm512_setzero_ps();
+    }
+    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
+    int64_t cols = w->cols, c = 0;
+    for (; c + 32 <= cols; c += 32) {
+        __m512 xa = _mm512_loadu_ps(x + c), xb = _mm512_loadu_ps(x + c + 16);
+        __m512 xe = _mm512_permutex2var_ps(xa, ev, xb), xo = _mm512_permutex2var_ps(xa, od, xb);
+        UNROLL for (int i = 0; i < R; i++) {
+            _mm_prefetch((const char *)(pf + i * w->row_bytes + 2 * c), _MM_HINT_T0);
+            __m512i v = _mm512_loadu_si512(rp[i] + c);
+            a0[i] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), xe, a0[i]);
+            a1[i] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, hi_mask)), xo, a1[i]);
+        }
+    }
+    for (; c < cols; c += 16) {
+        __m512 x0 = _mm512_maskz_loadu_ps(tail16(cols - c), x + c);
+        UNROLL for (int i = 0; i < R; i++)
+            a0[i] = _mm512_fmadd_ps(dq16(CPUMLA_BF16, (const uint8_t *)rp[i], c, cols - c), x0, a0[i]);
+    }
+    UNROLL for (int i = 0; i < R; i++) y[i] = _mm512_reduce_add_ps(_mm512_add_ps(a0[i], a1[i]));
+}
+
+/* E4M3, blocks a multiple of 64 columns wide: 64 bytes per step per row, read as 32 words. The high
+ * byte of word k (column 2k+1) becomes fp16 bits by sra(w, 1) & 0xbf80, the low byte (column 2k) by
+ * the same after w << 8: no byte widening shuffles. So x is rearranged once per call, per 64 columns,
+ * as [even 0..30 | odd 1..31 | even 32..62 | odd 33..63] (fp8_split_x). NaN bytes are tracked in a
+ * mask. Columns [cb, ce) (block-aligned), xp = rearranged x[cb, ce); y[i] += the row's dot. */
+#define FP8_XSEG 8192        /* columns of x rearranged at a time (32 KiB on the stack) */
+
+static void fp8_split_x(const float *x, int64_t n, float *xp) {   /* n: whole 64-column groups */
+    for (int64_t g = 0; g < n; g += 64)
+        for (int k = 0; k < 16; k++) {
+            xp[g + k] = x[g + 2 * k];
+            xp[g + 16 + k] = x[g + 2 * k + 1];
+            xp[g + 32 + k] = x[g + 32 + 2 * k];
+            xp[g + 48 + k] = x[g + 32 + 2 * k + 1];
+        }
+}
+
+INLINE void gemv_e4m3_rows(const cpumla_weight *w, const float *x, const float *xp, int64_t cb, int64_t ce,
+                           float *y, int64_t r, int R, const uint8_t *pf) {
+    const uint8_t *rp[4];
+    __m512 acc[4];
+    __mmask64 nan[4];
+    UNROLL for (int i = 0; i < R; i++) { rp[i] = weight_row(w, r + i); acc[i] = _mm512_setzero_ps(); nan[i] = 0; }
+    int64_t bc = w->block_cols;
+    const __m512i sign = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8(-1);
+    const __m512i keep = _mm512_set1_epi16((short)0xbf80);
+    for (int64_t b0 = cb; b0 < ce; b0 += bc) {
+        int64_t b1 = min64(b0 + bc, ce), c = b0;
+        __m512 p0[4], p1[4];
+        UNROLL for (int i = 0; i < R; i++) { p0[i] = _mm512_setzero_ps(); p1[i] = _mm512_setzero_ps(); }
+        for (; c + 64 <= b1; c += 64) {
+            const float *xs = xp + (c - cb);
+            __m512 xe0 = _mm512_loadu_ps(xs), xo0 = _mm512_loadu_ps(xs + 16);
+            __m512 xe1 = _mm512_loadu_ps(xs + 32), xo1 = _mm512_loadu_ps(xs + 48);
+            UNROLL for (int i = 0; i < R; i++) {
+                _mm_prefetch((const char *)(pf + i * w->row_bytes + c), _MM_HINT_T0);
+                __m512i b = _mm512_loadu_si512(rp[i] + c);
+                nan[i] |= _mm512_cmpeq_epi8_mask(_mm512_or_si512(b, sign), ones);
+                __m512i ho = _mm512_and_si512(_mm512_srai_epi16(b, 1), keep);
+                __m512i he = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(b, 8), 1), keep);
+                p0[i] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(he)), xe0, p0[i]);
+                p1[i] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(ho)), xo0, p1[i]);
+                p0[i] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(he, 1)), xe1, p0[i]);
+                p1[i] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(ho, 1)), xo1, p1[i]);
+            }
+        }
+        for (; c < b1; c += 16) {                       /* only the last, partial block of a row */
+            __m512 x0 = _mm512_maskz_loadu_ps(tail16(b1 - c), x + c);
+            UNROLL for (int i = 0; i < R; i++) p0[i] = _mm512_fmadd_ps(dq16(CPUMLA_E4M3, rp[i], c, b1 - c), x0, p0[i]);
+        }
+        UNROLL for (int i = 0; i < R; i++)
+            acc[i] = _mm512_fmadd_ps(_mm512_add_ps(p0[i], p1[i]), _mm512_set1_ps(blk_scale(w, r + i, b0)), acc[i]);
+    }
+    UNROLL for (int i = 0; i < R; i++) y[i] = nan[i] ? NAN : y[i] + _mm512_reduce_add_ps(acc[i]);
+}
+
+static void gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
+    float xp[FP8_XSEG];
+    int64_t seg = FP8_XSEG / w->block_cols * w->block_cols;
+    for (int64_t r = r0; r < r1; r++) y[r - r0] = 0.0f;
+    for (int64_t cb = 0; cb < w->cols; cb += seg) {
+        int64_t ce = min64(cb + seg, w->cols);
+        fp8_split_x(x + cb, (ce - cb) / 64 * 64, xp);
+        int64_t r = r0;
+        for (; r + 4 <= r1; r += 4) gemv_e4m3_rows(w, x, xp, cb, ce, y + (r - r0), r, 4, pf_rows(w, r, r1));
+        for (; r < r1; r++) gemv_e4m3_rows(w, x, xp, cb, ce, y + (r - r0), r, 1, pf_rows(w, r, r1));
+    }
+}
+
+/* E2M1 with 1x32 blocks, 128 columns (64 bytes) per step: vpermps reads the low 4 bits of each dword
+ * as an index into the 16-float table, so the dword shifted right by 4p looks up nibble p, column
+ * 8k + p of dword lane k. x is rearranged once per call to match (xp[p*16 + k] = x[8k + p] per 128
+ * columns); lane k of every product lies in block k/4, so a step's 8 products are summed and then
+ * multiplied by [s(4j) x4, s(4j+1) x4, s(4j+2) x4, s(4j+3) x4] once. */
+#define FP4_XSEG 8192        /* columns of x rearranged at a time (32 KiB on the stack) */
+
+static void fp4_split_x(const float *x, int64_t ngroups, float *xp) {
+    for (int64_t g = 0; g < ngroups; g++)
+        for (int p = 0; p < 8; p++)
+            for (int k = 0; k < 16; k++) xp[g * 128 + p * 16 + k] = x[g * 128 + 8 * k + p];
+}
+
+INLINE __m512 e8m0_ps(__m512i b) {    /* E8M0 bytes (in dword lanes) -> 2^(b-127), NaN for 0xff */
+    __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(b, 23));
+    f = _mm512_mask_mov_ps(f, _mm512_cmpeq_epi32_mask(b, _mm512_setzero_si512()), _mm512_set1_ps(0x1p-127f));
+    return _mm512_mask_mov_ps(f, _mm512_cmpeq_epi32_mask(b, _mm512_set1_epi32(255)), _mm512_set1_ps(NAN));
+}
+
+/* columns [cb, ce): whole 128-column groups; xp holds x[cb..ce) rearranged */
+INLINE void gemv_e2m1_rows(const cpumla_weight *w, const float *xp, int64_t cb, int64_t ce, float *y,
+                           int64_t r, int R, const uint8_t *pf) {
+    const uint8_t *rp[4];
+    __m512 acc[4];
+    UNROLL for (int i = 0; i < R; i++) { rp[i] = weight_row(w, r + i); acc[i] = _mm512_setzero_ps(); }
+    const __m512 lut = _mm512_loadu_ps(cpumla_e2m1_lut);
+    const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const int f32_scale = w->scale_dtype == CPUMLA_F32;
+    for (int64_t c = cb; c < ce; c += 512) {
+        int steps = (int)min64(4, (ce - c) / 128);
+        __mmask16 m = tail16(4 * steps);
+        __m512 sv[4];
+        int64_t pr = (pf - (const uint8_t *)w->data) / w->row_bytes;     /* the prefetched group */
+        UNROLL for (int i = 0; i < R; i++) {         /* scales of blocks c/32 .. c/32 + 4*steps - 1 */
+            int64_t si = (r + i) / w->block_rows * w->scale_ld + c / 32;
+            int64_t pi = (pr + i) / w->block_rows * w->scale_ld + c / 32;
+            _mm_prefetch((const char *)w->scale + (f32_scale ? 4 * pi : pi), _MM_HINT_T0);
+            if (f32_scale) sv[i] = _mm512_maskz_loadu_ps(m, (const float *)w->scale + si);
+            else sv[i] = e8m0_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, (const uint8_t *)w->scale + si)));
+        }
+        for (int st = 0; st < steps; st++) {
+            const float *xs = xp + (c - cb) + 128 * st;
+            __m512i si = _mm512_add_epi32(quad, _mm512_set1_epi32(4 * st));
+            int64_t off = (c >> 1) + 64 * st;
+            UNROLL for (int i = 0; i < R; i++) {
+                _mm_prefetch((const char *)(pf + i * w->row_bytes + off), _MM_HINT_T0);
+                __m512i v = _mm512_loadu_si512(rp[i] + off);
+                __m512 p0 = _mm512_mul_ps(_mm512_permutexvar_ps(v, lut), _mm512_loadu_ps(xs));
+                __m512 p1 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut), _mm512_loadu_ps(xs + 16));
+                p0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), lut), _mm512_loadu_ps(xs + 32), p0);
+                p1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), lut), _mm512_loadu_ps(xs + 48), p1);
+                p0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 16), lut), _mm512_loadu_ps(xs + 64), p0);
+                p1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 20), lut), _mm512_loadu_ps(xs + 80), p1);
+                p0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 24), lut), _mm512_loadu_ps(xs + 96), p0);
+                p1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 28), lut), _mm512_loadu_ps(xs + 112), p1);
+                acc[i] = _mm512_fmadd_ps(_mm512_add_ps(p0, p1), _mm512_permutexvar_ps(si, sv[i]), acc[i]);
+            }
+        }
+    }
+    UNROLL for (int i = 0; i < R; i++) y[i] += _mm512_reduce_add_ps(acc[i]);
+}
+
+/* y[i] += dot of the block-aligned tail columns [c0, cols) of row r0 + i (the generic path). */
+static void gemv_cols_generic(const cpumla_weight *w, const float *x, float *y, int64_t r, int64_t c0) {
+    const uint8_t *row = weight_row(w, r);
+    float acc = 0.0f;
+    for (int64_t b0 = c0; b0 < w->cols; b0 += w->block_cols) {
+        int64_t b1 = min64(b0 + w->block_cols, w->cols);
+        __m512 p = _mm512_setzero_ps();
+        for (int64_t c = b0; c < b1; c += 16)
+            p = _mm512_fmadd_ps(dq16(w->dtype, row, c, b1 - c), _mm512_maskz_loadu_ps(tail16(b1 - c), x + c), p);
+        acc += _mm512_reduce_add_ps(p) * blk_scale(w, r, b0);
+    }
+    *y += acc;
+}
+
+static void gemv_e2m1(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
+    float xp[FP4_XSEG];
+    int64_t full = w->cols / 128 * 128;
+    for (int64_t r = r0; r < r1; r++) y[r - r0] = 0.0f;
+    for (int64_t cb = 0; cb < full; cb += FP4_XSEG) {
+        int64_t ce = min64(cb + FP4_XSEG, full);
+        fp4_split_x(x + cb, (ce - cb) / 128, xp);
+        int64_t r = r0;
+        for (; r + 4 <= r1; r += 4) gemv_e2m1_rows(w, xp, cb, ce, y + (r - r0), r, 4, pf_rows(w, r, r1));
+        for (; r < r1; r++) gemv_e2m1_rows(w, xp, cb, ce, y + (r - r0), r, 1, pf_rows(w, r, r1));
+    }
+    if (full < w->cols)
+        for (int64_t r = r0; r < r1; r++) gemv_cols_generic(w, x, y + (r - r0), r, full);
+}
+
+#define GEMV_DISPATCH(call4, call1)                      \
+    do {                                                 \
+        int64_t r = r0;                                  \
+        for (; r + 4 <= r1; r += 4) call4;               \
+        for (; r < r1; r++) call1;                       \
+    } while (0)
+
+static void gemv_avx512(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
+    switch (w->dtype) {
+    case CPUMLA_F32:
+        GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_F32), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F32));
+        return;
+    case CPUMLA_BF16:
+        GEMV_DISPATCH(gemv_bf16_rows(w, x, y + (r - r0), r, 4, pf_rows(w, r, r1)),
+                      gemv_bf16_rows(w, x, y + (r - r0), r, 1, pf_rows(w, r, r1)));
+        return;
+    case CPUMLA_F16:
+        GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_F16), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F16));
+        return;
+    case CPUMLA_E4M3:
+        if (w->block_cols % 64 == 0 && w->block_cols <= FP8_XSEG) { gemv_e4m3(w, x, y, r0, r1); return; }
+        GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_E4M3), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_E4M3));
+        return;
+    case CPUMLA_E2M1:
+        if (w->block_cols == 32) { gemv_e2m1(w, x, y, r0, r1); return; }
+        GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_E2M1), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_E2M1));
+        return;
+    default:
+        for (int64_t r = r0; r < r1; r++) y[r - r0] = NAN;
+    }
+}
+
+/* ---- gemm --------------------------------------------------------------------------------------- */
+/* A panel of GEMM_MP weight rows x GEMM_KC columns is dequantised (scales applied) into a stack
+ * buffer, rows kept along k; then a 4-row x 6-token microkernel accumulates along k in zmm lanes and
+ * reduces the 24 sums at the end of the chunk. x is read in place. */
+#define GEMM_MP 32
+#define GEMM_KC 512
+#define GEMM_NT 6
+
+/* [sum a, sum b, sum c, sum d] */
+INLINE __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* y[t*ldy + i] (+)= sum_k wp[i*GEMM_KC + k] * x[t*ldx + k], i < mr (<= 4), t < NT, k < kc.
+ * wp rows are zero-padded up to a multiple of 16. */
+INLINE void gemm_micro(const float *wp, const float *x, int64_t ldx, int64_t kc, float *y, int64_t ldy,
+                       int mr, int NT, int accumulate) {
+    __m512 acc[GEMM_NT][4];
+    UNROLL for (int t = 0; t < NT; t++)
+        UNROLL for (int i = 0; i < 4; i++) acc[t][i] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= kc; k += 16) {
+        __m512 wv[4];
+        UNROLL for (int i = 0; i < 4; i++) wv[i] = _mm512_loadu_ps(wp + i * GEMM_KC + k);
+        UNROLL for (int t = 0; t < NT; t++) {
+            __m512 xv = _mm512_loadu_ps(x + t * ldx + k);
+            UNROLL for (int i = 0; i < 4; i++) acc[t][i] = _mm512_fmadd_ps(wv[i], xv, acc[t][i]);
+        }
+    }
+    if (k < kc) {
+        __m512 wv[4];
+        UNROLL for (int i = 0; i < 4; i++) wv[i] = _mm512_loadu_ps(wp + i * GEMM_KC + k);
+        UNROLL for (int t = 0; t < NT; t++) {
+            __m512 xv = _mm512_maskz_loadu_ps(tail16(kc - k), x + t * ldx + k);
+            UNROLL for (int i = 0; i < 4; i++) acc[t][i] = _mm512_fmadd_ps(wv[i], xv, acc[t][i]);
+        }
+    }
+    __mmask8 m = (__mmask8)((1u << mr) - 1u);
+    UNROLL for (int t = 0; t < NT; t++) {
+        __m128 s = hsum4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
+        if (accumulate) s = _mm_add_ps(s, _mm_maskz_loadu_ps(m, y + t * ldy));
+        _mm_mask_storeu_ps(y + t * ldy, m, s);
+    }
+}
+
+static void gemm_avx512(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
+                        int64_t ldy, int64_t r0, int64_t r1) {
+    if (n <= 0 || r1 <= r0) return;
+    if (n < 4) {                 /* dequantising a panel costs more than reading the rows n times */
+        for (int64_t t = 0; t < n; t++) gemv_avx512(w, x + t * ldx, y + t * ldy, r0, r1);
+        return;
+    }
+    float wp[GEMM_MP * GEMM_KC] __attribute__((aligned(64)));
+    int64_t K = w->cols;
+    if (K == 0) {
+        for (int64_t t = 0; t < n; t++) memset(y + t * ldy, 0, sizeof(float) * (size_t)(r1 - r0));
+        return;
+    }
+    for (int64_t p0 = r0; p0 < r1; p0 += GEMM_MP) {
+        int64_t mp = min64(GEMM_MP, r1 - p0);
+        int64_t mp4 = (mp + 3) & ~(int64_t)3;
+        for (int64_t k0 = 0; k0 < K; k0 += GEMM_KC) {
+            int64_t kc = min64(GEMM_KC, K - k0), kc16 = (kc + 15) & ~(int64_t)15;
+            for (int64_t i = 0; i < mp4; i++) {
+                float *o = wp + i * GEMM_KC;
+                if (i < mp) dq_range(w, p0 + i, k0, k0 + kc, o);
+                else memset(o, 0, sizeof(float) * (size_t)kc);
+                if (kc16 > kc) memset(o + kc, 0, sizeof(float) * (size_t)(kc16 - kc));
+            }
+            int acc = k0 > 0;
+            for (int64_t t0 = 0; t0 < n; t0 += GEMM_NT) {
+                int nt = (int)min64(GEMM_NT, n - t0);
+                const float *xt = x + t0 * ldx + k0;
+                for (int64_t i0 = 0; i0 < mp; i0 += 4) {
+                    float *yt = y + t0 * ldy + (p0 - r0) + i0;
+                    const float *wi = wp + i0 * GEMM_KC;
+                    int mr = (int)min64(4, mp - i0);
+                    switch (nt) {
+                    case 6: gemm_micro(wi, xt, ldx, kc, yt, ldy, mr, 6, acc); break;
+                    case 5: gemm_micro(wi, xt, ldx, kc, yt, ldy, mr, 5, acc); break;
+                    case 4: gemm_micro(wi, xt, ldx, kc, yt, ldy, mr, 4, acc); break;
+                    case 3: gemm_micro(wi, xt, ldx, kc, yt, ldy, mr, 3, acc); break;
+                    case 2: gemm_micro(wi, xt, ldx, kc, yt, ldy, mr, 2, acc); break;
+                    default: gemm_micro(wi, xt, ldx, kc, yt, ldy, mr, 1, acc); break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* 64 E4M3 bytes -> 4 x 16 fp32 (value * 2^-8), NaN bytes decoded to NaN (rare path) */
+INLINE void e4m3_64(const uint8_t *p, __m512 f[4]) {
+    __m512i b = _mm512_loadu_si512(p);
+    __m512i h0 = e4m3_h32(_mm512_castsi512_si256(b)), h1 = e4m3_h32(_mm512_extracti64x4_epi64(b, 1));
+    f[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(h0));
+    f[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h0, 1));
+    f[2] = _mm512_cvtph_ps(_mm512_castsi512_si256(h1));
+    f[3] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h1, 1));
+    __mmask64 nan = _mm512_cmpeq_epi8_mask(_mm512_or_si512(b, _mm512_set1_epi8((char)0x80)), _mm512_set1_epi8(-1));
+    if (__builtin_expect(nan != 0, 0))
+        for (int g = 0; g < 4; g++) f[g] = _mm512_mask_mov_ps(f[g], (__mmask16)(nan >> (16 * g)), _mm512_set1_ps(NAN));
+}
+
+/* ---- gemv_t ------------------------------------------------------------------------------------- */
+/* Rows outer (the weight streams in order), 4 at a time: y[c] += sum_i (x_i * scale_i) * q_i(c). */
+static void gemv_t_avx512(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y,
+                          int64_t c0, int64_t c1) {
+    int32_t dt = w->dtype;
+    int64_t bc = blocked(w) ? w->block_cols : c1 - c0;
+    if (bc <= 0) bc = 1;
+    for (int64_t c = c0; c < c1; c += 16) _mm512_mask_storeu_ps(y + (c - c0), tail16(c1 - c), _mm512_setzero_ps());
+    for (int64_t i0 = 0; i0 < nr; i0 += 4) {
+        int R = (int)min64(4, nr - i0);
+        const uint8_t *rp[4];
+        UNROLL for (int i = 0; i < 4; i++) rp[i] = weight_row(w, r0 + i0 + (i < R ? i : 0));
+        for (int64_t b0 = c0; b0 < c1;) {
+            int64_t b1 = blocked(w) ? min64((b0 / bc + 1) * bc, c1) : c1;
+            __m512 xs[4];
+            UNROLL for (int i = 0; i < 4; i++)
+                xs[i] = _mm512_set1_ps(i < R ? x[i0 + i] * (blocked(w) ? blk_scale(w, r0 + i0 + i, b0) : 1.0f) : 0.0f);
+            int64_t c = b0;
+            if (dt == CPUMLA_E4M3) {
+                for (; c + 64 <= b1; c += 64) {      /* 64 columns per row per step */
+                    float *yc = y + (c - c0);
+                    __m512 y0 = _mm512_loadu_ps(yc), y1 = _mm512_loadu_ps(yc + 16);
+                    __m512 y2 = _mm512_loadu_ps(yc + 32), y3 = _mm512_loadu_ps(yc + 48);
+                    UNROLL for (int i = 0; i < 4; i++) {
+                        if (i >= R) break;
+                        __m512 f[4];
+                        e4m3_64(rp[i] + c, f);
+                        y0 = _mm512_fmadd_ps(f[0], xs[i], y0); y1 = _mm512_fmadd_ps(f[1], xs[i], y1);
+                        y2 = _mm512_fmadd_ps(f[2], xs[i], y2); y3 = _mm512_fmadd_ps(f[3], xs[i], y3);
+                    }
+                    _mm512_storeu_ps(yc, y0); _mm512_storeu_ps(yc + 16, y1);
+                    _mm512_storeu_ps(yc + 32, y2); _mm512_storeu_ps(yc + 48, y3);
+                }
+            }
+            for (; c < b1; c += 16) {
+                int64_t n = b1 - c;
+                __mmask16 m = tail16(n);
+                __m512 yv = _mm512_maskz_loadu_ps(m, y + (c - c0));
+                yv = _mm512_fmadd_ps(dq16(dt, rp[0], c, n), xs[0], yv);
+                if (R > 1) yv = _mm512_fmadd_ps(dq16(dt, rp[1], c, n), xs[1], yv);
+                if (R > 2) yv = _mm512_fmadd_ps(dq16(dt, rp[2], c, n), xs[2], yv);
+                if (R > 3) yv = _mm512_fmadd_ps(dq16(dt, rp[3], c, n), xs[3], yv);
+                _mm512_mask_storeu_ps(y + (c - c0), m, yv);
+            }
+            b0 = b1;
+        }
+    }
+}
+
+/* ---- exp, softmax, rmsnorm, swiglu -------------------------------------------------------------- */
+/* expf to ~1 ulp (SLEEF's xexpf polynomial; 2^q applied with vscalefps, which rounds subnormal
+ * results once). Inputs are clamped to [-104, 100] (results 0 and inf there); NaN stays NaN. */
+INLINE __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);     /* second operand wins on NaN */
+    x = _mm512_min_ps(_mm512_set1_ps(100.0f), x);
+    __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.442695040888963407f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 s = _mm512_fnmadd_ps(q, _mm512_set1_ps(0.693145751953125f), x);
+    s = _mm512_fnmadd_ps(q, _mm512_set1_ps(1.428606765330187045e-06f), s);
+    __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
+    u = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
+    return _mm512_scalef_ps(u, q);
+}
+
+static void softmax_row_avx512(float *x, int64_t n) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < n; i += 16)
+        mv = _mm512_max_ps(_mm512_mask_loadu_ps(mv, tail16(n - i), x + i), mv);   /* NaN never wins */
+    __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    __m512 sv = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 k = tail16(n - i);
+        __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), m));
+        _mm512_mask_storeu_ps(x + i, k, e);
+        sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(k, e));
+    }
+    __m512 s = _mm512_set1_ps(_mm512_reduce_add_ps(sv));
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 k = tail16(n - i);
+        _mm512_mask_storeu_ps(x + i, k, _mm512_div_ps(_mm512_maskz_loadu_ps(k, x + i), s));
+    }
+}
+
+
+static void rmsnorm_row_avx512(const float *x, float *y, int64_t dim, const void *weight, int32_t wdtype,
+                               float eps) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t i = 0; i < dim; i += 16) {
+        __m512 v = _mm512_maskz_loadu_ps(tail16(dim - i), x + i);
+        ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)dim + eps));
+    for (int64_t i = 0; i < dim; i += 16) {
+        __mmask16 k = tail16(dim - i);
+        __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), inv);
+        if (weight) {
+            int32_t dt = wdtype == CPUMLA_F32 || wdtype == CPUMLA_BF16 || wdtype == CPUMLA_F16 ? wdtype : -1;
+            v = _mm512_mul_ps(v, dq16(dt, (const uint8_t *)weight, i, dim - i));
+        }
+        _mm512_mask_storeu_ps(y + i, k, v);
+    }
+}
+
+static void swiglu_row_avx512(const float *gate, const float *up, float *out, int64_t dim, float limit) {
+    const __m512 one = _mm512_set1_ps(1.0f), lim = _mm512_set1_ps(limit), nlim = _mm512_set1_ps(-limit);
+    for (int64_t i = 0; i < dim; i += 16) {
+        __mmask16 k = tail16(dim - i);
+        __m512 g = _mm512_maskz_loadu_ps(k, gate + i), u = _mm512_maskz_loadu_ps(k, up + i);
+        if (limit > 0.0f) {
+            g = _mm512_min_ps(g, lim);                         /* NaN -> limit, as g < limit ? g : limit */
+            u = _mm512_min_ps(lim, _mm512_max_ps(nlim, u));    /* NaN stays NaN */
+        }
+        __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        _mm512_mask_storeu_ps(out + i, k, _mm512_mul_ps(s, u));
+    }
+}
+
+/* ---- attention part ----------------------------------------------------------------------------- */
+/* Tiles of up to ATT_TJ valid KV entries; a BF16 tile is converted to fp32 once and used by every head
+ * of [h0, h1). Per head and tile: scores by 4-row dot products, one vector exp for the tile, then the
+ * online-softmax update of (m, l, acc). */
+#define ATT_TJ 16
+#define ATT_BUF (ATT_TJ * 1024)
+
+static void attn_part_avx512(const cpumla_attn_args *a, int64_t qi, int64_t h0, int64_t h1, int64_t j0,
+                             int64_t j1, float *acc, float *m, float *l) {
+    int64_t dk = a->dk, dv = a->dv, width = max64(dk, dv), w16 = (width + 15) & ~(int64_t)15;
+    if (w16 > ATT_BUF) { prev_attn_part(a, qi, h0, h1, j0, j1, acc, m, l); return; }
+    int tj = (int)min64(ATT_TJ, ATT_BUF / w16);
+    float tile[ATT_BUF] __attribute__((aligned(64)));
+    const float *rows[ATT_TJ];
+    for (int64_t h = h0; h < h1; h++) {
+        m[h - h0] = -INFINITY;
+        l[h - h0] = 0.0f;
+        for (int64_t d = 0; d < dv; d += 16)
+            _mm512_mask_storeu_ps(acc + (h - h0) * dv + d, tail16(dv - d), _mm512_setzero_ps());
+    }
+    int64_t j = j0;
+    while (j < j1) {
+        int nt = 0;
+        while (nt < tj && j < j1) {
+            const void *p = attn_kv_row(a, qi, j++);
+            if (!p) continue;
+            if (a->kv_dtype == CPUMLA_BF16) {
+                float *o = tile + nt * w16;
+                for (int64_t d = 0; d < width; d += 16)
+                    _mm512_store_ps(o + d, dq16(CPUMLA_BF16, (const uint8_t *)p, d, width - d));
+                rows[nt] = o;
+            } else {
+                rows[nt] = (const float *)p;
+            }
+            nt++;
+        }
+        if (nt == 0) break;
+        for (int64_t h = h0; h < h1; h++) {
+            const float *q = a->q + qi * a->ldq_t + h * a->ldq_h;
+            float s[ATT_TJ] __attribute__((aligned(64)));
+            int t = 0;
+            for (; t + 4 <= nt; t += 4) {
+                __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+                for (int64_t d = 0; d < dk; d += 16) {
+                    __mmask16 k = tail16(dk - d);
+                    __m512 qv = _mm512_maskz_loadu_ps(k, q + d);
+                    s0 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(k, rows[t] + d), s0);
+                    s1 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(k, rows[t + 1] + d), s1);
+                    s2 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(k, rows[t + 2] + d), s2);
+                    s3 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(k, rows[t + 3] + d), s3);
+                }
+                _mm_storeu_ps(s + t, hsum4(s0, s1, s2, s3));
+            }
+            for (; t < nt; t++) {
+                __m512 s0 = _mm512_setzero_ps();
+                for (int64_t d = 0; d < dk; d += 16) {
+                    __mmask16 k = tail16(dk - d);
+                    s0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, q + d), _mm512_maskz_loadu_ps(k, rows[t] + d), s0);
+                }
+                s[t] = _mm512_reduce_add_ps(s0);
+            }
+            __mmask16 tm = tail16(nt);
+            __m512 sv = _mm512_mul_ps(_mm512_maskz_loadu_ps(tm, s), _mm512_set1_ps(a->scale));
+            float mt = _mm512_mask_reduce_max_ps(tm, sv);
+            float mh = m[h - h0], mn = mt > mh ? mt : mh;
+            float c = mh == -INFINITY ? 0.0f : expf(mh - mn);
+            __m512 pv = _mm512_maskz_mov_ps(tm, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mn))));
+            _mm512_store_ps(s, pv);
+            l[h - h0] = l[h - h0] * c + _mm512_reduce_add_ps(pv);
+            m[h - h0] = mn;
+            float *o = acc + (h - h0) * dv;
+            __m512 cv = _mm512_set1_ps(c);
+            int64_t d = 0;
+            for (; d + 64 <= dv; d += 64) {
+                __m512 o0 = _mm512_mul_ps(_mm512_loadu_ps(o + d), cv), o1 = _mm512_mul_ps(_mm512_loadu_ps(o + d + 16), cv);
+                __m512 o2 = _mm512_mul_ps(_mm512_loadu_ps(o + d + 32), cv), o3 = _mm512_mul_ps(_mm512_loadu_ps(o + d + 48), cv);
+                for (int u = 0; u < nt; u++) {
+                    __m512 p = _mm512_set1_ps(s[u]);
+                    o0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(rows[u] + d), o0);
+                    o1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(rows[u] + d + 16), o1);
+                    o2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(rows[u] + d + 32), o2);
+                    o3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(rows[u] + d + 48), o3);
+                }
+                _mm512_storeu_ps(o + d, o0); _mm512_storeu_ps(o + d + 16, o1);
+                _mm512_storeu_ps(o + d + 32, o2); _mm512_storeu_ps(o + d + 48, o3);
+            }
+            for (; d < dv; d += 16) {
+                __mmask16 k = tail16(dv - d);
+                __m512 o0 = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, o + d), cv);
+                for (int u = 0; u < nt; u++)
+                    o0 = _mm512_fmadd_ps(_mm512_set1_ps(s[u]), _mm512_maskz_loadu_ps(k, rows[u] + d), o0);
+                _mm512_mask_storeu_ps(o + d, k, o0);
+            }
+        }
+    }
+}
+
+/* ---- cache row, read probe ---------------------------------------------------------------------- */
+static void cache_row_avx512(void *dst, int32_t dtype, const float *src, int64_t width) {
+    if (dtype != CPUMLA_BF16) { memcpy(dst, src, (size_t)width * sizeof(float)); return; }
+    uint16_t *o = (uint16_t *)dst;
+    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
+    for (int64_t i = 0; i < width; i += 16) {
+        __mmask16 k = tail16(width - i);
+        __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(k, src + i));
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one))), 16);
+        __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+        r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+        _mm256_mask_storeu_epi16(o + i, k, _mm512_cvtepi32_epi16(r));
+    }
+}
+
+/* The data summed as doubles (a bandwidth probe: four zmm accumulators, software prefetch 2 KiB ahead
+ * so the stream does not stall at every 4 KiB page). */
+static double read_sum_avx512(const void *buf, int64_t bytes) {
+    const double *p = (const double *)buf;
+    int64_t n = bytes / 64, i = 0;
+    __m512d a0 = _mm512_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
+    for (; i + 4 <= n; i += 4) {
+        const char *ahead = (const char *)(p + 8 * i) + 2048;   /* the hardware stops at each page */
+        _mm_prefetch(ahead, _MM_HINT_T0); _mm_prefetch(ahead + 64, _MM_HINT_T0);
+        _mm_prefetch(ahead + 128, _MM_HINT_T0); _mm_prefetch(ahead + 192, _MM_HINT_T0);
+        a0 = _mm512_add_pd(a0, _mm512_load_pd(p + 8 * i));
+        a1 = _mm512_add_pd(a1, _mm512_load_pd(p + 8 * i + 8));
+        a2 = _mm512_add_pd(a2, _mm512_load_pd(p + 8 * i + 16));
+        a3 = _mm512_add_pd(a3, _mm512_load_pd(p + 8 * i + 24));
+    }
+    for (; i < n; i++) a0 = _mm512_add_pd(a0, _mm512_load_pd(p + 8 * i));
+    return _mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(a0, a1), _mm512_add_pd(a2, a3)));
+}
+
+void cpumla_fill_avx512(cpumla_kernels *k) {
+    if (k->attn_part != attn_part_avx512) prev_attn_part = k->attn_part;
+    k->gemv = gemv_avx512;
+    k->gemm = gemm_avx512;
+    k->gemv_t = gemv_t_avx512;
+    k->dequant_row = dequant_row_avx512;
+    k->rmsnorm_row = rmsnorm_row_avx512;
+    k->swiglu_row = swiglu_row_avx512;
+    k->softmax_row = softmax_row_avx512;
+    k->attn_part = attn_part_avx512;
+    k->cache_row = cache_row_avx512;
+    k->read_sum = read_sum_avx512;
+    static const int ids[] = {K_GEMV, K_GEMM, K_GEMV_T, K_DEQUANT, K_RMSNORM, K_SWIGLU, K_SOFTMAX,
+                              K_ATTN, K_CACHE_ROW, K_READ};
+    for (size_t i = 0; i < sizeof ids / sizeof ids[0]; i++) k->who[ids[i]] = "avx512";
+}

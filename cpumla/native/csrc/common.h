@@ -1,0 +1,110 @@
+/* common.h: portable helpers shared by every implementation file (static inline, no ISA flags). */
+#ifndef CPUMLA_COMMON_H
+#define CPUMLA_COMMON_H
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include "cpumla.h"
+
+#ifndef CPUMLA_FLAGS
+#define CPUMLA_FLAGS "(unrecorded)"
+#endif
+
+static inline float f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t bits_from_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+static inline float bf16_to_f32(uint16_t h) { return f32_from_bits((uint32_t)h << 16); }
+
+/* round to nearest even; NaN stays a (quiet) NaN */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u = bits_from_f32(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0x1f) return f32_from_bits(sign | 0x7f800000u | (man << 13));
+    if (exp == 0) {                       /* zero or subnormal: man * 2^-24 */
+        float v = (float)man * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    return f32_from_bits(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+/* FP8 e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa; no infinities, 0x7f/0xff are NaN. */
+static inline float e4m3_to_f32(uint8_t b) {
+    uint32_t sign = (uint32_t)(b & 0x80u) << 24;
+    uint32_t exp = (b >> 3) & 0xfu, man = b & 7u;
+    if (exp == 0xf && man == 7) return NAN;
+    if (exp == 0) {                       /* subnormal: man * 2^-9 */
+        float v = (float)man * 0.001953125f;
+        return sign ? -v : v;
+    }
+    return f32_from_bits(sign | ((exp + 120u) << 23) | (man << 20));
+}
+
+/* E8M0 scale byte: 2^(b-127); 0xff is NaN. */
+static inline float e8m0_to_f32(uint8_t b) {
+    if (b == 0xff) return NAN;
+    if (b == 0) return f32_from_bits(0x00400000u);     /* 2^-127, a subnormal */
+    return f32_from_bits((uint32_t)b << 23);
+}
+
+/* FP4 e2m1 code -> value; bit 3 is the sign. */
+static const float cpumla_e2m1_lut[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                          -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+/* Scale of block (r / block_rows, c / block_cols). */
+static inline float weight_scale(const cpumla_weight *w, int64_t r, int64_t c) {
+    int64_t i = (r / w->block_rows) * w->scale_ld + c / w->block_cols;
+    if (w->scale_dtype == CPUMLA_E8M0) return e8m0_to_f32(((const uint8_t *)w->scale)[i]);
+    return ((const float *)w->scale)[i];
+}
+
+static inline const uint8_t *weight_row(const cpumla_weight *w, int64_t r) {
+    return (const uint8_t *)w->data + r * w->row_bytes;
+}
+
+/* Element (r, c) as fp32, scale included: the definition every kernel agrees with. */
+static inline float weight_at(const cpumla_weight *w, int64_t r, int64_t c) {
+    const uint8_t *row = weight_row(w, r);
+    switch (w->dtype) {
+    case CPUMLA_F32: return ((const float *)row)[c];
+    case CPUMLA_BF16: return bf16_to_f32(((const uint16_t *)row)[c]);
+    case CPUMLA_F16: return f16_to_f32(((const uint16_t *)row)[c]);
+    case CPUMLA_E4M3: return e4m3_to_f32(row[c]) * weight_scale(w, r, c);
+    case CPUMLA_E2M1: {
+        uint8_t b = row[c >> 1];
+        return cpumla_e2m1_lut[(c & 1) ? (b >> 4) : (b & 15)] * weight_scale(w, r, c);
+    }
+    default: return NAN;
+    }
+}
+
+/* A norm weight element (F32 / BF16 / F16 vector). */
+static inline float vec_at(const void *v, int32_t dtype, int64_t i) {
+    switch (dtype) {
+    case CPUMLA_F32: return ((const float *)v)[i];
+    case CPUMLA_BF16: return bf16_to_f32(((const uint16_t *)v)[i]);
+    case CPUMLA_F16: return f16_to_f32(((const uint16_t *)v)[i]);
+    default: return NAN;
+    }
+}
+
+/* Row of kv entry j of query qi (NULL when the entry is skipped). */
+static inline const void *attn_kv_row(const cpumla_attn_args *a, int64_t qi, int64_t j) {
+    int64_t row = j;
+    if (a->kv_idx) {
+        row = a->kv_idx[qi * a->ld_idx + j];
+        if (row < 0 || row >= a->n_kv) return 0;
+    }
+    size_t esz = a->kv_dtype == CPUMLA_BF16 ? 2 : 4;
+    return (const uint8_t *)a->kv + (size_t)row * (size_t)a->ld_kv * esz;
+}
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+#endif

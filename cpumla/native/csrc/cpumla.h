@@ -1,0 +1,224 @@
+/* cpumla.h: the public C API of cpumla's kernel library.
+ *
+ * Dimension legend (MLA, see shared/docs/deepseek-architectures.md):
+ *   D=hidden  H=heads  R=kv_lora_rank  P=qk_rope_head_dim  E=experts  K=top_k  T=cached tokens
+ *
+ * Conventions
+ *   - Activations are fp32. Weights are read in place, in the checkpoint's own format
+ *     (cpumla_weight describes one matrix as stored: fp32, bf16, fp16, FP8 e4m3 with block scales,
+ *     FP4 e2m1 packed two per byte with E8M0 scales).
+ *   - A weight is [rows, cols] = [out, in], as torch.nn.Linear stores it: y = W x.
+ *   - Every "ld" is a stride in elements (of the buffer it belongs to), so strided views work.
+ *   - Public kernels are multi-threaded on the library's own persistent pool; each call returns when
+ *     the result is complete. Calls must come from one thread at a time.
+ *   - Nothing here allocates per call once warm: scratch is owned by the library and only grows.
+ *
+ * This header is parsed by cffi (lines starting with '#' are dropped), so keep declarations plain C.
+ */
+#ifndef CPUMLA_H
+#define CPUMLA_H
+#include <stdint.h>
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- element types ---------------------------------------------------------------------------- */
+enum cpumla_dtype {
+    CPUMLA_F32 = 0,
+    CPUMLA_BF16 = 1,
+    CPUMLA_F16 = 2,
+    CPUMLA_E4M3 = 3,   /* FP8 e4m3fn (max 448, 0x7f/0xff NaN), one byte per element */
+    CPUMLA_E2M1 = 4,   /* FP4 e2m1, two per byte: low nibble = even column, high nibble = odd column */
+    CPUMLA_E8M0 = 5,   /* scale byte b means 2^(b-127) (0xff is NaN) */
+    CPUMLA_I32 = 6,
+    CPUMLA_I64 = 7
+};
+
+/* One weight matrix, as stored in the checkpoint.
+ *   element (r, c) of a plain type lives at data + r*row_bytes + c*sizeof(type);
+ *   E2M1: byte data + r*row_bytes + c/2, low nibble when c is even.
+ *   E4M3 / E2M1 are multiplied by scale[(r/block_rows)*scale_ld + c/block_cols] (integer division:
+ *   partial edge blocks, e.g. a [576, 7168] weight with a [5, 56] grid, just work).
+ *   FP8 checkpoints: block 128x128, scale F32 (`weight_scale_inv`: multiplied, despite the name) or
+ *   E8M0 (V4 `.scale`). FP4 experts: block 1x32, scale E8M0. */
+typedef struct cpumla_weight {
+    const void *data;
+    const void *scale;      /* NULL unless dtype is E4M3 or E2M1 */
+    int64_t rows, cols;     /* [out, in] */
+    int64_t row_bytes;      /* bytes from one row to the next */
+    int64_t scale_ld;       /* elements from one scale-grid row to the next */
+    int32_t dtype;          /* CPUMLA_F32 / BF16 / F16 / E4M3 / E2M1 */
+    int32_t scale_dtype;    /* CPUMLA_F32 or CPUMLA_E8M0 */
+    int32_t block_rows, block_cols;
+} cpumla_weight;
+
+/* ---- library: implementation choice, threads, introspection ----------------------------------- */
+/* CPU/OS feature bits reported by cpumla_cpu_features(). OS_* bits mean the OS saves that state. */
+enum cpumla_feature {
+    CPUMLA_FEAT_SSE42 = 1,
+    CPUMLA_FEAT_AVX = 2,
+    CPUMLA_FEAT_AVX2 = 4,
+    CPUMLA_FEAT_FMA = 8,
+    CPUMLA_FEAT_F16C = 16,
+    CPUMLA_FEAT_AVX512F = 32,
+    CPUMLA_FEAT_AVX512BW = 64,
+    CPUMLA_FEAT_AVX512VL = 128,
+    CPUMLA_FEAT_AVX512DQ = 256,
+    CPUMLA_FEAT_AVX512BF16 = 512,
+    CPUMLA_FEAT_AVX512VNNI = 1024,
+    CPUMLA_FEAT_AMX_TILE = 2048,
+    CPUMLA_FEAT_AMX_BF16 = 4096,
+    CPUMLA_FEAT_AMX_INT8 = 8192,
+    CPUMLA_FEAT_OS_AVX = 16384,     /* XCR0: xmm + ymm state */
+    CPUMLA_FEAT_OS_AVX512 = 32768,  /* XCR0: opmask + zmm state */
+    CPUMLA_FEAT_OS_AMX = 65536,     /* XCR0 tile state and arch_prctl(ARCH_REQ_XCOMP_PERM) granted */
+    CPUMLA_FEAT_NEON = 131072,      /* aarch64 ASIMD */
+    CPUMLA_FEAT_NEON_FP16 = 262144,
+    CPUMLA_FEAT_NEON_DOTPROD = 524288,
+    CPUMLA_FEAT_NEON_BF16 = 1048576,
+    CPUMLA_FEAT_NEON_I8MM = 2097152,
+    CPUMLA_FEAT_SVE = 4194304
+};
+
+/* Choose the implementation. isa NULL or "" or "auto": the best this CPU and OS support (the
+ * environment variable CPUMLA_ISA, when set, is applied by the caller, not here). Otherwise one of
+ * "scalar", "avx2", "avx512", "amx", "neon". Returns 0, or -1 when that implementation was not built
+ * into this library or the CPU/OS cannot run it (cpumla_last_error() says which). Safe to call again. */
+int cpumla_init(const char *isa);
+const char *cpumla_last_error(void);
+const char *cpumla_isa(void);                  /* the implementation in use */
+int cpumla_isa_available(const char *isa);     /* 1: built and runnable here; 0: not */
+const char *cpumla_isa_list(void);             /* all implementations built in, space-separated */
+uint64_t cpumla_cpu_features(void);
+const char *cpumla_cpu_name(void);
+const char *cpumla_kernel_impl(const char *kernel);  /* which implementation serves a kernel */
+const char *cpumla_kernel_names(void);         /* space-separated kernel names */
+const char *cpumla_build_info(void);           /* compiler and flags of each implementation */
+const char *cpumla_version(void);
+
+int cpumla_set_threads(int n);                 /* n < 1: one per online core. Returns the count. */
+int cpumla_get_threads(void);
+
+/* ---- linear algebra --------------------------------------------------------------------------- */
+/* y[r] = sum_c W[r,c] x[c] for all rows. */
+void cpumla_gemv(const cpumla_weight *w, const float *x, float *y);
+
+/* Y[i, r] = sum_c X[i,c] W[r,c] for i < n (prefill: n tokens). X is [n, ldx], Y is [n, ldy]. */
+void cpumla_gemm(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy);
+
+/* Per-head products over slices of one weight, for MLA's absorb / un-absorb with kv_b_proj
+ * ([H*(dn+dv), R]). Head h uses rows W_h = W[row0 + h*head_stride : row0 + h*head_stride + head_rows].
+ * Token t's head h input is x + t*ldx_t + h*ldx_h, its output y + t*ldy_t + h*ldy_h.
+ *   head_gemv   (un-absorb, o_h = W_UV[h] o_lat_h):   y_h[head_rows] = W_h x_h[cols]
+ *   head_gemv_t (absorb, q~_h = q_nope_h @ W_UK[h]):  y_h[cols]      = W_h^T x_h[head_rows] */
+void cpumla_head_gemv(const cpumla_weight *w, int64_t row0, int64_t head_stride, int64_t head_rows,
+                      int64_t n_heads, int64_t n, const float *x, int64_t ldx_t, int64_t ldx_h,
+                      float *y, int64_t ldy_t, int64_t ldy_h);
+void cpumla_head_gemv_t(const cpumla_weight *w, int64_t row0, int64_t head_stride, int64_t head_rows,
+                        int64_t n_heads, int64_t n, const float *x, int64_t ldx_t, int64_t ldx_h,
+                        float *y, int64_t ldy_t, int64_t ldy_h);
+
+/* out[r - r0, c] = W[r, c] in fp32, rows [r0, r1): for load-time conversions and tests. */
+void cpumla_dequant(const cpumla_weight *w, int64_t r0, int64_t r1, float *out, int64_t ldo);
+
+/* ---- elementwise and small ops ---------------------------------------------------------------- */
+/* y = x / sqrt(mean(x^2) + eps) * weight, per row of dim values. weight: NULL (unweighted, V4's
+ * per-head q norm) or [dim] in weight_dtype (F32/BF16/F16). In place (y == x) is allowed. */
+void cpumla_rmsnorm(const float *x, int64_t ldx, float *y, int64_t ldy, int64_t n_rows, int64_t dim,
+                    const void *weight, int32_t weight_dtype, float eps);
+
+/* RoPE on a slice of every head, in place. Row t (token) has n_heads heads at x + t*ld_row + h*ld_head;
+ * the rotated slice is [offset, offset + rope_dim). angle_i = (float)pos[t] * inv_freq[i], i < rope_dim/2,
+ * cos and sin multiplied by attn_scale (YaRN's cos/sin mscale; 1.0 for released checkpoints).
+ *   CPUMLA_ROPE_INTERLEAVED: pairs (2i, 2i+1)     (MLA, all V4 slices)
+ *   CPUMLA_ROPE_HALF:        pairs (i, i + rope_dim/2)  (V3.2 indexer, "rotate_half")
+ *   | CPUMLA_ROPE_INVERSE:   rotate by -angle (V4 de-rotates the attention output) */
+enum cpumla_rope_mode {
+    CPUMLA_ROPE_INTERLEAVED = 0,
+    CPUMLA_ROPE_HALF = 1,
+    CPUMLA_ROPE_INVERSE = 2
+};
+void cpumla_rope(float *x, int64_t n_rows, int64_t ld_row, int64_t n_heads, int64_t ld_head,
+                 int64_t offset, int64_t rope_dim, const int64_t *pos, const float *inv_freq,
+                 float attn_scale, int32_t mode);
+
+/* out = silu(g) * u with g = min(gate, limit), u = clamp(up, -limit, limit) when limit > 0 (V4's
+ * swiglu_limit), plain SwiGLU when limit <= 0. Row t: gate + t*ld_in, up + t*ld_in, out + t*ld_out
+ * (gate and up may be two halves of one [gate | up] row). */
+void cpumla_swiglu(const float *gate, const float *up, int64_t ld_in, float *out, int64_t ld_out,
+                   int64_t n_rows, int64_t dim, float limit);
+
+/* In-place softmax over n values of each of n_rows rows. */
+void cpumla_softmax(float *x, int64_t n_rows, int64_t ld, int64_t n);
+
+/* The k largest of x[0..n): idx and val in descending order; equal values: lower index first.
+ * NaN never wins. */
+void cpumla_topk(const float *x, int64_t n, int64_t k, int32_t *idx, float *val);
+
+/* ---- MoE routing ------------------------------------------------------------------------------ */
+enum cpumla_route_method {
+    CPUMLA_ROUTE_SOFTMAX = 0,        /* s = softmax(logits); top-k (V2-Lite "greedy") */
+    CPUMLA_ROUTE_GROUP_LIMITED = 1,  /* softmax; keep topk_group groups ranked by max (V2) */
+    CPUMLA_ROUTE_NOAUX_TC = 2,       /* s = sigmoid; choose on s + bias, groups by sum of top-2 (V3) */
+    CPUMLA_ROUTE_SQRTSOFTPLUS = 3,   /* s = sqrt(softplus); choose on s + bias, no groups (V4) */
+    CPUMLA_ROUTE_HASH = 4            /* s = sqrt(softplus); experts from tid2eid[token] (V4 l < 3) */
+};
+typedef struct cpumla_router {
+    int32_t method;
+    int32_t n_experts, top_k;
+    int32_t n_group, topk_group;     /* GROUP_LIMITED / NOAUX_TC; n_group <= 1: no group step */
+    int32_t norm_topk_prob;          /* 1: w = w / (sum w + 1e-20) */
+    float routed_scaling_factor;     /* then w *= routed_scaling_factor */
+    const float *bias;               /* [E] e_score_correction_bias, or NULL (selection only) */
+    const void *tid2eid;             /* HASH: [vocab, top_k] expert ids */
+    int32_t tid2eid_dtype;           /* CPUMLA_I64 or CPUMLA_I32 */
+    int64_t vocab;
+} cpumla_router;
+/* Routes n tokens: logits [n, ld] (x @ gate^T, fp32) -> idx [n, K], weights [n, K] (weights are the
+ * un-biased scores). Experts masked by the group step never win: they are chosen on -inf. token_ids
+ * are needed by HASH only. Returns 0, or -1 for a bad router or an out-of-range token id / table
+ * entry (cpumla_last_error() says which). */
+int cpumla_route(const cpumla_router *r, const float *logits, int64_t ld, int64_t n,
+                 const int64_t *token_ids, int32_t *idx, float *weights);
+
+/* ---- latent cache and MLA attention ----------------------------------------------------------- */
+/* cache row slots[t] = src row t (width values), for t < n; a slot of -1 is skipped.
+ * cache_dtype: CPUMLA_F32, or CPUMLA_BF16 (round to nearest even). */
+void cpumla_cache_store(void *cache, int32_t cache_dtype, int64_t ld_cache, const float *src,
+                        int64_t ld_src, int64_t n, int64_t width, const int64_t *slots);
+
+/* Multi-query attention of H query heads against one shared key/value row per token:
+ * MLA decode (absorbed q~ [H, R+P] against the latent cache [T, R+P], value = first R columns),
+ * latent prefill (n_q queries, causal through kv_len), V4 (K == V, dk = dv = 512, sinks).
+ *   key of token j = kv row j [0, dk), value = kv row j [0, dv), rows ld_kv elements apart.
+ *   Query i (of n_q) sees: rows 0 .. kv_len[i]-1 (kv_len NULL: n_kv rows for every query); or, when
+ *   kv_idx is not NULL, rows kv_idx[i*ld_idx + j] for j < that count (entries < 0 are skipped).
+ *   s_h(j) = scale * q_ih . key_j ;  out_ih = sum_j softmax_j(s_h) value_j, where a sink adds
+ *   exp(sinks[h]) to the softmax denominator (NULL: none). A query that sees nothing gets zeros.
+ *   lse (optional, [n_q, H]) receives log(sum_j exp(s_h(j))), sink included.
+ * Split over KV blocks and head blocks so that one query still uses every thread; the parts are
+ * merged with log-sum-exp. */
+typedef struct cpumla_attn_args {
+    const float *q; int64_t ldq_t, ldq_h;       /* [n_q, H, dk] */
+    int64_t n_q, n_heads;
+    const void *kv; int32_t kv_dtype; int64_t ld_kv;   /* [n_kv, ld_kv], F32 or BF16 */
+    int64_t n_kv, dk, dv;
+    const int64_t *kv_len;                      /* [n_q] or NULL */
+    const int32_t *kv_idx; int64_t ld_idx;      /* [n_q, ld_idx] or NULL */
+    const float *sinks;                         /* [H] or NULL */
+    float scale;
+    float *out; int64_t ldo_t, ldo_h;           /* [n_q, H, dv] */
+    float *lse;                                 /* [n_q, H] or NULL */
+} cpumla_attn_args;
+void cpumla_mla_attention(const cpumla_attn_args *a);
+
+/* ---- probes for benchmarks -------------------------------------------------------------------- */
+/* Reads bytes of buf (64-byte aligned; the tail past a multiple of 64 is ignored) with every thread:
+ * a read-bandwidth probe. Returns the sum of the data read as doubles, so the reads cannot be
+ * optimised away and the result can be checked. */
+double cpumla_read_probe(const void *buf, int64_t bytes);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,269 @@
+/* dispatch.c: detect what the CPU and OS can run, pick an implementation, fill the kernel table.
+ * Compiled at baseline flags: nothing here may use an instruction the oldest target lacks. */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "common.h"
+#include "dispatch.h"
+#include "kernels.h"
+#include "threadpool.h"
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#elif defined(__aarch64__)
+#include <sys/auxv.h>
+#endif
+
+cpumla_kernels cpumla_k;
+static char chosen[16] = "";
+static char last_error[256] = "";
+static uint64_t features;
+static int features_known;
+static char cpu_name[128] = "";
+
+void cpumla_set_error(const char *msg) {
+    snprintf(last_error, sizeof last_error, "%s", msg);
+}
+const char *cpumla_last_error(void) { return last_error; }
+
+/* ---- feature detection ------------------------------------------------------------------------ */
+#if defined(__x86_64__)
+static uint64_t xgetbv0(void) {
+    uint32_t lo, hi;
+    __asm__ __volatile__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((uint64_t)hi << 32) | lo;
+}
+
+static uint64_t detect(void) {
+    uint32_t a, b, c, d, max_leaf = __get_cpuid_max(0, 0);
+    uint64_t f = 0;
+    if (max_leaf < 1) return 0;
+    __cpuid_count(1, 0, a, b, c, d);
+    int osxsave = (c >> 27) & 1;
+    if ((c >> 20) & 1) f |= CPUMLA_FEAT_SSE42;
+    if ((c >> 28) & 1) f |= CPUMLA_FEAT_AVX;
+    if ((c >> 12) & 1) f |= CPUMLA_FEAT_FMA;
+    if ((c >> 29) & 1) f |= CPUMLA_FEAT_F16C;
+    uint64_t xcr0 = osxsave ? xgetbv0() : 0;
+    if ((xcr0 & 0x6) == 0x6) f |= CPUMLA_FEAT_OS_AVX;
+    if ((xcr0 & 0xe6) == 0xe6) f |= CPUMLA_FEAT_OS_AVX512;
+    if (max_leaf >= 7) {
+        __cpuid_count(7, 0, a, b, c, d);
+        uint32_t sub_max = a;
+        if ((b >> 5) & 1) f |= CPUMLA_FEAT_AVX2;
+        if ((b >> 16) & 1) f |= CPUMLA_FEAT_AVX512F;
+        if ((b >> 17) & 1) f |= CPUMLA_FEAT_AVX512DQ;
+        if ((b >> 30) & 1) f |= CPUMLA_FEAT_AVX512BW;
+        if ((b >> 31) & 1) f |= CPUMLA_FEAT_AVX512VL;
+        if ((c >> 11) & 1) f |= CPUMLA_FEAT_AVX512VNNI;
+        if ((d >> 24) & 1) f |= CPUMLA_FEAT_AMX_TILE;
+        if ((d >> 22) & 1) f |= CPUMLA_FEAT_AMX_BF16;
+        if ((d >> 25) & 1) f |= CPUMLA_FEAT_AMX_INT8;
+        if (sub_max >= 1) {
+            __cpuid_count(7, 1, a, b, c, d);
+            if ((a >> 5) & 1) f |= CPUMLA_FEAT_AVX512BF16;
+        }
+    }
+    /* AMX: the OS must enable tile state in XCR0 (bits 17, 18) and grant this process permission. */
+    if ((f & CPUMLA_FEAT_AMX_TILE) && (xcr0 & 0x60000) == 0x60000) {
+        const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0) f |= CPUMLA_FEAT_OS_AMX;
+    }
+    if (__get_cpuid_max(0x80000000, 0) >= 0x80000004) {
+        uint32_t *p = (uint32_t *)cpu_name;
+        for (uint32_t leaf = 0; leaf < 3; leaf++)
+            __cpuid(0x80000002 + leaf, p[leaf * 4], p[leaf * 4 + 1], p[leaf * 4 + 2], p[leaf * 4 + 3]);
+        cpu_name[48] = 0;
+    }
+    return f;
+}
+#elif defined(__aarch64__)
+static uint64_t detect(void) {
+    unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
+    uint64_t f = 0;
+    if (hw & (1UL << 1)) f |= CPUMLA_FEAT_NEON;           /* HWCAP_ASIMD */
+    if (hw & (1UL << 10)) f |= CPUMLA_FEAT_NEON_FP16;     /* HWCAP_ASIMDHP */
+    if (hw & (1UL << 20)) f |= CPUMLA_FEAT_NEON_DOTPROD;  /* HWCAP_ASIMDDP */
+    if (hw & (1UL << 22)) f |= CPUMLA_FEAT_SVE;           /* HWCAP_SVE */
+    if (hw2 & (1UL << 14)) f |= CPUMLA_FEAT_NEON_BF16;    /* HWCAP2_BF16 */
+    if (hw2 & (1UL << 13)) f |= CPUMLA_FEAT_NEON_I8MM;    /* HWCAP2_I8MM */
+    FILE *fp = fopen("/proc/cpuinfo", "r");
+    if (fp) {
+        char line[256];
+        while (fgets(line, sizeof line, fp)) {
+            if (!strncmp(line, "CPU part", 8) || !strncmp(line, "model name", 10)) {
+                char *v = strchr(line, ':');
+                if (v) {
+                    v += 1 + (v[1] == ' ');
+                    v[strcspn(v, "\n")] = 0;
+                    snprintf(cpu_name, sizeof cpu_name, "arm64 (%s)", v);
+                }
+                break;
+            }
+        }
+        fclose(fp);
+    }
+    if (!cpu_name[0]) snprintf(cpu_name, sizeof cpu_name, "arm64");
+    return f;
+}
+#else
+static uint64_t detect(void) { return 0; }
+#endif
+
+uint64_t cpumla_cpu_features(void) {
+    if (!features_known) {
+        features = detect();
+        features_known = 1;
+    }
+    return features;
+}
+
+const char *cpumla_cpu_name(void) {
+    cpumla_cpu_features();
+    return cpu_name[0] ? cpu_name : "unknown";
+}
+
+/* ---- implementations: what each needs, in layering order -------------------------------------- */
+typedef struct {
+    const char *name;
+    void (*fill)(cpumla_kernels *);
+    uint64_t needs;
+    const char *flags;
+} isa_t;
+
+#define NEED_AVX2 (CPUMLA_FEAT_AVX | CPUMLA_FEAT_AVX2 | CPUMLA_FEAT_FMA | CPUMLA_FEAT_F16C | CPUMLA_FEAT_OS_AVX)
+#define NEED_AVX512 (NEED_AVX2 | CPUMLA_FEAT_AVX512F | CPUMLA_FEAT_AVX512BW | CPUMLA_FEAT_AVX512VL | \
+                     CPUMLA_FEAT_AVX512DQ | CPUMLA_FEAT_AVX512BF16 | CPUMLA_FEAT_AVX512VNNI | CPUMLA_FEAT_OS_AVX512)
+#define NEED_AMX (NEED_AVX512 | CPUMLA_FEAT_AMX_TILE | CPUMLA_FEAT_AMX_BF16 | CPUMLA_FEAT_AMX_INT8 | CPUMLA_FEAT_OS_AMX)
+
+static const isa_t isas[] = {
+    {"scalar", cpumla_fill_scalar, 0, cpumla_flags_scalar},
+#if defined(__x86_64__)
+    {"avx2", cpumla_fill_avx2, NEED_AVX2, cpumla_flags_avx2},
+    {"avx512", cpumla_fill_avx512, NEED_AVX512, cpumla_flags_avx512},
+    {"amx", cpumla_fill_amx, NEED_AMX, cpumla_flags_amx},
+#elif defined(__aarch64__)
+    {"neon", cpumla_fill_neon, CPUMLA_FEAT_NEON, cpumla_flags_neon},
+#endif
+};
+#define N_ISAS ((int)(sizeof isas / sizeof isas[0]))
+
+static int isa_index(const char *name) {
+    for (int i = 0; i < N_ISAS; i++)
+        if (!strcmp(isas[i].name, name)) return i;
+    return -1;
+}
+
+static int runnable(int i) { return (cpumla_cpu_features() & isas[i].needs) == isas[i].needs; }
+
+int cpumla_isa_available(const char *isa) {
+    int i = isa ? isa_index(isa) : -1;
+    return i >= 0 && runnable(i);
+}
+
+const char *cpumla_isa_list(void) {
+    static char buf[128];
+    buf[0] = 0;
+    for (int i = 0; i < N_ISAS; i++) {
+        if (i) strcat(buf, " ");
+        strcat(buf, isas[i].name);
+    }
+    return buf;
+}
+
+static const char *known_isas[] = {"scalar", "avx2", "avx512", "amx", "neon"};
+
+static int is_known_isa(const char *name) {
+    for (size_t i = 0; i < sizeof known_isas / sizeof known_isas[0]; i++)
+        if (!strcmp(known_isas[i], name)) return 1;
+    return 0;
+}
+
+int cpumla_init(const char *isa) {
+    int target;
+    if (!isa || !isa[0] || !strcmp(isa, "auto")) {
+        target = 0;
+        for (int i = 0; i < N_ISAS; i++)
+            if (runnable(i)) target = i;
+    } else {
+        target = isa_index(isa);
+        if (target < 0) {
+            char msg[200];
+            if (is_known_isa(isa))
+                snprintf(msg, sizeof msg, "implementation '%s' is not built for this architecture (built: %s)",
+                         isa, cpumla_isa_list());
+            else
+                snprintf(msg, sizeof msg, "unknown implementation '%.40s' (choose from: scalar avx2 avx512 amx neon)", isa);
+            cpumla_set_error(msg);
+            return -1;
+        }
+        for (int i = 0; i <= target; i++) {
+            /* every layer up to the target must run here (x86's chain; arm's scalar -> neon) */
+            if (!runnable(i)) {
+                char msg[200];
+                snprintf(msg, sizeof msg, "this CPU or OS cannot run the '%s' implementation (%s support missing)",
+                         isa, isas[i].name);
+                cpumla_set_error(msg);
+                return -1;
+            }
+        }
+    }
+    cpumla_kernels k;
+    memset(&k, 0, sizeof k);
+    for (int i = 0; i <= target; i++) isas[i].fill(&k);
+    cpumla_k = k;
+    snprintf(chosen, sizeof chosen, "%s", isas[target].name);
+    cpumla_pool_threads();
+    return 0;
+}
+
+void cpumla_ensure_init(void) {
+    if (!chosen[0]) cpumla_init(NULL);
+}
+
+const char *cpumla_isa(void) {
+    cpumla_ensure_init();
+    return chosen;
+}
+
+/* Public kernel names and the table entry that does their work ("portable": code in ops.c). */
+static const struct { const char *name; int id; } kernel_names[] = {
+    {"gemv", K_GEMV}, {"gemm", K_GEMM}, {"head_gemv", K_GEMM}, {"head_gemv_t", K_GEMV_T},
+    {"dequant", K_DEQUANT}, {"rmsnorm", K_RMSNORM}, {"swiglu", K_SWIGLU}, {"softmax", K_SOFTMAX},
+    {"mla_attention", K_ATTN}, {"cache_store", K_CACHE_ROW}, {"read_probe", K_READ},
+    {"rope", -1}, {"topk", -1}, {"route", -1},
+};
+
+const char *cpumla_kernel_names(void) {
+    static char buf[256];
+    buf[0] = 0;
+    for (size_t i = 0; i < sizeof kernel_names / sizeof kernel_names[0]; i++) {
+        if (i) strcat(buf, " ");
+        strcat(buf, kernel_names[i].name);
+    }
+    return buf;
+}
+
+const char *cpumla_kernel_impl(const char *kernel) {
+    cpumla_ensure_init();
+    for (size_t i = 0; i < sizeof kernel_names / sizeof kernel_names[0]; i++)
+        if (kernel && !strcmp(kernel_names[i].name, kernel))
+            return kernel_names[i].id < 0 ? "portable" : cpumla_k.who[kernel_names[i].id];
+    return NULL;
+}
+
+const char *cpumla_build_info(void) {
+    static char buf[2048];
+    int n = snprintf(buf, sizeof buf, "compiler: %s", __VERSION__);
+    for (int i = 0; i < N_ISAS && n < (int)sizeof buf; i++)
+        n += snprintf(buf + n, sizeof buf - n, "\n%s: %s", isas[i].name, isas[i].flags);
+    return buf;
+}
+
+const char *cpumla_version(void) { return CPUMLA_VERSION; }
+
+int cpumla_set_threads(int n) { return cpumla_pool_resize(n); }
+int cpumla_get_threads(void) { return cpumla_pool_threads(); }

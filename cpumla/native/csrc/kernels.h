@@ -1,0 +1,74 @@
+/* kernels.h: the table each implementation fills (scalar.c, avx2.c, avx512.c, amx.c, neon.c).
+ *
+ * Entries are single-threaded kernels over a range (rows, columns, KV entries); ops.c splits the work
+ * of a public call (cpumla.h) over the thread pool and calls these. The dispatcher fills the table
+ * from scalar.c first, then lets each better implementation the CPU supports overwrite the entries it
+ * has, in order scalar -> avx2 -> avx512 -> amx (x86) or scalar -> neon (arm64). who[] names the file
+ * that serves each entry, for `cpumla info`.
+ *
+ * Every entry's semantics are those of its scalar twin in scalar.c, which is the spec.
+ */
+#ifndef CPUMLA_KERNELS_H
+#define CPUMLA_KERNELS_H
+#include "cpumla.h"
+
+enum cpumla_kernel_id {
+    K_GEMV, K_GEMM, K_GEMV_T, K_DEQUANT, K_RMSNORM, K_SWIGLU, K_SOFTMAX, K_ATTN, K_CACHE_ROW,
+    K_READ, K_COUNT
+};
+
+typedef struct cpumla_kernels {
+    /* y[i] = W[r0 + i, :] . x   for r0 + i < r1 */
+    void (*gemv)(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1);
+
+    /* y[t*ldy + i] = W[r0 + i, :] . x[t*ldx, :]   for t < n, r0 + i < r1 */
+    void (*gemm)(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
+                 int64_t ldy, int64_t r0, int64_t r1);
+
+    /* y[c - c0] = sum_{i < nr} x[i] * W[r0 + i, c]   for c0 <= c < c1 (overwrites y) */
+    void (*gemv_t)(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y,
+                   int64_t c0, int64_t c1);
+
+    /* out[c - c0] = W[r, c] as fp32, c0 <= c < c1 */
+    void (*dequant_row)(const cpumla_weight *w, int64_t r, int64_t c0, int64_t c1, float *out);
+
+    /* one row of cpumla_rmsnorm (y may equal x) */
+    void (*rmsnorm_row)(const float *x, float *y, int64_t dim, const void *weight, int32_t wdtype,
+                        float eps);
+
+    /* one row of cpumla_swiglu (out may equal gate or up) */
+    void (*swiglu_row)(const float *gate, const float *up, float *out, int64_t dim, float limit);
+
+    /* one row of cpumla_softmax, in place */
+    void (*softmax_row)(float *x, int64_t n);
+
+    /* One part of cpumla_mla_attention: query qi, heads [h0, h1), entries [j0, j1) of that query's
+     * list (row j itself, or kv_idx[qi*ld_idx + j]; entries < 0 skipped). Writes, for each head
+     * k = h - h0:  m[k] = max_j s_h(j) (-INFINITY when no entry), l[k] = sum_j exp(s_h(j) - m[k]),
+     * acc[k*dv + d] = sum_j exp(s_h(j) - m[k]) * value_j[d]  (zeros when no entry). No sinks here:
+     * ops.c adds them when it merges the parts. */
+    void (*attn_part)(const cpumla_attn_args *a, int64_t qi, int64_t h0, int64_t h1, int64_t j0,
+                      int64_t j1, float *acc, float *m, float *l);
+
+    /* dst[0..width) = src in dtype (CPUMLA_F32, or CPUMLA_BF16 rounded to nearest even) */
+    void (*cache_row)(void *dst, int32_t dtype, const float *src, int64_t width);
+
+    /* the sum of [buf, buf + bytes) read as doubles (bytes a multiple of 64, buf 64-byte aligned):
+     * a streaming-read probe whose result can be checked */
+    double (*read_sum)(const void *buf, int64_t bytes);
+
+    const char *who[K_COUNT];
+} cpumla_kernels;
+
+/* Each implementation file exports one function that overwrites the entries it provides. */
+void cpumla_fill_scalar(cpumla_kernels *k);
+void cpumla_fill_avx2(cpumla_kernels *k);
+void cpumla_fill_avx512(cpumla_kernels *k);
+void cpumla_fill_amx(cpumla_kernels *k);
+void cpumla_fill_neon(cpumla_kernels *k);
+
+/* The flags each file was compiled with, recorded by the build (CPUMLA_FLAGS_<ISA> macros). */
+extern const char cpumla_flags_scalar[], cpumla_flags_avx2[], cpumla_flags_avx512[],
+    cpumla_flags_amx[], cpumla_flags_neon[];
+
+#endif

@@ -1,0 +1,543 @@
+/* ops.c: the public kernels of cpumla.h. Each splits its work into tasks for the thread pool and
+ * calls the chosen implementation's range kernels (kernels.h). Small ops that never dominate a token
+ * (RoPE, top-k, routing) are portable code here. */
+#include <float.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "common.h"
+#include "dispatch.h"
+#include "threadpool.h"
+
+#define MIN_PARALLEL_WORK 32768     /* below this many multiply-adds a call stays on one thread */
+#define MAX_POOL_THREADS 256
+
+static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* Library-owned scratch that only grows, so nothing is allocated per call once warm. */
+static void *grow(void **buf, size_t *cap, size_t bytes) {
+    if (bytes > *cap) {
+        free(*buf);
+        size_t want = bytes + bytes / 4 + 4096;
+        *buf = aligned_alloc(64, (want + 63) & ~(size_t)63);
+        *cap = *buf ? want : 0;
+    }
+    return *buf;
+}
+
+/* ---- gemv / gemm ------------------------------------------------------------------------------ */
+typedef struct {
+    const cpumla_weight *w;
+    int64_t r_begin, r_end;               /* weight rows this job covers */
+    const float *x;
+    int64_t ldx, n;                       /* tokens */
+    float *y;                             /* y[t*ldy + (r - r_begin)] */
+    int64_t ldy, rows_per_task, tokens_per_task, row_tasks;
+} lin_job;
+
+static void gemv_task(void *p, int64_t t, int tid) {
+    (void)tid;
+    lin_job *j = p;
+    int64_t r0 = j->r_begin + t * j->rows_per_task, r1 = min64(r0 + j->rows_per_task, j->r_end);
+    cpumla_k.gemv(j->w, j->x, j->y + (r0 - j->r_begin), r0, r1);
+}
+
+static void gemm_task(void *p, int64_t t, int tid) {
+    (void)tid;
+    lin_job *j = p;
+    int64_t rt = t % j->row_tasks, tt = t / j->row_tasks;
+    int64_t r0 = j->r_begin + rt * j->rows_per_task, r1 = min64(r0 + j->rows_per_task, j->r_end);
+    int64_t t0 = tt * j->tokens_per_task, t1 = min64(t0 + j->tokens_per_task, j->n);
+    cpumla_k.gemm(j->w, j->x + t0 * j->ldx, j->ldx, t1 - t0, j->y + t0 * j->ldy + (r0 - j->r_begin),
+                  j->ldy, r0, r1);
+}
+
+/* Rows [r_begin, r_end) of w times n tokens (x [n, ldx] -> y [n, ldy]). */
+static void linear_rows(const cpumla_weight *w, int64_t r_begin, int64_t r_end, const float *x,
+                        int64_t ldx, int64_t n, float *y, int64_t ldy) {
+    int64_t rows = r_end - r_begin;
+    if (n <= 0 || rows <= 0) return;
+    int threads = cpumla_pool_threads();
+    int small = threads == 1 || rows * w->cols * n < MIN_PARALLEL_WORK;
+    lin_job j = {.w = w, .r_begin = r_begin, .r_end = r_end, .x = x, .ldx = ldx, .n = n, .y = y, .ldy = ldy};
+    if (n == 1) {
+        if (small) { cpumla_k.gemv(w, x, y, r_begin, r_end); return; }
+        /* ~4 tasks per thread for balance, a multiple of 8 rows each */
+        j.rows_per_task = ceil_div(ceil_div(rows, 4 * (int64_t)threads), 8) * 8;
+        cpumla_pool_run(ceil_div(rows, j.rows_per_task), gemv_task, &j);
+        return;
+    }
+    if (small) { cpumla_k.gemm(w, x, ldx, n, y, ldy, r_begin, r_end); return; }
+    /* row blocks of 64; with too few blocks to feed every thread, split rows finer and tokens too */
+    j.rows_per_task = rows >= 64 * 2 * threads ? 64 : ceil_div(ceil_div(rows, 2 * threads), 8) * 8;
+    j.row_tasks = ceil_div(rows, j.rows_per_task);
+    int64_t token_tasks = j.row_tasks >= 2 * threads ? 1 : min64(ceil_div(2 * threads, j.row_tasks), n);
+    j.tokens_per_task = ceil_div(n, token_tasks);
+    token_tasks = ceil_div(n, j.tokens_per_task);
+    cpumla_pool_run(j.row_tasks * token_tasks, gemm_task, &j);
+}
+
+void cpumla_gemv(const cpumla_weight *w, const float *x, float *y) {
+    cpumla_ensure_init();
+    linear_rows(w, 0, w->rows, x, 0, 1, y, 0);
+}
+
+void cpumla_gemm(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy) {
+    cpumla_ensure_init();
+    linear_rows(w, 0, w->rows, x, ldx, n, y, ldy);
+}
+
+/* ---- per-head products (MLA absorb / un-absorb) ----------------------------------------------- */
+typedef struct {
+    const cpumla_weight *w;
+    int64_t row0, head_stride, head_rows, n_heads, n;
+    const float *x;
+    int64_t ldx_t, ldx_h;
+    float *y;
+    int64_t ldy_t, ldy_h, col_tasks, cols_per_task;
+} head_job;
+
+static void head_gemv_task(void *p, int64_t t, int tid) {
+    (void)tid;
+    head_job *j = p;
+    int64_t h = t % j->n_heads, tok = t / j->n_heads;
+    int64_t r0 = j->row0 + h * j->head_stride;
+    const float *x = j->x + h * j->ldx_h + tok * j->ldx_t;
+    float *y = j->y + h * j->ldy_h + tok * j->ldy_t;
+    if (j->n == 1) cpumla_k.gemv(j->w, x, y, r0, r0 + j->head_rows);
+    else cpumla_k.gemm(j->w, x, j->ldx_t, j->n, y, j->ldy_t, r0, r0 + j->head_rows);
+}
+
+void cpumla_head_gemv(const cpumla_weight *w, int64_t row0, int64_t head_stride, int64_t head_rows,
+                      int64_t n_heads, int64_t n, const float *x, int64_t ldx_t, int64_t ldx_h,
+                      float *y, int64_t ldy_t, int64_t ldy_h) {
+    cpumla_ensure_init();
+    if (n <= 0 || n_heads <= 0) return;
+    head_job j = {w, row0, head_stride, head_rows, n_heads, n, x, ldx_t, ldx_h, y, ldy_t, ldy_h, 1, 0};
+    /* one task per head; all n tokens of a head go through gemm so its rows are read once */
+    if (cpumla_pool_threads() == 1 || head_rows * w->cols * n * n_heads < MIN_PARALLEL_WORK) {
+        for (int64_t h = 0; h < n_heads; h++) head_gemv_task(&j, h, 0);
+        return;
+    }
+    cpumla_pool_run(n_heads, head_gemv_task, &j);
+}
+
+static void head_gemv_t_task(void *p, int64_t t, int tid) {
+    (void)tid;
+    head_job *j = p;
+    int64_t ct = t % j->col_tasks, rest = t / j->col_tasks;
+    int64_t h = rest % j->n_heads, tok = rest / j->n_heads;
+    int64_t c0 = ct * j->cols_per_task, c1 = min64(c0 + j->cols_per_task, j->w->cols);
+    cpumla_k.gemv_t(j->w, j->row0 + h * j->head_stride, j->head_rows, j->x + tok * j->ldx_t + h * j->ldx_h,
+                    j->y + tok * j->ldy_t + h * j->ldy_h + c0, c0, c1);
+}
+
+void cpumla_head_gemv_t(const cpumla_weight *w, int64_t row0, int64_t head_stride, int64_t head_rows,
+                        int64_t n_heads, int64_t n, const float *x, int64_t ldx_t, int64_t ldx_h,
+                        float *y, int64_t ldy_t, int64_t ldy_h) {
+    cpumla_ensure_init();
+    if (n <= 0 || n_heads <= 0) return;
+    int threads = cpumla_pool_threads();
+    head_job j = {w, row0, head_stride, head_rows, n_heads, n, x, ldx_t, ldx_h, y, ldy_t, ldy_h, 1, w->cols};
+    int64_t tasks = n_heads * n;
+    if (threads > 1 && tasks < 2 * threads) {           /* few heads: split columns too */
+        j.col_tasks = min64(ceil_div(2 * threads, tasks), ceil_div(w->cols, 64));
+        j.cols_per_task = ceil_div(ceil_div(w->cols, j.col_tasks), 16) * 16;
+        j.col_tasks = ceil_div(w->cols, j.cols_per_task);
+    }
+    tasks *= j.col_tasks;
+    if (threads == 1 || head_rows * w->cols * n * n_heads < MIN_PARALLEL_WORK) {
+        for (int64_t t = 0; t < tasks; t++) head_gemv_t_task(&j, t, 0);
+        return;
+    }
+    cpumla_pool_run(tasks, head_gemv_t_task, &j);
+}
+
+void cpumla_dequant(const cpumla_weight *w, int64_t r0, int64_t r1, float *out, int64_t ldo) {
+    cpumla_ensure_init();
+    for (int64_t r = r0; r < r1; r++) cpumla_k.dequant_row(w, r, 0, w->cols, out + (r - r0) * ldo);
+}
+
+/* ---- row-wise ops ----------------------------------------------------------------------------- */
+typedef struct {
+    const float *x;
+    float *y;
+    const float *x2;
+    int64_t ldx, ldy, n_rows, dim, rows_per_task;
+    const void *weight;
+    int32_t wdtype;
+    float eps;
+} row_job;
+
+static void rows_run(row_job *j, cpumla_task_fn fn) {
+    int threads = cpumla_pool_threads();
+    if (threads == 1 || j->n_rows * j->dim < MIN_PARALLEL_WORK) {
+        j->rows_per_task = j->n_rows;
+        fn(j, 0, 0);
+        return;
+    }
+    j->rows_per_task = ceil_div(j->n_rows, 2 * threads);
+    cpumla_pool_run(ceil_div(j->n_rows, j->rows_per_task), fn, j);
+}
+
+static void rmsnorm_task(void *p, int64_t t, int tid) {
+    (void)tid;
+    row_job *j = p;
+    for (int64_t r = t * j->rows_per_task; r < min64((t + 1) * j->rows_per_task, j->n_rows); r++)
+        cpumla_k.rmsnorm_row(j->x + r * j->ldx, j->y + r * j->ldy, j->dim, j->weight, j->wdtype, j->eps);
+}
+
+void cpumla_rmsnorm(const float *x, int64_t ldx, float *y, int64_t ldy, int64_t n_rows, int64_t dim,
+                    const void *weight, int32_t weight_dtype, float eps) {
+    cpumla_ensure_init();
+    row_job j = {.x = x, .y = y, .ldx = ldx, .ldy = ldy, .n_rows = n_rows, .dim = dim, .weight = weight,
+                 .wdtype = weight_dtype, .eps = eps};
+    rows_run(&j, rmsnorm_task);
+}
+
+static void swiglu_task(void *p, int64_t t, int tid) {
+    (void)tid;
+    row_job *j = p;
+    for (int64_t r = t * j->rows_per_task; r < min64((t + 1) * j->rows_per_task, j->n_rows); r++)
+        cpumla_k.swiglu_row(j->x + r * j->ldx, j->x2 + r * j->ldx, j->y + r * j->ldy, j->dim, j->eps);
+}
+
+void cpumla_swiglu(const float *gate, const float *up, int64_t ld_in, float *out, int64_t ld_out,
+                   int64_t n_rows, int64_t dim, float limit) {
+    cpumla_ensure_init();
+    row_job j = {.x = gate, .x2 = up, .y = out, .ldx = ld_in, .ldy = ld_out, .n_rows = n_rows, .dim = dim,
+                 .eps = limit};
+    rows_run(&j, swiglu_task);
+}
+
+static void softmax_task(void *p, int64_t t, int tid) {
+    (void)tid;
+    row_job *j = p;
+    for (int64_t r = t * j->rows_per_task; r < min64((t + 1) * j->rows_per_task, j->n_rows); r++)
+        cpumla_k.softmax_row(j->y + r * j->ldy, j->dim);
+}
+
+void cpumla_softmax(float *x, int64_t n_rows, int64_t ld, int64_t n) {
+    cpumla_ensure_init();
+    row_job j = {.y = x, .ldy = ld, .n_rows = n_rows, .dim = n};
+    rows_run(&j, softmax_task);
+}
+
+/* Portable: cos/sin of one token's angles once, applied to each head. rope_dim/2 angles. */
+void cpumla_rope(float *x, int64_t n_rows, int64_t ld_row, int64_t n_heads, int64_t ld_head,
+                 int64_t offset, int64_t rope_dim, const int64_t *pos, const float *inv_freq,
+                 float attn_scale, int32_t mode) {
+    int64_t half = rope_dim / 2;
+    int half_split = (mode & CPUMLA_ROPE_HALF) != 0;
+    float sign = (mode & CPUMLA_ROPE_INVERSE) ? -1.0f : 1.0f;
+    float cs[512], sn[512];
+    for (int64_t t = 0; t < n_rows; t++) {
+        for (int64_t i0 = 0; i0 < half; i0 += 512) {
+            int64_t i1 = min64(i0 + 512, half);
+            for (int64_t i = i0; i < i1; i++) {
+                float ang = (float)pos[t] * inv_freq[i];
+                cs[i - i0] = cosf(ang) * attn_scale;
+                sn[i - i0] = sign * sinf(ang) * attn_scale;
+            }
+            for (int64_t h = 0; h < n_heads; h++) {
+                float *v = x + t * ld_row + h * ld_head + offset;
+                for (int64_t i = i0; i < i1; i++) {
+                    int64_t a = half_split ? i : 2 * i, b = half_split ? i + half : 2 * i + 1;
+                    float x0 = v[a], x1 = v[b], c = cs[i - i0], s = sn[i - i0];
+                    v[a] = x0 * c - x1 * s;
+                    v[b] = x1 * c + x0 * s;
+                }
+            }
+        }
+    }
+}
+
+/* ---- top-k and routing (portable) ------------------------------------------------------------- */
+/* a ranks above b: larger value, NaN lowest, equal values by lower index */
+static int ranks_above(float va, int32_t ia, float vb, int32_t ib) {
+    if (isnan(va)) return isnan(vb) && ia < ib;
+    if (isnan(vb)) return 1;
+    return va > vb || (va == vb && ia < ib);
+}
+
+/* Keeps the best k seen so far in idx/val, sorted; insertion is O(k) but only happens for values
+ * that beat the current k-th, so typical routing (n <= 384, k <= 8) costs ~n comparisons. */
+void cpumla_topk(const float *x, int64_t n, int64_t k, int32_t *idx, float *val) {
+    if (k > n) {
+        for (int64_t i = n; i < k; i++) { idx[i] = -1; val[i] = -INFINITY; }
+        k = n;
+    }
+    int64_t have = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float v = x[i];
+        if (have == k && !ranks_above(v, (int32_t)i, val[k - 1], idx[k - 1])) continue;
+        int64_t p = have < k ? have++ : k - 1;
+        while (p > 0 && ranks_above(v, (int32_t)i, val[p - 1], idx[p - 1])) {
+            val[p] = val[p - 1];
+            idx[p] = idx[p - 1];
+            p--;
+        }
+        val[p] = v;
+        idx[p] = (int32_t)i;
+    }
+}
+
+static float sqrt_softplus(float v) {
+    float sp = v > 20.0f ? v : log1pf(expf(v));     /* torch's softplus threshold */
+    return sqrtf(sp);
+}
+
+static void *route_buf;
+static size_t route_cap;
+
+int cpumla_route(const cpumla_router *r, const float *logits, int64_t ld, int64_t n,
+                 const int64_t *token_ids, int32_t *idx, float *weights) {
+    int64_t E = r->n_experts, K = r->top_k, G = r->n_group > 1 ? r->n_group : 1;
+    char msg[200];
+    if (E < 1 || K < 1 || K > E || r->method < 0 || r->method > CPUMLA_ROUTE_HASH) {
+        snprintf(msg, sizeof msg, "bad router: method %d, %lld experts, top_k %lld", r->method, (long long)E,
+                 (long long)K);
+        cpumla_set_error(msg);
+        return -1;
+    }
+    int grouped = (r->method == CPUMLA_ROUTE_GROUP_LIMITED || r->method == CPUMLA_ROUTE_NOAUX_TC) && G > 1;
+    if (grouped && (E % G != 0 || r->topk_group < 1 || r->topk_group > G ||
+                    (r->method == CPUMLA_ROUTE_NOAUX_TC && E / G < 2))) {
+        snprintf(msg, sizeof msg, "bad router groups: %lld experts in %lld groups, topk_group %d", (long long)E,
+                 (long long)G, r->topk_group);
+        cpumla_set_error(msg);
+        return -1;
+    }
+    if (r->method == CPUMLA_ROUTE_HASH && (!r->tid2eid || !token_ids)) {
+        cpumla_set_error("hash routing needs tid2eid and token ids");
+        return -1;
+    }
+    float *s = grow(&route_buf, &route_cap, sizeof(float) * (size_t)(3 * E + 2 * G + 2 * K));
+    float *choice = s + E, *gscore = choice + E, *gval = gscore + G, *kval = gval + G;
+    int32_t *gidx = (int32_t *)(kval + K);   /* G ints fit in the E floats after kval */
+    for (int64_t t = 0; t < n; t++) {
+        const float *lg = logits + t * ld;
+        int32_t *it = idx + t * K;
+        float *wt = weights + t * K;
+        switch (r->method) {
+        case CPUMLA_ROUTE_SOFTMAX:
+        case CPUMLA_ROUTE_GROUP_LIMITED:
+            memcpy(s, lg, sizeof(float) * (size_t)E);
+            {
+                float m = -INFINITY, sum = 0.0f;
+                for (int64_t e = 0; e < E; e++) m = s[e] > m ? s[e] : m;
+                for (int64_t e = 0; e < E; e++) { s[e] = expf(s[e] - m); sum += s[e]; }
+                for (int64_t e = 0; e < E; e++) s[e] /= sum;
+            }
+            break;
+        case CPUMLA_ROUTE_NOAUX_TC:
+            for (int64_t e = 0; e < E; e++) s[e] = 1.0f / (1.0f + expf(-lg[e]));
+            break;
+        default:  /* SQRTSOFTPLUS, HASH */
+            for (int64_t e = 0; e < E; e++) s[e] = sqrt_softplus(lg[e]);
+            break;
+        }
+        if (r->method == CPUMLA_ROUTE_HASH) {
+            int64_t tok = token_ids[t];
+            if (tok < 0 || tok >= r->vocab) {
+                snprintf(msg, sizeof msg, "token id %lld outside the hash table's vocabulary of %lld",
+                         (long long)tok, (long long)r->vocab);
+                cpumla_set_error(msg);
+                return -1;
+            }
+            for (int64_t k = 0; k < K; k++) {
+                int64_t e = r->tid2eid_dtype == CPUMLA_I32 ? ((const int32_t *)r->tid2eid)[tok * K + k]
+                                                           : ((const int64_t *)r->tid2eid)[tok * K + k];
+                if (e < 0 || e >= E) {
+                    snprintf(msg, sizeof msg, "tid2eid[%lld] names expert %lld of %lld", (long long)tok,
+                             (long long)e, (long long)E);
+                    cpumla_set_error(msg);
+                    return -1;
+                }
+                it[k] = (int32_t)e;
+            }
+        } else {
+            int biased = r->bias && (r->method == CPUMLA_ROUTE_NOAUX_TC || r->method == CPUMLA_ROUTE_SQRTSOFTPLUS);
+            for (int64_t e = 0; e < E; e++) choice[e] = biased ? s[e] + r->bias[e] : s[e];
+            if (grouped) {
+                int64_t per = E / G;
+                for (int64_t g = 0; g < G; g++) {
+                    const float *c = choice + g * per;
+                    if (r->method == CPUMLA_ROUTE_GROUP_LIMITED) {
+                        float m = -INFINITY;
+                        for (int64_t e = 0; e < per; e++) m = c[e] > m ? c[e] : m;
+                        gscore[g] = m;
+                    } else {
+                        int32_t i2[2];
+                        float v2[2];
+                        cpumla_topk(c, per, 2, i2, v2);
+                        gscore[g] = v2[0] + v2[1];
+                    }
+                }
+                cpumla_topk(gscore, G, r->topk_group, gidx, gval);
+                for (int64_t g = 0; g < G; g++) {
+                    int keep = 0;
+                    for (int64_t q = 0; q < r->topk_group; q++) keep |= gidx[q] == g;
+                    if (!keep)
+                        for (int64_t e = 0; e < per; e++) choice[g * per + e] = -INFINITY;
+                }
+            }
+            cpumla_topk(choice, E, K, it, kval);
+        }
+        float sum = 0.0f;
+        for (int64_t k = 0; k < K; k++) { wt[k] = s[it[k]]; sum += wt[k]; }
+        for (int64_t k = 0; k < K; k++) {
+            if (r->norm_topk_prob) wt[k] /= sum + 1e-20f;
+            wt[k] *= r->routed_scaling_factor;
+        }
+    }
+    return 0;
+}
+
+/* ---- latent cache and attention --------------------------------------------------------------- */
+void cpumla_cache_store(void *cache, int32_t cache_dtype, int64_t ld_cache, const float *src,
+                        int64_t ld_src, int64_t n, int64_t width, const int64_t *slots) {
+    cpumla_ensure_init();
+    size_t esz = cache_dtype == CPUMLA_BF16 ? 2 : 4;
+    for (int64_t t = 0; t < n; t++) {
+        if (slots[t] < 0) continue;
+        cpumla_k.cache_row((uint8_t *)cache + (size_t)slots[t] * (size_t)ld_cache * esz, cache_dtype,
+                           src + t * ld_src, width);
+    }
+}
+
+/* Work split: (query, head block, KV split). Each part writes (acc, m, l) for its heads; a second
+ * pass merges the splits with log-sum-exp and the sink, and normalises. With one split the part is
+ * merged straight away by the task that computed it. */
+typedef struct {
+    const cpumla_attn_args *a;
+    int64_t head_block, n_hblocks, n_splits, split_len;
+    float *parts;          /* [n_q, n_hblocks, n_splits, head_block, dv + 2] */
+} attn_job;
+
+static int64_t attn_count(const cpumla_attn_args *a, int64_t qi) {
+    int64_t c = a->kv_len ? a->kv_len[qi] : a->n_kv;
+    if (!a->kv_idx && c > a->n_kv) c = a->n_kv;
+    return c < 0 ? 0 : c;
+}
+
+static float *part_at(const attn_job *j, int64_t qi, int64_t hb, int64_t s) {
+    size_t per = (size_t)j->head_block * (size_t)(j->a->dv + 2);
+    return j->parts + (((size_t)qi * j->n_hblocks + hb) * j->n_splits + s) * per;
+}
+
+/* Merge the splits of (qi, heads of block hb) into out / lse. */
+static void attn_merge(const attn_job *j, int64_t qi, int64_t hb) {
+    const cpumla_attn_args *a = j->a;
+    int64_t dv = a->dv, h0 = hb * j->head_block, h1 = min64(h0 + j->head_block, a->n_heads);
+    for (int64_t h = h0; h < h1; h++) {
+        int64_t k = h - h0;
+        float M = a->sinks ? a->sinks[h] : -INFINITY;
+        for (int64_t s = 0; s < j->n_splits; s++) {
+            float m = part_at(j, qi, hb, s)[j->head_block * dv + k];
+            M = m > M ? m : M;
+        }
+        float *o = a->out + qi * a->ldo_t + h * a->ldo_h;
+        for (int64_t d = 0; d < dv; d++) o[d] = 0.0f;
+        float L = 0.0f;
+        if (M != -INFINITY) {
+            if (a->sinks) L = expf(a->sinks[h] - M);
+            for (int64_t s = 0; s < j->n_splits; s++) {
+                const float *p = part_at(j, qi, hb, s);
+                float m = p[j->head_block * dv + k], l = p[j->head_block * dv + j->head_block + k];
+                if (m == -INFINITY) continue;
+                float c = expf(m - M);
+                L += l * c;
+                const float *acc = p + k * dv;
+                for (int64_t d = 0; d < dv; d++) o[d] += c * acc[d];
+            }
+            if (L > 0.0f) {
+                float inv = 1.0f / L;
+                for (int64_t d = 0; d < dv; d++) o[d] *= inv;
+            }
+        }
+        if (a->lse) a->lse[qi * a->n_heads + h] = M == -INFINITY ? -INFINITY : M + logf(L);
+    }
+}
+
+static void attn_part_task(void *p, int64_t t, int tid) {
+    (void)tid;
+    attn_job *j = p;
+    const cpumla_attn_args *a = j->a;
+    int64_t s = t % j->n_splits, rest = t / j->n_splits;
+    int64_t hb = rest % j->n_hblocks, qi = rest / j->n_hblocks;
+    int64_t count = attn_count(a, qi);
+    int64_t j0 = min64(s * j->split_len, count), j1 = min64(j0 + j->split_len, count);
+    int64_t h0 = hb * j->head_block, h1 = min64(h0 + j->head_block, a->n_heads);
+    float *part = part_at(j, qi, hb, s);
+    cpumla_k.attn_part(a, qi, h0, h1, j0, j1, part, part + j->head_block * a->dv,
+                       part + j->head_block * a->dv + j->head_block);
+    if (j->n_splits == 1) attn_merge(j, qi, hb);
+}
+
+static void attn_merge_task(void *p, int64_t t, int tid) {
+    (void)tid;
+    attn_job *j = p;
+    attn_merge(j, t / j->n_hblocks, t % j->n_hblocks);
+}
+
+static void *attn_buf;
+static size_t attn_cap;
+
+void cpumla_mla_attention(const cpumla_attn_args *a) {
+    cpumla_ensure_init();
+    if (a->n_q <= 0 || a->n_heads <= 0) return;
+    int threads = cpumla_pool_threads();
+    attn_job j = {.a = a};
+    j.head_block = a->n_heads <= 16 ? a->n_heads : 16;
+    j.n_hblocks = ceil_div(a->n_heads, j.head_block);
+    int64_t longest = 0;
+    for (int64_t qi = 0; qi < a->n_q; qi++) longest = attn_count(a, qi) > longest ? attn_count(a, qi) : longest;
+    /* enough KV splits that one query feeds every thread (~4 tasks each), splits of >= 64 entries */
+    int64_t base = a->n_q * j.n_hblocks;
+    j.n_splits = base >= 4 * threads ? 1 : ceil_div(4 * threads, base);
+    j.n_splits = min64(j.n_splits, ceil_div(longest > 0 ? longest : 1, 64));
+    if (j.n_splits < 1) j.n_splits = 1;
+    j.split_len = ceil_div(longest > 0 ? longest : 1, j.n_splits);
+    size_t bytes = sizeof(float) * (size_t)a->n_q * (size_t)j.n_hblocks * (size_t)j.n_splits *
+                   (size_t)j.head_block * (size_t)(a->dv + 2);
+    j.parts = grow(&attn_buf, &attn_cap, bytes);
+    if (!j.parts) { cpumla_set_error("out of memory for attention scratch"); return; }
+    int64_t tasks = base * j.n_splits;
+    int work_small = threads == 1 || tasks == 1;
+    if (work_small) {
+        for (int64_t t = 0; t < tasks; t++) attn_part_task(&j, t, 0);
+    } else {
+        cpumla_pool_run(tasks, attn_part_task, &j);
+    }
+    if (j.n_splits > 1) {
+        if (work_small) for (int64_t t = 0; t < base; t++) attn_merge_task(&j, t, 0);
+        else cpumla_pool_run(base, attn_merge_task, &j);
+    }
+}
+
+double cpumla_read_probe(const void *buf, int64_t bytes);
+typedef struct { const uint8_t *buf; int64_t bytes, chunk; double sums[MAX_POOL_THREADS * 8]; } read_job;
+
+static void read_task(void *p, int64_t t, int tid) {
+    read_job *j = p;
+    int64_t b0 = t * j->chunk, b1 = min64(b0 + j->chunk, j->bytes);
+    if (b1 > b0) j->sums[tid * 8] += cpumla_k.read_sum(j->buf + b0, b1 - b0);
+}
+
+double cpumla_read_probe(const void *buf, int64_t bytes) {
+    cpumla_ensure_init();
+    static read_job j;
+    int threads = cpumla_pool_threads();
+    memset(j.sums, 0, sizeof j.sums);
+    j.buf = buf;
+    j.bytes = bytes & ~(int64_t)63;
+    /* one contiguous stream per thread, as a GEMV split over rows reads */
+    j.chunk = ceil_div(ceil_div(j.bytes, threads), 4096) * 4096;
+    cpumla_pool_run(threads, read_task, &j);
+    double s = 0;
+    for (int i = 0; i < threads; i++) s += j.sums[i * 8];
+    return s;
+}

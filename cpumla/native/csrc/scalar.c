@@ -1,0 +1,159 @@
+/* scalar.c: portable C for every kernel. This is the spec the other implementations are tested
+ * against: readable first, fast second. Compiled with baseline flags only. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "common.h"
+#include "kernels.h"
+
+const char cpumla_flags_scalar[] = CPUMLA_FLAGS;
+
+/* Dot product of row r with x, block by block so each FP8/FP4 scale is applied once per block
+ * (the same association the vector kernels use). */
+static float row_dot(const cpumla_weight *w, int64_t r, const float *x) {
+    const uint8_t *row = weight_row(w, r);
+    float acc = 0.0f;
+    switch (w->dtype) {
+    case CPUMLA_F32:
+        for (int64_t c = 0; c < w->cols; c++) acc += ((const float *)row)[c] * x[c];
+        return acc;
+    case CPUMLA_BF16:
+        for (int64_t c = 0; c < w->cols; c++) acc += bf16_to_f32(((const uint16_t *)row)[c]) * x[c];
+        return acc;
+    case CPUMLA_F16:
+        for (int64_t c = 0; c < w->cols; c++) acc += f16_to_f32(((const uint16_t *)row)[c]) * x[c];
+        return acc;
+    case CPUMLA_E4M3:
+    case CPUMLA_E2M1:
+        for (int64_t c0 = 0; c0 < w->cols; c0 += w->block_cols) {
+            int64_t c1 = c0 + w->block_cols < w->cols ? c0 + w->block_cols : w->cols;
+            float part = 0.0f;
+            for (int64_t c = c0; c < c1; c++) {
+                float q;
+                if (w->dtype == CPUMLA_E4M3) q = e4m3_to_f32(row[c]);
+                else q = cpumla_e2m1_lut[(c & 1) ? (row[c >> 1] >> 4) : (row[c >> 1] & 15)];
+                part += q * x[c];
+            }
+            acc += part * weight_scale(w, r, c0);
+        }
+        return acc;
+    default:
+        return NAN;
+    }
+}
+
+static void gemv_scalar(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) y[r - r0] = row_dot(w, r, x);
+}
+
+static void gemm_scalar(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
+                        int64_t ldy, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t t = 0; t < n; t++) y[t * ldy + (r - r0)] = row_dot(w, r, x + t * ldx);
+}
+
+static void dequant_row_scalar(const cpumla_weight *w, int64_t r, int64_t c0, int64_t c1, float *out) {
+    for (int64_t c = c0; c < c1; c++) out[c - c0] = weight_at(w, r, c);
+}
+
+static void gemv_t_scalar(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y,
+                          int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; c++) y[c - c0] = 0.0f;
+    for (int64_t i = 0; i < nr; i++)
+        for (int64_t c = c0; c < c1; c++) y[c - c0] += x[i] * weight_at(w, r0 + i, c);
+}
+
+static void rmsnorm_row_scalar(const float *x, float *y, int64_t dim, const void *weight,
+                               int32_t wdtype, float eps) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < dim; i++) ss += x[i] * x[i];
+    float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    for (int64_t i = 0; i < dim; i++) {
+        float v = x[i] * inv;
+        y[i] = weight ? v * vec_at(weight, wdtype, i) : v;
+    }
+}
+
+static void swiglu_row_scalar(const float *gate, const float *up, float *out, int64_t dim, float limit) {
+    for (int64_t i = 0; i < dim; i++) {
+        float g = gate[i], u = up[i];
+        if (limit > 0.0f) {
+            g = g < limit ? g : limit;
+            u = u < -limit ? -limit : (u > limit ? limit : u);
+        }
+        out[i] = silu(g) * u;
+    }
+}
+
+static void softmax_row_scalar(float *x, int64_t n) {
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n; i++) m = x[i] > m ? x[i] : m;
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) { x[i] = expf(x[i] - m); s += x[i]; }
+    for (int64_t i = 0; i < n; i++) x[i] /= s;
+}
+
+static inline float kv_at(const cpumla_attn_args *a, const void *row, int64_t d) {
+    return a->kv_dtype == CPUMLA_BF16 ? bf16_to_f32(((const uint16_t *)row)[d]) : ((const float *)row)[d];
+}
+
+/* Online softmax over the entries, one head at a time. */
+static void attn_part_scalar(const cpumla_attn_args *a, int64_t qi, int64_t h0, int64_t h1, int64_t j0,
+                             int64_t j1, float *acc, float *m, float *l) {
+    for (int64_t h = h0; h < h1; h++) {
+        const float *q = a->q + qi * a->ldq_t + h * a->ldq_h;
+        float *o = acc + (h - h0) * a->dv;
+        float mh = -INFINITY, lh = 0.0f;
+        for (int64_t d = 0; d < a->dv; d++) o[d] = 0.0f;
+        for (int64_t j = j0; j < j1; j++) {
+            const void *row = attn_kv_row(a, qi, j);
+            if (!row) continue;
+            float s = 0.0f;
+            for (int64_t d = 0; d < a->dk; d++) s += q[d] * kv_at(a, row, d);
+            s *= a->scale;
+            if (s > mh) {                       /* rescale what we have so far */
+                float c = expf(mh - s);         /* mh = -inf the first time: c = 0 */
+                lh *= c;
+                for (int64_t d = 0; d < a->dv; d++) o[d] *= c;
+                mh = s;
+            }
+            float p = expf(s - mh);
+            lh += p;
+            for (int64_t d = 0; d < a->dv; d++) o[d] += p * kv_at(a, row, d);
+        }
+        m[h - h0] = mh;
+        l[h - h0] = lh;
+    }
+}
+
+static void cache_row_scalar(void *dst, int32_t dtype, const float *src, int64_t width) {
+    if (dtype == CPUMLA_BF16) {
+        for (int64_t i = 0; i < width; i++) ((uint16_t *)dst)[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy(dst, src, (size_t)width * sizeof(float));
+    }
+}
+
+static double read_sum_scalar(const void *buf, int64_t bytes) {
+    const double *p = (const double *)buf;
+    double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    for (int64_t i = 0; i + 4 <= bytes / 8; i += 4) {
+        s0 += p[i]; s1 += p[i + 1]; s2 += p[i + 2]; s3 += p[i + 3];
+    }
+    return (s0 + s1) + (s2 + s3);
+}
+
+void cpumla_fill_scalar(cpumla_kernels *k) {
+    k->gemv = gemv_scalar;
+    k->gemm = gemm_scalar;
+    k->gemv_t = gemv_t_scalar;
+    k->dequant_row = dequant_row_scalar;
+    k->rmsnorm_row = rmsnorm_row_scalar;
+    k->swiglu_row = swiglu_row_scalar;
+    k->softmax_row = softmax_row_scalar;
+    k->attn_part = attn_part_scalar;
+    k->cache_row = cache_row_scalar;
+    k->read_sum = read_sum_scalar;
+    for (int i = 0; i < K_COUNT; i++) k->who[i] = "scalar";
+}

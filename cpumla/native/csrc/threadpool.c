@@ -1,0 +1,138 @@
+/* threadpool.c: a fixed set of workers fed one job at a time.
+ *
+ * A job is (fn, ctx, n_tasks); tasks are claimed with an atomic counter. Publishing a job bumps
+ * `generation`; each worker, once it sees a new generation, claims tasks until none are left and then
+ * checks in (`checked_in`). The caller waits for every worker to check in before returning, so a job's
+ * fields are never read after its call returned. Idle workers spin for a while (decode issues a few
+ * hundred short jobs per token) and then sleep on a condition variable. */
+#define _GNU_SOURCE
+#include "threadpool.h"
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#define MAX_THREADS 256
+#define SPIN_ROUNDS 20000   /* ~100 us of polling before a worker sleeps */
+
+static struct {
+    pthread_t threads[MAX_THREADS];
+    int n_threads;                 /* including the caller */
+    cpumla_task_fn fn;
+    void *ctx;
+    int64_t n_tasks;
+    atomic_llong next_task;
+    atomic_int checked_in;
+    atomic_uint generation;
+    atomic_int sleeping;
+    atomic_int quit;
+    unsigned start_generation;     /* generation new workers count as seen (set before they start) */
+    pthread_mutex_t mu;
+    pthread_cond_t wake;
+} pool = {.n_threads = 0, .mu = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static void run_tasks(int tid) {
+    for (;;) {
+        int64_t t = atomic_fetch_add_explicit(&pool.next_task, 1, memory_order_relaxed);
+        if (t >= pool.n_tasks) break;
+        pool.fn(pool.ctx, t, tid);
+    }
+}
+
+static void *worker_main(void *arg) {
+    int tid = (int)(intptr_t)arg;
+    /* Not the current generation: a job published before this thread got to run must still be seen
+     * as new, or the caller would wait for this worker forever. */
+    unsigned seen = pool.start_generation;
+    for (;;) {
+        unsigned g;
+        int spins = 0;
+        while ((g = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen &&
+               !atomic_load_explicit(&pool.quit, memory_order_relaxed)) {
+            if (++spins < SPIN_ROUNDS) { cpu_relax(); continue; }
+            pthread_mutex_lock(&pool.mu);
+            atomic_fetch_add(&pool.sleeping, 1);
+            while (atomic_load(&pool.generation) == seen && !atomic_load(&pool.quit))
+                pthread_cond_wait(&pool.wake, &pool.mu);
+            atomic_fetch_sub(&pool.sleeping, 1);
+            pthread_mutex_unlock(&pool.mu);
+            spins = 0;
+        }
+        if (atomic_load(&pool.quit)) return NULL;
+        seen = g;
+        run_tasks(tid);
+        atomic_fetch_add_explicit(&pool.checked_in, 1, memory_order_release);
+    }
+}
+
+static void stop_workers(void) {
+    if (pool.n_threads <= 1) { pool.n_threads = pool.n_threads < 1 ? 1 : pool.n_threads; return; }
+    pthread_mutex_lock(&pool.mu);
+    atomic_store(&pool.quit, 1);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.mu);
+    for (int i = 1; i < pool.n_threads; i++) pthread_join(pool.threads[i], NULL);
+    atomic_store(&pool.quit, 0);
+    pool.n_threads = 1;
+}
+
+int cpumla_online_cores(void) {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+        int n = CPU_COUNT(&set);
+        if (n > 0) return n;
+    }
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
+int cpumla_pool_resize(int n) {
+    if (n < 1) n = cpumla_online_cores();
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    if (n == pool.n_threads) return n;
+    stop_workers();
+    pool.start_generation = atomic_load(&pool.generation);
+    int started = 1;
+    for (int i = 1; i < n; i++) {
+        if (pthread_create(&pool.threads[i], NULL, worker_main, (void *)(intptr_t)i) != 0) break;
+        started++;
+    }
+    pool.n_threads = started;
+    return started;
+}
+
+int cpumla_pool_threads(void) {
+    if (pool.n_threads < 1) cpumla_pool_resize(0);
+    return pool.n_threads;
+}
+
+void cpumla_pool_run(int64_t n_tasks, cpumla_task_fn fn, void *ctx) {
+    if (n_tasks <= 0) return;
+    if (pool.n_threads < 1) cpumla_pool_resize(0);
+    if (pool.n_threads == 1 || n_tasks == 1) {
+        for (int64_t t = 0; t < n_tasks; t++) fn(ctx, t, 0);
+        return;
+    }
+    pool.fn = fn;
+    pool.ctx = ctx;
+    pool.n_tasks = n_tasks;
+    atomic_store_explicit(&pool.next_task, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.checked_in, 0, memory_order_relaxed);
+    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_seq_cst);
+    if (atomic_load(&pool.sleeping) > 0) {
+        pthread_mutex_lock(&pool.mu);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.mu);
+    }
+    run_tasks(0);
+    while (atomic_load_explicit(&pool.checked_in, memory_order_acquire) < pool.n_threads - 1) cpu_relax();
+}

@@ -1,0 +1,1 @@
+"""Runtime: model state, latent cache, prefill and decode (see the runtime issue)."""

@@ -1,0 +1,29 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from cpumla import native  # noqa: E402
+
+ALL_ISAS = ("scalar", "avx2", "avx512", "amx", "neon")
+
+
+def pytest_report_header(config):
+    native.init("")
+    return [f"cpumla: cpu {native.cpu_name()}; built {' '.join(native.built_isas())}; "
+            f"runnable here {' '.join(native.available_isas())}; threads {native.get_threads()}"]
+
+
+@pytest.fixture(params=ALL_ISAS)
+def isa(request):
+    """Every implementation: runs on those this CPU has, skips (saying why) the others."""
+    name = request.param
+    if name not in native.built_isas():
+        pytest.skip(f"{name}: not built for this architecture")
+    if name not in native.available_isas():
+        pytest.skip(f"{name}: this CPU/OS cannot run it (tested wherever such a CPU is found)")
+    native.init(name)
+    yield name
+    native.init("")

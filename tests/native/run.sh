@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Builds the kernel library and the C kernel test runner, then runs it.
+#   tests/native/run.sh host      native build, run here (x86-64 or aarch64)
+#   tests/native/run.sh arm       aarch64-linux-gnu-gcc cross build, run under qemu-aarch64-static
+#   tests/native/run.sh nehalem   x86-64 build run under qemu-x86_64-static -cpu Nehalem (no AVX:
+#                                 only scalar may be chosen, nothing may SIGILL)
+# Each library file is compiled on its own with its flags from cpumla/native/csrc/FLAGS, as setup.py
+# does. Objects go to build/native-<target>/. Extra arguments are passed to the runner (-v: every
+# failure; --small: smaller shapes, for slow emulators). The full table takes ~10 s under qemu.
+set -euo pipefail
+
+target=${1:-host}
+shift || true
+root=$(cd "$(dirname "$0")/../.." && pwd)
+csrc=$root/cpumla/native/csrc
+tests=$root/tests/native
+out=$root/build/native-$target
+
+case $target in
+host)
+    cc=${CC:-gcc}
+    arch=$(uname -m)
+    runner=()
+    args=()
+    ;;
+arm)
+    cc=${CC:-aarch64-linux-gnu-gcc}
+    arch=aarch64
+    runner=(qemu-aarch64-static -L /usr/aarch64-linux-gnu)
+    args=()
+    ;;
+nehalem)
+    [ "$(uname -m)" = x86_64 ] || { echo "nehalem needs an x86-64 host" >&2; exit 2; }
+    cc=${CC:-gcc}
+    arch=x86_64
+    runner=(qemu-x86_64-static -cpu Nehalem)
+    args=(--expect-isa scalar)
+    ;;
+*)
+    echo "usage: $0 host|arm|nehalem [runner args]" >&2
+    exit 2
+    ;;
+esac
+
+mkdir -p "$out"
+common=$(awk '$1 == "COMMON" { $1 = ""; print }' "$csrc/FLAGS")
+pids=()
+objs=()
+listed=()
+while read -r file farch fflags; do
+    case $file in '' | \#* | COMMON) continue ;; esac
+    listed+=("$file")
+    [ "$farch" = any ] || [ "$farch" = "$arch" ] || continue
+    [ -f "$csrc/$file" ] || { echo "FLAGS lists $file but $csrc/$file is missing" >&2; exit 2; }
+    obj=$out/${file%.c}.o
+    objs+=("$obj")
+    # shellcheck disable=SC2086
+    $cc $common $fflags -DCPUMLA_FLAGS="\"$(echo $common $fflags)\"" -c "$csrc/$file" -o "$obj" &
+    pids+=($!)
+done <"$csrc/FLAGS"
+for f in "$csrc"/*.c; do
+    name=$(basename "$f")
+    [[ " ${listed[*]} " == *" $name "* ]] || echo "warning: $name is not listed in FLAGS: not built" >&2
+done
+for t in test_kernels test_api; do
+    # shellcheck disable=SC2086
+    $cc $common -Wno-unused-function -I"$csrc" -c "$tests/$t.c" -o "$out/$t.o" &
+    pids+=($!)
+done
+status=0
+for p in "${pids[@]}"; do wait "$p" || status=1; done
+[ $status = 0 ] || { echo "build failed" >&2; exit 1; }
+$cc -o "$out/test_kernels" "$out/test_kernels.o" "$out/test_api.o" "${objs[@]}" -lm -lpthread
+
+echo "== $target: ${runner[*]:-native} $out/test_kernels ${args[*]:-} $*"
+exec "${runner[@]}" "$out/test_kernels" "${args[@]}" "$@"

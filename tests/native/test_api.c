@@ -1,0 +1,590 @@
+/* test_api.c: the public API (cpumla.h) under each implementation this CPU runs: cpumla_init and
+ * introspection, then the multi-threaded kernels against the references of ref.h. */
+#include "kernels.h"
+#include "ref.h"
+
+extern int small_mode;
+extern const char *cur_isa;
+void case_begin(void);
+void case_end(void);
+void watchdog(const char *what);
+
+static int g_pass, g_fail;
+static void group_begin(void) { g_pass = n_pass; g_fail = n_fail; }
+static void group_end(const char *group) {
+    printf("%-8s %-12s %4d passed %3d failed   (public API, %d threads)\n", cur_isa, group, n_pass - g_pass,
+           n_fail - g_fail, cpumla_get_threads());
+}
+
+#define SENT 12345.0f
+
+#if defined(__x86_64__)
+static const char *chain[] = {"scalar", "avx2", "avx512", "amx"};
+static const char *foreign = "neon";
+#elif defined(__aarch64__)
+static const char *chain[] = {"scalar", "neon"};
+static const char *foreign = "avx2";
+#else
+static const char *chain[] = {"scalar"};
+static const char *foreign = "avx2";
+#endif
+#define N_CHAIN ((int)(sizeof chain / sizeof chain[0]))
+
+static void test_init(const char *expect_isa) {
+    cur_isa = "init";
+    group_begin();
+    const char *best = "scalar";
+    for (int i = 0; i < N_CHAIN; i++)
+        if (cpumla_isa_available(chain[i])) best = chain[i];
+        else break;
+    check(cpumla_isa_available("scalar") == 1, "scalar must always be available");
+    check(cpumla_init("") == 0, "cpumla_init(\"\") failed: %s", cpumla_last_error());
+    check(!strcmp(cpumla_isa(), best), "cpumla_init(\"\") chose %s, want %s", cpumla_isa(), best);
+    printf("init     auto picks %s\n", cpumla_isa());
+    check(cpumla_init(NULL) == 0 && !strcmp(cpumla_isa(), best), "cpumla_init(NULL) did not pick %s", best);
+    check(cpumla_init("auto") == 0 && !strcmp(cpumla_isa(), best), "cpumla_init(\"auto\") did not pick %s", best);
+    if (expect_isa) check(!strcmp(best, expect_isa), "expected the best implementation here to be %s, got %s",
+                          expect_isa, best);
+    for (int i = 0; i < N_CHAIN; i++) {
+        int avail = cpumla_isa_available(chain[i]);
+        int rc = cpumla_init(chain[i]);
+        if (avail) {
+            check(rc == 0 && !strcmp(cpumla_isa(), chain[i]), "cpumla_init(\"%s\") = %d (%s), isa %s", chain[i], rc,
+                  cpumla_last_error(), cpumla_isa());
+        } else {
+            const char *e = cpumla_last_error();
+            check(rc == -1 && e && e[0], "cpumla_init(\"%s\") on a CPU without it must fail with a message (rc %d)",
+                  chain[i], rc);
+            printf("init     cpumla_init(\"%s\") -> %d: %s\n", chain[i], rc, e ? e : "(no message)");
+        }
+    }
+    int rc = cpumla_init(foreign);
+    check(rc == -1 && cpumla_last_error()[0], "cpumla_init(\"%s\") (other architecture) must fail", foreign);
+    rc = cpumla_init("bogus");
+    check(rc == -1 && cpumla_last_error()[0], "cpumla_init(\"bogus\") must fail");
+    check(cpumla_init("") == 0 && !strcmp(cpumla_isa(), best), "re-init after a failure");
+    const char *kn = cpumla_kernel_names();
+    check(kn && strstr(kn, "gemv") != NULL, "cpumla_kernel_names: %s", kn ? kn : "(null)");
+    check(cpumla_kernel_impl("gemv") != NULL && cpumla_kernel_impl("nope") == NULL, "cpumla_kernel_impl");
+    check(cpumla_version() && cpumla_version()[0], "cpumla_version");
+    group_end("init");
+}
+
+/* ---- linear ----------------------------------------------------------------------------------- */
+static void test_linear(void) {
+    static const struct { int64_t rows, cols; int dt, sdt, br, bc; } cs[] = {
+        {200, 300, CPUMLA_E4M3, CPUMLA_F32, 128, 128}, {129, 385, CPUMLA_E4M3, CPUMLA_E8M0, 128, 128},
+        {129, 1031, CPUMLA_BF16, 0, 0, 0}, {65, 77, CPUMLA_F16, 0, 0, 0}, {33, 100, CPUMLA_E2M1, CPUMLA_E8M0, 1, 32},
+        {300, 64, CPUMLA_F32, 0, 0, 0},
+    };
+    for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
+        tweight t = make_weight(cs[ci].rows, cs[ci].cols, cs[ci].dt, cs[ci].sdt, cs[ci].br, cs[ci].bc, 4);
+        int64_t R = cs[ci].rows, C = cs[ci].cols;
+        /* gemv */
+        float *x = make_vec(C, 1.0f), *y = nan_floats((size_t)R + 4);
+        y[R] = SENT;
+        case_begin();
+        cpumla_gemv(&t.w, x, y);
+        int bad = 0;
+        for (int64_t r = 0; r < R && bad < 3; r++) {
+            double mag, ref = ref_row_dot(&t, r, x, &mag);
+            if (!check(close_to(y[r], ref, mag, 1e-5), "cpumla_gemv %s %lldx%lld: y[%lld] = %.9g, want %.9g",
+                       dtype_name(cs[ci].dt), (long long)R, (long long)C, (long long)r, y[r], ref)) bad++;
+        }
+        check(y[R] == SENT, "cpumla_gemv wrote past rows");
+        case_end();
+        free(x); free(y);
+        /* gemm, strided */
+        int64_t n = 5, ldx = C + 2, ldy = R + 3;
+        x = nan_floats((size_t)(n * ldx));
+        for (int64_t tt = 0; tt < n; tt++) for (int64_t c = 0; c < C; c++) x[tt * ldx + c] = rng_sym(1.0f);
+        y = xalloc(sizeof(float) * (size_t)(n * ldy));
+        for (int64_t i = 0; i < n * ldy; i++) y[i] = SENT;
+        case_begin();
+        cpumla_gemm(&t.w, x, ldx, n, y, ldy);
+        bad = 0;
+        for (int64_t tt = 0; tt < n; tt++) {
+            for (int64_t r = 0; r < R && bad < 3; r++) {
+                double mag, ref = ref_row_dot(&t, r, x + tt * ldx, &mag);
+                if (!check(close_to(y[tt * ldy + r], ref, mag, 1e-5), "cpumla_gemm %s: y[%lld,%lld] = %.9g, want %.9g",
+                           dtype_name(cs[ci].dt), (long long)tt, (long long)r, y[tt * ldy + r], ref)) bad++;
+            }
+            check(y[tt * ldy + R] == SENT, "cpumla_gemm wrote into the gap of y");
+        }
+        case_end();
+        free(x); free(y);
+        /* dequant rows [r0, r1) into a strided buffer */
+        int64_t r0 = R / 3, r1 = R - 1, ldo = C + 1;
+        float *out = xalloc(sizeof(float) * (size_t)((r1 - r0) * ldo));
+        for (int64_t i = 0; i < (r1 - r0) * ldo; i++) out[i] = SENT;
+        cpumla_dequant(&t.w, r0, r1, out, ldo);
+        int ok = 1;
+        for (int64_t r = r0; r < r1 && ok; r++) {
+            for (int64_t c = 0; c < C; c++) ok &= out[(r - r0) * ldo + c] == (float)t.wd[r * C + c];
+            ok &= out[(r - r0) * ldo + C] == SENT;
+        }
+        check(ok, "cpumla_dequant %s rows [%lld,%lld)", dtype_name(cs[ci].dt), (long long)r0, (long long)r1);
+        free(out);
+        free_weight(&t);
+    }
+
+    /* per-head products over kv_b_proj [H*(dn+dv), R] */
+    static const struct { int dt, sdt, br, bc; } hs[] = {
+        {CPUMLA_BF16, 0, 0, 0}, {CPUMLA_E4M3, CPUMLA_F32, 16, 16}, {CPUMLA_E4M3, CPUMLA_E8M0, 128, 128}};
+    for (size_t hi = 0; hi < 3; hi++) {
+        int64_t H = 3, dn = 24, dv = 20, Rk = 72, n = 2;
+        tweight t = make_weight(H * (dn + dv), Rk, hs[hi].dt, hs[hi].sdt, hs[hi].br, hs[hi].bc, 0);
+        /* absorb: y_h[Rk] = W_UK[h]^T x_h[dn]; W_UK[h] = rows h*(dn+dv) .. + dn */
+        int64_t ldx_h = dn + 1, ldx_t = H * ldx_h + 2, ldy_h = Rk + 3, ldy_t = H * ldy_h + 1;
+        float *x = nan_floats((size_t)(n * ldx_t));
+        for (int64_t tt = 0; tt < n; tt++) for (int64_t h = 0; h < H; h++) for (int64_t i = 0; i < dn; i++)
+            x[tt * ldx_t + h * ldx_h + i] = rng_sym(1.0f);
+        float *y = xalloc(sizeof(float) * (size_t)(n * ldy_t));
+        for (int64_t i = 0; i < n * ldy_t; i++) y[i] = SENT;
+        case_begin();
+        cpumla_head_gemv_t(&t.w, 0, dn + dv, dn, H, n, x, ldx_t, ldx_h, y, ldy_t, ldy_h);
+        int bad = 0;
+        for (int64_t tt = 0; tt < n; tt++) for (int64_t h = 0; h < H; h++) {
+            for (int64_t c = 0; c < Rk && bad < 3; c++) {
+                double s = 0, mag = 0;
+                for (int64_t i = 0; i < dn; i++) {
+                    double p = x[tt * ldx_t + h * ldx_h + i] * t.wd[(h * (dn + dv) + i) * Rk + c];
+                    s += p; mag += fabs(p);
+                }
+                float got = y[tt * ldy_t + h * ldy_h + c];
+                if (!check(close_to(got, s, mag, 1e-5), "cpumla_head_gemv_t %s t %lld h %lld c %lld: %.9g, want %.9g",
+                           dtype_name(hs[hi].dt), (long long)tt, (long long)h, (long long)c, got, s)) bad++;
+            }
+            check(y[tt * ldy_t + h * ldy_h + Rk] == SENT, "cpumla_head_gemv_t wrote into a gap");
+        }
+        case_end();
+        free(x); free(y);
+        /* un-absorb: y_h[dv] = W_UV[h] x_h[Rk]; W_UV[h] = rows h*(dn+dv) + dn .. + dv */
+        ldx_h = Rk + 1; ldx_t = H * ldx_h + 2; ldy_h = dv + 3; ldy_t = H * ldy_h + 1;
+        x = nan_floats((size_t)(n * ldx_t));
+        for (int64_t tt = 0; tt < n; tt++) for (int64_t h = 0; h < H; h++) for (int64_t i = 0; i < Rk; i++)
+            x[tt * ldx_t + h * ldx_h + i] = rng_sym(1.0f);
+        y = xalloc(sizeof(float) * (size_t)(n * ldy_t));
+        for (int64_t i = 0; i < n * ldy_t; i++) y[i] = SENT;
+        case_begin();
+        cpumla_head_gemv(&t.w, dn, dn + dv, dv, H, n, x, ldx_t, ldx_h, y, ldy_t, ldy_h);
+        bad = 0;
+        for (int64_t tt = 0; tt < n; tt++) for (int64_t h = 0; h < H; h++) {
+            for (int64_t r = 0; r < dv && bad < 3; r++) {
+                double mag, s = ref_row_dot(&t, h * (dn + dv) + dn + r, x + tt * ldx_t + h * ldx_h, &mag);
+                float got = y[tt * ldy_t + h * ldy_h + r];
+                if (!check(close_to(got, s, mag, 1e-5), "cpumla_head_gemv %s t %lld h %lld r %lld: %.9g, want %.9g",
+                           dtype_name(hs[hi].dt), (long long)tt, (long long)h, (long long)r, got, s)) bad++;
+            }
+            check(y[tt * ldy_t + h * ldy_h + dv] == SENT, "cpumla_head_gemv wrote into a gap");
+        }
+        case_end();
+        free(x); free(y);
+        free_weight(&t);
+    }
+}
+
+/* ---- elementwise ------------------------------------------------------------------------------ */
+static void test_rows(void) {
+    int64_t n = 3, dim = 77, ld = dim + 5;
+    /* rmsnorm, BF16 weight, strided, then in place */
+    float *x = nan_floats((size_t)(n * ld)), *y = xalloc(sizeof(float) * (size_t)(n * ld));
+    uint16_t *wb = xalloc(sizeof(uint16_t) * (size_t)dim);
+    for (int64_t i = 0; i < n * ld; i++) y[i] = SENT;
+    for (int64_t t = 0; t < n; t++) for (int64_t i = 0; i < dim; i++) x[t * ld + i] = rng_sym(2.0f);
+    for (int64_t i = 0; i < dim; i++) wb[i] = (uint16_t)(bitsf(rng_sym(2.0f)) >> 16);
+    for (int inplace = 0; inplace < 2; inplace++) {
+        double ref[3][77];
+        for (int64_t t = 0; t < n; t++) {
+            double ss = 0;
+            for (int64_t i = 0; i < dim; i++) ss += (double)x[t * ld + i] * x[t * ld + i];
+            double inv = 1 / sqrt(ss / dim + 1e-5);
+            for (int64_t i = 0; i < dim; i++) ref[t][i] = x[t * ld + i] * inv * ref_bf16(wb[i]);
+        }
+        float *dst = inplace ? x : y;
+        cpumla_rmsnorm(x, ld, dst, ld, n, dim, wb, CPUMLA_BF16, 1e-5f);
+        int ok = 1;
+        for (int64_t t = 0; t < n; t++) {
+            for (int64_t i = 0; i < dim; i++) ok &= close_to(dst[t * ld + i], ref[t][i], fabs(ref[t][i]) + 1e-3, 1e-5);
+            if (!inplace) ok &= dst[t * ld + dim] == SENT;
+        }
+        check(ok, "cpumla_rmsnorm BF16 weight%s", inplace ? " in place" : "");
+    }
+    free(x); free(y); free(wb);
+
+    /* swiglu: gate | up halves of one row */
+    int64_t ld_in = 2 * dim + 1, ld_out = dim + 2;
+    float *in = nan_floats((size_t)(n * ld_in)), *out = xalloc(sizeof(float) * (size_t)(n * ld_out));
+    for (int64_t t = 0; t < n; t++) for (int64_t i = 0; i < 2 * dim; i++) in[t * ld_in + i] = rng_sym(12.0f);
+    for (int li = 0; li < 2; li++) {
+        float limit = li ? 7.0f : 0.0f;
+        for (int64_t i = 0; i < n * ld_out; i++) out[i] = SENT;
+        cpumla_swiglu(in, in + dim, ld_in, out, ld_out, n, dim, limit);
+        int ok = 1;
+        for (int64_t t = 0; t < n; t++) {
+            for (int64_t i = 0; i < dim; i++) {
+                float g = in[t * ld_in + i], u = in[t * ld_in + dim + i];
+                double gg = limit > 0 ? fmin(g, limit) : g, uu = limit > 0 ? fmax(fmin(u, limit), -limit) : u;
+                double r = gg / (1 + exp(-gg)) * uu;
+                ok &= close_to(out[t * ld_out + i], r, fabs(r) + 1e-30, 1e-5);
+            }
+            ok &= out[t * ld_out + dim] == SENT;
+        }
+        check(ok, "cpumla_swiglu limit %g", limit);
+    }
+    free(in); free(out);
+
+    /* softmax rows */
+    int64_t sn = 33, sld = 40;
+    float *s = nan_floats((size_t)(n * sld));
+    for (int64_t t = 0; t < n; t++) { for (int64_t i = 0; i < sn; i++) s[t * sld + i] = rng_sym(10.0f); s[t * sld + sn] = SENT; }
+    double ref[3][33];
+    for (int64_t t = 0; t < n; t++) {
+        double m = -INFINITY, z = 0;
+        for (int64_t i = 0; i < sn; i++) m = dmax(m, s[t * sld + i]);
+        for (int64_t i = 0; i < sn; i++) { ref[t][i] = exp(s[t * sld + i] - m); z += ref[t][i]; }
+        for (int64_t i = 0; i < sn; i++) ref[t][i] /= z;
+    }
+    cpumla_softmax(s, n, sld, sn);
+    int ok = 1;
+    for (int64_t t = 0; t < n; t++) {
+        for (int64_t i = 0; i < sn; i++) ok &= fabs(s[t * sld + i] - ref[t][i]) <= 1e-5 * ref[t][i] + 1e-12;
+        ok &= s[t * sld + sn] == SENT;
+    }
+    check(ok, "cpumla_softmax");
+    free(s);
+}
+
+static void test_rope(void) {
+    int64_t n = 2, H = 3, ld_head = 21, ld_row = H * ld_head + 2, off = 5, P = 8;
+    int64_t pos[2] = {0, 4093};
+    float inv_freq[4];
+    for (int i = 0; i < 4; i++) inv_freq[i] = (float)pow(10000.0, -2.0 * i / (double)P);
+    for (int mode = 0; mode < 4; mode++) {
+        float *x = xalloc(sizeof(float) * (size_t)(n * ld_row)), *x0 = xalloc(sizeof(float) * (size_t)(n * ld_row));
+        for (int64_t i = 0; i < n * ld_row; i++) x0[i] = x[i] = rng_sym(1.0f);
+        float attn_scale = mode == 3 ? 1.25f : 1.0f;
+        cpumla_rope(x, n, ld_row, H, ld_head, off, P, pos, inv_freq, attn_scale, mode);
+        int ok = 1;
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t h = 0; h < H; h++) {
+                const float *a = x0 + t * ld_row + h * ld_head;
+                const float *b = x + t * ld_row + h * ld_head;
+                for (int64_t i = 0; i < P / 2; i++) {
+                    double ang = (double)((float)pos[t] * inv_freq[i]);
+                    if (mode & CPUMLA_ROPE_INVERSE) ang = -ang;
+                    double c = cos(ang) * attn_scale, s = sin(ang) * attn_scale;
+                    int64_t i0 = (mode & CPUMLA_ROPE_HALF) ? off + i : off + 2 * i;
+                    int64_t i1 = (mode & CPUMLA_ROPE_HALF) ? off + i + P / 2 : off + 2 * i + 1;
+                    double r0 = a[i0] * c - a[i1] * s, r1 = a[i1] * c + a[i0] * s;
+                    ok &= fabs(b[i0] - r0) <= 2e-6 && fabs(b[i1] - r1) <= 2e-6;
+                }
+                for (int64_t d = 0; d < ld_head; d++)
+                    if (d < off || d >= off + P) ok &= b[d] == a[d];
+            }
+        for (int64_t t = 0; t < n; t++) ok &= x[t * ld_row + H * ld_head] == x0[t * ld_row + H * ld_head];
+        check(ok, "cpumla_rope mode %d (%s%s)", mode, (mode & 1) ? "half" : "interleaved", (mode & 2) ? ", inverse" : "");
+        free(x); free(x0);
+    }
+}
+
+/* ---- top-k and routing ------------------------------------------------------------------------ */
+/* a before b: larger value; NaN last; equal values: lower index */
+static int ref_before(const float *v, int a, int b) {
+    if (isnan(v[a]) || isnan(v[b])) return isnan(v[a]) ? (isnan(v[b]) && a < b) : 1;
+    return v[a] > v[b] || (v[a] == v[b] && a < b);
+}
+
+static void ref_topk(const float *v, int n, int k, int *idx) {
+    int *o = malloc(sizeof(int) * (size_t)n);
+    for (int i = 0; i < n; i++) o[i] = i;
+    for (int i = 1; i < n; i++) {
+        int t = o[i], j = i;
+        while (j > 0 && ref_before(v, t, o[j - 1])) { o[j] = o[j - 1]; j--; }
+        o[j] = t;
+    }
+    memcpy(idx, o, sizeof(int) * (size_t)k);
+    free(o);
+}
+
+static void test_topk(void) {
+    float x[12] = {1, 3, NAN, 3, -INFINITY, 7, 2, 7, NAN, 0, -1, 3};
+    int n = 12;
+    for (int k = 1; k <= 10; k += 3) {
+        int32_t idx[12];
+        float val[12];
+        int want[12];
+        cpumla_topk(x, n, k, idx, val);
+        ref_topk(x, n, k, want);
+        int ok = 1;
+        for (int i = 0; i < k; i++) ok &= idx[i] == want[i] && (val[i] == x[want[i]]);
+        check(ok, "cpumla_topk k=%d: first %d %d %d, want %d %d %d", k, idx[0], k > 1 ? idx[1] : -1, k > 2 ? idx[2] : -1,
+              want[0], k > 1 ? want[1] : -1, k > 2 ? want[2] : -1);
+    }
+    float big[300];
+    for (int i = 0; i < 300; i++) big[i] = (float)(rng_u64() % 50);
+    int32_t idx[8];
+    float val[8];
+    int want[8];
+    cpumla_topk(big, 300, 8, idx, val);
+    ref_topk(big, 300, 8, want);
+    int ok = 1;
+    for (int i = 0; i < 8; i++) ok &= idx[i] == want[i];
+    check(ok, "cpumla_topk n=300 k=8 with many ties");
+}
+
+/* scores s, choice values ch (s + bias) for one token; returns selected indices in idx */
+static void ref_route_token(const cpumla_router *r, const float *logit, int64_t tok, int *idx, double *w) {
+    int E = r->n_experts, K = r->top_k;
+    double s[512];
+    float ch[512];
+    for (int e = 0; e < E; e++) {
+        double z = logit[e];
+        if (r->method == CPUMLA_ROUTE_SOFTMAX || r->method == CPUMLA_ROUTE_GROUP_LIMITED) s[e] = z;
+        else if (r->method == CPUMLA_ROUTE_NOAUX_TC) s[e] = 1 / (1 + exp(-z));
+        else s[e] = sqrt(z > 20 ? z : log1p(exp(z)));
+    }
+    if (r->method <= CPUMLA_ROUTE_GROUP_LIMITED) {
+        double m = -INFINITY, t = 0;
+        for (int e = 0; e < E; e++) m = dmax(m, s[e]);
+        for (int e = 0; e < E; e++) { s[e] = exp(s[e] - m); t += s[e]; }
+        for (int e = 0; e < E; e++) s[e] /= t;
+    }
+    for (int e = 0; e < E; e++) ch[e] = (float)(s[e] + (r->bias && r->method != CPUMLA_ROUTE_SOFTMAX &&
+                                                        r->method != CPUMLA_ROUTE_GROUP_LIMITED ? r->bias[e] : 0));
+    if (r->method == CPUMLA_ROUTE_HASH) {
+        for (int k = 0; k < K; k++)
+            idx[k] = r->tid2eid_dtype == CPUMLA_I64 ? (int)((const int64_t *)r->tid2eid)[tok * K + k]
+                                                    : ((const int32_t *)r->tid2eid)[tok * K + k];
+    } else {
+        int G = r->n_group > 1 ? r->n_group : 1;
+        if (G > 1 && (r->method == CPUMLA_ROUTE_GROUP_LIMITED || r->method == CPUMLA_ROUTE_NOAUX_TC)) {
+            int per = E / G;
+            float gs[64];
+            int gi[64];
+            for (int g = 0; g < G; g++) {
+                int o[64];
+                ref_topk(ch + g * per, per, 2, o);
+                gs[g] = r->method == CPUMLA_ROUTE_GROUP_LIMITED ? ch[g * per + o[0]]
+                                                                : ch[g * per + o[0]] + ch[g * per + o[1]];
+            }
+            ref_topk(gs, G, r->topk_group, gi);
+            for (int g = 0; g < G; g++) {
+                int keep = 0;
+                for (int q = 0; q < r->topk_group; q++) keep |= gi[q] == g;
+                if (!keep) for (int e = g * per; e < (g + 1) * per; e++) ch[e] = -INFINITY;
+            }
+        }
+        ref_topk(ch, E, K, idx);
+    }
+    double sum = 0;
+    for (int k = 0; k < K; k++) { w[k] = s[idx[k]]; sum += w[k]; }
+    for (int k = 0; k < K; k++) {
+        if (r->norm_topk_prob) w[k] /= sum + 1e-20;
+        w[k] *= r->routed_scaling_factor;
+    }
+}
+
+static void test_route(void) {
+    static const char *names[] = {"softmax", "group_limited", "noaux_tc", "sqrtsoftplus", "hash"};
+    int64_t n = 5, vocab = 11;
+    for (int method = 0; method <= CPUMLA_ROUTE_HASH; method++) {
+        cpumla_router r;
+        memset(&r, 0, sizeof r);
+        r.method = method;
+        r.n_experts = method == CPUMLA_ROUTE_NOAUX_TC ? 32 : 24;
+        r.top_k = method == CPUMLA_ROUTE_HASH ? 3 : 6;
+        r.n_group = method == CPUMLA_ROUTE_GROUP_LIMITED ? 4 : method == CPUMLA_ROUTE_NOAUX_TC ? 8 : 1;
+        r.topk_group = method == CPUMLA_ROUTE_GROUP_LIMITED ? 2 : method == CPUMLA_ROUTE_NOAUX_TC ? 3 : 0;
+        r.norm_topk_prob = method >= CPUMLA_ROUTE_NOAUX_TC;
+        r.routed_scaling_factor = method == CPUMLA_ROUTE_SOFTMAX ? 1.0f : 2.5f;
+        float bias[64];
+        for (int e = 0; e < 64; e++) bias[e] = rng_sym(0.3f);
+        r.bias = method >= CPUMLA_ROUTE_NOAUX_TC ? bias : NULL;
+        int64_t t64[11 * 3];
+        int32_t t32[11 * 3];
+        for (int i = 0; i < 33; i++) t32[i] = (int32_t)(t64[i] = (int64_t)((i * 7 + i / 3) % r.n_experts));
+        for (int dt = 0; dt < (method == CPUMLA_ROUTE_HASH ? 2 : 1); dt++) {
+            r.tid2eid = dt ? (const void *)t32 : (const void *)t64;
+            r.tid2eid_dtype = dt ? CPUMLA_I32 : CPUMLA_I64;
+            r.vocab = vocab;
+            int64_t ld = r.n_experts + 3, tok[5] = {0, 3, 10, 7, 7};
+            float *lg = nan_floats((size_t)(n * ld));
+            for (int64_t t = 0; t < n; t++) for (int e = 0; e < r.n_experts; e++) lg[t * ld + e] = rng_sym(4.0f);
+            int32_t idx[5 * 8];
+            float w[5 * 8];
+            int rc = cpumla_route(&r, lg, ld, n, tok, idx, w);
+            int ok = rc == 0;
+            for (int64_t t = 0; t < n && ok; t++) {
+                int want[8];
+                double ww[8];
+                ref_route_token(&r, lg + t * ld, tok[t], want, ww);
+                for (int k = 0; k < r.top_k; k++)
+                    ok &= idx[t * r.top_k + k] == want[k] && fabs(w[t * r.top_k + k] - ww[k]) <= 1e-5 * fabs(ww[k]) + 1e-7;
+                if (!ok)
+                    printf("  route %s token %lld: got %d %d %d (w %.6g), want %d %d %d (w %.6g)\n", names[method],
+                           (long long)t, idx[t * r.top_k], idx[t * r.top_k + 1], idx[t * r.top_k + 2], w[t * r.top_k],
+                           want[0], want[1], want[2], ww[0]);
+            }
+            check(ok, "cpumla_route %s%s (rc %d %s)", names[method], dt ? " I32 table" : "", rc, rc ? cpumla_last_error() : "");
+            if (method == CPUMLA_ROUTE_HASH) {
+                int64_t badtok[5] = {0, 1, 11, 2, 3};
+                check(cpumla_route(&r, lg, ld, n, badtok, idx, w) == -1 && cpumla_last_error()[0],
+                      "cpumla_route hash with a token id >= vocab must return -1");
+            }
+            free(lg);
+        }
+    }
+    cpumla_router bad;
+    memset(&bad, 0, sizeof bad);
+    bad.method = CPUMLA_ROUTE_SOFTMAX; bad.n_experts = 4; bad.top_k = 5; bad.routed_scaling_factor = 1;
+    float lg[4] = {0};
+    int32_t idx[5];
+    float w[5];
+    check(cpumla_route(&bad, lg, 4, 1, NULL, idx, w) == -1, "cpumla_route with top_k > n_experts must return -1");
+}
+
+/* ---- cache store and attention ---------------------------------------------------------------- */
+static void test_cache_store(void) {
+    int64_t width = 37, ld = 40, n_slots = 6, n = 4;
+    int64_t slots[4] = {2, -1, 0, 5};
+    for (int bf16 = 0; bf16 < 2; bf16++) {
+        size_t esz = bf16 ? 2 : 4;
+        uint8_t *cache = xalloc((size_t)(n_slots * ld) * esz);
+        memset(cache, 0x5a, (size_t)(n_slots * ld) * esz);
+        int64_t lds = width + 3;
+        float *src = make_vec(n * lds, 3.0f);
+        src[0] = fbits(0x3f808000u); src[1] = fbits(0x3f818000u); src[2] = fbits(0x00012345u);
+        cpumla_cache_store(cache, bf16 ? CPUMLA_BF16 : CPUMLA_F32, ld, src, lds, n, width, slots);
+        int ok = 1;
+        for (int64_t s = 0; s < n_slots; s++) {
+            int64_t t = -1;
+            for (int64_t i = 0; i < n; i++) if (slots[i] == s) t = i;
+            for (int64_t d = 0; d < ld; d++) {
+                const uint8_t *p = cache + (size_t)(s * ld + d) * esz;
+                if (t < 0 || d >= width) {
+                    for (size_t b = 0; b < esz; b++) ok &= p[b] == 0x5a;
+                } else if (bf16) {
+                    uint16_t h;
+                    memcpy(&h, p, 2);
+                    ok &= h == ref_to_bf16(src[t * lds + d]);
+                } else {
+                    ok &= memcmp(p, src + t * lds + d, 4) == 0;
+                }
+            }
+        }
+        check(ok, "cpumla_cache_store %s with slot -1", bf16 ? "BF16" : "F32");
+        free(cache); free(src);
+    }
+}
+
+typedef struct { int64_t n_q, H, dk, dv, n_kv; int causal, idx, sinks, big; } mcase;
+
+static void mla_case(const mcase *c, int bf16) {
+    int64_t n_q = c->n_q, H = c->H, dk = c->dk, dv = c->dv, n_kv = c->n_kv, ld_kv = dk + 4;
+    int64_t ldq_h = dk + 1, ldq_t = H * ldq_h + 3, ldo_h = dv + 2, ldo_t = H * ldo_h + 1;
+    /* causal: query i sees n_kv - n_q - 2 + i + 1 rows; the last rows are past every query's length */
+    int64_t *kv_len = NULL;
+    int64_t valid = n_kv;
+    if (c->causal) {
+        kv_len = xalloc(sizeof(int64_t) * (size_t)n_q);
+        for (int64_t i = 0; i < n_q; i++) kv_len[i] = n_kv - n_q - 2 + i + 1;
+        valid = kv_len[n_q - 1];
+    }
+    int64_t ld_idx = n_kv + 1;
+    int32_t *idx = NULL;
+    if (c->idx) {
+        idx = xalloc(sizeof(int32_t) * (size_t)(n_q * ld_idx));
+        for (int64_t i = 0; i < n_q * ld_idx; i++) idx[i] = (rng_u64() % 5 == 0) ? -1 : (int32_t)(rng_u64() % (uint64_t)valid);
+        if (n_q > 1) for (int64_t j = 0; j < ld_idx; j++) idx[j] = -1;    /* query 0 sees nothing */
+    }
+    size_t esz = bf16 ? 2 : 4;
+    void *kv = xalloc((size_t)(n_kv * ld_kv) * esz);
+    for (int64_t r = 0; r < n_kv; r++)
+        for (int64_t d = 0; d < ld_kv; d++) {
+            float v = (r < valid && d < dk) ? rng_sym(1.0f) : NAN;
+            if (bf16) ((uint16_t *)kv)[r * ld_kv + d] = isnan(v) ? 0x7fc0 : ref_to_bf16(v);
+            else ((float *)kv)[r * ld_kv + d] = v;
+        }
+    float *q = nan_floats((size_t)(n_q * ldq_t));
+    for (int64_t i = 0; i < n_q; i++) for (int64_t h = 0; h < H; h++) for (int64_t d = 0; d < dk; d++)
+        q[i * ldq_t + h * ldq_h + d] = rng_sym(2.0f);
+    float *sinks = NULL;
+    if (c->sinks) { sinks = xalloc(sizeof(float) * (size_t)H); for (int64_t h = 0; h < H; h++) sinks[h] = rng_sym(3.0f); }
+    float *out = xalloc(sizeof(float) * (size_t)(n_q * ldo_t)), *lse = xalloc(sizeof(float) * (size_t)(n_q * H));
+    for (int64_t i = 0; i < n_q * ldo_t; i++) out[i] = SENT;
+    cpumla_attn_args a = {.q = q, .ldq_t = ldq_t, .ldq_h = ldq_h, .n_q = n_q, .n_heads = H, .kv = kv,
+                          .kv_dtype = bf16 ? CPUMLA_BF16 : CPUMLA_F32, .ld_kv = ld_kv, .n_kv = n_kv, .dk = dk,
+                          .dv = dv, .kv_len = kv_len, .kv_idx = idx, .ld_idx = ld_idx, .sinks = sinks,
+                          .scale = (float)(0.7 / sqrt((double)dk)), .out = out, .ldo_t = ldo_t, .ldo_h = ldo_h,
+                          .lse = lse};
+    cpumla_mla_attention(&a);
+    ref_kv rk = {kv, bf16, ld_kv, dk, dv};
+    int64_t *rows = xalloc(sizeof(int64_t) * (size_t)(n_kv + 1));
+    double *ro = xalloc(sizeof(double) * (size_t)dv);
+    int ok = 1;
+    char where[256] = "";
+    for (int64_t i = 0; i < n_q && ok; i++) {
+        int64_t cnt = kv_len ? kv_len[i] : n_kv, nr = 0;
+        for (int64_t j = 0; j < cnt; j++) {
+            int64_t r = idx ? idx[i * ld_idx + j] : j;
+            if (r >= 0 && r < n_kv) rows[nr++] = r;
+        }
+        for (int64_t h = 0; h < H && ok; h++) {
+            double rl, smag;
+            ref_attn(&rk, q + i * ldq_t + h * ldq_h, a.scale, rows, nr, sinks != NULL, sinks ? sinks[h] : 0, ro, &rl, &smag);
+            const float *o = out + i * ldo_t + h * ldo_h;
+            double tol = 1e-5 + 1e-5 * smag;
+            for (int64_t d = 0; d < dv; d++) ok &= fabs(o[d] - ro[d]) <= tol;
+            ok &= o[dv] == SENT;
+            if (nr > 0) ok &= fabs(lse[i * H + h] - rl) <= tol;
+            if (!ok) snprintf(where, sizeof where, "query %lld head %lld (%lld rows): out[0] %.9g want %.9g, lse %.9g want %.9g",
+                              (long long)i, (long long)h, (long long)nr, o[0], ro[0], lse[i * H + h], rl);
+        }
+    }
+    check(ok, "cpumla_mla_attention n_q %lld H %lld dk %lld dv %lld n_kv %lld %s%s%s%s: %s", (long long)n_q, (long long)H,
+          (long long)dk, (long long)dv, (long long)n_kv, bf16 ? "BF16" : "F32", c->causal ? " causal" : "",
+          c->idx ? " kv_idx(-1)" : "", c->sinks ? " sinks" : "", where);
+    free(kv_len); free(idx); free(kv); free(q); free(sinks); free(out); free(lse); free(rows); free(ro);
+}
+
+static void test_attention(void) {
+    static const mcase cs[] = {
+        {1, 1, 8, 8, 1, 0, 0, 0, 0},        {1, 5, 40, 32, 37, 0, 0, 0, 0},   {4, 3, 40, 32, 37, 1, 0, 0, 0},
+        {3, 20, 72, 64, 300, 1, 1, 0, 0},   {2, 4, 64, 64, 150, 0, 1, 1, 0},  {1, 16, 72, 64, 1000, 0, 0, 1, 0},
+        {1, 16, 576, 512, 700, 0, 0, 0, 1}, {5, 16, 576, 512, 200, 1, 0, 0, 1}, {1, 64, 512, 512, 300, 0, 1, 1, 1},
+    };
+    for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
+        if (small_mode && cs[ci].big) continue;
+        for (int bf16 = 0; bf16 < 2; bf16++) mla_case(&cs[ci], bf16);
+    }
+}
+
+void test_api(const char *expect_isa) {
+    watchdog("cpumla_init");
+    test_init(expect_isa);
+    watchdog(NULL);
+    for (int i = 0; i < N_CHAIN; i++) {
+        if (!cpumla_isa_available(chain[i])) {
+            printf("%s: public API skipped (CPU or OS lacks it)\n", chain[i]);
+            continue;
+        }
+        if (cpumla_init(chain[i]) != 0) { check(0, "cpumla_init(\"%s\"): %s", chain[i], cpumla_last_error()); continue; }
+        cur_isa = chain[i];
+        for (int th = 0; th < 2; th++) {
+            cpumla_set_threads(th ? 4 : 1);
+            static char what[64];
+            snprintf(what, sizeof what, "public API with %d threads", th ? 4 : 1);
+            watchdog(what);
+            group_begin(); test_linear(); group_end("api linear");
+            group_begin(); test_rows(); test_rope(); group_end("api rows");
+            group_begin(); test_topk(); test_route(); group_end("api route");
+            group_begin(); test_cache_store(); test_attention(); group_end("api attention");
+            watchdog(NULL);
+        }
+        static char buf[1 << 16];
+        memset(buf, 1, sizeof buf);
+        (void)cpumla_read_probe(buf, sizeof buf);
+    }
+    cpumla_init("");
+}

@@ -1,0 +1,137 @@
+"""Independent references for the kernel tests: numpy in float64, torch for FP8 decoding.
+
+Nothing here shares code with the C library: formats are decoded the way torch and the spec
+(shared/docs/deepseek-architectures.md) define them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float64)
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bit patterns (uint16), rounded to nearest even by torch."""
+    return torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(torch.bfloat16).view(torch.int16) \
+        .numpy().view(np.uint16)
+
+
+def bf16_value(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def e4m3_value(q: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(np.ascontiguousarray(q)).view(torch.float8_e4m3fn).to(torch.float64).numpy()
+
+
+def e8m0_value(b: np.ndarray) -> np.ndarray:
+    return np.ldexp(1.0, b.astype(np.int64) - 127)
+
+
+def scale_value(s: np.ndarray) -> np.ndarray:
+    return e8m0_value(s) if s.dtype == np.uint8 else s.astype(np.float64)
+
+
+def dequant(fmt: str, data: np.ndarray, scale: np.ndarray | None = None,
+            block: tuple[int, int] | None = None) -> np.ndarray:
+    """The float64 matrix a weight stands for."""
+    if fmt == "f32":
+        return data.astype(np.float64)
+    if fmt == "f16":
+        return data.astype(np.float64)
+    if fmt == "bf16":
+        return bf16_value(data)
+    if fmt == "e4m3":
+        br, bc = block or (128, 128)
+        s = scale_value(scale)
+        full = np.repeat(np.repeat(s, br, axis=0), bc, axis=1)[: data.shape[0], : data.shape[1]]
+        return e4m3_value(data) * full
+    if fmt == "e2m1":
+        lo, hi = E2M1[data & 15], E2M1[data >> 4]
+        vals = np.stack([lo, hi], axis=-1).reshape(data.shape[0], data.shape[1] * 2)
+        br, bc = block or (1, 32)
+        s = scale_value(scale)
+        full = np.repeat(np.repeat(s, br, axis=0), bc, axis=1)[: vals.shape[0], : vals.shape[1]]
+        return vals * full
+    raise ValueError(fmt)
+
+
+def make_weight(fmt: str, rows: int, cols: int, rng: np.random.Generator, scale_kind: str = "f32",
+                block: tuple[int, int] | None = None):
+    """(data, scale, block) of a random weight in a checkpoint format, values of order 1."""
+    if fmt == "f32":
+        return rng.standard_normal((rows, cols)).astype(np.float32), None, None
+    if fmt == "f16":
+        return rng.standard_normal((rows, cols)).astype(np.float16), None, None
+    if fmt == "bf16":
+        return bf16_bits(rng.standard_normal((rows, cols))), None, None
+    if fmt == "e4m3":
+        block = block or (128, 128)
+        q = torch.from_numpy(rng.standard_normal((rows, cols)) * 100).clamp(-448, 448) \
+            .to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        grid = (-(-rows // block[0]), -(-cols // block[1]))
+        if scale_kind == "e8m0":
+            s = rng.integers(118, 124, size=grid).astype(np.uint8)
+        else:
+            s = rng.uniform(0.002, 0.02, size=grid).astype(np.float32)
+        return q, s, block
+    if fmt == "e2m1":
+        block = block or (1, 32)
+        q = rng.integers(0, 256, size=(rows, cols // 2)).astype(np.uint8)
+        s = rng.integers(122, 130, size=(-(-rows // block[0]), -(-cols // block[1]))).astype(np.uint8)
+        return q, s, block
+    raise ValueError(fmt)
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
+    x = x.astype(np.float64)
+    y = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+    return y if w is None else y * w
+
+
+def rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, offset: int, rope_dim: int,
+         half_split: bool, inverse: bool) -> np.ndarray:
+    """x [n, H, d] float64; pairs (2i, 2i+1) or (i, i+half) of the slice [offset, offset+rope_dim)."""
+    out = x.astype(np.float64).copy()
+    half = rope_dim // 2
+    ang = pos[:, None].astype(np.float32) * inv_freq[None, :].astype(np.float32)   # fp32 as torch does
+    c, s = np.cos(ang.astype(np.float64))[:, None, :], np.sin(ang.astype(np.float64))[:, None, :]
+    if inverse:
+        s = -s
+    sl = out[:, :, offset: offset + rope_dim]
+    if half_split:
+        a, b = sl[..., :half].copy(), sl[..., half:].copy()
+        sl[..., :half], sl[..., half:] = a * c - b * s, b * c + a * s
+    else:
+        a, b = sl[..., 0::2].copy(), sl[..., 1::2].copy()
+        sl[..., 0::2], sl[..., 1::2] = a * c - b * s, b * c + a * s
+    return out
+
+
+def attention(q: np.ndarray, kv: np.ndarray, dk: int, dv: int, scale: float, rows_per_query,
+              sinks: np.ndarray | None = None):
+    """q [n_q, H, dk], kv [T, >=dk] float64; rows_per_query[i] lists the kv rows query i sees.
+    Returns out [n_q, H, dv] and lse [n_q, H]."""
+    n_q, H = q.shape[:2]
+    out = np.zeros((n_q, H, dv))
+    lse = np.full((n_q, H), -np.inf)
+    for i in range(n_q):
+        rows = np.asarray(rows_per_query[i], dtype=np.int64)
+        if rows.size == 0 and sinks is None:
+            continue
+        k = kv[rows, :dk]
+        v = kv[rows, :dv]
+        s = q[i] @ k.T * scale                                   # [H, n]
+        parts = [s]
+        if sinks is not None:
+            parts.append(sinks[:, None].astype(np.float64))
+        m = np.concatenate(parts, axis=1).max(axis=1, keepdims=True)
+        p = np.exp(s - m)
+        denom = p.sum(axis=1, keepdims=True)
+        if sinks is not None:
+            denom = denom + np.exp(sinks[:, None] - m)
+        out[i] = (p @ v) / denom
+        lse[i] = (m + np.log(denom))[:, 0]
+    return out, lse
