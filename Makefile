@@ -1,0 +1,47 @@
+# cpumla: developer entry points. `make test` is the README's test command and what CI runs.
+PY ?= python3
+PIP ?= $(PY) -m pip
+
+.PHONY: install dev test test-py test-native test-arm test-nehalem cross-deps bench info clean help
+
+help:
+	@echo "make install      install cpumla (builds the kernel library for every ISA of this arch)"
+	@echo "make test         install with test extras, then every test: Python, C runner natively,"
+	@echo "                  NEON under qemu-aarch64, and the x86 build on an emulated Nehalem (no AVX)"
+	@echo "make test-py      Python tests only (kernels over every runnable ISA, CLI)"
+	@echo "make test-native  C kernel runner on this CPU"
+	@echo "make bench        kernel micro-benchmark (GEMV GB/s vs measured read bandwidth)"
+
+install:
+	$(PIP) install .
+
+# Editable install with the test extras (torch pinned to the CPU build 2.13.0: never a CUDA build).
+dev:
+	$(PIP) install -q -e '.[test]'
+
+test: dev test-py test-native test-arm test-nehalem
+
+test-py:
+	$(PY) -m pytest -q tests
+
+test-native:
+	bash tests/native/run.sh host
+
+cross-deps:
+	bash tests/native/cross-deps.sh
+
+test-arm: cross-deps
+	bash tests/native/run.sh arm
+
+test-nehalem: cross-deps
+	@if [ "$$(uname -m)" = x86_64 ]; then bash tests/native/run.sh nehalem; \
+	else echo "nehalem: skipped (not an x86-64 host)"; fi
+
+bench:
+	cpumla bench --kernels
+
+info:
+	cpumla info
+
+clean:
+	rm -rf build dist *.egg-info cpumla/native/_cpumla*.so cpumla/native/_cpumla.c

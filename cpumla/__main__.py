@@ -1,0 +1,3 @@
+from cpumla.cli.main import main
+
+main()
