@@ -248,3 +248,33 @@ def test_bad_weights_are_errors():
         native.Weight(q, "e4m3")
     with pytest.raises(CpumlaError, match="unknown weight dtype"):
         native.Weight(q, "int3")
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "e4m3"])
+@pytest.mark.parametrize("n", [1, 7])
+def test_moe(isa, fmt, n):
+    """cpumla_moe against per-token float64 SwiGLU experts, with a skipped (-1) slot."""
+    rng = np.random.default_rng(21)
+    E, D, I, k = 5, 48, 40, 3
+    raw = [[build(fmt, "f32", r, c, rng) for r, c in ((I, D), (I, D), (D, I))] for _ in range(E)]
+    table = native.Experts([tuple(wt for wt, _ in ex) for ex in raw])
+    x = rng.standard_normal((n, D)).astype(np.float32)
+    idx = rng.integers(0, E, size=(n, k)).astype(np.int32)
+    idx[0, 1] = -1
+    w = rng.uniform(0.1, 1.0, size=(n, k)).astype(np.float32)
+    y0 = rng.standard_normal((n, D)).astype(np.float32)
+    got = table(x, idx, w, y0.copy())
+    want = y0.astype(np.float64)
+    mag = np.abs(want)
+    for t in range(n):
+        for j in range(k):
+            if idx[t, j] < 0:
+                continue
+            G, U, Dn = (m for _, m in raw[idx[t, j]])
+            g, u = G @ x[t], U @ x[t]
+            a = g / (1 + np.exp(-g)) * u
+            want[t] += w[t, j] * (Dn @ a)
+            mag[t] += w[t, j] * (np.abs(Dn) @ np.abs(a))
+    assert_close(got, want, mag + 1e-3, rtol=5e-5, what="moe")
+    with pytest.raises(CpumlaError, match="out of range"):
+        table(x, np.full((n, k), E, np.int32), w, y0.copy())

@@ -384,3 +384,31 @@ def mla_attention(q: np.ndarray, kv: np.ndarray, dk: int, dv: int, scale: float,
 def read_probe(buf: np.ndarray) -> float:
     ensure_init()
     return lib.cpumla_read_probe(vptr(buf), buf.nbytes)
+
+
+class Experts:
+    """A table of SwiGLU MLPs (cpumla_expert[]) for cpumla_moe; keeps its Weights alive."""
+
+    def __init__(self, experts: list[tuple[Weight, Weight, Weight]]):
+        if not experts:
+            raise CpumlaError("an expert table needs at least one expert")
+        self._keep = experts
+        self.c = ffi.new("cpumla_expert[]", len(experts))
+        I, D = experts[0][0].rows, experts[0][0].cols
+        for i, (g, u, d) in enumerate(experts):
+            if (g.rows, g.cols, u.rows, u.cols, d.rows, d.cols) != (I, D, I, D, D, I):
+                raise CpumlaError(f"expert {i} has shapes {g.rows}x{g.cols}/{u.rows}x{u.cols}/{d.rows}x{d.cols}, "
+                                  f"want {I}x{D}/{I}x{D}/{D}x{I}")
+            self.c[i].gate, self.c[i].up, self.c[i].down = g.c[0], u.c[0], d.c[0]
+        self.n, self.hidden, self.intermediate = len(experts), D, I
+
+    def __call__(self, x: np.ndarray, idx: np.ndarray, w: np.ndarray, out: np.ndarray, limit: float = 0.0):
+        """out[t] += sum_j w[t, j] * Expert_{idx[t, j]}(x[t]); x, out [n, D]; idx, w [n, k]."""
+        ensure_init()
+        idx = np.ascontiguousarray(idx, dtype=np.int32)
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        rc = lib.cpumla_moe(self.c, self.n, fptr(x), ld(x), x.shape[0], vptr(idx, "int32_t *"), fptr(w),
+                            idx.shape[1], fptr(out), ld(out), limit)
+        if rc != 0:
+            raise CpumlaError(_err())
+        return out

@@ -181,6 +181,20 @@ typedef struct cpumla_router {
 int cpumla_route(const cpumla_router *r, const float *logits, int64_t ld, int64_t n,
                  const int64_t *token_ids, int32_t *idx, float *weights);
 
+/* ---- MoE / MLP ---------------------------------------------------------------------------------- */
+/* One SwiGLU MLP: down(silu(gate x) * up x). A dense MLP or a shared expert is a table of one. */
+typedef struct cpumla_expert {
+    cpumla_weight gate, up, down;   /* [I, D], [I, D], [D, I] */
+} cpumla_expert;
+
+/* y[t] += sum_{j < k} w[t*k + j] * Expert_{idx[t*k + j]}(x[t])   for t < n.
+ * x [n, ldx] (D = experts[0].gate.cols), y [n, ldy]; idx entries < 0 are skipped; every expert must
+ * have the same I and D. limit > 0 clamps as in cpumla_swiglu (V4). Decode (n = 1) runs the gate/up
+ * rows of all k experts as one parallel job and the down rows as another; prefill groups tokens by
+ * expert and runs one GEMM per expert hit. Returns 0, or -1 for an expert index >= n_experts. */
+int cpumla_moe(const cpumla_expert *experts, int64_t n_experts, const float *x, int64_t ldx, int64_t n,
+               const int32_t *idx, const float *w, int64_t k, float *y, int64_t ldy, float limit);
+
 /* ---- latent cache and MLA attention ----------------------------------------------------------- */
 /* cache row slots[t] = src row t (width values), for t < n; a slot of -1 is skipped.
  * cache_dtype: CPUMLA_F32, or CPUMLA_BF16 (round to nearest even). */

@@ -1,6 +1,7 @@
 /* dispatch.h: the chosen kernel table and library-internal helpers shared by dispatch.c and ops.c. */
 #ifndef CPUMLA_DISPATCH_H
 #define CPUMLA_DISPATCH_H
+#include <stddef.h>
 #include "kernels.h"
 
 #ifndef CPUMLA_VERSION
@@ -10,5 +11,7 @@
 extern cpumla_kernels cpumla_k;     /* filled by cpumla_init */
 void cpumla_ensure_init(void);      /* cpumla_init(NULL) on first use */
 void cpumla_set_error(const char *msg);
+/* (re)allocates *buf to at least bytes (64-byte aligned) only when it is too small; NULL if out of memory */
+void *cpumla_grow(void **buf, size_t *cap, size_t bytes);
 
 #endif

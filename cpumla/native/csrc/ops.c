@@ -17,7 +17,7 @@ static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* Library-owned scratch that only grows, so nothing is allocated per call once warm. */
-static void *grow(void **buf, size_t *cap, size_t bytes) {
+void *cpumla_grow(void **buf, size_t *cap, size_t bytes) {
     if (bytes > *cap) {
         free(*buf);
         size_t want = bytes + bytes / 4 + 4096;
@@ -314,7 +314,7 @@ int cpumla_route(const cpumla_router *r, const float *logits, int64_t ld, int64_
         cpumla_set_error("hash routing needs tid2eid and token ids");
         return -1;
     }
-    float *s = grow(&route_buf, &route_cap, sizeof(float) * (size_t)(3 * E + 2 * G + 2 * K));
+    float *s = cpumla_grow(&route_buf, &route_cap, sizeof(float) * (size_t)(3 * E + 2 * G + 2 * K));
     float *choice = s + E, *gscore = choice + E, *gval = gscore + G, *kval = gval + G;
     int32_t *gidx = (int32_t *)(kval + K);   /* G ints fit in the E floats after kval */
     for (int64_t t = 0; t < n; t++) {
@@ -503,7 +503,7 @@ void cpumla_mla_attention(const cpumla_attn_args *a) {
     j.split_len = ceil_div(longest > 0 ? longest : 1, j.n_splits);
     size_t bytes = sizeof(float) * (size_t)a->n_q * (size_t)j.n_hblocks * (size_t)j.n_splits *
                    (size_t)j.head_block * (size_t)(a->dv + 2);
-    j.parts = grow(&attn_buf, &attn_cap, bytes);
+    j.parts = cpumla_grow(&attn_buf, &attn_cap, bytes);
     if (!j.parts) { cpumla_set_error("out of memory for attention scratch"); return; }
     int64_t tasks = base * j.n_splits;
     int work_small = threads == 1 || tasks == 1;
