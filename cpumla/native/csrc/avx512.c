@@ -196,69 +196,98 @@ INLINE void gemv_bf16_rows(const cpumla_weight *w, const float *x, float *y, int
     UNROLL for (int i = 0; i < R; i++) y[i] = _mm512_reduce_add_ps(_mm512_add_ps(a0[i], a1[i]));
 }
 
-/* E4M3, blocks a multiple of 64 columns wide: 64 bytes per step per row, read as 32 words. The high
- * byte of word k (column 2k+1) becomes fp16 bits by sra(w, 1) & 0xbf80, the low byte (column 2k) by
- * the same after w << 8: no byte widening shuffles. So x is rearranged once per call, per 64 columns,
- * as [even 0..30 | odd 1..31 | even 32..62 | odd 33..63] (fp8_split_x). NaN bytes are tracked in a
- * mask. Columns [cb, ce) (block-aligned), xp = rearranged x[cb, ce); y[i] += the row's dot. */
+/* E4M3, blocks a multiple of 64 columns wide: 64 bytes per step per row, read as 16 dwords. Byte j of
+ * a dword becomes the fp32 bits of value * 2^-120 with word shifts and masks only, no converts:
+ * sraw(word, 4) puts the high byte of each word at [sign | 0000 | eeee mmm] in the top 12 bits of
+ * that word, so (v & 0x87f00000) is byte 3 and ((v << 16) & 0x87f00000) byte 1; the same after
+ * sllw(d, 8) gives bytes 2 and 0. e4m3 subnormals (eeee = 0) land on fp32 subnormals, so the decode
+ * is exact for every byte; FMA takes subnormal inputs at full speed here. x is rearranged once per
+ * call as [x(4k) | x(4k+1) | x(4k+2) | x(4k+3)] per 64 columns and multiplied by 2^E4M3_XK, so the
+ * products stay normal; the block scale carries the remaining 2^(120 - E4M3_XK). A call whose x has
+ * |x| >= 2^(127 - E4M3_XK) (it would overflow) takes the generic path instead.
+ * NaN codes 0x7f / 0xff are not detected here (they decode to +-480, real checkpoints never contain
+ * them); the generic paths (gemm, gemv_t, dequant) still give NaN for them as the spec does.
+ * Columns [cb, ce) (block-aligned), xp = rearranged x[cb, ce); y[i] += the row's dot. */
 #define FP8_XSEG 8192        /* columns of x rearranged at a time (32 KiB on the stack) */
+#define E4M3_XK 104          /* x is scaled by 2^104 (|x| < 2^23 required), the scale by 2^16 */
 
-static void fp8_split_x(const float *x, int64_t n, float *xp) {   /* n: whole 64-column groups */
-    for (int64_t g = 0; g < n; g += 64)
-        for (int k = 0; k < 16; k++) {
-            xp[g + k] = x[g + 2 * k];
-            xp[g + 16 + k] = x[g + 2 * k + 1];
-            xp[g + 32 + k] = x[g + 32 + 2 * k];
-            xp[g + 48 + k] = x[g + 32 + 2 * k + 1];
+/* n: whole 64-column groups. Returns 0 when some |x| >= 2^23 (too large for the scaling; inf too). */
+static int fp8_split_x(const float *x, int64_t n, float *xp) {
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60);
+    const __m512 k = _mm512_set1_ps(0x1p104f), lim = _mm512_set1_ps(0x1p23f);
+    __mmask16 big = 0;
+    for (int64_t g = 0; g < n; g += 64) {
+        __m512 v0 = _mm512_loadu_ps(x + g), v1 = _mm512_loadu_ps(x + g + 16);
+        __m512 v2 = _mm512_loadu_ps(x + g + 32), v3 = _mm512_loadu_ps(x + g + 48);
+        big |= _mm512_cmp_ps_mask(_mm512_abs_ps(v0), lim, _CMP_GE_OQ) | _mm512_cmp_ps_mask(_mm512_abs_ps(v1), lim, _CMP_GE_OQ) |
+               _mm512_cmp_ps_mask(_mm512_abs_ps(v2), lim, _CMP_GE_OQ) | _mm512_cmp_ps_mask(_mm512_abs_ps(v3), lim, _CMP_GE_OQ);
+        for (int j = 0; j < 4; j++) {
+            __m512i ij = _mm512_add_epi32(idx, _mm512_set1_epi32(j));   /* x(4k + j), k < 16 */
+            /* lanes 0..7 from v0:v1, 8..15 from v2:v3 (the index is taken mod 32) */
+            __m512 r = _mm512_mask_blend_ps(0xff00, _mm512_permutex2var_ps(v0, ij, v1), _mm512_permutex2var_ps(v2, ij, v3));
+            _mm512_storeu_ps(xp + g + 16 * j, _mm512_mul_ps(r, k));
         }
+    }
+    return big == 0;
 }
 
 INLINE void gemv_e4m3_rows(const cpumla_weight *w, const float *x, const float *xp, int64_t cb, int64_t ce,
                            float *y, int64_t r, int R, const uint8_t *pf) {
     const uint8_t *rp[4];
     __m512 acc[4];
-    __mmask64 nan[4];
-    UNROLL for (int i = 0; i < R; i++) { rp[i] = weight_row(w, r + i); acc[i] = _mm512_setzero_ps(); nan[i] = 0; }
+    UNROLL for (int i = 0; i < R; i++) { rp[i] = weight_row(w, r + i); acc[i] = _mm512_setzero_ps(); }
     int64_t bc = w->block_cols;
-    const __m512i sign = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8(-1);
-    const __m512i keep = _mm512_set1_epi16((short)0xbf80);
+    const __m512i m = _mm512_set1_epi32((int)0x87f00000u);
     for (int64_t b0 = cb; b0 < ce; b0 += bc) {
         int64_t b1 = min64(b0 + bc, ce), c = b0;
         __m512 p0[4], p1[4];
         UNROLL for (int i = 0; i < R; i++) { p0[i] = _mm512_setzero_ps(); p1[i] = _mm512_setzero_ps(); }
         for (; c + 64 <= b1; c += 64) {
             const float *xs = xp + (c - cb);
-            __m512 xe0 = _mm512_loadu_ps(xs), xo0 = _mm512_loadu_ps(xs + 16);
-            __m512 xe1 = _mm512_loadu_ps(xs + 32), xo1 = _mm512_loadu_ps(xs + 48);
+            __m512 x0 = _mm512_loadu_ps(xs), x1 = _mm512_loadu_ps(xs + 16);
+            __m512 x2 = _mm512_loadu_ps(xs + 32), x3 = _mm512_loadu_ps(xs + 48);
             UNROLL for (int i = 0; i < R; i++) {
                 _mm_prefetch((const char *)(pf + i * w->row_bytes + c), _MM_HINT_T0);
-                __m512i b = _mm512_loadu_si512(rp[i] + c);
-                nan[i] |= _mm512_cmpeq_epi8_mask(_mm512_or_si512(b, sign), ones);
-                __m512i ho = _mm512_and_si512(_mm512_srai_epi16(b, 1), keep);
-                __m512i he = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(b, 8), 1), keep);
-                p0[i] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(he)), xe0, p0[i]);
-                p1[i] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(ho)), xo0, p1[i]);
-                p0[i] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(he, 1)), xe1, p0[i]);
-                p1[i] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(ho, 1)), xo1, p1[i]);
+                __m512i d = _mm512_loadu_si512(rp[i] + c);
+                __m512i vh = _mm512_srai_epi16(d, 4), vl = _mm512_srai_epi16(_mm512_slli_epi16(d, 8), 4);
+                __m512 f3 = _mm512_castsi512_ps(_mm512_and_si512(vh, m));
+                __m512 f1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(vh, 16), m));
+                __m512 f2 = _mm512_castsi512_ps(_mm512_and_si512(vl, m));
+                __m512 f0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(vl, 16), m));
+                p0[i] = _mm512_fmadd_ps(f0, x0, p0[i]);
+                p1[i] = _mm512_fmadd_ps(f1, x1, p1[i]);
+                p0[i] = _mm512_fmadd_ps(f2, x2, p0[i]);
+                p1[i] = _mm512_fmadd_ps(f3, x3, p1[i]);
             }
         }
-        for (; c < b1; c += 16) {                       /* only the last, partial block of a row */
-            __m512 x0 = _mm512_maskz_loadu_ps(tail16(b1 - c), x + c);
-            UNROLL for (int i = 0; i < R; i++) p0[i] = _mm512_fmadd_ps(dq16(CPUMLA_E4M3, rp[i], c, b1 - c), x0, p0[i]);
-        }
         UNROLL for (int i = 0; i < R; i++)
-            acc[i] = _mm512_fmadd_ps(_mm512_add_ps(p0[i], p1[i]), _mm512_set1_ps(blk_scale(w, r + i, b0)), acc[i]);
+            acc[i] = _mm512_fmadd_ps(_mm512_add_ps(p0[i], p1[i]),
+                                     _mm512_set1_ps(weight_scale(w, r + i, b0) * 0x1p16f), acc[i]);
+        if (c < b1) {                                   /* only the last, partial block of a row */
+            UNROLL for (int i = 0; i < R; i++) p0[i] = _mm512_setzero_ps();
+            for (; c < b1; c += 16) {
+                __m512 xv = _mm512_maskz_loadu_ps(tail16(b1 - c), x + c);
+                UNROLL for (int i = 0; i < R; i++) p0[i] = _mm512_fmadd_ps(dq16(CPUMLA_E4M3, rp[i], c, b1 - c), xv, p0[i]);
+            }
+            UNROLL for (int i = 0; i < R; i++)
+                acc[i] = _mm512_fmadd_ps(p0[i], _mm512_set1_ps(blk_scale(w, r + i, b0)), acc[i]);
+        }
     }
-    UNROLL for (int i = 0; i < R; i++) y[i] = nan[i] ? NAN : y[i] + _mm512_reduce_add_ps(acc[i]);
+    UNROLL for (int i = 0; i < R; i++) y[i] += _mm512_reduce_add_ps(acc[i]);
 }
 
 static void gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
-    float xp[FP8_XSEG];
+    float xp[FP8_XSEG] __attribute__((aligned(64)));
     int64_t seg = FP8_XSEG / w->block_cols * w->block_cols;
     for (int64_t r = r0; r < r1; r++) y[r - r0] = 0.0f;
     for (int64_t cb = 0; cb < w->cols; cb += seg) {
         int64_t ce = min64(cb + seg, w->cols);
-        fp8_split_x(x + cb, (ce - cb) / 64 * 64, xp);
+        if (!fp8_split_x(x + cb, (ce - cb) / 64 * 64, xp)) {      /* huge activations: generic path */
+            int64_t r = r0;
+            for (; r + 4 <= r1; r += 4) gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_E4M3);
+            for (; r < r1; r++) gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_E4M3);
+            return;
+        }
         int64_t r = r0;
         for (; r + 4 <= r1; r += 4) gemv_e4m3_rows(w, x, xp, cb, ce, y + (r - r0), r, 4, pf_rows(w, r, r1));
         for (; r < r1; r++) gemv_e4m3_rows(w, x, xp, cb, ce, y + (r - r0), r, 1, pf_rows(w, r, r1));

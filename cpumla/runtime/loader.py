@@ -1,0 +1,37 @@
+"""cpumla.load(): model argument -> config (+ overrides) -> weights (checkpoint or dummy) -> Engine."""
+
+from __future__ import annotations
+
+from cpumla.errors import CpumlaError
+from cpumla.models.deepseek_v2 import MLAConfig
+
+
+def load_config(model: str, hf_overrides=None):
+    """(MLAConfig, Resolved) for a local directory, a cached repo id or a preset."""
+    from cpumla.runtime.resolve import apply_overrides, resolve_model
+
+    resolved = resolve_model(model)
+    cfg_dict = apply_overrides(resolved.config, hf_overrides)
+    where = f"{resolved.directory / 'config.json'}" if resolved.directory else f"preset {model}"
+    return MLAConfig.from_dict(cfg_dict, source=where), resolved
+
+
+def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: int = 0, threads: int | None = None,
+         max_seq_len: int | None = None, dummy_dtype: str = "bf16"):
+    """An Engine for `model` (a local directory, a Hugging Face repo id in the local cache, or a known
+    repo id whose config cpumla bundles). dummy_weights: deterministic random weights from `seed` in
+    the checkpoint's in-memory formats (dummy_dtype "bf16", or "fp8" as V3 ships). Raises CpumlaError."""
+    from cpumla.runtime.engine import Engine
+    from cpumla.runtime.weights import DummySource
+
+    cfg, resolved = load_config(model, hf_overrides)
+    if dummy_weights:
+        src = DummySource(cfg, seed=seed, dtype=dummy_dtype)
+    else:
+        if resolved.directory is None:
+            raise CpumlaError(f"'{model}' is a preset (config only): pass --dummy-weights, or download the "
+                              f"weights with `cpumla download {model}`")
+        from cpumla.runtime.safetensors import Checkpoint
+
+        src = Checkpoint(resolved.directory)
+    return Engine(cfg, src, max_seq_len=max_seq_len, threads=threads)

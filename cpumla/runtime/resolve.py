@@ -1,0 +1,161 @@
+"""Turn a `--model` argument into a config (and, when the weights are here, a directory).
+
+Order: a local directory, then a repo id already in the local Hugging Face cache, then a known
+preset (config only, no weights). Nothing here touches the network: the cache lookup is a purely
+local read, whatever HF_HUB_OFFLINE says, and downloading is `cpumla download`'s job.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from cpumla.errors import CpumlaError
+from cpumla.models.presets import DIR as PRESET_DIR
+
+# repo id -> preset config.json; file "<org>--<name>.json" holds repo "<org>/<name>".
+PRESETS: dict[str, Path] = {
+    p.stem.replace("--", "/", 1): p for p in sorted(PRESET_DIR.glob("*.json"))
+}
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+@dataclass
+class Resolved:
+    kind: Literal["dir", "cache", "preset"]
+    directory: Path | None  # holds config.json and the weights; None for a preset
+    repo_id: str | None  # None for a plain local directory
+    config: dict[str, Any]  # config.json contents (or the preset's)
+
+
+def load_config(path: Path) -> dict[str, Any]:
+    """Parse a config.json; any problem is one CpumlaError line naming the file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise CpumlaError(f"{path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise CpumlaError(f"{path}: not UTF-8 text: {e}") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CpumlaError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    if not isinstance(config, dict):
+        raise CpumlaError(f"{path}: is a JSON {type(config).__name__}, not an object")
+    return config
+
+
+def _preset_key(repo_id: str) -> str | None:
+    """Hub repo ids are case-insensitive: accept any spelling, return ours."""
+    folded = repo_id.casefold()
+    return next((k for k in PRESETS if k.casefold() == folded), None)
+
+
+def preset_config(repo_id: str) -> dict[str, Any]:
+    key = _preset_key(repo_id)
+    if key is None:
+        raise CpumlaError(f"'{repo_id}' is not a known preset (presets: {', '.join(PRESETS)})")
+    return load_config(PRESETS[key])
+
+
+def hf_hub_cache() -> Path:
+    """The hub cache directory, read from the environment now (huggingface_hub reads it at import)."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    return hf_home() / "hub"
+
+
+def hf_home() -> Path:
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    return Path(xdg, "huggingface").expanduser()
+
+
+def _cached_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
+    """The snapshot directory of `repo_id` in the local hub cache if it has config.json, else None."""
+    cache = hf_hub_cache()
+    try:
+        from huggingface_hub import try_to_load_from_cache  # local files only, never the network
+    except ImportError:
+        try_to_load_from_cache = None
+    if try_to_load_from_cache is not None:
+        try:
+            found = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache, revision=revision)
+        except Exception:  # invalid repo id, unreadable cache: treat as "not cached"
+            return None
+        return Path(found).parent if isinstance(found, (str, os.PathLike)) else None
+    # Same layout by hand: models--org--name/refs/<rev> holds the commit of snapshots/<commit>/.
+    repo_dir = cache / ("models--" + repo_id.replace("/", "--"))
+    rev = revision or "main"
+    ref = repo_dir / "refs" / rev
+    commit = ref.read_text().strip() if ref.is_file() else rev
+    snapshot = repo_dir / "snapshots" / commit
+    return snapshot if (snapshot / "config.json").is_file() else None
+
+
+def _looks_like_path(model: str) -> bool:
+    return model.startswith(("/", ".", "~")) or os.sep in model.replace("/", "") or model.count("/") > 1
+
+
+def resolve_model(model: str) -> Resolved:
+    path = Path(model).expanduser()
+    if path.is_dir():
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise CpumlaError(f"{path}: has no config.json (is it a model directory?)")
+        return Resolved("dir", path.resolve(), None, load_config(config_path))
+    if path.exists():
+        raise CpumlaError(f"{path}: is a file; --model wants a model directory or a repo id")
+    if _looks_like_path(model):
+        raise CpumlaError(f"{path}: no such directory")
+
+    if _REPO_ID.match(model):
+        snapshot = _cached_snapshot(model)
+        if snapshot is not None:
+            return Resolved("cache", snapshot, model, load_config(snapshot / "config.json"))
+        key = _preset_key(model)
+        if key is not None:
+            return Resolved("preset", None, key, load_config(PRESETS[key]))
+
+    raise CpumlaError(
+        f"'{model}' is not a local directory, not in the Hugging Face cache (HF_HOME={hf_home()}), "
+        f"and not a known preset; download it with `cpumla download {model}` "
+        f"(presets: {', '.join(PRESETS)})")
+
+
+def _merge(base: dict[str, Any], patch: dict[str, Any], where: str) -> None:
+    for key, value in patch.items():
+        if key not in base and not where:
+            raise CpumlaError(f"--hf-overrides: config has no field '{key}'")
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value, f"{where}{key}.")  # e.g. rope_scaling: key-wise
+        else:
+            base[key] = copy.deepcopy(value)
+
+
+def apply_overrides(config: dict[str, Any], overrides: str | dict[str, Any] | None) -> dict[str, Any]:
+    """vLLM-style hf_overrides: merge a JSON object into a copy of `config`.
+
+    Top-level keys must already exist in the config (a typo is an error, not a silent no-op);
+    nested objects such as rope_scaling merge key by key and may gain keys.
+    """
+    merged = copy.deepcopy(config)
+    if overrides is None or (isinstance(overrides, str) and not overrides.strip()):
+        return merged
+    if isinstance(overrides, str):
+        try:
+            overrides = json.loads(overrides)
+        except json.JSONDecodeError as e:
+            raise CpumlaError(f"--hf-overrides is not valid JSON: {e.msg} at column {e.colno}") from None
+    if not isinstance(overrides, dict):
+        raise CpumlaError(f"--hf-overrides must be a JSON object, not a {type(overrides).__name__}")
+    _merge(merged, overrides, "")
+    return merged

@@ -1,0 +1,153 @@
+"""The one seam for checkpoint surgery: tensors as shipped -> kernel weights, and dummy weights.
+
+A source is anything with `has(name)`, `info(name) -> (dtype, shape)` and `tensor(name) -> ndarray`:
+a real checkpoint (runtime/safetensors.py, memory-mapped, zero copy) or DummySource (deterministic
+random tensors in the same formats a real checkpoint has). FP8 scales are paired with their weights
+here; the forward pass never sees checkpoint quirks. The MTP layer (model.layers.<L>.*) is never read.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from cpumla import native
+from cpumla.errors import CpumlaError
+from cpumla.models.deepseek_v2 import MLAConfig, checkpoint_name_map, mlp_names
+
+FORMAT_OF = {"F32": "f32", "BF16": "bf16", "F16": "f16", "F8_E4M3": "e4m3"}
+
+
+def linear(src, name: str, shape: tuple[int, int], cfg: MLAConfig) -> native.Weight:
+    """A [out, in] weight in its checkpoint format; FP8 with its `weight_scale_inv` block grid."""
+    if not src.has(name):
+        raise CpumlaError(f"checkpoint is missing tensor '{name}'")
+    dtype, got = src.info(name)
+    if tuple(got) != tuple(shape):
+        raise CpumlaError(f"tensor '{name}' has shape {list(got)}, config wants {list(shape)}")
+    fmt = FORMAT_OF.get(dtype)
+    if fmt is None:
+        raise CpumlaError(f"tensor '{name}' has dtype {dtype}, which cpumla cannot use for a weight")
+    data = src.tensor(name)
+    if fmt != "e4m3":
+        return native.Weight(data, fmt)
+    sname = name + "_scale_inv"
+    if not src.has(sname):
+        raise CpumlaError(f"FP8 tensor '{name}' has no '{sname}'")
+    scale = src.tensor(sname)
+    if scale.dtype != np.float32 and scale.dtype != np.uint8:
+        raise CpumlaError(f"'{sname}' must be F32 or F8_E8M0")
+    return native.Weight(data, "e4m3", scale, cfg.block)
+
+
+def vector(src, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A norm weight or bias: float32, bf16 bits (uint16) or float16, as stored."""
+    if not src.has(name):
+        raise CpumlaError(f"checkpoint is missing tensor '{name}'")
+    dtype, got = src.info(name)
+    if tuple(got) != tuple(shape):
+        raise CpumlaError(f"tensor '{name}' has shape {list(got)}, config wants {list(shape)}")
+    if dtype not in ("F32", "BF16", "F16"):
+        raise CpumlaError(f"tensor '{name}' has dtype {dtype}; a norm weight must be F32, BF16 or F16")
+    return src.tensor(name)
+
+
+def as_f32(v: np.ndarray) -> np.ndarray:
+    if v.dtype == np.uint16:
+        return (v.astype(np.uint32) << 16).view(np.float32)
+    return v.astype(np.float32)
+
+
+def model_tensors(cfg: MLAConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor the model reads: name -> (shape, role). Roles guide dummy initialisation."""
+    D, V = cfg.hidden_size, cfg.vocab_size
+    out = {"model.embed_tokens.weight": ((V, D), "embed"), "model.norm.weight": ((D,), "norm"),
+           "lm_head.weight": ((V, D), "linear")}
+    for layer in range(cfg.num_hidden_layers):
+        for role, (name, shape) in checkpoint_name_map(cfg, layer).items():
+            kind = "norm" if role.endswith("_ln") else "bias" if role == "gate_bias" else \
+                "router" if role == "gate" else "linear"
+            out[name] = (shape, kind)
+        for group, trios in mlp_names(cfg, layer).items():
+            inter = cfg.intermediate_size if group == "dense" else \
+                cfg.moe_intermediate_size * (cfg.n_shared_experts if group == "shared" else 1)
+            for g, u, d in trios:
+                out[g] = ((inter, D), "linear")
+                out[u] = ((inter, D), "linear")
+                out[d] = ((D, inter), "linear")
+    return out
+
+
+class DummySource:
+    """Deterministic random tensors (from seed and tensor name), scaled so activations stay finite
+    through every layer: linear weights ~ N(0, 1/in), norms 1, embeddings N(0, 1). dtype "bf16" (as
+    V2 ships) or "fp8" (FP8 e4m3 linears with f32 128x128 block scales, as V3 ships; embeddings, norms
+    and the router stay bf16/f32)."""
+
+    def __init__(self, cfg: MLAConfig, seed: int = 0, dtype: str = "bf16"):
+        if dtype not in ("bf16", "fp8", "f32"):
+            raise CpumlaError(f"dummy weight dtype must be bf16, fp8 or f32, got '{dtype}'")
+        self.cfg, self.seed, self.dtype = cfg, seed, dtype
+        self.table = model_tensors(cfg)
+        self.scales: dict[str, str] = {}
+        if dtype == "fp8":
+            for name, (shape, kind) in list(self.table.items()):
+                if kind == "linear" and name != "lm_head.weight":
+                    self.scales[name + "_scale_inv"] = name
+
+    def has(self, name: str) -> bool:
+        return name in self.table or name in self.scales
+
+    def _kind_dtype(self, name: str) -> str:
+        shape, kind = self.table[name]
+        if kind == "bias":
+            return "F32"
+        if self.dtype == "f32":
+            return "F32"
+        if self.dtype == "fp8" and name + "_scale_inv" in self.scales:
+            return "F8_E4M3"
+        return "BF16"
+
+    def info(self, name: str):
+        if name in self.scales:
+            r, c = self.table[self.scales[name]][0]
+            b = self.cfg.block
+            return "F32", (-(-r // b[0]), -(-c // b[1]))
+        return self._kind_dtype(name), self.table[name][0]
+
+    def _rng(self, name: str) -> np.random.Generator:
+        return np.random.default_rng([self.seed, zlib.crc32(name.encode())])
+
+    def tensor(self, name: str) -> np.ndarray:
+        if name in self.scales:
+            shape = self.info(name)[1]
+            cols = self.table[self.scales[name]][0][1]
+            # scale so a row of random_e4m3 codes has variance ~1/in, like the bf16 dummies
+            return np.full(shape, 1.0 / np.sqrt(E4M3_MEAN_SQUARE * cols), np.float32)
+        shape, kind = self.table[name]
+        rng = self._rng(name)
+        if kind == "norm":
+            v = np.ones(shape, np.float32)
+        elif kind == "bias":
+            return (rng.standard_normal(shape, dtype=np.float32) * 0.01).astype(np.float32)
+        elif kind == "embed":
+            v = rng.standard_normal(shape, dtype=np.float32)
+        else:
+            if self._kind_dtype(name) == "F8_E4M3":
+                return random_e4m3(shape, rng)
+            v = rng.standard_normal(shape, dtype=np.float32) * np.float32(1.0 / np.sqrt(shape[1]))
+        if self._kind_dtype(name) == "F32":
+            return v
+        return (v.view(np.uint32) >> 16).astype(np.uint16)      # truncation to bf16 is fine for noise
+
+
+E4M3_MEAN_SQUARE = float(np.mean([(2.0 ** (e - 7) * (1 + m / 8)) ** 2 for e in range(5, 10) for m in range(8)]))
+
+
+def random_e4m3(shape, rng: np.random.Generator) -> np.ndarray:
+    """Random FP8 e4m3 codes with exponents 5..9 (|value| in [0.25, 3.75]), random signs."""
+    sign = rng.integers(0, 2, size=shape, dtype=np.uint8) << 7
+    exp = rng.integers(5, 10, size=shape, dtype=np.uint8) << 3
+    man = rng.integers(0, 8, size=shape, dtype=np.uint8)
+    return sign | exp | man

@@ -1,0 +1,106 @@
+"""Tiny random DeepSeek models built with transformers' own classes and saved with save_pretrained
+(original tensor names), plus an FP8 block-quantised copy: the fixtures of the parity tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+BASE = dict(vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
+            first_k_dense_replace=1, max_position_embeddings=512, tie_word_embeddings=False)
+YARN = {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 0.707, "mscale_all_dim": 0.707}
+
+VARIANTS = {
+    # V2-Lite: no q LoRA, softmax greedy, YaRN, v_head_dim != qk_nope_head_dim
+    "v2-lite": ("deepseek_v2", dict(q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.0,
+                                    rope_scaling=YARN)),
+    # V2: q LoRA, group_limited_greedy (groups by max), routed_scaling_factor 16
+    "v2": ("deepseek_v2", dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                               routed_scaling_factor=16.0, rope_scaling=YARN)),
+    # V3: noaux_tc sigmoid + correction bias, several groups (top-2 sums), renormalised, YaRN
+    "v3": ("deepseek_v3", dict(q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True,
+                               routed_scaling_factor=2.5, rope_scaling={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0})),
+    # Moonlight: V3 without q LoRA, one group, its own rope theta and eps, no rope scaling
+    "moonlight": ("deepseek_v3", dict(q_lora_rank=None, n_group=1, topk_group=1, norm_topk_prob=True,
+                                      routed_scaling_factor=2.446, rope_theta=50000.0, rms_norm_eps=1e-5,
+                                      rope_scaling=None)),
+}
+
+
+def build(variant: str, out: Path, dtype=torch.float32, seed: int = 0):
+    """Saves the model to `out` and returns it (fp32, eval mode)."""
+    model_type, extra = VARIANTS[variant]
+    return build_from_kwargs(model_type, {**BASE, **extra}, out, dtype, seed)
+
+
+def build_from_kwargs(model_type: str, kw: dict, out: Path, dtype=torch.float32, seed: int = 0):
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    if model_type == "deepseek_v2":
+        cfg, cls = DeepseekV2Config(**kw), DeepseekV2ForCausalLM
+    else:
+        cfg, cls = DeepseekV3Config(**kw, num_nextn_predict_layers=0), DeepseekV3ForCausalLM
+    torch.manual_seed(seed)
+    model = cls(cfg).to(torch.float32).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():          # give every parameter a real value
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            elif "e_score_correction_bias" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            elif name.endswith("gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / max(1, p.shape[-1]) ** 0.5)
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(torch.randn(b.shape, generator=g) * 0.3)
+    model.to(dtype).save_pretrained(out)
+    return model.to(dtype).to(torch.float32) if dtype != torch.float32 else model
+
+
+def quantize_fp8(src_dir: Path, out: Path, block=(128, 128)):
+    """An FP8 e4m3 copy of a saved fp32 model, V3-style: every projection weight quantised per block
+    with a `weight_scale_inv` (F32) grid; embeddings, norms, router and lm_head stay as they were.
+    Returns the state dict of dequantised weights (the reference's weights)."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(src_dir / "model.safetensors")
+    out.mkdir(parents=True, exist_ok=True)
+    new, deq = {}, {}
+    for name, t in sd.items():
+        quant = name.endswith("_proj.weight") or name.endswith("kv_a_proj_with_mqa.weight")
+        if not quant:
+            new[name], deq[name] = t, t
+            continue
+        r, c = t.shape
+        gr, gc = -(-r // block[0]), -(-c // block[1])
+        scale = torch.empty(gr, gc)
+        q = torch.empty(r, c, dtype=torch.float8_e4m3fn)
+        for i in range(gr):
+            for j in range(gc):
+                blk = t[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
+                s = blk.abs().max().clamp(min=1e-12) / 448.0
+                scale[i, j] = s
+                q[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]] = (blk / s).to(torch.float8_e4m3fn)
+        full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:r, :c]
+        new[name], new[name + "_scale_inv"] = q, scale
+        deq[name] = q.to(torch.float32) * full
+    save_file(new, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((src_dir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return deq
+
+
+def reference_logits(model, ids) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
