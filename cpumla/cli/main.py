@@ -19,9 +19,10 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from cpumla.cli import bench, info
+    from cpumla.cli import bench, info, smoke
 
     app.command("info", help="CPU, detected features, chosen kernel implementations, build flags.")(info.info)
+    app.command("smoke", help="Run models end to end (dummy or real weights) and check the logits.")(smoke.smoke)
     app.command("bench", help="Benchmarks: --kernels measures each GEMV format against memory bandwidth.")(
         bench.bench
     )

@@ -8,7 +8,8 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-out = Console(highlight=False)
+# Wide enough for the tables when stdout is a pipe or a file (rich would assume 80 columns).
+out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False)
 
 

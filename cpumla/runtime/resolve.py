@@ -148,8 +148,14 @@ def apply_overrides(config: dict[str, Any], overrides: str | dict[str, Any] | No
     nested objects such as rope_scaling merge key by key and may gain keys.
     """
     merged = copy.deepcopy(config)
+    _merge(merged, parse_overrides(overrides), "")
+    return merged
+
+
+def parse_overrides(overrides: str | dict[str, Any] | None) -> dict[str, Any]:
+    """--hf-overrides as a dict: a JSON object (string) or a dict; anything else is a CpumlaError."""
     if overrides is None or (isinstance(overrides, str) and not overrides.strip()):
-        return merged
+        return {}
     if isinstance(overrides, str):
         try:
             overrides = json.loads(overrides)
@@ -157,5 +163,4 @@ def apply_overrides(config: dict[str, Any], overrides: str | dict[str, Any] | No
             raise CpumlaError(f"--hf-overrides is not valid JSON: {e.msg} at column {e.colno}") from None
     if not isinstance(overrides, dict):
         raise CpumlaError(f"--hf-overrides must be a JSON object, not a {type(overrides).__name__}")
-    _merge(merged, overrides, "")
-    return merged
+    return overrides

@@ -196,6 +196,12 @@ INLINE void gemv_bf16_rows(const cpumla_weight *w, const float *x, float *y, int
     UNROLL for (int i = 0; i < R; i++) y[i] = _mm512_reduce_add_ps(_mm512_add_ps(a0[i], a1[i]));
 }
 
+__attribute__((noinline)) static void gemv_bf16(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) gemv_bf16_rows(w, x, y + (r - r0), r, 4, pf_rows(w, r, r1));
+    for (; r < r1; r++) gemv_bf16_rows(w, x, y + (r - r0), r, 1, pf_rows(w, r, r1));
+}
+
 /* E4M3, blocks a multiple of 64 columns wide: 64 bytes per step per row, read as 16 dwords. Byte j of
  * a dword becomes the fp32 bits of value * 2^-120 with word shifts and masks only, no converts:
  * sraw(word, 4) puts the high byte of each word at [sign | 0000 | eeee mmm] in the top 12 bits of
@@ -231,14 +237,21 @@ static int fp8_split_x(const float *x, int64_t n, float *xp) {
     return big == 0;
 }
 
+/* scale element i of an F32 or E8M0 grid */
+INLINE float blk_scale_at(const void *scale, int e8m0, int64_t i) {
+    return e8m0 ? e8m0_to_f32(((const uint8_t *)scale)[i]) : ((const float *)scale)[i];
+}
+
 INLINE void gemv_e4m3_rows(const cpumla_weight *w, const float *x, const float *xp, int64_t cb, int64_t ce,
                            float *y, int64_t r, int R, const uint8_t *pf) {
     const uint8_t *rp[4];
     __m512 acc[4];
     UNROLL for (int i = 0; i < R; i++) { rp[i] = weight_row(w, r + i); acc[i] = _mm512_setzero_ps(); }
-    int64_t bc = w->block_cols;
+    int64_t bc = w->block_cols, sb[4];
+    UNROLL for (int i = 0; i < R; i++) sb[i] = (r + i) / w->block_rows * w->scale_ld + cb / bc;
+    const int e8m0 = w->scale_dtype == CPUMLA_E8M0;
     const __m512i m = _mm512_set1_epi32((int)0x87f00000u);
-    for (int64_t b0 = cb; b0 < ce; b0 += bc) {
+    for (int64_t b0 = cb, bi = 0; b0 < ce; b0 += bc, bi++) {
         int64_t b1 = min64(b0 + bc, ce), c = b0;
         __m512 p0[4], p1[4];
         UNROLL for (int i = 0; i < R; i++) { p0[i] = _mm512_setzero_ps(); p1[i] = _mm512_setzero_ps(); }
@@ -262,7 +275,7 @@ INLINE void gemv_e4m3_rows(const cpumla_weight *w, const float *x, const float *
         }
         UNROLL for (int i = 0; i < R; i++)
             acc[i] = _mm512_fmadd_ps(_mm512_add_ps(p0[i], p1[i]),
-                                     _mm512_set1_ps(weight_scale(w, r + i, b0) * 0x1p16f), acc[i]);
+                                     _mm512_set1_ps(blk_scale_at(w->scale, e8m0, sb[i] + bi) * 0x1p16f), acc[i]);
         if (c < b1) {                                   /* only the last, partial block of a row */
             UNROLL for (int i = 0; i < R; i++) p0[i] = _mm512_setzero_ps();
             for (; c < b1; c += 16) {
@@ -276,7 +289,7 @@ INLINE void gemv_e4m3_rows(const cpumla_weight *w, const float *x, const float *
     UNROLL for (int i = 0; i < R; i++) y[i] += _mm512_reduce_add_ps(acc[i]);
 }
 
-static void gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
+__attribute__((noinline)) static void gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
     float xp[FP8_XSEG] __attribute__((aligned(64)));
     int64_t seg = FP8_XSEG / w->block_cols * w->block_cols;
     for (int64_t r = r0; r < r1; r++) y[r - r0] = 0.0f;
@@ -370,7 +383,7 @@ static void gemv_cols_generic(const cpumla_weight *w, const float *x, float *y, 
     *y += acc;
 }
 
-static void gemv_e2m1(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
+__attribute__((noinline)) static void gemv_e2m1(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
     float xp[FP4_XSEG];
     int64_t full = w->cols / 128 * 128;
     for (int64_t r = r0; r < r1; r++) y[r - r0] = 0.0f;
@@ -398,8 +411,7 @@ static void gemv_avx512(const cpumla_weight *w, const float *x, float *y, int64_
         GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_F32), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F32));
         return;
     case CPUMLA_BF16:
-        GEMV_DISPATCH(gemv_bf16_rows(w, x, y + (r - r0), r, 4, pf_rows(w, r, r1)),
-                      gemv_bf16_rows(w, x, y + (r - r0), r, 1, pf_rows(w, r, r1)));
+        gemv_bf16(w, x, y, r0, r1);
         return;
     case CPUMLA_F16:
         GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_F16), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F16));

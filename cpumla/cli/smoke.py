@@ -1,0 +1,47 @@
+"""`cpumla smoke`: end-to-end runs with checks, one table row per model."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from cpumla.cli import render
+from cpumla.errors import CpumlaError
+
+
+def smoke(
+    model: str = typer.Option(None, "--model", "-m", help="Model dir, cached repo id or preset. Default: "
+                              "shrunk V2-Lite, V2, V3 and Moonlight configs (needs --dummy-weights)."),
+    dummy_weights: bool = typer.Option(False, "--dummy-weights", help="Deterministic random weights."),
+    hf_overrides: str = typer.Option(None, "--hf-overrides", help="JSON merged into the config (as vLLM)."),
+    dummy_dtype: str = typer.Option("bf16", "--dummy-dtype", help="bf16 or fp8 (FP8 block-scaled linears)."),
+    seed: int = typer.Option(0, "--seed"),
+    threads: int = typer.Option(None, "--threads", "-t"),
+    prompt_tokens: int = typer.Option(32, "--prompt-tokens", "-p"),
+    decode_tokens: int = typer.Option(16, "--decode-tokens", "-n"),
+) -> None:
+    from cpumla.runtime import smoke as sm
+
+    if model is None:
+        if not dummy_weights:
+            raise CpumlaError("without --model, smoke runs the bundled configs and needs --dummy-weights")
+        from cpumla.runtime.resolve import parse_overrides
+
+        extra = parse_overrides(hf_overrides)      # each key is checked against each config on load
+        runs = [(m, {**sm.SHRINK, **o, **extra}) for m, o in sm.DEFAULT_MODELS.items()]
+    else:
+        runs = [(model, hf_overrides)]
+    results = []
+    with render.err.status("") as status:
+        for m, ov in runs:
+            status.update(f"smoke: {m}")
+            results.append(sm.run(m, dummy_weights=dummy_weights, hf_overrides=ov, seed=seed, threads=threads,
+                                  prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
+                                  dummy_dtype=dummy_dtype))
+    rows = [[r.model.rstrip("/").split("/")[-1], r.family, r.layers, r.experts, f"{r.prefill_tps:.1f}", f"{r.decode_tps:.1f}",
+             f"{r.max_decode_err:.1e}", r.status] for r in results]
+    render.table(None, ["model", "family", "layers", "experts", "prefill tok/s", "decode tok/s",
+                        "decode vs full", "status"], rows, right={2, 3, 4, 5, 6})
+    if any(r.status != "ok" for r in results):
+        sys.exit(1)

@@ -1,0 +1,73 @@
+"""Smoke runs: load a model (real or dummy weights), prefill, decode, and check that the logits are
+finite and that cached decode matches one full forward over the same tokens."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from cpumla.errors import CpumlaError
+
+# The default set: real configs of each family, shrunk in width and depth (MLA dims kept real).
+DEFAULT_MODELS = {
+    "deepseek-ai/DeepSeek-V2-Lite": {},
+    "deepseek-ai/DeepSeek-V2": {"q_lora_rank": 192},
+    "deepseek-ai/DeepSeek-V3": {"q_lora_rank": 192},
+    "moonshotai/Moonlight-16B-A3B": {},
+}
+SHRINK = {"num_hidden_layers": 2, "first_k_dense_replace": 1, "hidden_size": 256, "intermediate_size": 512,
+          "moe_intermediate_size": 128, "n_routed_experts": 16, "num_attention_heads": 4,
+          "num_key_value_heads": 4}
+
+
+@dataclass
+class SmokeResult:
+    model: str
+    family: str
+    layers: int
+    experts: int
+    prefill_tps: float
+    decode_tps: float
+    max_decode_err: float     # |cached decode logits - full forward logits| / max |logit|
+    status: str               # "ok" or what failed
+
+
+def run(model: str, *, dummy_weights: bool, hf_overrides=None, seed: int = 0, threads: int | None = None,
+        prompt_tokens: int = 32, decode_tokens: int = 16, dummy_dtype: str = "bf16") -> SmokeResult:
+    import cpumla
+
+    if prompt_tokens < 1 or decode_tokens < 1:
+        raise CpumlaError("smoke needs at least one prompt token and one decode step")
+    eng = cpumla.load(model, dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed, threads=threads,
+                      max_seq_len=prompt_tokens + decode_tokens + 1, dummy_dtype=dummy_dtype)
+    cfg = eng.config
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, cfg.vocab_size, size=prompt_tokens).tolist()
+    t0 = time.perf_counter()
+    logits = eng.forward(prompt, last_only=True)
+    t_prefill = time.perf_counter() - t0
+    steps, tokens, status = [], list(prompt), "ok"
+    t0 = time.perf_counter()
+    for _ in range(decode_tokens):
+        if not np.isfinite(logits).all():
+            status = f"non-finite logits after {len(tokens)} tokens"
+            break
+        tok = int(np.argmax(logits[-1]))
+        tokens.append(tok)
+        logits = eng.forward([tok], last_only=True)
+        steps.append(logits[-1])
+    t_decode = time.perf_counter() - t0
+    err = float("nan")
+    if status == "ok":
+        eng.reset()
+        full = eng.forward(tokens)[prompt_tokens:]
+        inc = np.stack(steps)
+        err = float(np.abs(full - inc).max() / max(np.abs(full).max(), 1e-30))
+        if not np.isfinite(full).all():
+            status = "non-finite logits in the full forward"
+        elif err > 1e-3:
+            status = f"cached decode differs from the full forward ({err:.2g})"
+    return SmokeResult(model, cfg.model_type, cfg.num_hidden_layers, cfg.n_routed_experts or 0,
+                       prompt_tokens / t_prefill, len(steps) / t_decode if steps else 0.0, err, status)

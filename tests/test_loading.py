@@ -1,0 +1,164 @@
+"""Loading real checkpoints through cpumla.load and the CLI: bad input is one clear line and a non-zero
+exit, and the model directory is left untouched."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import cpumla
+import models
+from cpumla import CpumlaError
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("v2lite")
+    models.build("v2-lite", d)
+    return d
+
+
+def snapshot(d):
+    return sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in d.iterdir())
+
+
+def cli(*args):
+    e = {k: v for k, v in os.environ.items() if k != "CPUMLA_ISA"}
+    return subprocess.run([sys.executable, "-m", "cpumla", *args], capture_output=True, text=True, env=e,
+                          timeout=300)
+
+
+def one_line_error(p, *words):
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    lines = [x for x in p.stderr.strip().splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), p.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def corrupt(tiny, tmp_path, how):
+    d = tmp_path / "m"
+    shutil.copytree(tiny, d)
+    st = d / "model.safetensors"
+    raw = st.read_bytes()
+    hlen = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + hlen])
+    if how == "truncated":
+        st.write_bytes(raw[: len(raw) - 100])
+    elif how == "offsets-past-end":
+        k = next(k for k in header if k != "__metadata__")
+        b, e = header[k]["data_offsets"]
+        header[k]["data_offsets"] = [b + 10 ** 9, e + 10 ** 9]
+        h = json.dumps(header).encode()
+        st.write_bytes(len(h).to_bytes(8, "little") + h + raw[8 + hlen:])
+    elif how == "absurd-header":
+        st.write_bytes((1 << 60).to_bytes(8, "little") + raw[8:])
+    elif how == "missing-tensor":
+        from safetensors.torch import load_file, save_file
+        sd = load_file(st)
+        del sd["model.layers.1.self_attn.kv_b_proj.weight"]
+        save_file(sd, st)
+    elif how == "wrong-shape":
+        from safetensors.torch import load_file, save_file
+        sd = load_file(st)
+        sd["model.layers.0.self_attn.o_proj.weight"] = sd["model.layers.0.self_attn.o_proj.weight"][:, :-1].contiguous()
+        save_file(sd, st)
+    elif how == "bad-model-type":
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["model_type"] = "llama"
+        (d / "config.json").write_text(json.dumps(cfg))
+    elif how == "v4-not-yet":
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["model_type"] = "deepseek_v4"
+        (d / "config.json").write_text(json.dumps(cfg))
+    elif how == "invalid-config":
+        (d / "config.json").write_text("{ not json")
+    elif how == "pickle-only":
+        st.unlink()
+        torch.save({"w": torch.zeros(1)}, d / "pytorch_model.bin")
+    elif how == "missing-shard":
+        index = {"metadata": {}, "weight_map": {k: "model-00002-of-00002.safetensors" for k in header
+                                                if k != "__metadata__"}}
+        (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    return d
+
+
+BAD = [("truncated", "truncated"), ("offsets-past-end", "model.safetensors"), ("absurd-header", "header"),
+       ("missing-tensor", "kv_b_proj"), ("wrong-shape", "o_proj"), ("bad-model-type", "llama"),
+       ("v4-not-yet", "not supported yet"), ("invalid-config", "config.json"),
+       ("pickle-only", "pickle"), ("missing-shard", "model-00002-of-00002")]
+
+
+@pytest.mark.parametrize("how,word", BAD, ids=[b[0] for b in BAD])
+def test_bad_checkpoint(tiny, tmp_path, how, word):
+    d = corrupt(tiny, tmp_path, how)
+    before = snapshot(d)
+    with pytest.raises(CpumlaError, match=word):
+        cpumla.load(str(d))
+    one_line_error(cli("smoke", "--model", str(d)), word)
+    assert snapshot(d) == before, "the model directory was changed"
+
+
+def test_loading_is_zero_copy(tiny):
+    eng = cpumla.load(str(tiny))
+    w = eng.layers[1].kv_b.data
+    assert not w.flags.writeable and not w.flags.owndata      # a view into the read-only mapping
+
+
+def test_smoke_default_set():
+    p = cli("smoke", "--dummy-weights", "-n", "16")
+    assert p.returncode == 0, p.stderr
+    for name in ("DeepSeek-V2-Lite", "DeepSeek-V2", "DeepSeek-V3", "Moonlight-16B-A3B"):
+        assert name in p.stdout
+    assert p.stdout.count(" ok") >= 4
+
+
+def test_smoke_vllm_recipe():
+    p = cli("smoke", "--dummy-weights", "--model", "deepseek-ai/DeepSeek-V2-Lite", "--hf-overrides",
+            '{"num_hidden_layers": 2, "n_routed_experts": 4}', "-p", "8", "-n", "16")
+    assert p.returncode == 0, p.stderr
+    assert "DeepSeek-V2-Lite" in p.stdout and " ok" in p.stdout
+
+
+def test_smoke_real_checkpoint(tiny):
+    p = cli("smoke", "--model", str(tiny), "-p", "8", "-n", "16")
+    assert p.returncode == 0 and " ok" in p.stdout, p.stderr
+
+
+@pytest.mark.parametrize("args,word", [
+    (["smoke", "--dummy-weights", "--model", "deepseek-ai/DeepSeek-V3", "--hf-overrides", "{bad"], "not valid JSON"),
+    (["smoke", "--dummy-weights", "--model", "deepseek-ai/DeepSeek-V3", "--hf-overrides", '{"nope": 1}'], "nope"),
+    (["smoke", "--model", "deepseek-ai/DeepSeek-V3"], "--dummy-weights"),
+    (["smoke", "--model", "no-such-org/no-such-model"], "cpumla download"),
+    (["smoke"], "--dummy-weights"),
+])
+def test_smoke_bad_input(args, word):
+    one_line_error(cli(*args), word)
+
+
+def test_dummy_weights_deterministic_and_fp8():
+    a = cpumla.load("deepseek-ai/DeepSeek-V3", dummy_weights=True, seed=3, dummy_dtype="fp8",
+                    hf_overrides={"num_hidden_layers": 2, "hidden_size": 256, "n_routed_experts": 8,
+                                  "first_k_dense_replace": 1, "q_lora_rank": 64, "num_attention_heads": 2})
+    assert a.layers[0].kv_b.dtype == "e4m3" and a.layers[1].experts is not None
+    la = a.forward([1, 2, 3])
+    b = cpumla.load("deepseek-ai/DeepSeek-V3", dummy_weights=True, seed=3, dummy_dtype="fp8",
+                    hf_overrides={"num_hidden_layers": 2, "hidden_size": 256, "n_routed_experts": 8,
+                                  "first_k_dense_replace": 1, "q_lora_rank": 64, "num_attention_heads": 2})
+    np.testing.assert_array_equal(la, b.forward([1, 2, 3]))
+    assert np.isfinite(la).all() and np.abs(la).max() < 1e3
+
+
+def test_prompt_past_context(tiny):
+    eng = cpumla.load(str(tiny), max_seq_len=8)
+    with pytest.raises(CpumlaError, match="context"):
+        eng.forward(list(range(9)))
+    with pytest.raises(CpumlaError, match="vocabulary"):
+        eng.forward([10 ** 6])
