@@ -34,6 +34,9 @@ def _err() -> str:
     return ffi.string(lib.cpumla_last_error()).decode()
 
 
+last_error = _err
+
+
 def init(isa: str | None = None) -> str:
     """Choose the implementation (None: $CPUMLA_ISA, else the best available). Returns its name."""
     if isa is None:

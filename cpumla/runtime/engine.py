@@ -6,7 +6,8 @@ E=experts K=top_k T=cached tokens n=tokens in this forward
 Attention is absorbed MLA in both phases: q~_h = [q_nope_h @ W_UK[h] | RoPE(q_pe_h)] (R+P) against the
 latent cache rows [c_t | RoPE(k_pe_t)] (R+P), output o~_h (R) mapped back by W_UV[h]. Prefill uses the
 same kernel with a causal length per query (latent-space prefill: one kernel, correct for any prompt;
-see shared/docs section 6.3). Every op runs in the native library; Python only sequences the calls.
+see shared/docs section 6.3). The whole forward is one native call (cpumla_mla_forward, mla_model.c);
+this module only describes the model to it once, at load.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class Engine:
         self.cache = [np.zeros((ctx, R + P), np.float32) for _ in range(cfg.num_hidden_layers)]
         self.pos = 0
         self.tokens: list[int] = []
+        self._c = self._describe()
 
     # ---- public ----
     def reset(self) -> None:
@@ -117,24 +119,17 @@ class Engine:
 
     def forward(self, token_ids, last_only: bool = False) -> np.ndarray:
         """Logits [n, vocab] (or [1, vocab] for the last position) of token_ids appended to the cache."""
-        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        ids = np.ascontiguousarray(np.asarray(token_ids, dtype=np.int64).reshape(-1))
         n = ids.size
         if n == 0:
             raise CpumlaError("forward needs at least one token")
         if self.pos + n > self.max_seq_len:
             raise CpumlaError(f"context full: {self.pos} cached + {n} new tokens > max_seq_len {self.max_seq_len}")
-        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
-            raise CpumlaError(f"token id {int(ids.max() if ids.max() >= 0 else ids.min())} is outside the "
-                              f"vocabulary of {self.config.vocab_size}")
-        pos = np.arange(self.pos, self.pos + n, dtype=np.int64)
-        h = self._embed(ids)
-        for i, layer in enumerate(self.layers):
-            self._attention(i, layer, h, pos)
-            self._ffn(layer, h)
-        if last_only:
-            h = h[-1:]
-        x = native.rmsnorm(h, self.norm, self.config.rms_norm_eps)
-        logits = native.gemm(self.lm_head, x)
+        logits = np.empty((1 if last_only else n, self.config.vocab_size), np.float32)
+        rc = native.lib.cpumla_mla_forward(self._c, native.vptr(ids, "int64_t *"), n, self.pos,
+                                           native.fptr(logits), int(last_only))
+        if rc != 0:
+            raise CpumlaError(native.last_error())
         self.pos += n
         self.tokens.extend(int(t) for t in ids)
         return logits
@@ -153,50 +148,45 @@ class Engine:
                 return
             logits = self.forward([tok], last_only=True)
 
-    # ---- the layer ----
-    def _embed(self, ids: np.ndarray) -> np.ndarray:
-        rows = self.embed[ids]
-        return W.as_f32(rows) if rows.dtype != np.float32 else rows.copy()
+    # ---- the native model description, built once ----
+    def _describe(self):
+        """cffi structs pointing at the weights in place and the caches (kept alive by self)."""
+        ffi, lib, cfg = native.ffi, native.lib, self.config
+        layers = ffi.new("cpumla_mla_layer[]", len(self.layers))
+        for i, L in enumerate(self.layers):
+            c = layers[i]
+            for field in ("input_ln", "post_ln", "q_a_ln", "kv_a_ln"):
+                v = getattr(L, field)
+                if v is not None:
+                    getattr(c, field).data = native.vptr(v)
+                    getattr(c, field).dtype = _VEC_DTYPE[v.dtype.str]
+            for field in ("q", "q_a", "q_b", "kv_a", "kv_b", "o_proj", "gate"):
+                w = getattr(L, field)
+                setattr(c, field, w.c if w is not None else ffi.NULL)
+            c.router = L.router.c if L.router is not None else ffi.NULL
+            c.experts = L.experts.c if L.experts is not None else ffi.NULL
+            mlp = L.mlp if L.mlp is not None else L.shared
+            c.mlp = mlp.c if mlp is not None else ffi.NULL
+            c.cache = native.vptr(self.cache[i])
+        m = ffi.new("cpumla_mla_model *")
+        m.n_layers, m.hidden, m.n_heads = cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads
+        m.q_lora_rank, m.kv_lora_rank = cfg.q_lora_rank or 0, cfg.kv_lora_rank
+        m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        m.vocab, m.cache_rows, m.cache_dtype = cfg.vocab_size, self.max_seq_len, lib.CPUMLA_F32
+        m.rms_norm_eps, m.softmax_scale, m.rope_attn_scale = cfg.rms_norm_eps, cfg.softmax_scale, cfg.rope_attn_scale
+        self._inv_freq = np.ascontiguousarray(cfg.inv_freq, dtype=np.float32)
+        m.inv_freq = native.fptr(self._inv_freq)
+        self._embed_w = native.Weight(self.embed, _WEIGHT_FMT[self.embed.dtype.str])
+        m.embed, m.lm_head = self._embed_w.c, self.lm_head.c
+        m.norm.data, m.norm.dtype = native.vptr(self.norm), _VEC_DTYPE[self.norm.dtype.str]
+        m.layers = layers
+        self._layers_c = layers
+        return m
 
-    def _attention(self, i: int, L: Layer, h: np.ndarray, pos: np.ndarray) -> None:
-        cfg = self.config
-        n, H = h.shape[0], cfg.num_attention_heads
-        R, P, dn, dv = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
-        eps = cfg.rms_norm_eps
-        x = native.rmsnorm(h, L.input_ln, eps)
-        if L.q is not None:
-            q = native.gemm(L.q, x)
-        else:
-            qa = native.gemm(L.q_a, x)
-            native.rmsnorm(qa, L.q_a_ln, eps, out=qa)
-            q = native.gemm(L.q_b, qa)
-        q3 = q.reshape(n, H, dn + P)
-        latent = native.gemm(L.kv_a, x)                                   # [n, R+P] = [c_kv | k_pe]
-        native.rmsnorm(latent[:, :R], L.kv_a_ln, eps, out=latent[:, :R])
-        native.rope(latent.reshape(n, 1, R + P), pos, cfg.inv_freq, R, P, 0, cfg.rope_attn_scale)
-        native.rope(q3, pos, cfg.inv_freq, dn, P, 0, cfg.rope_attn_scale)
-        q_abs = np.empty((n, H, R + P), np.float32)
-        native.head_gemv_t(L.kv_b, 0, dn + dv, dn, q3[:, :, :dn], out=q_abs[:, :, :R])   # absorb W_UK
-        q_abs[:, :, R:] = q3[:, :, dn:]
-        cache = self.cache[i]
-        native.cache_store(cache, latent, pos)
-        o_lat = native.mla_attention(q_abs, cache[: int(pos[-1]) + 1], R + P, R, cfg.softmax_scale,
-                                     kv_len=pos + 1)
-        o = native.head_gemv(L.kv_b, dn, dn + dv, dv, o_lat)                # un-absorb W_UV: [n, H, dv]
-        h += native.gemm(L.o_proj, o.reshape(n, H * dv))
 
-    def _ffn(self, L: Layer, h: np.ndarray) -> None:
-        cfg = self.config
-        n = h.shape[0]
-        x = native.rmsnorm(h, L.post_ln, cfg.rms_norm_eps)
-        if L.mlp is not None:
-            L.mlp(x, np.zeros((n, 1), np.int32), np.ones((n, 1), np.float32), h)
-            return
-        logits = native.gemm(L.gate, x)                                   # [n, E] router logits, fp32
-        idx, w = L.router(logits)
-        L.experts(x, idx, w, h)
-        if L.shared is not None:
-            L.shared(x, np.zeros((n, 1), np.int32), np.ones((n, 1), np.float32), h)
+_VEC_DTYPE = {np.dtype(np.float32).str: native.lib.CPUMLA_F32, np.dtype(np.uint16).str: native.lib.CPUMLA_BF16,
+              np.dtype(np.float16).str: native.lib.CPUMLA_F16}
+_WEIGHT_FMT = {np.dtype(np.float32).str: "f32", np.dtype(np.uint16).str: "bf16", np.dtype(np.float16).str: "f16"}
 
 
 def _embedding(src, name: str, shape) -> np.ndarray:

@@ -345,6 +345,101 @@ static void gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t 
     }
 }
 
+/* FP8 e4m3 with blocks a multiple of 32 columns wide, 32 bytes (8 dwords) per step per row. Byte j
+ * of each dword becomes the fp32 bits of value * 2^-120 with word shifts and masks only (no
+ * converts): sraw(d, 4) & 0x87f00000 is byte 3, (sraw(d, 4) << 16) & 0x87f00000 byte 1, and the
+ * same after sllw(d, 8) bytes 2 and 0; e4m3 subnormals land on fp32 subnormals, so every byte is
+ * decoded exactly. x is rearranged once per call (e4_xp, thread-local) to [x(4k + j), k < 8] for
+ * j = 0..3 per 32 columns and multiplied by 2^104 so the products stay normal; the block scale
+ * carries the remaining 2^16. When some |x| >= 2^23 (the scaled x would overflow) the call takes
+ * gemv_e4m3 above. NaN codes 0x7f / 0xff are not detected on this path (they decode to +-480; real
+ * checkpoints never contain them); gemv_e4m3, gemm, gemv_t and dequant give NaN for them. */
+#define E4_XP_MAX 16384
+static __thread float e4_xp[E4_XP_MAX] ALIGN64;
+
+/* n: a multiple of 32. Returns 0 when some |x| >= 2^23 (inf included). */
+static int e4m3_split_x(const float *x, int64_t n, float *xp) {
+    const __m256i ix = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256 k = _mm256_set1_ps(0x1p104f), lim = _mm256_set1_ps(0x1p23f);
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 big = _mm256_setzero_ps();
+    for (int64_t g = 0; g < n; g += 32) {
+        __m256 v0 = _mm256_loadu_ps(x + g), v1 = _mm256_loadu_ps(x + g + 8);
+        __m256 v2 = _mm256_loadu_ps(x + g + 16), v3 = _mm256_loadu_ps(x + g + 24);
+        big = _mm256_or_ps(big, _mm256_or_ps(_mm256_cmp_ps(_mm256_and_ps(v0, absm), lim, _CMP_GE_OQ),
+                                             _mm256_cmp_ps(_mm256_and_ps(v1, absm), lim, _CMP_GE_OQ)));
+        big = _mm256_or_ps(big, _mm256_or_ps(_mm256_cmp_ps(_mm256_and_ps(v2, absm), lim, _CMP_GE_OQ),
+                                             _mm256_cmp_ps(_mm256_and_ps(v3, absm), lim, _CMP_GE_OQ)));
+        /* 4x4 transposes within 128-bit lanes: o_j = x(4k + j) for k = 0, 2, 4, 6 | 1, 3, 5, 7 */
+        __m256 t0 = _mm256_unpacklo_ps(v0, v1), t1 = _mm256_unpackhi_ps(v0, v1);
+        __m256 t2 = _mm256_unpacklo_ps(v2, v3), t3 = _mm256_unpackhi_ps(v2, v3);
+        __m256 o[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xee),
+                       _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xee)};
+        for (int j = 0; j < 4; j++)
+            _mm256_store_ps(xp + g + 8 * j, _mm256_mul_ps(_mm256_permutevar8x32_ps(o[j], ix), k));
+    }
+    return _mm256_movemask_ps(big) == 0;
+}
+
+__attribute__((noinline)) static void gemv_e4m3_x(const cpumla_weight *w, const float *x, float *y,
+                                                  int64_t r0, int64_t r1) {
+    const int64_t K = w->cols, bc = w->block_cols, pf = PF_ROWS * w->row_bytes;
+    const int64_t K32 = K / 32 * 32;
+    if (!e4m3_split_x(x, K32, e4_xp)) { gemv_e4m3(w, x, y, r0, r1); return; }
+    const int e8m0 = w->scale_dtype == CPUMLA_E8M0;
+    const __m256i m = _mm256_set1_epi32((int)0x87f00000u);
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int nr = r1 - r < 4 ? (int)(r1 - r) : 4;
+        const uint8_t *p[4];
+        const uint8_t *sc8[4];
+        const float *sc32[4];
+        for (int i = 0; i < 4; i++) {
+            int64_t rr = r + (i < nr ? i : 0), si = rr / w->block_rows * w->scale_ld;
+            p[i] = weight_row(w, rr);
+            sc8[i] = (const uint8_t *)w->scale + si;
+            sc32[i] = (const float *)w->scale + si;
+        }
+        __m256 tot[4];
+        float tail[4];
+        for (int i = 0; i < 4; i++) { tot[i] = _mm256_setzero_ps(); tail[i] = 0.0f; }
+        for (int64_t cb = 0, bi = 0; cb < K; cb += bc, bi++) {
+            const int64_t ce = cb + bc < K ? cb + bc : K;
+            float s[4];
+            for (int i = 0; i < 4; i++) s[i] = e8m0 ? e8m0_to_f32(sc8[i][bi]) : sc32[i][bi];
+            __m256 a[4], b[4];
+            for (int i = 0; i < 4; i++) a[i] = b[i] = _mm256_setzero_ps();
+            int64_t c = cb;
+            for (; c + 32 <= ce; c += 32) {
+                const float *xs = e4_xp + c;
+                __m256 x0 = _mm256_load_ps(xs), x1 = _mm256_load_ps(xs + 8);
+                __m256 x2 = _mm256_load_ps(xs + 16), x3 = _mm256_load_ps(xs + 24);
+                if ((c & 63) == 0)
+                    for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(p[i] + c + pf), _MM_HINT_T0);
+                for (int i = 0; i < 4; i++) {
+                    __m256i d = _mm256_loadu_si256((const __m256i *)(p[i] + c));
+                    __m256i vh = _mm256_srai_epi16(d, 4), vl = _mm256_srai_epi16(_mm256_slli_epi16(d, 8), 4);
+                    a[i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(vl, 16), m)), x0, a[i]);
+                    b[i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(vh, 16), m)), x1, b[i]);
+                    a[i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(vl, m)), x2, a[i]);
+                    b[i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(vh, m)), x3, b[i]);
+                }
+            }
+            for (int i = 0; i < 4; i++)
+                tot[i] = _mm256_fmadd_ps(_mm256_add_ps(a[i], b[i]), _mm256_set1_ps(s[i] * 0x1p16f), tot[i]);
+            if (c < ce) {                           /* the last columns of a row (K % 32) */
+                for (int i = 0; i < 4; i++) {
+                    float part = 0.0f;
+                    for (int64_t cc = c; cc < ce; cc++) part += e4m3_to_f32(p[i][cc]) * x[cc];
+                    tail[i] += part * s[i];
+                }
+            }
+        }
+        float t[4];
+        _mm_storeu_ps(t, hsum4x8(tot[0], tot[1], tot[2], tot[3]));
+        for (int i = 0; i < nr; i++) y[r - r0 + i] = t[i] + tail[i];
+    }
+}
+
 /* FP4 e2m1 with 1 x block_cols E8M0 scales (block_cols a multiple of 32): x is permuted per 32-group
  * into xp (thread-local), in column chunks of XP_MAX */
 #define XP_MAX 16384
@@ -412,6 +507,10 @@ static void gemv_avx2(const cpumla_weight *w, const float *x, float *y, int64_t 
     case CPUMLA_BF16: gemv_plain(w, x, y, r0, r1, CPUMLA_BF16); return;
     case CPUMLA_F16: gemv_plain(w, x, y, r0, r1, CPUMLA_F16); return;
     case CPUMLA_E4M3:
+        if (w->block_cols > 0 && w->block_cols % 32 == 0 && w->block_rows > 0 && w->cols <= E4_XP_MAX) {
+            gemv_e4m3_x(w, x, y, r0, r1);
+            return;
+        }
         if (w->block_cols > 0 && w->block_rows > 0) { gemv_e4m3(w, x, y, r0, r1); return; }
         break;
     case CPUMLA_E2M1:

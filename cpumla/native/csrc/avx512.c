@@ -158,8 +158,14 @@ INLINE void gemv_rows(const cpumla_weight *w, const float *x, float *y, int64_t 
 /* The rows to prefetch while rows [r, r + 4) are computed: a later group about 16 KiB ahead (4 row
  * streams, each starting a new page, leave the hardware prefetcher behind); at the end of the range,
  * the last group (already read: cheap). */
+#ifndef PF_BYTES
+#define PF_BYTES 4096
+#endif
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T0
+#endif
 INLINE const uint8_t *pf_rows(const cpumla_weight *w, int64_t r, int64_t r1) {
-    int64_t ahead = 4 * max64(1, 4096 / max64(w->row_bytes, 1));
+    int64_t ahead = 4 * max64(1, PF_BYTES / max64(w->row_bytes, 1));
     int64_t p = min64(r + ahead, r1 - 4);
     return weight_row(w, p > r ? p : r);
 }
@@ -182,7 +188,7 @@ INLINE void gemv_bf16_rows(const cpumla_weight *w, const float *x, float *y, int
         __m512 xa = _mm512_loadu_ps(x + c), xb = _mm512_loadu_ps(x + c + 16);
         __m512 xe = _mm512_permutex2var_ps(xa, ev, xb), xo = _mm512_permutex2var_ps(xa, od, xb);
         UNROLL for (int i = 0; i < R; i++) {
-            _mm_prefetch((const char *)(pf + i * w->row_bytes + 2 * c), _MM_HINT_T0);
+            _mm_prefetch((const char *)(pf + i * w->row_bytes + 2 * c), PF_HINT);
             __m512i v = _mm512_loadu_si512(rp[i] + c);
             a0[i] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), xe, a0[i]);
             a1[i] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, hi_mask)), xo, a1[i]);
@@ -260,7 +266,7 @@ INLINE void gemv_e4m3_rows(const cpumla_weight *w, const float *x, const float *
             __m512 x0 = _mm512_loadu_ps(xs), x1 = _mm512_loadu_ps(xs + 16);
             __m512 x2 = _mm512_loadu_ps(xs + 32), x3 = _mm512_loadu_ps(xs + 48);
             UNROLL for (int i = 0; i < R; i++) {
-                _mm_prefetch((const char *)(pf + i * w->row_bytes + c), _MM_HINT_T0);
+                _mm_prefetch((const char *)(pf + i * w->row_bytes + c), PF_HINT);
                 __m512i d = _mm512_loadu_si512(rp[i] + c);
                 __m512i vh = _mm512_srai_epi16(d, 4), vl = _mm512_srai_epi16(_mm512_slli_epi16(d, 8), 4);
                 __m512 f3 = _mm512_castsi512_ps(_mm512_and_si512(vh, m));
@@ -352,7 +358,7 @@ INLINE void gemv_e2m1_rows(const cpumla_weight *w, const float *xp, int64_t cb, 
             __m512i si = _mm512_add_epi32(quad, _mm512_set1_epi32(4 * st));
             int64_t off = (c >> 1) + 64 * st;
             UNROLL for (int i = 0; i < R; i++) {
-                _mm_prefetch((const char *)(pf + i * w->row_bytes + off), _MM_HINT_T0);
+                _mm_prefetch((const char *)(pf + i * w->row_bytes + off), PF_HINT);
                 __m512i v = _mm512_loadu_si512(rp[i] + off);
                 __m512 p0 = _mm512_mul_ps(_mm512_permutexvar_ps(v, lut), _mm512_loadu_ps(xs));
                 __m512 p1 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut), _mm512_loadu_ps(xs + 16));
