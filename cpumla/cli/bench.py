@@ -1,35 +1,137 @@
-"""`cpumla bench`: benchmarks. For now the kernel micro-benchmark (--kernels)."""
+"""`cpumla bench`: model benchmark (llama-bench style) or, with --kernels, the kernel micro-benchmark."""
 
 from __future__ import annotations
 
+import csv
+import io
+import json
+import time
+
 import typer
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from cpumla import native
 from cpumla.cli import render
 from cpumla.errors import CpumlaError
 
-OUTPUTS = ("md", "json")
+OUTPUTS = ("md", "json", "jsonl", "csv")
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise CpumlaError(f"{flag} takes comma-separated integers, got '{text}'") from None
+    if not vals:
+        raise CpumlaError(f"{flag} needs at least one value")
+    return vals
 
 
 def bench(
-    kernels: bool = typer.Option(False, "--kernels", help="GEMV GB/s per weight format vs a read-bandwidth probe."),
-    output: str = typer.Option("md", "--output", "-o", help="md (table) or json."),
-    threads: int = typer.Option(None, "--threads", "-t", help="Threads (default: one per core)."),
+    model: str = typer.Argument(None, help="Model dir, cached repo id or preset (with --dummy-weights)."),
+    kernels: bool = typer.Option(False, "--kernels", help="Kernel micro-benchmark: GEMV GB/s per weight format "
+                                 "vs a read-bandwidth probe."),
+    dummy_weights: bool = typer.Option(False, "--dummy-weights", help="Deterministic random weights."),
+    hf_overrides: str = typer.Option(None, "--hf-overrides", help="JSON merged into the config (as vLLM)."),
+    dummy_dtype: str = typer.Option("bf16", "--dummy-dtype", help="bf16 or fp8."),
+    n_prompt: int = typer.Option(512, "--n-prompt", "-p", help="Prompt tokens of the prefill test (0: none)."),
+    n_gen: int = typer.Option(128, "--n-gen", "-n", help="Tokens of the decode test (0: none)."),
+    reps: int = typer.Option(5, "--repetitions", "-r", help="Measured runs of each test (after a warm-up)."),
+    threads: str = typer.Option(None, "--threads", "-t", help="Comma-separated thread counts (default: all cores)."),
+    depths: str = typer.Option("0", "--n-depth", "-d", help="Comma-separated KV-cache depths."),
+    output: str = typer.Option("md", "--output", "-o", help="md, json, jsonl or csv."),
+    seed: int = typer.Option(0, "--seed"),
     formats: str = typer.Option(",".join(("f32", "bf16", "f16", "e4m3", "e4m3-e8m0", "e2m1")), "--formats",
-                                help="Comma-separated GEMV weight formats."),
-    rows: int = typer.Option(10944, "--rows", help="GEMV weight rows (default: a V2-Lite dense layer)."),
-    cols: int = typer.Option(2048, "--cols", help="GEMV weight columns."),
-    seconds: float = typer.Option(1.0, "--seconds", help="Minimum time per measurement."),
-    stream_mb: int = typer.Option(512, "--stream-mb", help="Copies of each weight add up to this many MiB "
-                                  "(keep it well above the last-level cache)."),
+                                help="--kernels: comma-separated GEMV weight formats."),
+    rows: int = typer.Option(10944, "--rows", help="--kernels: GEMV rows (default: a V2-Lite dense layer)."),
+    cols: int = typer.Option(2048, "--cols", help="--kernels: GEMV columns."),
+    seconds: float = typer.Option(1.0, "--seconds", help="--kernels: minimum time per measurement."),
+    stream_mb: int = typer.Option(512, "--stream-mb", help="--kernels: copies of each weight add up to this many "
+                                  "MiB (keep it well above the last-level cache)."),
 ) -> None:
-    from cpumla.native import bench as kb
-
     if output not in OUTPUTS:
         raise CpumlaError(f"unknown output format '{output}' (choose from: {', '.join(OUTPUTS)})")
-    if not kernels:
-        raise CpumlaError("model benchmarks come with the runtime; use `cpumla bench --kernels` for now")
+    if kernels:
+        if output in ("jsonl", "csv"):
+            raise CpumlaError("--kernels prints md or json")
+        thr = _ints(threads, "--threads")[0] if threads else None
+        return _kernels(output, thr, formats, rows, cols, seconds, stream_mb)
+    if model is None:
+        raise CpumlaError("name a model (or a preset with --dummy-weights), or pass --kernels")
+    _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, reps, threads, depths, output, seed)
+
+
+def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, reps, threads, depths, output, seed):
+    import cpumla
+    from cpumla.runtime import bench as mb
+    from cpumla.native import bench as kb
+
+    native.init()
+    thr = _ints(threads, "--threads") if threads else [native.get_threads()]
+    dep = _ints(depths, "--n-depth")
+    need = max(dep) + max(n_prompt, n_gen, 0) + 1
+    from cpumla.runtime.loader import load_config
+    cfg, _ = load_config(model, hf_overrides)
+    for w in mb.check_args(cfg.max_position_embeddings, n_prompt, n_gen, reps, thr, dep):
+        render.err.print(f"[yellow]warning:[/] {w}")
+    t0 = time.perf_counter()
+    eng = cpumla.load(model, dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed,
+                      max_seq_len=need, dummy_dtype=dummy_dtype)
+    load_s = time.perf_counter() - t0
+    results = []
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  console=render.err, transient=True) as prog:
+        task = prog.add_task("measuring read bandwidth", total=None)
+        probe = kb.read_bandwidth(0.5)
+        peaks = {}
+        for t in thr:
+            native.set_threads(t)
+            prog.update(task, description=f"measuring FMA peak, {t} threads")
+            peaks[t] = mb.fma_peak_gflops()
+        for r in mb.run(eng, model_name=model, n_prompt=n_prompt, n_gen=n_gen, reps=reps, threads=thr, depths=dep,
+                        load_s=load_s, probe_gbs=probe, peak_gflops=peaks, seed=seed,
+                        progress=lambda label, done, total: prog.update(task, description=label, completed=done,
+                                                                         total=total)):
+            results.append(r)
+    _print(results, output, eng, probe, peaks)
+
+
+def _print(results, output, eng, probe, peaks):
+    from cpumla.runtime import bench as mb
+
+    dicts = [mb.as_dict(r) for r in results]
+    if output == "json":
+        render.print_json(dicts)
+        return
+    if output == "jsonl":
+        for d in dicts:
+            render.out.print(json.dumps(d), soft_wrap=True, markup=False)
+        return
+    if output == "csv":
+        buf = io.StringIO()
+        keys = [k for k in dicts[0] if not k.startswith("samples")]
+        wr = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore")
+        wr.writeheader()
+        wr.writerows(dicts)
+        render.out.print(buf.getvalue().rstrip("\n"), soft_wrap=True, markup=False)
+        return
+    cfg = eng.config
+    r0 = results[0]
+    render.out.print(f"model: {r0.model_filename} ({cfg.model_type}, {cfg.num_hidden_layers} layers); "
+                     f"implementation {r0.isa}; load {r0.load_s:.1f} s; peak RSS {max(r.peak_rss_mb for r in results):.0f} MB")
+    render.out.print(f"read bandwidth probe {probe:.1f} GB/s; FMA peak "
+                     + ", ".join(f"{v:.0f} GFLOP/s at {t} threads" for t, v in peaks.items()))
+    rows = []
+    for r in results:
+        extra = (f"{r.gbs:.1f} GB/s = {r.pct_bandwidth:.0f}% of probe" if r.n_gen else
+                 f"{r.gflops:.0f} GFLOP/s = {r.pct_fma_peak:.0f}% of peak, TTFT {r.ttft_ms:.0f} ms")
+        rows.append([r.test, str(r.n_threads), f"{r.avg_ts:.2f} ± {r.stddev_ts:.2f}", extra])
+    render.table(None, ["test", "threads", "t/s", "vs the machine"], rows, right={1, 2})
+
+
+def _kernels(output, threads, formats, rows, cols, seconds, stream_mb):
+    from cpumla.native import bench as kb
+
     fmts = [f.strip() for f in formats.split(",") if f.strip()]
     bad = [f for f in fmts if f not in kb.FORMATS]
     if bad:
@@ -54,11 +156,8 @@ def bench(
                      f"implementation {native.isa()})")
     rows_out = []
     for r in results:
-        if r.kernel == "gemv":
-            rows_out.append([r.kernel, r.format, r.shape, r.isa, f"{r.seconds * 1e6:.0f}", f"{r.gbs:.1f}",
-                             f"{r.pct_probe:.0f}%", f"{r.gflops:.1f}"])
-        else:
-            rows_out.append([r.kernel, r.format, r.shape, r.isa, f"{r.seconds * 1e6:.0f}", "", "",
-                             f"{r.gflops:.1f}"])
+        gemv = r.kernel == "gemv"
+        rows_out.append([r.kernel, r.format, r.shape, r.isa, f"{r.seconds * 1e6:.0f}",
+                         f"{r.gbs:.1f}" if gemv else "", f"{r.pct_probe:.0f}%" if gemv else "", f"{r.gflops:.1f}"])
     render.table(None, ["kernel", "weights", "shape", "impl", "us/call", "GB/s", "% of probe", "GFLOP/s"],
                  rows_out, right={4, 5, 6, 7})

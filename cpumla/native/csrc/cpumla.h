@@ -275,6 +275,10 @@ int cpumla_mla_forward(const cpumla_mla_model *m, const int64_t *ids, int64_t n,
  * optimised away and the result can be checked. */
 double cpumla_read_probe(const void *buf, int64_t bytes);
 
+/* Runs iters rounds of register-only fp32 FMAs on every thread: an FMA-peak probe. Returns the
+ * floating-point operations done in total (divide by the elapsed time for FLOP/s). */
+double cpumla_fma_probe(int64_t iters);
+
 #ifdef __cplusplus
 }
 #endif

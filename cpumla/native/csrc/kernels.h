@@ -14,7 +14,7 @@
 
 enum cpumla_kernel_id {
     K_GEMV, K_GEMM, K_GEMV_T, K_DEQUANT, K_RMSNORM, K_SWIGLU, K_SOFTMAX, K_ATTN, K_CACHE_ROW,
-    K_READ, K_COUNT
+    K_READ, K_FMA, K_COUNT
 };
 
 typedef struct cpumla_kernels {
@@ -56,6 +56,10 @@ typedef struct cpumla_kernels {
     /* the sum of [buf, buf + bytes) read as doubles (bytes a multiple of 64, buf 64-byte aligned):
      * a streaming-read probe whose result can be checked */
     double (*read_sum)(const void *buf, int64_t bytes);
+
+    /* iters rounds of independent fp32 FMAs in registers (an FMA-throughput probe); returns the
+     * floating-point operations done (2 per multiply-add), folding the results into *sink */
+    double (*fma_loop)(int64_t iters, float *sink);
 
     const char *who[K_COUNT];
 } cpumla_kernels;

@@ -541,3 +541,23 @@ double cpumla_read_probe(const void *buf, int64_t bytes) {
     for (int i = 0; i < threads; i++) s += j.sums[i * 8];
     return s;
 }
+
+typedef struct { int64_t iters; double flops[MAX_POOL_THREADS * 8]; float sink[MAX_POOL_THREADS * 16]; } fma_job;
+
+static void fma_task(void *p, int64_t t, int tid) {
+    (void)t;
+    fma_job *j = p;
+    j->flops[tid * 8] += cpumla_k.fma_loop(j->iters, &j->sink[tid * 16]);
+}
+
+double cpumla_fma_probe(int64_t iters) {
+    cpumla_ensure_init();
+    static fma_job j;
+    int threads = cpumla_pool_threads();
+    memset(j.flops, 0, sizeof j.flops);
+    j.iters = iters;
+    cpumla_pool_run(threads, fma_task, &j);
+    double s = 0;
+    for (int i = 0; i < threads; i++) s += j.flops[i * 8];
+    return s;
+}

@@ -144,6 +144,17 @@ static double read_sum_scalar(const void *buf, int64_t bytes) {
     return (s0 + s1) + (s2 + s3);
 }
 
+static double fma_loop_scalar(int64_t iters, float *sink) {
+    float a[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    const float m = 0.999999f, c = 1e-7f;
+    for (int64_t i = 0; i < iters; i++)
+        for (int j = 0; j < 8; j++) a[j] = a[j] * m + c;
+    float s = 0;
+    for (int j = 0; j < 8; j++) s += a[j];
+    *sink += s;
+    return 2.0 * 8.0 * (double)iters;
+}
+
 void cpumla_fill_scalar(cpumla_kernels *k) {
     k->gemv = gemv_scalar;
     k->gemm = gemm_scalar;
@@ -155,5 +166,6 @@ void cpumla_fill_scalar(cpumla_kernels *k) {
     k->attn_part = attn_part_scalar;
     k->cache_row = cache_row_scalar;
     k->read_sum = read_sum_scalar;
+    k->fma_loop = fma_loop_scalar;
     for (int i = 0; i < K_COUNT; i++) k->who[i] = "scalar";
 }

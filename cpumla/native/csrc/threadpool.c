@@ -134,5 +134,8 @@ void cpumla_pool_run(int64_t n_tasks, cpumla_task_fn fn, void *ctx) {
         pthread_mutex_unlock(&pool.mu);
     }
     run_tasks(0);
-    while (atomic_load_explicit(&pool.checked_in, memory_order_acquire) < pool.n_threads - 1) cpu_relax();
+    /* a worker that the OS descheduled (more runnable threads than cores) must get its core back */
+    for (int spins = 0; atomic_load_explicit(&pool.checked_in, memory_order_acquire) < pool.n_threads - 1;)
+        if (++spins < 2000) cpu_relax();
+        else sched_yield();
 }

@@ -1,0 +1,200 @@
+"""Model benchmark in the spirit of llama-bench: prefill (pp) and decode (tg) tests at KV depths,
+with the machine's own limits measured in the same run (read bandwidth, FMA peak) to say how close
+each test runs to them. The library never prints; the CLI renders."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from cpumla import native
+from cpumla.errors import CpumlaError
+
+
+@dataclass
+class TestResult:
+    # llama-bench field names
+    model_type: str
+    model_filename: str
+    cpu_info: str
+    n_threads: int
+    n_prompt: int
+    n_gen: int
+    n_depth: int
+    test: str                      # "pp512", "tg128", with "@ d2048" when n_depth > 0
+    avg_ns: float
+    stddev_ns: float
+    avg_ts: float
+    stddev_ts: float
+    samples_ns: list[float] = field(default_factory=list)
+    samples_ts: list[float] = field(default_factory=list)
+    # ours
+    isa: str = ""
+    bytes_per_token: float = 0.0   # decode: weight + cache bytes read per token
+    gbs: float = 0.0               # decode: bytes_per_token * tok/s
+    pct_bandwidth: float = 0.0     # of the read probe
+    gflops: float = 0.0            # prefill
+    pct_fma_peak: float = 0.0
+    ttft_ms: float = 0.0           # prefill: time to the first token's logits
+    read_probe_gbs: float = 0.0
+    fma_peak_gflops: float = 0.0
+    load_s: float = 0.0
+    peak_rss_mb: float = 0.0
+
+
+def peak_rss_mb() -> float:
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 1024.0 if platform.system() == "Linux" else kb / 1e6
+
+
+def weight_bytes(w: native.Weight | None) -> int:
+    return 0 if w is None else w.nbytes
+
+
+def table_bytes(t) -> tuple[int, int]:
+    """(bytes of one expert, number of experts) of a native.Experts table."""
+    if t is None:
+        return 0, 0
+    g, u, d = t._keep[0]
+    return g.nbytes + u.nbytes + d.nbytes, t.n
+
+
+def decode_bytes(eng, depth: int) -> float:
+    """Bytes one decode token reads at cache depth `depth`: every attention and dense weight, the
+    top_k routed experts plus shared experts and router of MoE layers, one embedding row, the lm_head,
+    and the latent cache rows."""
+    cfg = eng.config
+    total = eng.lm_head.nbytes + eng.embed.nbytes / cfg.vocab_size
+    for L in eng.layers:
+        for w in (L.q, L.q_a, L.q_b, L.kv_a, L.kv_b, L.o_proj, L.gate):
+            total += weight_bytes(w)
+        for t in (L.mlp, L.shared):
+            b, n = table_bytes(t)
+            total += b * n
+        if L.experts is not None:
+            b, _ = table_bytes(L.experts)
+            total += b * cfg.num_experts_per_tok
+    row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * eng.cache[0].itemsize
+    return total + cfg.num_hidden_layers * row * (depth + 1)
+
+
+def prefill_flops(eng, n: int, depth: int) -> float:
+    """Multiply-adds x 2 of a prefill of n tokens after `depth` cached ones: the weight products of
+    every token (routed experts at top_k) plus latent attention (R+P scores, R values per pair)."""
+    cfg = eng.config
+    macs = eng.lm_head.rows * eng.lm_head.cols / n       # lm_head on the last token only
+    for L in eng.layers:
+        for w in (L.q, L.q_a, L.q_b, L.kv_a, L.o_proj, L.gate):
+            macs += 0 if w is None else w.rows * w.cols
+        H, dn, dv, R = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        macs += H * (dn + dv) * R                          # absorb + un-absorb
+        for t in (L.mlp, L.shared):
+            if t is not None:
+                macs += 3 * t.hidden * t.intermediate * t.n
+        if L.experts is not None:
+            macs += 3 * L.experts.hidden * L.experts.intermediate * cfg.num_experts_per_tok
+    per_token = 2.0 * macs * n
+    pairs = n * depth + n * (n + 1) / 2                    # causal (query, key) pairs
+    attn = 2.0 * pairs * cfg.num_attention_heads * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers
+    return per_token + attn
+
+
+def fma_peak_gflops(seconds: float = 0.3) -> float:
+    """fp32 FMA throughput of every thread together, from the library's probe."""
+    native.ensure_init()
+    iters = 1 << 16
+    while True:
+        t0 = time.perf_counter()
+        flops = native.lib.cpumla_fma_probe(iters)
+        dt = time.perf_counter() - t0
+        if dt > seconds or iters > 1 << 34:
+            return flops / dt / 1e9
+        iters *= 2
+
+
+def _fill_depth(eng, depth: int, rng) -> None:
+    eng.reset()
+    if depth:
+        eng.forward(rng.integers(0, eng.config.vocab_size, size=depth), last_only=True)
+
+
+def run(eng, *, model_name: str, n_prompt: int, n_gen: int, reps: int, threads: list[int], depths: list[int],
+        load_s: float, probe_gbs: float, peak_gflops: dict[int, float], progress=None, seed: int = 0):
+    """Yields TestResult for each (threads, depth, test). progress(label, done, total) is called."""
+    cfg = eng.config
+    rng = np.random.default_rng(seed)
+    tests = [("pp", n_prompt) for _ in [0] if n_prompt > 0] + [("tg", n_gen) for _ in [0] if n_gen > 0]
+    total = len(threads) * len(depths) * len(tests) * (reps + 1)
+    done = 0
+    for t in threads:
+        native.set_threads(t)
+        for d in depths:
+            for kind, n in tests:
+                samples = []
+                for rep in range(reps + 1):                  # the first run is the warm-up
+                    if progress:
+                        progress(f"{kind}{n} d{d} t{t}", done, total)
+                    _fill_depth(eng, d, rng)
+                    ids = rng.integers(0, cfg.vocab_size, size=n)
+                    if kind == "pp":
+                        t0 = time.perf_counter_ns()
+                        eng.forward(ids, last_only=True)
+                        ns = time.perf_counter_ns() - t0
+                    else:                                     # n one-token forwards; sampling excluded
+                        t0 = time.perf_counter_ns()
+                        for tok in ids:
+                            eng.forward([int(tok)], last_only=True)
+                        ns = time.perf_counter_ns() - t0
+                    done += 1
+                    if rep:
+                        samples.append(ns)
+                ns = np.array(samples, dtype=np.float64)
+                ts = n / (ns / 1e9)
+                r = TestResult(cfg.model_type, model_name, native.cpu_name(), t, n if kind == "pp" else 0,
+                               n if kind == "tg" else 0, d, f"{kind}{n}" + (f" @ d{d}" if d else ""),
+                               float(ns.mean()), float(ns.std()), float(ts.mean()), float(ts.std()),
+                               ns.tolist(), ts.tolist(), native.isa(), read_probe_gbs=probe_gbs,
+                               fma_peak_gflops=peak_gflops.get(t, 0.0), load_s=load_s, peak_rss_mb=peak_rss_mb())
+                if kind == "tg":
+                    mid = d + n / 2
+                    r.bytes_per_token = decode_bytes(eng, int(mid))
+                    r.gbs = r.bytes_per_token * r.avg_ts / 1e9
+                    r.pct_bandwidth = 100.0 * r.gbs / probe_gbs if probe_gbs else 0.0
+                else:
+                    r.gflops = prefill_flops(eng, n, d) / (r.avg_ns / 1e9) / 1e9
+                    r.pct_fma_peak = 100.0 * r.gflops / r.fma_peak_gflops if r.fma_peak_gflops else 0.0
+                    r.ttft_ms = r.avg_ns / 1e6
+                yield r
+    native.set_threads(None)
+
+
+def check_args(eng_ctx: int, n_prompt: int, n_gen: int, reps: int, threads: list[int], depths: list[int]) -> list[str]:
+    """Raises CpumlaError for impossible settings; returns warnings for questionable ones."""
+    if n_prompt < 0 or n_gen < 0 or (n_prompt == 0 and n_gen == 0):
+        raise CpumlaError("nothing to measure: -p and -n are both 0 (or negative)")
+    if reps < 1:
+        raise CpumlaError("-r must be at least 1")
+    if not threads or min(threads) < 1:
+        raise CpumlaError("-t needs thread counts >= 1")
+    if not depths or min(depths) < 0:
+        raise CpumlaError("-d needs depths >= 0")
+    need = max(depths) + max(n_prompt, n_gen) + 1
+    if need > eng_ctx:
+        raise CpumlaError(f"depth {max(depths)} + {max(n_prompt, n_gen)} tokens needs a context of {need}, "
+                          f"past the model's {eng_ctx}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return [f"{t} threads is more than the {cores} cores here; running anyway" for t in threads if t > cores]
+
+
+def as_dict(r: TestResult) -> dict:
+    d = asdict(r)
+    for k, v in d.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            d[k] = None
+    return d

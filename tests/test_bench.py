@@ -1,0 +1,58 @@
+"""`cpumla bench` on a model: llama-bench fields, our machine-relative fields, output formats, bad input."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import pytest
+from test_cli import assert_one_line_error, run
+
+TINY = ["deepseek-ai/DeepSeek-V3", "--dummy-weights", "--hf-overrides",
+        '{"num_hidden_layers": 2, "hidden_size": 128, "n_routed_experts": 8, "first_k_dense_replace": 1, '
+        '"q_lora_rank": 64, "num_attention_heads": 2, "vocab_size": 1024}']
+
+
+def test_bench_model_json():
+    p = run("bench", *TINY, "-p", "16", "-n", "4", "-r", "2", "-d", "0,8", "-t", "1", "-o", "json")
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(p.stdout)
+    assert [r["test"] for r in rows] == ["pp16", "tg4", "pp16 @ d8", "tg4 @ d8"]
+    for r in rows:
+        for k in ("n_prompt", "n_gen", "n_depth", "n_threads", "avg_ts", "stddev_ts", "samples_ts", "avg_ns"):
+            assert k in r
+        assert len(r["samples_ts"]) == 2 and r["avg_ts"] > 0 and r["n_threads"] == 1
+        assert r["read_probe_gbs"] > 0 and r["fma_peak_gflops"] > 0 and r["peak_rss_mb"] > 0
+    pp, tg = rows[0], rows[1]
+    assert pp["n_prompt"] == 16 and pp["n_gen"] == 0 and pp["gflops"] > 0 and pp["ttft_ms"] > 0
+    assert tg["n_gen"] == 4 and tg["gbs"] > 0
+    assert tg["pct_bandwidth"] == pytest.approx(100 * tg["gbs"] / tg["read_probe_gbs"])
+    assert rows[3]["bytes_per_token"] > tg["bytes_per_token"]          # deeper cache, more bytes read
+
+
+def test_bench_model_csv_jsonl_md():
+    p = run("bench", *TINY, "-p", "8", "-n", "2", "-r", "1", "-t", "1", "-o", "csv")
+    assert p.returncode == 0, p.stderr
+    rows = list(csv.DictReader(io.StringIO(p.stdout)))
+    assert [r["test"] for r in rows] == ["pp8", "tg2"]
+    p = run("bench", *TINY, "-p", "0", "-n", "2", "-r", "1", "-t", "1", "-o", "jsonl")
+    assert [json.loads(line)["test"] for line in p.stdout.splitlines()] == ["tg2"]
+    p = run("bench", *TINY, "-p", "8", "-n", "0", "-r", "1", "-t", "1")
+    assert "pp8" in p.stdout and "% of peak" in p.stdout and "read bandwidth probe" in p.stdout
+
+
+def test_bench_threads_beyond_cores_warns():
+    p = run("bench", *TINY, "-p", "0", "-n", "1", "-r", "1", "-t", "64", "-o", "json")
+    assert p.returncode == 0 and "64 threads is more than" in p.stderr
+
+
+@pytest.mark.parametrize("args,words", [
+    (["-p", "0", "-n", "0"], ["nothing to measure"]),
+    (["-d", "200000"], ["context"]),
+    (["-o", "xml"], ["unknown output format"]),
+    (["-t", "two"], ["--threads"]),
+    (["-r", "0"], ["-r"]),
+])
+def test_bench_model_bad_input(args, words):
+    assert_one_line_error(run("bench", *TINY, *args), *words)
