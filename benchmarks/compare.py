@@ -1,0 +1,172 @@
+"""Side-by-side decode/prefill speed of the same model in cpumla, transformers (eager) and, when the
+PyPI package llama-cpp-python is installed, llama.cpp.
+
+    python benchmarks/compare.py --model deepseek-ai/DeepSeek-V2-Lite --hf-overrides '{"num_hidden_layers": 4}'
+
+The model is cpumla's dummy-weight model saved as a bf16 safetensors checkpoint with the original
+tensor names (so every engine reads identical weights). Runs alternate between engines; the table shows
+tok/s and cpumla's ratio. llama.cpp needs its HF-to-GGUF converter, which llama-cpp-python's source
+distribution carries (vendor/llama.cpp/convert_hf_to_gguf.py); pass --convert PATH if it is elsewhere.
+A V2-Lite-shaped model with fewer than 26 layers needs q_lora_rank written as 0 into the GGUF metadata.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def save_dummy(model: str, overrides: str | None, seed: int, out: Path) -> dict:
+    """cpumla's dummy weights as a bf16 HF checkpoint in `out`; returns the config dict."""
+    import torch
+    from safetensors.torch import save_file
+
+    from cpumla.runtime.loader import load_config
+    from cpumla.runtime.weights import DummySource
+
+    cfg, _ = load_config(model, overrides)
+    src = DummySource(cfg, seed=seed, dtype="bf16")
+    tensors = {}
+    for name in src.table:
+        dtype, _ = src.info(name)
+        a = src.tensor(name)
+        t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16) if dtype == "BF16" \
+            else torch.from_numpy(np.ascontiguousarray(a))
+        tensors[name] = t
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    d = cfg.to_dict()
+    d.pop("extra", None)
+    d["architectures"] = ["DeepseekV2ForCausalLM" if cfg.model_type == "deepseek_v2" else "DeepseekV3ForCausalLM"]
+    d["torch_dtype"] = "bfloat16"
+    for k in ("inv_freq", "rope_attn_scale", "softmax_scale", "block", "qk_head_dim"):
+        d.pop(k, None)
+    (out / "config.json").write_text(json.dumps(d, indent=1, default=float))
+    return d
+
+
+def time_cpumla(path: Path, prompt: list[int], n_gen: int, threads: int):
+    import cpumla
+
+    eng = cpumla.load(str(path), threads=threads, max_seq_len=len(prompt) + n_gen + 1)
+    t0 = time.perf_counter()
+    logits = eng.forward(prompt, last_only=True)
+    pp = len(prompt) / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for _ in range(n_gen):
+        logits = eng.forward([int(np.argmax(logits[-1]))], last_only=True)
+    return pp, n_gen / (time.perf_counter() - t0)
+
+
+def time_transformers(path: Path, prompt: list[int], n_gen: int, threads: int, dtype: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        out = model(ids, use_cache=True)
+        pp = len(prompt) / (time.perf_counter() - t0)
+        past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        for _ in range(n_gen):
+            out = model(tok, past_key_values=past, use_cache=True)
+            past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        tg = n_gen / (time.perf_counter() - t0)
+    return pp, tg
+
+
+def time_llamacpp(gguf: Path, prompt: list[int], n_gen: int, threads: int):
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf), n_ctx=len(prompt) + n_gen + 8, n_threads=threads, verbose=False)
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    pp = len(prompt) / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for _ in range(n_gen):
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    return pp, n_gen / (time.perf_counter() - t0)
+
+
+def convert_gguf(hf_dir: Path, out: Path, convert: str | None, cfg: dict) -> Path | None:
+    script = Path(convert) if convert else None
+    if script is None:
+        try:
+            import llama_cpp
+            cands = list(Path(llama_cpp.__file__).parent.rglob("convert_hf_to_gguf.py"))
+            script = cands[0] if cands else None
+        except ImportError:
+            return None
+    if script is None or not script.exists():
+        print("llama.cpp: convert_hf_to_gguf.py not found (pass --convert)", file=sys.stderr)
+        return None
+    gguf = out / "model-bf16.gguf"
+    subprocess.run([sys.executable, str(script), str(hf_dir), "--outtype", "bf16", "--outfile", str(gguf)], check=True)
+    if cfg.get("model_type") == "deepseek_v2" and not cfg.get("q_lora_rank"):
+        import gguf as gg   # shipped with llama.cpp's gguf-py
+        r = gg.GGUFReader(str(gguf), "r+")
+        f = r.fields.get("deepseek2.attention.q_lora_rank")
+        if f is not None:
+            f.parts[f.data[0]][0] = 0
+    return gguf
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="deepseek-ai/DeepSeek-V2-Lite")
+    ap.add_argument("--hf-overrides", default='{"num_hidden_layers": 4}')
+    ap.add_argument("-p", "--n-prompt", type=int, default=128)
+    ap.add_argument("-n", "--n-gen", type=int, default=32)
+    ap.add_argument("-r", "--repetitions", type=int, default=3)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--hf-dtype", default="bfloat16", help="transformers' compute dtype (bfloat16 or float32)")
+    ap.add_argument("--convert", default=None, help="path of llama.cpp's convert_hf_to_gguf.py")
+    ap.add_argument("--skip-transformers", action="store_true")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="cpumla-compare-"))
+    try:
+        cfg = save_dummy(args.model, args.hf_overrides, 0, work / "hf")
+        prompt = np.random.default_rng(0).integers(0, cfg["vocab_size"], size=args.n_prompt).tolist()
+        engines = {"cpumla": lambda: time_cpumla(work / "hf", prompt, args.n_gen, args.threads)}
+        if not args.skip_transformers:
+            engines[f"transformers eager ({args.hf_dtype})"] = lambda: time_transformers(
+                work / "hf", prompt, args.n_gen, args.threads, args.hf_dtype)
+        try:
+            gguf = convert_gguf(work / "hf", work, args.convert, cfg)
+            if gguf:
+                engines["llama.cpp (bf16 GGUF)"] = lambda: time_llamacpp(gguf, prompt, args.n_gen, args.threads)
+        except Exception as e:  # the comparison still runs without llama.cpp
+            print(f"llama.cpp: skipped ({e})", file=sys.stderr)
+        results = {k: [] for k in engines}
+        for _ in range(args.repetitions):                 # alternate engines, run by run
+            for name, fn in engines.items():
+                results[name].append(fn())
+        base_pp = statistics.median(r[0] for r in results["cpumla"])
+        base_tg = statistics.median(r[1] for r in results["cpumla"])
+        print(f"\n{args.model} {args.hf_overrides}, pp{args.n_prompt} / tg{args.n_gen}, {args.threads} threads, "
+              f"median of {args.repetitions}\n")
+        print("| engine | prefill tok/s | decode tok/s | cpumla prefill x | cpumla decode x |")
+        print("|---|---:|---:|---:|---:|")
+        for name, rs in results.items():
+            pp = statistics.median(r[0] for r in rs)
+            tg = statistics.median(r[1] for r in rs)
+            print(f"| {name} | {pp:.1f} | {tg:.2f} | {base_pp / pp:.2f} | {base_tg / tg:.2f} |")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
