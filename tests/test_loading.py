@@ -162,3 +162,18 @@ def test_prompt_past_context(tiny):
         eng.forward(list(range(9)))
     with pytest.raises(CpumlaError, match="vocabulary"):
         eng.forward([10 ** 6])
+
+
+def test_mtp_layer_is_skipped(tiny, tmp_path):
+    """V3 ships its multi-token-prediction layer as model.layers.<L>.*: never read."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny, d)
+    sd = load_file(d / "model.safetensors")
+    L = json.loads((d / "config.json").read_text())["num_hidden_layers"]
+    sd[f"model.layers.{L}.eh_proj.weight"] = torch.zeros(3, 5)
+    sd[f"model.layers.{L}.self_attn.kv_b_proj.weight"] = torch.zeros(7)      # would not even fit
+    save_file(sd, d / "model.safetensors")
+    ref = cpumla.load(str(tiny)).forward([1, 2, 3])
+    np.testing.assert_array_equal(cpumla.load(str(d)).forward([1, 2, 3]), ref)

@@ -93,7 +93,7 @@ class Engine:
             raise CpumlaError("max_seq_len must be at least 1")
         self.max_seq_len = ctx
         D, V = cfg.hidden_size, cfg.vocab_size
-        self.embed = _embedding(src, "model.embed_tokens.weight", (V, D))
+        self.embed = W.vector(src, "model.embed_tokens.weight", (V, D))
         self.norm = W.vector(src, "model.norm.weight", (D,))
         head = "lm_head.weight"
         if not src.has(head) and cfg.tie_word_embeddings:
@@ -187,14 +187,3 @@ class Engine:
 _VEC_DTYPE = {np.dtype(np.float32).str: native.lib.CPUMLA_F32, np.dtype(np.uint16).str: native.lib.CPUMLA_BF16,
               np.dtype(np.float16).str: native.lib.CPUMLA_F16}
 _WEIGHT_FMT = {np.dtype(np.float32).str: "f32", np.dtype(np.uint16).str: "bf16", np.dtype(np.float16).str: "f16"}
-
-
-def _embedding(src, name: str, shape) -> np.ndarray:
-    if not src.has(name):
-        raise CpumlaError(f"checkpoint is missing tensor '{name}'")
-    dtype, got = src.info(name)
-    if tuple(got) != tuple(shape):
-        raise CpumlaError(f"tensor '{name}' has shape {list(got)}, config wants {list(shape)}")
-    if dtype not in ("F32", "BF16", "F16"):
-        raise CpumlaError(f"tensor '{name}' has dtype {dtype}; embeddings must be F32, BF16 or F16")
-    return src.tensor(name)

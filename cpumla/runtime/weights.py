@@ -42,14 +42,14 @@ def linear(src, name: str, shape: tuple[int, int], cfg: MLAConfig) -> native.Wei
 
 
 def vector(src, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """A norm weight or bias: float32, bf16 bits (uint16) or float16, as stored."""
+    """A norm weight, bias or embedding table: float32, bf16 bits (uint16) or float16, as stored."""
     if not src.has(name):
         raise CpumlaError(f"checkpoint is missing tensor '{name}'")
     dtype, got = src.info(name)
     if tuple(got) != tuple(shape):
         raise CpumlaError(f"tensor '{name}' has shape {list(got)}, config wants {list(shape)}")
     if dtype not in ("F32", "BF16", "F16"):
-        raise CpumlaError(f"tensor '{name}' has dtype {dtype}; a norm weight must be F32, BF16 or F16")
+        raise CpumlaError(f"tensor '{name}' has dtype {dtype}; cpumla reads it as F32, BF16 or F16 only")
     return src.tensor(name)
 
 
