@@ -129,17 +129,39 @@ class DummySource:
         rng = self._rng(name)
         if kind == "norm":
             v = np.ones(shape, np.float32)
-        elif kind == "bias":
+            return v if self._kind_dtype(name) == "F32" else (v.view(np.uint32) >> 16).astype(np.uint16)
+        if kind == "bias":
             return (rng.standard_normal(shape, dtype=np.float32) * 0.01).astype(np.float32)
-        elif kind == "embed":
-            v = rng.standard_normal(shape, dtype=np.float32)
-        else:
-            if self._kind_dtype(name) == "F8_E4M3":
-                return random_e4m3(shape, rng)
-            v = rng.standard_normal(shape, dtype=np.float32) * np.float32(1.0 / np.sqrt(shape[1]))
-        if self._kind_dtype(name) == "F32":
-            return v
-        return (v.view(np.uint32) >> 16).astype(np.uint16)      # truncation to bf16 is fine for noise
+        if self._kind_dtype(name) == "F8_E4M3":
+            return random_e4m3(shape, rng)
+        std = 1.0 if kind == "embed" else 1.0 / np.sqrt(shape[1])
+        return random_normal(shape, std, rng, bf16=self._kind_dtype(name) == "BF16")
+
+
+CHUNK = 1 << 16      # values drawn per tensor; the rest are rotations of them (dummy data, fast)
+
+
+def random_normal(shape, std: float, rng: np.random.Generator, bf16: bool) -> np.ndarray:
+    """N(0, std^2) values as float32 or bf16 bits (truncated: fine for noise). One chunk is drawn;
+    later chunks are random rotations with random signs of it, so a multi-GB dummy model builds at
+    memory speed and peak memory stays near the output's own size."""
+    out = np.empty(shape, np.uint16 if bf16 else np.float32)
+    flat = out.reshape(-1)
+    base = rng.standard_normal(min(CHUNK, flat.size), dtype=np.float32) * np.float32(std)
+    if bf16:
+        base = (base.view(np.uint32) >> 16).astype(np.uint16)
+    sign = np.uint16(0x8000) if bf16 else None
+    for i in range(0, flat.size, base.size):
+        n = min(base.size, flat.size - i)
+        shift = int(rng.integers(0, base.size))
+        chunk = flat[i:i + n]
+        chunk[:] = np.roll(base, shift)[:n]
+        if rng.integers(0, 2):
+            if bf16:
+                chunk ^= sign
+            else:
+                np.negative(chunk, out=chunk)
+    return out
 
 
 E4M3_MEAN_SQUARE = float(np.mean([(2.0 ** (e - 7) * (1 + m / 8)) ** 2 for e in range(5, 10) for m in range(8)]))

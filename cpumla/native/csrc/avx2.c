@@ -228,6 +228,14 @@ INLINE float at_plain(const uint8_t *row, int64_t c, int dt) {
     return f16_to_f32(((const uint16_t *)row)[c]);
 }
 
+/* The line to prefetch for row i (row start pi, group start p0) at byte offset off of each row, pf
+ * bytes ahead. lin (the 4 rows lie back to back): the group ahead is one contiguous range, fetched in
+ * address order, 4 lines per 64 bytes of a row (4 * off + 64 * i), which the memory system serves
+ * better than 4 interleaved page streams. */
+INLINE const char *pf_at(const uint8_t *p0, const uint8_t *pi, int64_t pf, int lin, int i, int64_t off) {
+    return (const char *)(lin ? p0 + pf + 4 * off + 64 * i : pi + off + pf);
+}
+
 /* Software prefetch of the row group PF_ROWS rows ahead, at the same column: each group starts four
  * new streams, which the hardware prefetchers pick up too late on their own. */
 #ifndef PF_ON
@@ -245,13 +253,14 @@ INLINE void gemv_plain(const cpumla_weight *w, const float *x, float *y, int64_t
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
         int64_t c = 0;
         const int64_t esz = dt == CPUMLA_F32 ? 4 : 2, pf = PF_ROWS * w->row_bytes;
+        const int lin = w->row_bytes == K * esz;
         for (; c < K16; c += 16) {
             __m256 x0 = _mm256_loadu_ps(x + c), x1 = _mm256_loadu_ps(x + c + 8);
             if (PF_ON && ((c * esz) & 63) == 0) {
-                _mm_prefetch((const char *)(p0 + c * esz + pf), _MM_HINT_T0);
-                _mm_prefetch((const char *)(p1 + c * esz + pf), _MM_HINT_T0);
-                _mm_prefetch((const char *)(p2 + c * esz + pf), _MM_HINT_T0);
-                _mm_prefetch((const char *)(p3 + c * esz + pf), _MM_HINT_T0);
+                _mm_prefetch(pf_at(p0, p0, pf, lin, 0, c * esz), _MM_HINT_T0);
+                _mm_prefetch(pf_at(p0, p1, pf, lin, 1, c * esz), _MM_HINT_T0);
+                _mm_prefetch(pf_at(p0, p2, pf, lin, 2, c * esz), _MM_HINT_T0);
+                _mm_prefetch(pf_at(p0, p3, pf, lin, 3, c * esz), _MM_HINT_T0);
             }
             a0 = _mm256_fmadd_ps(ld_plain(p0, c, dt), x0, a0);
             b0 = _mm256_fmadd_ps(ld_plain(p0, c + 8, dt), x1, b0);
@@ -389,7 +398,7 @@ __attribute__((noinline)) static void gemv_e4m3_x(const cpumla_weight *w, const 
     const int e8m0 = w->scale_dtype == CPUMLA_E8M0;
     const __m256i m = _mm256_set1_epi32((int)0x87f00000u);
     for (int64_t r = r0; r < r1; r += 4) {
-        const int nr = r1 - r < 4 ? (int)(r1 - r) : 4;
+        const int nr = r1 - r < 4 ? (int)(r1 - r) : 4, lin = nr == 4 && w->row_bytes == K;
         const uint8_t *p[4];
         const uint8_t *sc8[4];
         const float *sc32[4];
@@ -414,7 +423,7 @@ __attribute__((noinline)) static void gemv_e4m3_x(const cpumla_weight *w, const 
                 __m256 x0 = _mm256_load_ps(xs), x1 = _mm256_load_ps(xs + 8);
                 __m256 x2 = _mm256_load_ps(xs + 16), x3 = _mm256_load_ps(xs + 24);
                 if ((c & 63) == 0)
-                    for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(p[i] + c + pf), _MM_HINT_T0);
+                    for (int i = 0; i < 4; i++) _mm_prefetch(pf_at(p[0], p[i], pf, lin, i, c), _MM_HINT_T0);
                 for (int i = 0; i < 4; i++) {
                     __m256i d = _mm256_loadu_si256((const __m256i *)(p[i] + c));
                     __m256i vh = _mm256_srai_epi16(d, 4), vl = _mm256_srai_epi16(_mm256_slli_epi16(d, 8), 4);
@@ -456,7 +465,7 @@ static void gemv_e2m1(const cpumla_weight *w, const float *x, float *y, int64_t 
         for (int64_t g = 0; g < ng; g++)
             for (int i = 0; i < 32; i++) fp4_xp[32 * g + i] = x[k0 + 32 * g + fp4_perm[i]];
         for (int64_t r = r0; r < r1; r += 4) {
-            const int nr = r1 - r < 4 ? (int)(r1 - r) : 4;
+            const int nr = r1 - r < 4 ? (int)(r1 - r) : 4, lin = nr == 4 && w->row_bytes == K / 2 && K % 2 == 0;
             const uint8_t *p[4];
             for (int i = 0; i < 4; i++) {
                 int64_t rr = r + (i < nr ? i : 0);
@@ -471,7 +480,7 @@ static void gemv_e2m1(const cpumla_weight *w, const float *x, float *y, int64_t 
                 __m256 x2 = _mm256_load_ps(xg + 16), x3 = _mm256_load_ps(xg + 24);
                 const int64_t b = g / gpb;
                 if ((g & 3) == 0)
-                    for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(p[i] + 16 * g + pf), _MM_HINT_T0);
+                    for (int i = 0; i < 4; i++) _mm_prefetch(pf_at(p[0] - k0 / 2, p[i] - k0 / 2, pf, lin, i, k0 / 2 + 16 * g), _MM_HINT_T0);
                 for (int i = 0; i < 4; i++) {
                     __m256 f[4];
                     ld_e2m1x32(p[i] + 16 * g, tl, th, f);
@@ -1009,7 +1018,29 @@ static double read_sum_avx2(const void *buf, int64_t bytes) {
     return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
+
+/* FMA-throughput probe: 12 independent accumulators hide the FMA latency. */
+static double fma_loop_avx2(int64_t iters, float *sink) {
+    __m256 a0 = _mm256_set1_ps(1.0f), a1 = _mm256_set1_ps(1.1f), a2 = _mm256_set1_ps(1.2f), a3 = _mm256_set1_ps(1.3f), a4 = _mm256_set1_ps(1.4f),
+           a5 = _mm256_set1_ps(1.5f), a6 = _mm256_set1_ps(1.6f), a7 = _mm256_set1_ps(1.7f), a8 = _mm256_set1_ps(1.8f), a9 = _mm256_set1_ps(1.9f),
+           a10 = _mm256_set1_ps(2.0f), a11 = _mm256_set1_ps(2.1f);
+    const __m256 m = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
+    for (int64_t i = 0; i < iters; i++) {
+        a0 = _mm256_fmadd_ps(a0, m, c); a1 = _mm256_fmadd_ps(a1, m, c); a2 = _mm256_fmadd_ps(a2, m, c); a3 = _mm256_fmadd_ps(a3, m, c);
+        a4 = _mm256_fmadd_ps(a4, m, c); a5 = _mm256_fmadd_ps(a5, m, c); a6 = _mm256_fmadd_ps(a6, m, c); a7 = _mm256_fmadd_ps(a7, m, c);
+        a8 = _mm256_fmadd_ps(a8, m, c); a9 = _mm256_fmadd_ps(a9, m, c); a10 = _mm256_fmadd_ps(a10, m, c); a11 = _mm256_fmadd_ps(a11, m, c);
+    }
+    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)), _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
+    s = _mm256_add_ps(s, _mm256_add_ps(_mm256_add_ps(a8, a9), _mm256_add_ps(a10, a11)));
+    float buf[8];
+    _mm256_storeu_ps(buf, s);
+    for (int j = 0; j < 8; j++) *sink += buf[j];
+    return 2.0 * 12.0 * 8.0 * (double)iters;
+}
+
 void cpumla_fill_avx2(cpumla_kernels *k) {
+    k->fma_loop = fma_loop_avx2;
+    k->who[K_FMA] = "avx2";
     k->gemv = gemv_avx2;
     k->gemm = gemm_avx2;
     k->gemv_t = gemv_t_avx2;

@@ -121,9 +121,25 @@ static void dequant_row_avx512(const cpumla_weight *w, int64_t r, int64_t c0, in
 }
 
 /* ---- gemv --------------------------------------------------------------------------------------- */
+#ifndef PF_BYTES
+#define PF_BYTES 4096
+#endif
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T0
+#endif
+/* The line to prefetch for row i of the group at pf, byte offset off of each row, while a group of
+ * R rows is read 64 bytes per row per step. When the 4 rows lie back to back (row_bytes equals the
+ * row's data bytes), the next group is one contiguous range and is fetched in address order, 4 lines
+ * per step (4 * off + 64 * i), which the memory system serves better than 4 interleaved page
+ * streams; otherwise line off of each of the R rows. */
+INLINE const char *pf_at(const uint8_t *pf, const cpumla_weight *w, int R, int i, int64_t off, int64_t data_bytes) {
+    if (R == 4 && w->row_bytes == data_bytes) return (const char *)(pf + 4 * off + 64 * i);
+    return (const char *)(pf + i * w->row_bytes + off);
+}
 /* R rows (1..4) at once so each x load serves all of them; one block at a time (the whole row when
  * unblocked), two partial sums per row per block for latency. */
-INLINE void gemv_rows(const cpumla_weight *w, const float *x, float *y, int64_t r, int R, int32_t dt) {
+INLINE void gemv_rows(const cpumla_weight *w, const float *x, float *y, int64_t r, int R, int32_t dt,
+                      const uint8_t *pf) {
     const uint8_t *rp[4];
     __m512 acc[4];
     UNROLL for (int i = 0; i < R; i++) { rp[i] = weight_row(w, r + i); acc[i] = _mm512_setzero_ps(); }
@@ -135,6 +151,7 @@ INLINE void gemv_rows(const cpumla_weight *w, const float *x, float *y, int64_t 
         for (; c + 32 <= b1; c += 32) {
             __m512 x0 = _mm512_loadu_ps(x + c), x1 = _mm512_loadu_ps(x + c + 16);
             UNROLL for (int i = 0; i < R; i++) {
+                if (dt == CPUMLA_F16 && pf) _mm_prefetch(pf_at(pf, w, R, i, 2 * c, 2 * cols), PF_HINT);
                 p0[i] = _mm512_fmadd_ps(dq16(dt, rp[i], c, 16), x0, p0[i]);
                 p1[i] = _mm512_fmadd_ps(dq16(dt, rp[i], c + 16, 16), x1, p1[i]);
             }
@@ -158,12 +175,6 @@ INLINE void gemv_rows(const cpumla_weight *w, const float *x, float *y, int64_t 
 /* The rows to prefetch while rows [r, r + 4) are computed: a later group about 16 KiB ahead (4 row
  * streams, each starting a new page, leave the hardware prefetcher behind); at the end of the range,
  * the last group (already read: cheap). */
-#ifndef PF_BYTES
-#define PF_BYTES 4096
-#endif
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T0
-#endif
 INLINE const uint8_t *pf_rows(const cpumla_weight *w, int64_t r, int64_t r1) {
     int64_t ahead = 4 * max64(1, PF_BYTES / max64(w->row_bytes, 1));
     int64_t p = min64(r + ahead, r1 - 4);
@@ -188,7 +199,7 @@ INLINE void gemv_bf16_rows(const cpumla_weight *w, const float *x, float *y, int
         __m512 xa = _mm512_loadu_ps(x + c), xb = _mm512_loadu_ps(x + c + 16);
         __m512 xe = _mm512_permutex2var_ps(xa, ev, xb), xo = _mm512_permutex2var_ps(xa, od, xb);
         UNROLL for (int i = 0; i < R; i++) {
-            _mm_prefetch((const char *)(pf + i * w->row_bytes + 2 * c), PF_HINT);
+            _mm_prefetch(pf_at(pf, w, R, i, 2 * c, 2 * cols), PF_HINT);
             __m512i v = _mm512_loadu_si512(rp[i] + c);
             a0[i] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), xe, a0[i]);
             a1[i] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, hi_mask)), xo, a1[i]);
@@ -266,8 +277,9 @@ INLINE void gemv_e4m3_rows(const cpumla_weight *w, const float *x, const float *
             __m512 x0 = _mm512_loadu_ps(xs), x1 = _mm512_loadu_ps(xs + 16);
             __m512 x2 = _mm512_loadu_ps(xs + 32), x3 = _mm512_loadu_ps(xs + 48);
             UNROLL for (int i = 0; i < R; i++) {
-                _mm_prefetch((const char *)(pf + i * w->row_bytes + c), PF_HINT);
+                _mm_prefetch(pf_at(pf, w, R, i, c, w->cols), PF_HINT);
                 __m512i d = _mm512_loadu_si512(rp[i] + c);
+                __asm__("" : "+v"(d));                  /* one load, not one folded into each shift */
                 __m512i vh = _mm512_srai_epi16(d, 4), vl = _mm512_srai_epi16(_mm512_slli_epi16(d, 8), 4);
                 __m512 f3 = _mm512_castsi512_ps(_mm512_and_si512(vh, m));
                 __m512 f1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(vh, 16), m));
@@ -303,8 +315,8 @@ __attribute__((noinline)) static void gemv_e4m3(const cpumla_weight *w, const fl
         int64_t ce = min64(cb + seg, w->cols);
         if (!fp8_split_x(x + cb, (ce - cb) / 64 * 64, xp)) {      /* huge activations: generic path */
             int64_t r = r0;
-            for (; r + 4 <= r1; r += 4) gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_E4M3);
-            for (; r < r1; r++) gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_E4M3);
+            for (; r + 4 <= r1; r += 4) gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_E4M3, 0);
+            for (; r < r1; r++) gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_E4M3, 0);
             return;
         }
         int64_t r = r0;
@@ -358,7 +370,7 @@ INLINE void gemv_e2m1_rows(const cpumla_weight *w, const float *xp, int64_t cb, 
             __m512i si = _mm512_add_epi32(quad, _mm512_set1_epi32(4 * st));
             int64_t off = (c >> 1) + 64 * st;
             UNROLL for (int i = 0; i < R; i++) {
-                _mm_prefetch((const char *)(pf + i * w->row_bytes + off), PF_HINT);
+                _mm_prefetch(pf_at(pf, w, R, i, off, w->cols / 2), PF_HINT);
                 __m512i v = _mm512_loadu_si512(rp[i] + off);
                 __m512 p0 = _mm512_mul_ps(_mm512_permutexvar_ps(v, lut), _mm512_loadu_ps(xs));
                 __m512 p1 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut), _mm512_loadu_ps(xs + 16));
@@ -414,21 +426,21 @@ __attribute__((noinline)) static void gemv_e2m1(const cpumla_weight *w, const fl
 static void gemv_avx512(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
     switch (w->dtype) {
     case CPUMLA_F32:
-        GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_F32), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F32));
+        GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_F32, 0), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F32, 0));
         return;
     case CPUMLA_BF16:
         gemv_bf16(w, x, y, r0, r1);
         return;
     case CPUMLA_F16:
-        GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_F16), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F16));
+        GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_F16, pf_rows(w, r, r1)), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F16, pf_rows(w, r, r1)));
         return;
     case CPUMLA_E4M3:
         if (w->block_cols % 64 == 0 && w->block_cols <= FP8_XSEG) { gemv_e4m3(w, x, y, r0, r1); return; }
-        GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_E4M3), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_E4M3));
+        GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_E4M3, 0), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_E4M3, 0));
         return;
     case CPUMLA_E2M1:
         if (w->block_cols == 32) { gemv_e2m1(w, x, y, r0, r1); return; }
-        GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_E2M1), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_E2M1));
+        GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_E2M1, 0), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_E2M1, 0));
         return;
     default:
         for (int64_t r = r0; r < r1; r++) y[r - r0] = NAN;
@@ -797,7 +809,29 @@ static double read_sum_avx512(const void *buf, int64_t bytes) {
     return _mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(a0, a1), _mm512_add_pd(a2, a3)));
 }
 
+
+/* FMA-throughput probe: 12 independent accumulators hide the FMA latency. */
+static double fma_loop_avx512(int64_t iters, float *sink) {
+    __m512 a0 = _mm512_set1_ps(1.0f), a1 = _mm512_set1_ps(1.1f), a2 = _mm512_set1_ps(1.2f), a3 = _mm512_set1_ps(1.3f), a4 = _mm512_set1_ps(1.4f),
+           a5 = _mm512_set1_ps(1.5f), a6 = _mm512_set1_ps(1.6f), a7 = _mm512_set1_ps(1.7f), a8 = _mm512_set1_ps(1.8f), a9 = _mm512_set1_ps(1.9f),
+           a10 = _mm512_set1_ps(2.0f), a11 = _mm512_set1_ps(2.1f);
+    const __m512 m = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-7f);
+    for (int64_t i = 0; i < iters; i++) {
+        a0 = _mm512_fmadd_ps(a0, m, c); a1 = _mm512_fmadd_ps(a1, m, c); a2 = _mm512_fmadd_ps(a2, m, c); a3 = _mm512_fmadd_ps(a3, m, c);
+        a4 = _mm512_fmadd_ps(a4, m, c); a5 = _mm512_fmadd_ps(a5, m, c); a6 = _mm512_fmadd_ps(a6, m, c); a7 = _mm512_fmadd_ps(a7, m, c);
+        a8 = _mm512_fmadd_ps(a8, m, c); a9 = _mm512_fmadd_ps(a9, m, c); a10 = _mm512_fmadd_ps(a10, m, c); a11 = _mm512_fmadd_ps(a11, m, c);
+    }
+    __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)), _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)));
+    s = _mm512_add_ps(s, _mm512_add_ps(_mm512_add_ps(a8, a9), _mm512_add_ps(a10, a11)));
+    float buf[16];
+    _mm512_storeu_ps(buf, s);
+    for (int j = 0; j < 16; j++) *sink += buf[j];
+    return 2.0 * 12.0 * 16.0 * (double)iters;
+}
+
 void cpumla_fill_avx512(cpumla_kernels *k) {
+    k->fma_loop = fma_loop_avx512;
+    k->who[K_FMA] = "avx512";
     if (k->attn_part != attn_part_avx512) prev_attn_part = k->attn_part;
     k->gemv = gemv_avx512;
     k->gemm = gemm_avx512;
