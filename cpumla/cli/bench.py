@@ -74,13 +74,9 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
     cfg, _ = load_config(model, hf_overrides)
     for w in mb.check_args(cfg.max_position_embeddings, n_prompt, n_gen, reps, thr, dep):
         render.err.print(f"[yellow]warning:[/] {w}")
-    t0 = time.perf_counter()
-    eng = cpumla.load(model, dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed,
-                      max_seq_len=need, dummy_dtype=dummy_dtype)
-    load_s = time.perf_counter() - t0
-    results = []
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=render.err, transient=True) as prog:
+        # the machine's limits first, so the probe's buffer is gone before the model is in memory
         task = prog.add_task("measuring read bandwidth", total=None)
         probe = kb.read_bandwidth(0.5)
         peaks = {}
@@ -88,6 +84,12 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
             native.set_threads(t)
             prog.update(task, description=f"measuring FMA peak, {t} threads")
             peaks[t] = mb.fma_peak_gflops()
+        prog.update(task, description=f"loading {model}")
+        t0 = time.perf_counter()
+        eng = cpumla.load(model, dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed,
+                          max_seq_len=need, dummy_dtype=dummy_dtype)
+        load_s = time.perf_counter() - t0
+        results = []
         for r in mb.run(eng, model_name=model, n_prompt=n_prompt, n_gen=n_gen, reps=reps, threads=thr, depths=dep,
                         load_s=load_s, probe_gbs=probe, peak_gflops=peaks, seed=seed,
                         progress=lambda label, done, total: prog.update(task, description=label, completed=done,
