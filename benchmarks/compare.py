@@ -58,6 +58,8 @@ def time_cpumla(path: Path, prompt: list[int], n_gen: int, threads: int):
     import cpumla
 
     eng = cpumla.load(str(path), threads=threads, max_seq_len=len(prompt) + n_gen + 1)
+    eng.forward(prompt, last_only=True)          # warm-up: pages the mapped weights in, as from_pretrained has
+    eng.reset()
     t0 = time.perf_counter()
     logits = eng.forward(prompt, last_only=True)
     pp = len(prompt) / (time.perf_counter() - t0)
@@ -75,6 +77,7 @@ def time_transformers(path: Path, prompt: list[int], n_gen: int, threads: int, d
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     ids = torch.tensor([prompt])
     with torch.no_grad():
+        model(ids[:, :8], use_cache=True)        # warm-up
         t0 = time.perf_counter()
         out = model(ids, use_cache=True)
         pp = len(prompt) / (time.perf_counter() - t0)
@@ -91,6 +94,8 @@ def time_llamacpp(gguf: Path, prompt: list[int], n_gen: int, threads: int):
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(gguf), n_ctx=len(prompt) + n_gen + 8, n_threads=threads, verbose=False)
+    llm.eval(prompt[:8])                          # warm-up
+    llm.reset()
     t0 = time.perf_counter()
     llm.eval(prompt)
     pp = len(prompt) / (time.perf_counter() - t0)
