@@ -64,7 +64,6 @@ def bench(
 def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, reps, threads, depths, output, seed):
     import cpumla
     from cpumla.runtime import bench as mb
-    from cpumla.native import bench as kb
 
     native.init()
     thr = _ints(threads, "--threads") if threads else [native.get_threads()]
@@ -77,8 +76,7 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=render.err, transient=True) as prog:
         # the machine's limits first, so the probe's buffer is gone before the model is in memory
-        task = prog.add_task("measuring read bandwidth", total=None)
-        probe = kb.read_bandwidth(0.5)
+        task = prog.add_task("measuring FMA peak", total=None)
         peaks = {}
         for t in thr:
             native.set_threads(t)
@@ -89,16 +87,17 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
         eng = cpumla.load(model, dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed,
                           max_seq_len=need, dummy_dtype=dummy_dtype)
         load_s = time.perf_counter() - t0
+        probe = mb.BandwidthProbe([eng.lm_head.data, eng.embed])
         results = []
         for r in mb.run(eng, model_name=model, n_prompt=n_prompt, n_gen=n_gen, reps=reps, threads=thr, depths=dep,
-                        load_s=load_s, probe_gbs=probe, peak_gflops=peaks, seed=seed,
+                        load_s=load_s, probe=probe, peak_gflops=peaks, seed=seed,
                         progress=lambda label, done, total: prog.update(task, description=label, completed=done,
                                                                          total=total)):
             results.append(r)
-    _print(results, output, eng, probe, peaks)
+    _print(results, output, eng, peaks)
 
 
-def _print(results, output, eng, probe, peaks):
+def _print(results, output, eng, peaks):
     from cpumla.runtime import bench as mb
 
     dicts = [mb.as_dict(r) for r in results]
@@ -121,11 +120,11 @@ def _print(results, output, eng, probe, peaks):
     r0 = results[0]
     render.out.print(f"model: {r0.model_filename} ({cfg.model_type}, {cfg.num_hidden_layers} layers); "
                      f"implementation {r0.isa}; load {r0.load_s:.1f} s; peak RSS {max(r.peak_rss_mb for r in results):.0f} MB")
-    render.out.print(f"read bandwidth probe {probe:.1f} GB/s; FMA peak "
-                     + ", ".join(f"{v:.0f} GFLOP/s at {t} threads" for t, v in peaks.items()))
+    render.out.print("FMA peak " + ", ".join(f"{v:.0f} GFLOP/s at {t} threads" for t, v in peaks.items())
+                     + "; read bandwidth probed before and after each test")
     rows = []
     for r in results:
-        extra = (f"{r.gbs:.1f} GB/s = {r.pct_bandwidth:.0f}% of probe" if r.n_gen else
+        extra = (f"{r.gbs:.1f} GB/s = {r.pct_bandwidth:.0f}% of {r.read_probe_gbs:.1f} GB/s probe" if r.n_gen else
                  f"{r.gflops:.0f} GFLOP/s = {r.pct_fma_peak:.0f}% of peak, TTFT {r.ttft_ms:.0f} ms")
         rows.append([r.test, str(r.n_threads), f"{r.avg_ts:.2f} ± {r.stddev_ts:.2f}", extra])
     render.table(None, ["test", "threads", "t/s", "vs the machine"], rows, right={1, 2})

@@ -124,8 +124,49 @@ def _fill_depth(eng, depth: int, rng) -> None:
         eng.forward(rng.integers(0, eng.config.vocab_size, size=depth), last_only=True)
 
 
+class BandwidthProbe:
+    """Read bandwidth right now. The host's bandwidth drifts (other tenants), so the bench probes right
+    before and after each test. The probe reads the model's own largest tensors (already resident, so
+    it adds nothing to the peak RSS, and it is the memory decode streams from); with less than 256 MiB
+    of them it reads a buffer of its own. Anything under ~8x the last-level cache reads high."""
+
+    MIN_BYTES = 256 << 20
+
+    def __init__(self, arrays=()):
+        spans, total = [], 0
+        for a in sorted(arrays, key=lambda a: -a.nbytes):
+            if total >= 4 * self.MIN_BYTES:
+                break
+            start = native.ffi.cast("uintptr_t", native.vptr(a))
+            skip = (-int(start)) % 64                         # the kernels read whole aligned lines
+            n = (a.nbytes - skip) & ~63
+            if n > 0:
+                spans.append((native.ffi.cast("char *", start) + skip, n))
+                total += n
+        self._keep = list(arrays)
+        if total < self.MIN_BYTES:
+            self._own = np.ones(self.MIN_BYTES // 8, np.float64)
+            spans, total = [(native.ffi.cast("char *", native.vptr(self._own)), self._own.nbytes)], self._own.nbytes
+        self.spans, self.nbytes = spans, total
+
+    def _read(self):
+        for ptr, n in self.spans:
+            native.lib.cpumla_read_probe(ptr, n)
+
+    def __call__(self, passes: int = 3) -> float:
+        self._read()
+        best = min(_timed(self._read) for _ in range(passes))
+        return self.nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def run(eng, *, model_name: str, n_prompt: int, n_gen: int, reps: int, threads: list[int], depths: list[int],
-        load_s: float, probe_gbs: float, peak_gflops: dict[int, float], progress=None, seed: int = 0):
+        load_s: float, probe: BandwidthProbe, peak_gflops: dict[int, float], progress=None, seed: int = 0):
     """Yields TestResult for each (threads, depth, test). progress(label, done, total) is called."""
     cfg = eng.config
     rng = np.random.default_rng(seed)
@@ -137,6 +178,7 @@ def run(eng, *, model_name: str, n_prompt: int, n_gen: int, reps: int, threads: 
         for d in depths:
             for kind, n in tests:
                 samples = []
+                probe_before = probe()
                 for rep in range(reps + 1):                  # the first run is the warm-up
                     if progress:
                         progress(f"{kind}{n} d{d} t{t}", done, total)
@@ -154,6 +196,7 @@ def run(eng, *, model_name: str, n_prompt: int, n_gen: int, reps: int, threads: 
                     done += 1
                     if rep:
                         samples.append(ns)
+                probe_gbs = (probe_before + probe()) / 2
                 ns = np.array(samples, dtype=np.float64)
                 ts = n / (ns / 1e9)
                 r = TestResult(cfg.model_type, model_name, native.cpu_name(), t, n if kind == "pp" else 0,
