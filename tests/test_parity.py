@@ -96,3 +96,15 @@ def test_generate_greedy_is_deterministic(saved):
         out = m.generate(torch.tensor([IDS[:4]]), max_new_tokens=6, do_sample=False, eos_token_id=None,
                          pad_token_id=0)
     assert a == out[0, 4:].tolist()
+
+
+def test_chunked_prefill(saved, monkeypatch):
+    """A prompt longer than the prefill chunk goes through in pieces; logits are the same."""
+    from cpumla.runtime import engine
+
+    monkeypatch.setattr(engine, "PREFILL_CHUNK", 5)
+    d, _, ref = saved["v2"]
+    eng = cpumla.load(str(d))
+    check_fp32(eng.forward(IDS), ref)
+    eng.reset()
+    check_fp32(eng.forward(IDS, last_only=True), ref[-1:])

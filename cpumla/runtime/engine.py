@@ -22,6 +22,9 @@ from cpumla.models.deepseek_v2 import MLAConfig, checkpoint_name_map, mlp_names
 from cpumla.runtime import weights as W
 
 
+PREFILL_CHUNK = 512     # tokens per native forward call
+
+
 @dataclass
 class Layer:
     input_ln: np.ndarray          # [D]
@@ -126,10 +129,14 @@ class Engine:
         if self.pos + n > self.max_seq_len:
             raise CpumlaError(f"context full: {self.pos} cached + {n} new tokens > max_seq_len {self.max_seq_len}")
         logits = np.empty((1 if last_only else n, self.config.vocab_size), np.float32)
-        rc = native.lib.cpumla_mla_forward(self._c, native.vptr(ids, "int64_t *"), n, self.pos,
-                                           native.fptr(logits), int(last_only))
-        if rc != 0:
-            raise CpumlaError(native.last_error())
+        # long prompts go in chunks, so the forward's scratch (~n * 30 KB for V2-Lite) stays bounded
+        for c0 in range(0, n, PREFILL_CHUNK):
+            c1 = min(n, c0 + PREFILL_CHUNK)
+            out = logits if last_only else logits[c0:]
+            rc = native.lib.cpumla_mla_forward(self._c, native.vptr(ids[c0:], "int64_t *"), c1 - c0,
+                                               self.pos + c0, native.fptr(out), int(last_only))
+            if rc != 0:                      # rows of earlier chunks are not counted: pos is unchanged
+                raise CpumlaError(native.last_error())
         self.pos += n
         self.tokens.extend(int(t) for t in ids)
         return logits
