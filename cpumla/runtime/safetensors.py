@@ -79,6 +79,11 @@ class SafetensorsFile:
             if size < 8:
                 raise CpumlaError(f"{self.path}: {size} bytes is too short for a safetensors file")
             self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            if hasattr(mmap, "MADV_HUGEPAGE"):   # lets the kernel back the page cache with 2 MiB pages
+                try:
+                    self._mm.madvise(mmap.MADV_HUGEPAGE)
+                except OSError:
+                    pass
         finally:
             os.close(fd)  # the mapping keeps its own reference to the file
         try:
