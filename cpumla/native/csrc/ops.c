@@ -12,6 +12,9 @@
 
 #define MIN_PARALLEL_WORK 32768     /* below this many multiply-adds a call stays on one thread */
 #define MAX_POOL_THREADS 256
+#ifndef CPUMLA_GEMV_SPLIT
+#define CPUMLA_GEMV_SPLIT 4     /* GEMV tasks per thread */
+#endif
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -65,7 +68,7 @@ static void linear_rows(const cpumla_weight *w, int64_t r_begin, int64_t r_end, 
     if (n == 1) {
         if (small) { cpumla_k.gemv(w, x, y, r_begin, r_end); return; }
         /* ~4 tasks per thread for balance, a multiple of 8 rows each */
-        j.rows_per_task = ceil_div(ceil_div(rows, 4 * (int64_t)threads), 8) * 8;
+        j.rows_per_task = ceil_div(ceil_div(rows, CPUMLA_GEMV_SPLIT * (int64_t)threads), 8) * 8;
         cpumla_pool_run(ceil_div(rows, j.rows_per_task), gemv_task, &j);
         return;
     }
