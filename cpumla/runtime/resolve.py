@@ -42,13 +42,19 @@ def load_config(path: Path) -> dict[str, Any]:
         raise CpumlaError(f"{path}: cannot read: {e.strerror}") from None
     except UnicodeDecodeError as e:
         raise CpumlaError(f"{path}: not UTF-8 text: {e}") from None
+    return _json_object(text, f"{path}: invalid JSON at line {{line}} column {{col}}: {{msg}}",
+                        f"{path}: is a JSON {{kind}}, not an object")
+
+
+def _json_object(text: str, bad_json: str, not_object: str) -> dict[str, Any]:
+    """A JSON object from text; the two messages are formatted with line/col/msg and kind."""
     try:
-        config = json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise CpumlaError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-    if not isinstance(config, dict):
-        raise CpumlaError(f"{path}: is a JSON {type(config).__name__}, not an object")
-    return config
+        raise CpumlaError(bad_json.format(line=e.lineno, col=e.colno, msg=e.msg)) from None
+    if not isinstance(value, dict):
+        raise CpumlaError(not_object.format(kind=type(value).__name__))
+    return value
 
 
 def _preset_key(repo_id: str) -> str | None:
@@ -157,10 +163,8 @@ def parse_overrides(overrides: str | dict[str, Any] | None) -> dict[str, Any]:
     if overrides is None or (isinstance(overrides, str) and not overrides.strip()):
         return {}
     if isinstance(overrides, str):
-        try:
-            overrides = json.loads(overrides)
-        except json.JSONDecodeError as e:
-            raise CpumlaError(f"--hf-overrides is not valid JSON: {e.msg} at column {e.colno}") from None
+        return _json_object(overrides, "--hf-overrides is not valid JSON: {msg} at column {col}",
+                            "--hf-overrides must be a JSON object, not a {kind}")
     if not isinstance(overrides, dict):
         raise CpumlaError(f"--hf-overrides must be a JSON object, not a {type(overrides).__name__}")
     return overrides
