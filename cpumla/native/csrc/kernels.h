@@ -64,10 +64,13 @@ typedef struct cpumla_kernels {
     const char *who[K_COUNT];
 } cpumla_kernels;
 
-/* Each implementation file exports one function that overwrites the entries it provides. */
+/* Each implementation exports one function that overwrites the entries it provides. avx2 and avx512
+ * are two files each (linear algebra; row-wise and attention kernels): their fill calls the _rows one. */
 void cpumla_fill_scalar(cpumla_kernels *k);
 void cpumla_fill_avx2(cpumla_kernels *k);
+void cpumla_fill_avx2_rows(cpumla_kernels *k);     /* avx2_rows.c; called by cpumla_fill_avx2 */
 void cpumla_fill_avx512(cpumla_kernels *k);
+void cpumla_fill_avx512_rows(cpumla_kernels *k);   /* avx512_rows.c; called by cpumla_fill_avx512 */
 void cpumla_fill_amx(cpumla_kernels *k);
 void cpumla_fill_neon(cpumla_kernels *k);
 

@@ -1,0 +1,98 @@
+/* avx2_common.h: inline helpers of avx2.c (linear algebra) and avx2_rows.c (row-wise and attention
+ * kernels): first those both use, then avx2.c's weight decoders (see avx2.c for the tricks). Only
+ * included by those two files, which are compiled with the same AVX2 flags (csrc/FLAGS).
+ * static inline only: nothing here may define data (tables stay in the one file that uses them). */
+#ifndef CPUMLA_AVX2_COMMON_H
+#define CPUMLA_AVX2_COMMON_H
+#include <immintrin.h>
+#include <stdint.h>
+#include "common.h"
+
+#define INLINE static inline __attribute__((always_inline))
+#define ALIGN64 __attribute__((aligned(64)))
+
+INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* [sum a0, sum a1, sum a2, sum a3] */
+INLINE __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+INLINE __m256 ld_bf16(const uint16_t *p) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+INLINE __m256 ld_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* ---- weight decoding (avx2.c) ------------------------------------------------------------------ */
+/* 16 E4M3 bytes -> two vectors of value * 2^-8 */
+INLINE void ld_e4m3x16(const uint8_t *p, __m256 *lo, __m256 *hi) {
+    __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    __m256i f = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(u, 8), 1), _mm256_set1_epi16((short)0xbf80));
+    __m256i t = _mm256_and_si256(u, _mm256_set1_epi16(0x7f));
+    f = _mm256_or_si256(f, _mm256_cmpeq_epi16(t, _mm256_set1_epi16(0x7f)));
+    *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(f));
+    *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(f, 1));
+}
+/* 8 E4M3 bytes -> value * 2^-8 */
+INLINE __m256 ld_e4m3x8(const uint8_t *p) {
+    __m128i u = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    __m128i f = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(u, 8), 1), _mm_set1_epi16((short)0xbf80));
+    __m128i t = _mm_and_si128(u, _mm_set1_epi16(0x7f));
+    f = _mm_or_si128(f, _mm_cmpeq_epi16(t, _mm_set1_epi16(0x7f)));
+    return _mm256_cvtph_ps(f);
+}
+
+/* bf16 low / high bytes of the E2M1 values 0, .5, 1, 1.5, 2, 3, 4, 6 and their negatives */
+#define FP4_TL 0, 0, (char)0x80, (char)0xc0, 0, 0x40, (char)0x80, (char)0xc0
+#define FP4_TH 0, 0x3f, 0x3f, 0x3f, 0x40, 0x40, 0x40, 0x40
+#define FP4_THN (char)0x80, (char)0xbf, (char)0xbf, (char)0xbf, (char)0xc0, (char)0xc0, (char)0xc0, (char)0xc0
+INLINE __m256i fp4_tl(void) { return _mm256_setr_epi8(FP4_TL, FP4_TL, FP4_TL, FP4_TL); }
+INLINE __m256i fp4_th(void) { return _mm256_setr_epi8(FP4_TH, FP4_THN, FP4_TH, FP4_THN); }
+
+/* 16 E2M1 bytes (32 codes) -> f[0..3], exact values, in the permuted order: lane L, dword d of f[k]
+ * is column 16*(k>>1) + 4*d + 2*(k&1) + L of the group. */
+INLINE void ld_e2m1x32(const uint8_t *p, __m256i tl, __m256i th, __m256 f[4]) {
+    __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    __m256i n = _mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+    n = _mm256_and_si256(n, _mm256_set1_epi8(0x0f));
+    __m256i lb = _mm256_shuffle_epi8(tl, n), hb = _mm256_shuffle_epi8(th, n);
+    __m256i wl = _mm256_unpacklo_epi8(lb, hb), wh = _mm256_unpackhi_epi8(lb, hb);
+    __m256i m = _mm256_set1_epi32((int)0xffff0000);
+    f[0] = _mm256_castsi256_ps(_mm256_slli_epi32(wl, 16));
+    f[1] = _mm256_castsi256_ps(_mm256_and_si256(wl, m));
+    f[2] = _mm256_castsi256_ps(_mm256_slli_epi32(wh, 16));
+    f[3] = _mm256_castsi256_ps(_mm256_and_si256(wh, m));
+}
+/* the same 32 values in column order */
+INLINE void ld_e2m1x32_nat(const uint8_t *p, __m256i tl, __m256i th, __m256 o[4]) {
+    __m256 f[4];
+    ld_e2m1x32(p, tl, th, f);
+    const __m256i ix = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    o[0] = _mm256_permutevar8x32_ps(_mm256_unpacklo_ps(f[0], f[1]), ix);
+    o[1] = _mm256_permutevar8x32_ps(_mm256_unpackhi_ps(f[0], f[1]), ix);
+    o[2] = _mm256_permutevar8x32_ps(_mm256_unpacklo_ps(f[2], f[3]), ix);
+    o[3] = _mm256_permutevar8x32_ps(_mm256_unpackhi_ps(f[2], f[3]), ix);
+}
+
+INLINE float e2m1_at(const uint8_t *row, int64_t c) {
+    uint8_t b = row[c >> 1];
+    return cpumla_e2m1_lut[(c & 1) ? (b >> 4) : (b & 15)];
+}
+
+/* 8 E8M0 scale bytes -> floats (0 -> 2^-127, 0xff -> NaN, as e8m0_to_f32) */
+INLINE __m256 ld_e8m0x8(const uint8_t *p) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i f = _mm256_slli_epi32(v, 23);
+    f = _mm256_blendv_epi8(f, _mm256_set1_epi32(0x00400000), _mm256_cmpeq_epi32(v, _mm256_setzero_si256()));
+    f = _mm256_or_si256(f, _mm256_cmpeq_epi32(v, _mm256_set1_epi32(255)));
+    return _mm256_castsi256_ps(f);
+}
+
+#endif
