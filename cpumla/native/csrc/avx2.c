@@ -40,23 +40,8 @@ static void row_scales(const cpumla_weight *w, int64_t r, int64_t b0, int64_t nb
     }
 }
 
-/* ---- reference row dot (the spec's row_dot), for layouts the fast paths do not cover ----------- */
-static float row_dot_ref(const cpumla_weight *w, int64_t r, const float *x) {
-    const uint8_t *row = weight_row(w, r);
-    float acc = 0.0f;
-    if ((w->dtype == CPUMLA_E4M3 || w->dtype == CPUMLA_E2M1) && w->block_cols > 0) {
-        for (int64_t c0 = 0; c0 < w->cols; c0 += w->block_cols) {
-            int64_t c1 = c0 + w->block_cols < w->cols ? c0 + w->block_cols : w->cols;
-            float part = 0.0f;
-            for (int64_t c = c0; c < c1; c++)
-                part += (w->dtype == CPUMLA_E4M3 ? e4m3_to_f32(row[c]) : e2m1_at(row, c)) * x[c];
-            acc += part * weight_scale(w, r, c0);
-        }
-        return acc;
-    }
-    for (int64_t c = 0; c < w->cols; c++) acc += weight_at(w, r, c) * x[c];
-    return acc;
-}
+/* Layouts the fast paths do not cover go to the entry this one replaced (the scalar spec). */
+static void (*prev_gemv)(const cpumla_weight *, const float *, float *, int64_t, int64_t);
 
 /* ---- dequant_row -------------------------------------------------------------------------------- */
 static void dequant_row_avx2(const cpumla_weight *w, int64_t r, int64_t c0, int64_t c1, float *out) {
@@ -421,7 +406,7 @@ static void gemv_avx2(const cpumla_weight *w, const float *x, float *y, int64_t 
         break;
     default: break;
     }
-    for (int64_t r = r0; r < r1; r++) y[r - r0] = row_dot_ref(w, r, x);
+    prev_gemv(w, x, y, r0, r1);
 }
 
 /* ---- gemm: dequantised 16-row panels, 6 tokens x 16 rows FMA microkernel ------------------------ */
@@ -597,6 +582,7 @@ static void gemv_t_avx2(const cpumla_weight *w, int64_t r0, int64_t nr, const fl
 
 void cpumla_fill_avx2(cpumla_kernels *k) {
     cpumla_fill_avx2_rows(k);
+    if (k->gemv != gemv_avx2) prev_gemv = k->gemv;
     k->gemv = gemv_avx2;
     k->gemm = gemm_avx2;
     k->gemv_t = gemv_t_avx2;

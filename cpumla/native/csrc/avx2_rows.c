@@ -244,35 +244,9 @@ INLINE void attn_heads(const int NH, const cpumla_attn_args *a, int64_t qi, int6
     attn_pv(NH, acc + k0 * a->dv, acc + (k0 + (NH > 1)) * a->dv, c0, c1, p[0], p[1], rows, nv, a->dv);
 }
 
-static void attn_part_ref(const cpumla_attn_args *a, int64_t qi, int64_t h0, int64_t h1, int64_t j0,
-                          int64_t j1, float *acc, float *m, float *l) {
-    for (int64_t h = h0; h < h1; h++) {
-        const float *q = a->q + qi * a->ldq_t + h * a->ldq_h;
-        float *o = acc + (h - h0) * a->dv;
-        float mh = -INFINITY, lh = 0.0f;
-        for (int64_t d = 0; d < a->dv; d++) o[d] = 0.0f;
-        for (int64_t j = j0; j < j1; j++) {
-            const void *row = attn_kv_row(a, qi, j);
-            if (!row) continue;
-            const uint16_t *rb = (const uint16_t *)row;
-            const float *rf = (const float *)row;
-            float s = 0.0f;
-            for (int64_t d = 0; d < a->dk; d++) s += q[d] * (a->kv_dtype == CPUMLA_BF16 ? bf16_to_f32(rb[d]) : rf[d]);
-            s *= a->scale;
-            if (s > mh) {
-                float c = expf(mh - s);
-                lh *= c;
-                for (int64_t d = 0; d < a->dv; d++) o[d] *= c;
-                mh = s;
-            }
-            float p = expf(s - mh);
-            lh += p;
-            for (int64_t d = 0; d < a->dv; d++) o[d] += p * (a->kv_dtype == CPUMLA_BF16 ? bf16_to_f32(rb[d]) : rf[d]);
-        }
-        m[h - h0] = mh;
-        l[h - h0] = lh;
-    }
-}
+/* Rows too wide for the tile buffer go to the entry this one replaced (the scalar spec). */
+static void (*prev_attn_part)(const cpumla_attn_args *, int64_t, int64_t, int64_t, int64_t, int64_t, float *,
+                              float *, float *);
 
 static void attn_part_avx2(const cpumla_attn_args *a, int64_t qi, int64_t h0, int64_t h1, int64_t j0,
                            int64_t j1, float *acc, float *m, float *l) {
@@ -280,7 +254,7 @@ static void attn_part_avx2(const cpumla_attn_args *a, int64_t qi, int64_t h0, in
     const int bf = a->kv_dtype == CPUMLA_BF16;
     int tj = AT_TJ;
     if (bf && AT_BUF / ldt < tj) tj = (int)(AT_BUF / ldt);
-    if (tj < 1) { attn_part_ref(a, qi, h0, h1, j0, j1, acc, m, l); return; }
+    if (tj < 1) { prev_attn_part(a, qi, h0, h1, j0, j1, acc, m, l); return; }
     for (int64_t h = h0; h < h1; h++) { m[h - h0] = -INFINITY; l[h - h0] = 0.0f; }
     memset(acc, 0, (size_t)((h1 - h0) * dv) * sizeof(float));
     const float *rows[AT_TJ];
@@ -378,6 +352,7 @@ void cpumla_fill_avx2_rows(cpumla_kernels *k) {
     k->rmsnorm_row = rmsnorm_row_avx2;
     k->swiglu_row = swiglu_row_avx2;
     k->softmax_row = softmax_row_avx2;
+    if (k->attn_part != attn_part_avx2) prev_attn_part = k->attn_part;
     k->attn_part = attn_part_avx2;
     k->cache_row = cache_row_avx2;
     k->read_sum = read_sum_avx2;
