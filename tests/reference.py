@@ -22,6 +22,13 @@ def bf16_value(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
+def act(fmt: str, x: np.ndarray) -> np.ndarray:
+    """The activation operand of a product with fmt weights, as float64: bf16 weights multiply x
+    rounded to bf16 (nearest even, by torch), every other format multiplies x as given."""
+    x = np.asarray(x, np.float32)
+    return bf16_value(bf16_bits(x)).reshape(x.shape) if fmt == "bf16" else x.astype(np.float64)
+
+
 def e4m3_value(q: np.ndarray) -> np.ndarray:
     return torch.from_numpy(np.ascontiguousarray(q)).view(torch.float8_e4m3fn).to(torch.float64).numpy()
 

@@ -24,8 +24,11 @@ def test_bench_model_json():
             assert k in r
         assert len(r["samples_ts"]) == 2 and r["avg_ts"] > 0 and r["n_threads"] == 1
         assert r["read_probe_gbs"] > 0 and r["fma_peak_gflops"] > 0 and r["peak_rss_mb"] > 0
+        assert r["bf16_peak_gflops"] > 0
     pp, tg = rows[0], rows[1]
     assert pp["n_prompt"] == 16 and pp["n_gen"] == 0 and pp["gflops"] > 0 and pp["ttft_ms"] > 0
+    assert pp["pct_fma_peak"] == pytest.approx(100 * pp["gflops"] / pp["fma_peak_gflops"])
+    assert pp["pct_bf16_peak"] == pytest.approx(100 * pp["gflops"] / pp["bf16_peak_gflops"])
     assert tg["n_gen"] == 4 and tg["gbs"] > 0
     assert tg["pct_bandwidth"] == pytest.approx(100 * tg["gbs"] / tg["read_probe_gbs"])
     assert rows[3]["bytes_per_token"] > tg["bytes_per_token"]          # deeper cache, more bytes read
@@ -39,7 +42,8 @@ def test_bench_model_csv_jsonl_md():
     p = run("bench", *TINY, "-p", "0", "-n", "2", "-r", "1", "-t", "1", "-o", "jsonl")
     assert [json.loads(line)["test"] for line in p.stdout.splitlines()] == ["tg2"]
     p = run("bench", *TINY, "-p", "8", "-n", "0", "-r", "1", "-t", "1")
-    assert "pp8" in p.stdout and "% of peak" in p.stdout and "read bandwidth probe" in p.stdout
+    # bf16 dummy weights: prefill is measured against the bf16 dot-product peak (and fp32 FMA's)
+    assert "pp8" in p.stdout and "% of the bf16 dot peak" in p.stdout and "read bandwidth probe" in p.stdout
 
 
 def test_bench_threads_beyond_cores_warns():

@@ -55,13 +55,20 @@ def test_cached_decode_matches_full_forward(saved, variant):
 
 @pytest.mark.parametrize("variant", ["v2", "moonlight"])
 def test_parity_bf16(tmp_path, variant):
-    """bf16 checkpoint; the reference computes in fp32 from the same rounded weights."""
+    """bf16 checkpoint against an fp32 reference from the same rounded weights. cpumla multiplies bf16
+    weights by bf16-rounded activations (kernels.h), so it may drift from that reference, but by no
+    more than transformers' own bf16 forward of the same model does."""
     m = models.build(variant, tmp_path, dtype=torch.bfloat16)
     ref = models.reference_logits(m, IDS)
+    hf_bf16 = models.reference_logits(m.to(torch.bfloat16), IDS)
     got = cpumla.load(str(tmp_path)).forward(IDS)
+
+    def drift(x):
+        return 1 - (x * ref).sum(-1) / np.linalg.norm(x, axis=-1) / np.linalg.norm(ref, axis=-1)
+
     assert (got.argmax(-1) == ref.argmax(-1)).all()
-    cos = (got * ref).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(ref, axis=-1)
-    assert cos.min() >= 0.999
+    assert drift(got).max() <= max(drift(hf_bf16).max(), 1e-5), (drift(got), drift(hf_bf16))
+    assert drift(got).max() < 2e-3
 
 
 def test_parity_fp8_partial_blocks(saved, tmp_path):

@@ -77,11 +77,12 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
                   console=render.err, transient=True) as prog:
         # the machine's limits first, so the probe's buffer is gone before the model is in memory
         task = prog.add_task("measuring FMA peak", total=None)
-        peaks = {}
+        peaks, bf16_peaks = {}, {}
         for t in thr:
             native.set_threads(t)
-            prog.update(task, description=f"measuring FMA peak, {t} threads")
+            prog.update(task, description=f"measuring FMA peaks, {t} threads")
             peaks[t] = mb.fma_peak_gflops()
+            bf16_peaks[t] = mb.fma_peak_gflops(kind="bf16")
         prog.update(task, description=f"loading {model}")
         t0 = time.perf_counter()
         eng = cpumla.load(model, dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed,
@@ -90,14 +91,14 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
         probe = mb.BandwidthProbe([eng.lm_head.data, eng.embed])
         results = []
         for r in mb.run(eng, model_name=model, n_prompt=n_prompt, n_gen=n_gen, reps=reps, threads=thr, depths=dep,
-                        load_s=load_s, probe=probe, peak_gflops=peaks, seed=seed,
+                        load_s=load_s, probe=probe, peak_gflops=peaks, bf16_peak_gflops=bf16_peaks, seed=seed,
                         progress=lambda label, done, total: prog.update(task, description=label, completed=done,
                                                                          total=total)):
             results.append(r)
-    _print(results, output, eng, peaks)
+    _print(results, output, eng, peaks, bf16_peaks)
 
 
-def _print(results, output, eng, peaks):
+def _print(results, output, eng, peaks, bf16_peaks):
     from cpumla.runtime import bench as mb
 
     dicts = [mb.as_dict(r) for r in results]
@@ -120,12 +121,16 @@ def _print(results, output, eng, peaks):
     r0 = results[0]
     render.out.print(f"model: {r0.model_filename} ({cfg.model_type}, {cfg.num_hidden_layers} layers); "
                      f"implementation {r0.isa}; load {r0.load_s:.1f} s; peak RSS {max(r.peak_rss_mb for r in results):.0f} MB")
-    render.out.print("FMA peak " + ", ".join(f"{v:.0f} GFLOP/s at {t} threads" for t, v in peaks.items())
+    render.out.print("peaks: " + ", ".join(f"fp32 FMA {v:.0f} / bf16 dot {bf16_peaks[t]:.0f} GFLOP/s at {t} threads"
+                                           for t, v in peaks.items())
                      + "; read bandwidth probed before and after each test")
+    bf16 = mb.matmul_format(eng) == "bf16"     # prefill is measured against its own arithmetic's peak
     rows = []
     for r in results:
+        peak = (f"{r.pct_bf16_peak:.0f}% of the bf16 dot peak ({r.pct_fma_peak:.0f}% of fp32 FMA)" if bf16 else
+                f"{r.pct_fma_peak:.0f}% of the FMA peak")
         extra = (f"{r.gbs:.1f} GB/s = {r.pct_bandwidth:.0f}% of {r.read_probe_gbs:.1f} GB/s probe" if r.n_gen else
-                 f"{r.gflops:.0f} GFLOP/s = {r.pct_fma_peak:.0f}% of peak, TTFT {r.ttft_ms:.0f} ms")
+                 f"{r.gflops:.0f} GFLOP/s = {peak}, TTFT {r.ttft_ms:.0f} ms")
         rows.append([r.test, str(r.n_threads), f"{r.avg_ts:.2f} ± {r.stddev_ts:.2f}", extra])
     render.table(None, ["test", "threads", "t/s", "vs the machine"], rows, right={1, 2})
 

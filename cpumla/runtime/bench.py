@@ -40,10 +40,12 @@ class TestResult:
     gbs: float = 0.0               # decode: bytes_per_token * tok/s
     pct_bandwidth: float = 0.0     # of the read probe
     gflops: float = 0.0            # prefill
-    pct_fma_peak: float = 0.0
+    pct_fma_peak: float = 0.0      # of the fp32 FMA probe
+    pct_bf16_peak: float = 0.0     # of the bf16 dot-product probe (the arithmetic of bf16 weights)
     ttft_ms: float = 0.0           # prefill: time to the first token's logits
     read_probe_gbs: float = 0.0
     fma_peak_gflops: float = 0.0
+    bf16_peak_gflops: float = 0.0
     load_s: float = 0.0
     peak_rss_mb: float = 0.0
 
@@ -105,17 +107,24 @@ def prefill_flops(eng, n: int, depth: int) -> float:
     return per_token + attn
 
 
-def fma_peak_gflops(seconds: float = 0.3) -> float:
-    """fp32 FMA throughput of every thread together, from the library's probe."""
+def fma_peak_gflops(seconds: float = 0.3, kind: str = "fp32") -> float:
+    """Multiply-add throughput of every thread together, from the library's probe: kind "fp32" (FMA)
+    or "bf16" (the products of bf16 weights: bf16 dot products where the CPU has them)."""
     native.ensure_init()
+    fn = native.lib.cpumla_bf16_probe if kind == "bf16" else native.lib.cpumla_fma_probe
     iters = 1 << 16
     while True:
         t0 = time.perf_counter()
-        flops = native.lib.cpumla_fma_probe(iters)
+        flops = fn(iters)
         dt = time.perf_counter() - t0
         if dt > seconds or iters > 1 << 34:
             return flops / dt / 1e9
         iters *= 2
+
+
+def matmul_format(eng) -> str:
+    """The weight format of the model's linear layers (that of the first layer's kv_a_proj)."""
+    return eng.layers[0].kv_a.dtype
 
 
 def _fill_depth(eng, depth: int, rng) -> None:
@@ -166,8 +175,10 @@ def _timed(fn) -> float:
 
 
 def run(eng, *, model_name: str, n_prompt: int, n_gen: int, reps: int, threads: list[int], depths: list[int],
-        load_s: float, probe: BandwidthProbe, peak_gflops: dict[int, float], progress=None, seed: int = 0):
-    """Yields TestResult for each (threads, depth, test). progress(label, done, total) is called."""
+        load_s: float, probe: BandwidthProbe, peak_gflops: dict[int, float], progress=None, seed: int = 0,
+        bf16_peak_gflops: dict[int, float] | None = None):
+    """Yields TestResult for each (threads, depth, test). progress(label, done, total) is called.
+    peak_gflops / bf16_peak_gflops: the fp32 FMA / bf16 dot probes' GFLOP/s by thread count."""
     cfg = eng.config
     rng = np.random.default_rng(seed)
     tests = [("pp", n_prompt) for _ in [0] if n_prompt > 0] + [("tg", n_gen) for _ in [0] if n_gen > 0]
@@ -203,7 +214,9 @@ def run(eng, *, model_name: str, n_prompt: int, n_gen: int, reps: int, threads: 
                                n if kind == "tg" else 0, d, f"{kind}{n}" + (f" @ d{d}" if d else ""),
                                float(ns.mean()), float(ns.std()), float(ts.mean()), float(ts.std()),
                                ns.tolist(), ts.tolist(), native.isa(), read_probe_gbs=probe_gbs,
-                               fma_peak_gflops=peak_gflops.get(t, 0.0), load_s=load_s, peak_rss_mb=peak_rss_mb())
+                               fma_peak_gflops=peak_gflops.get(t, 0.0),
+                               bf16_peak_gflops=(bf16_peak_gflops or {}).get(t, 0.0), load_s=load_s,
+                               peak_rss_mb=peak_rss_mb())
                 if kind == "tg":
                     mid = d + n / 2
                     r.bytes_per_token = decode_bytes(eng, int(mid))
@@ -212,6 +225,7 @@ def run(eng, *, model_name: str, n_prompt: int, n_gen: int, reps: int, threads: 
                 else:
                     r.gflops = prefill_flops(eng, n, d) / (r.avg_ns / 1e9) / 1e9
                     r.pct_fma_peak = 100.0 * r.gflops / r.fma_peak_gflops if r.fma_peak_gflops else 0.0
+                    r.pct_bf16_peak = 100.0 * r.gflops / r.bf16_peak_gflops if r.bf16_peak_gflops else 0.0
                     r.ttft_ms = r.avg_ns / 1e6
                 yield r
     native.set_threads(None)

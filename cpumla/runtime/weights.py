@@ -42,6 +42,16 @@ def linear(src, name: str, shape: tuple[int, int], cfg: MLAConfig) -> native.Wei
     return native.Weight(data, "e4m3", scale, cfg.block)
 
 
+def router_linear(src, name: str, shape: tuple[int, int], cfg: MLAConfig) -> native.Weight:
+    """The MoE router [E, D], widened to float32 (a copy of E*D*4 bytes): transformers computes the
+    router logits in fp32 from fp32 activations, and a bf16 weight would make cpumla round the
+    activations to bf16 there (kernels.h), which moves scores near a top-k boundary."""
+    w = linear(src, name, shape, cfg)
+    if w.dtype == "bf16":
+        return native.Weight(np.ascontiguousarray(as_f32(w.data)), "f32")
+    return w
+
+
 def vector(src, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """A norm weight, bias or embedding table: float32, bf16 bits (uint16) or float16, as stored."""
     if not src.has(name):

@@ -217,11 +217,16 @@ static inline int close_to(double got, double ref, double mag, double tol) {
 }
 
 /* ---- references ------------------------------------------------------------------------------- */
+/* the activation operand of a product with t's weights: BF16 weights multiply x rounded to bf16 */
+static double ref_act(const tweight *t, float x) {
+    return t->w.dtype == CPUMLA_BF16 ? ref_bf16(ref_to_bf16(x)) : (double)x;
+}
+
 /* dot of weight row r with x over all columns; *mag = sum of |terms| */
 static double ref_row_dot(const tweight *t, int64_t r, const float *x, double *mag) {
     double s = 0, a = 0;
     for (int64_t c = 0; c < t->w.cols; c++) {
-        double p = t->wd[r * t->w.cols + c] * x[c];
+        double p = t->wd[r * t->w.cols + c] * ref_act(t, x[c]);
         s += p;
         a += fabs(p);
     }

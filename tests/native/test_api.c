@@ -148,7 +148,7 @@ static void test_linear(void) {
             for (int64_t c = 0; c < Rk && bad < 3; c++) {
                 double s = 0, mag = 0;
                 for (int64_t i = 0; i < dn; i++) {
-                    double p = x[tt * ldx_t + h * ldx_h + i] * t.wd[(h * (dn + dv) + i) * Rk + c];
+                    double p = ref_act(&t, x[tt * ldx_t + h * ldx_h + i]) * t.wd[(h * (dn + dv) + i) * Rk + c];
                     s += p; mag += fabs(p);
                 }
                 float got = y[tt * ldy_t + h * ldy_h + c];

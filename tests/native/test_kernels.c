@@ -233,7 +233,7 @@ static void test_gemv_t(const cpumla_kernels *k) {
             for (int64_t cc = c0; cc < c1 && bad < 3; cc++) {
                 double s = 0, mag = 0;
                 for (int64_t i = 0; i < nr; i++) {
-                    double p = x[i] * t.wd[(r0 + i) * C + cc];
+                    double p = ref_act(&t, x[i]) * t.wd[(r0 + i) * C + cc];
                     s += p;
                     mag += fabs(p);
                 }

@@ -153,5 +153,6 @@ static void gemm_amx(const cpumla_weight *w, const float *x, int64_t ldx, int64_
 void cpumla_fill_amx(cpumla_kernels *k) {
     if (k->gemm != gemm_amx) prev_gemm = k->gemm;
     k->gemm = gemm_amx;
+    k->gemm_xb = NULL;                     /* BF16 goes to the tiles through gemm */
     k->who[K_GEMM] = "amx";
 }

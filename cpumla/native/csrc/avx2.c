@@ -19,6 +19,7 @@
 #include <string.h>
 #include "common.h"
 #include "kernels.h"
+#include "dispatch.h"
 #include "avx2_common.h"
 
 const char cpumla_flags_avx2[] = CPUMLA_FLAGS;
@@ -42,6 +43,12 @@ static void row_scales(const cpumla_weight *w, int64_t r, int64_t b0, int64_t nb
 
 /* Layouts the fast paths do not cover go to the entry this one replaced (the scalar spec). */
 static void (*prev_gemv)(const cpumla_weight *, const float *, float *, int64_t, int64_t);
+static void (*prev_gemm)(const cpumla_weight *, const float *, int64_t, int64_t, float *, int64_t, int64_t,
+                         int64_t);
+
+/* Each thread's buffer for activations rounded to bf16 (BF16 weights; see kernels.h) */
+static __thread void *xr_buf;
+static __thread size_t xr_cap;
 
 /* ---- dequant_row -------------------------------------------------------------------------------- */
 static void dequant_row_avx2(const cpumla_weight *w, int64_t r, int64_t c0, int64_t c1, float *out) {
@@ -389,7 +396,13 @@ static void gemv_e2m1(const cpumla_weight *w, const float *x, float *y, int64_t 
 static void gemv_avx2(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
     switch (w->dtype) {
     case CPUMLA_F32: gemv_plain(w, x, y, r0, r1, CPUMLA_F32); return;
-    case CPUMLA_BF16: gemv_plain(w, x, y, r0, r1, CPUMLA_BF16); return;
+    case CPUMLA_BF16: {
+        float *xr = cpumla_grow(&xr_buf, &xr_cap, sizeof(float) * (size_t)w->cols);
+        if (!xr) break;                                /* out of memory: the spec, which needs none */
+        bf16_round_rows(x, 0, 1, w->cols, xr, 0);
+        gemv_plain(w, xr, y, r0, r1, CPUMLA_BF16);
+        return;
+    }
     case CPUMLA_F16: gemv_plain(w, x, y, r0, r1, CPUMLA_F16); return;
     case CPUMLA_E4M3:
         if (w->block_cols > 0 && w->block_cols % 32 == 0 && w->block_rows > 0 && w->cols <= E4_XP_MAX) {
@@ -504,16 +517,27 @@ static void gemm_avx2(const cpumla_weight *w, const float *x, int64_t ldx, int64
             for (int64_t r = r0; r < r1; r++) y[t * ldy + r - r0] = 0.0f;
         return;
     }
+    float *xr = NULL;         /* BF16: the K chunk of x rounded to bf16, [n][GM_KC] */
+    if (w->dtype == CPUMLA_BF16) {
+        xr = cpumla_grow(&xr_buf, &xr_cap, sizeof(float) * (size_t)(n * GM_KC));
+        if (!xr) { prev_gemm(w, x, ldx, n, y, ldy, r0, r1); return; }
+    }
     for (int64_t k0 = 0; k0 < K; k0 += GM_KC) {
         const int64_t kc = K - k0 < GM_KC ? K - k0 : GM_KC;
         const int acc = k0 > 0;
+        const float *xk = x + k0;
+        int64_t ldxk = ldx;
+        if (xr) {
+            bf16_round_rows(x + k0, ldx, n, kc, xr, GM_KC);
+            xk = xr;
+            ldxk = GM_KC;
+        }
         for (int64_t r = r0; r < r1; r += GM_NR) {
             const int nr = r1 - r < GM_NR ? (int)(r1 - r) : GM_NR;
             gemm_pack(w, r, nr, k0, kc);
             float *yr = y + (r - r0);
-            const float *xk = x + k0;
             for (int64_t t = 0; t < n; t += GM_MT)
-                gemm_micro(n - t < GM_MT ? (int)(n - t) : GM_MT, gm_pack, kc, xk + t * ldx, ldx, yr + t * ldy, ldy, nr, acc);
+                gemm_micro(n - t < GM_MT ? (int)(n - t) : GM_MT, gm_pack, kc, xk + t * ldxk, ldxk, yr + t * ldy, ldy, nr, acc);
         }
     }
 }
@@ -537,7 +561,7 @@ static void gemv_t_avx2(const cpumla_weight *w, int64_t r0, int64_t nr, const fl
         memset(acc, 0, (size_t)(ce - cs) * sizeof(float));
         for (int64_t i = 0; i < nr; i++) {
             const uint8_t *row = weight_row(w, r0 + i);
-            const float xi = x[i];
+            const float xi = dt == CPUMLA_BF16 ? bf16_round(x[i]) : x[i];
             int64_t c = cs;
             if (dt == CPUMLA_F32 || dt == CPUMLA_BF16 || dt == CPUMLA_F16) {
                 __m256 vx = _mm256_set1_ps(xi);
@@ -583,6 +607,7 @@ static void gemv_t_avx2(const cpumla_weight *w, int64_t r0, int64_t nr, const fl
 void cpumla_fill_avx2(cpumla_kernels *k) {
     cpumla_fill_avx2_rows(k);
     if (k->gemv != gemv_avx2) prev_gemv = k->gemv;
+    if (k->gemm != gemm_avx2) prev_gemm = k->gemm;
     k->gemv = gemv_avx2;
     k->gemm = gemm_avx2;
     k->gemv_t = gemv_t_avx2;

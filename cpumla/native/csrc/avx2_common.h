@@ -24,6 +24,28 @@ INLINE __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+/* bf16 bits (in the low half of each dword) of 8 floats, rounded as f32_to_bf16 (common.h) does */
+INLINE __m256i bf16_round8(__m256i u) {
+    __m256i isnan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    __m256i hi = _mm256_srli_epi32(u, 16);
+    __m256i rnd = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(hi, _mm256_set1_epi32(1))));
+    return _mm256_blendv_epi8(_mm256_srli_epi32(rnd, 16), _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), isnan);
+}
+
+/* dst[t*ldd + k] = bf16_round(src[t*lds + k]) for t < n, k < K: the activations of a BF16 product */
+INLINE void bf16_round_rows(const float *src, int64_t lds, int64_t n, int64_t K, float *dst, int64_t ldd) {
+    for (int64_t t = 0; t < n; t++) {
+        const float *s = src + t * lds;
+        float *d = dst + t * ldd;
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) {
+            __m256i b = bf16_round8(_mm256_loadu_si256((const __m256i *)(s + k)));
+            _mm256_storeu_si256((__m256i *)(d + k), _mm256_slli_epi32(b, 16));
+        }
+        for (; k < K; k++) d[k] = bf16_round(s[k]);
+    }
+}
+
 INLINE __m256 ld_bf16(const uint16_t *p) {
     __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));

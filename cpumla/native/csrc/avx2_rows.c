@@ -283,13 +283,6 @@ static void attn_part_avx2(const cpumla_attn_args *a, int64_t qi, int64_t h0, in
 }
 
 /* ---- cache row, read probe ----------------------------------------------------------------------- */
-INLINE __m256i bf16_round8(__m256i u) {
-    __m256i isnan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-    __m256i hi = _mm256_srli_epi32(u, 16);
-    __m256i rnd = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(hi, _mm256_set1_epi32(1))));
-    return _mm256_blendv_epi8(_mm256_srli_epi32(rnd, 16), _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), isnan);
-}
-
 static void cache_row_avx2(void *dst, int32_t dtype, const float *src, int64_t width) {
     if (dtype != CPUMLA_BF16) { memcpy(dst, src, (size_t)width * sizeof(float)); return; }
     uint16_t *d = (uint16_t *)dst;
@@ -348,7 +341,8 @@ static double fma_loop_avx2(int64_t iters, float *sink) {
 
 void cpumla_fill_avx2_rows(cpumla_kernels *k) {
     k->fma_loop = fma_loop_avx2;
-    k->who[K_FMA] = "avx2";
+    k->dot_loop = fma_loop_avx2;           /* avx2.c decodes BF16 weights to fp32 for its FMAs */
+    k->who[K_FMA] = k->who[K_DOT] = "avx2";
     k->rmsnorm_row = rmsnorm_row_avx2;
     k->swiglu_row = swiglu_row_avx2;
     k->softmax_row = softmax_row_avx2;

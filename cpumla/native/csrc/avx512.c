@@ -1,5 +1,6 @@
 /* avx512.c: AVX-512 (F/BW/VL/DQ/BF16) kernels. Same semantics as scalar.c (the spec), to fp32 rounding:
- * activations stay fp32 and every product is accumulated in fp32 (the weights are decoded exactly).
+ * every product is accumulated in fp32 and the weights are decoded exactly. BF16 weights go to
+ * avx512_bf16.c (vdpbf16ps on bf16-rounded activations, as kernels.h specifies) for gemv and gemm.
  *
  * Generic weight decoding, 16 columns at a time into fp32 (dq16; used by gemv_t, the gemm panel,
  * dequant_row and unusual block shapes), with a power of two folded into the block scale:
@@ -25,7 +26,6 @@
 
 const char cpumla_flags_avx512[] = CPUMLA_FLAGS;
 
-#define UNROLL _Pragma("GCC unroll 16")   /* small fixed loops: keep accumulators in registers */
 
 /* ---- weight decoding ---------------------------------------------------------------------------- */
 static const float dq_fold[5] = {1.0f, 1.0f, 1.0f, 256.0f, 16384.0f};   /* by dtype */
@@ -60,21 +60,6 @@ static void dequant_row_avx512(const cpumla_weight *w, int64_t r, int64_t c0, in
 }
 
 /* ---- gemv --------------------------------------------------------------------------------------- */
-#ifndef PF_BYTES
-#define PF_BYTES 4096
-#endif
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T0
-#endif
-/* The line to prefetch for row i of the group at pf, byte offset off of each row, while a group of
- * R rows is read 64 bytes per row per step. When the 4 rows lie back to back (row_bytes equals the
- * row's data bytes), the next group is one contiguous range and is fetched in address order, 4 lines
- * per step (4 * off + 64 * i), which the memory system serves better than 4 interleaved page
- * streams; otherwise line off of each of the R rows. */
-INLINE const char *pf_at(const uint8_t *pf, const cpumla_weight *w, int R, int i, int64_t off, int64_t data_bytes) {
-    if (R == 4 && w->row_bytes == data_bytes) return (const char *)(pf + 4 * off + 64 * i);
-    return (const char *)(pf + i * w->row_bytes + off);
-}
 /* R rows (1..4) at once so each x load serves all of them; one block at a time (the whole row when
  * unblocked), two partial sums per row per block for latency. */
 INLINE void gemv_rows(const cpumla_weight *w, const float *x, float *y, int64_t r, int R, int32_t dt,
@@ -109,53 +94,6 @@ INLINE void gemv_rows(const cpumla_weight *w, const float *x, float *y, int64_t 
         UNROLL for (int i = 0; i < R; i++) acc[i] = _mm512_mul_ps(acc[i], _mm512_set1_ps(blk_scale(w, r + i, 0)));
     }
     UNROLL for (int i = 0; i < R; i++) y[i] = _mm512_reduce_add_ps(acc[i]);
-}
-
-/* The rows to prefetch while rows [r, r + 4) are computed: a later group about 16 KiB ahead (4 row
- * streams, each starting a new page, leave the hardware prefetcher behind); at the end of the range,
- * the last group (already read: cheap). */
-INLINE const uint8_t *pf_rows(const cpumla_weight *w, int64_t r, int64_t r1) {
-    int64_t ahead = 4 * max64(1, PF_BYTES / max64(w->row_bytes, 1));
-    int64_t p = min64(r + ahead, r1 - 4);
-    return weight_row(w, p > r ? p : r);
-}
-
-/* BF16: a 64-byte load holds 32 columns; even columns are (v << 16), odd ones (v & 0xffff0000), so x
- * is split into even and odd columns once per 32 and shared by 4 rows. */
-INLINE void gemv_bf16_rows(const cpumla_weight *w, const float *x, float *y, int64_t r, int R,
-                           const uint8_t *pf) {
-    const uint16_t *rp[4];
-    __m512 a0[4], a1[4];
-    UNROLL for (int i = 0; i < R; i++) {
-        rp[i] = (const uint16_t *)weight_row(w, r + i);
-        a0[i] = _mm512_setzero_ps(); a1[i] = _mm512_setzero_ps();
-    }
-    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
-    int64_t cols = w->cols, c = 0;
-    for (; c + 32 <= cols; c += 32) {
-        __m512 xa = _mm512_loadu_ps(x + c), xb = _mm512_loadu_ps(x + c + 16);
-        __m512 xe = _mm512_permutex2var_ps(xa, ev, xb), xo = _mm512_permutex2var_ps(xa, od, xb);
-        UNROLL for (int i = 0; i < R; i++) {
-            _mm_prefetch(pf_at(pf, w, R, i, 2 * c, 2 * cols), PF_HINT);
-            __m512i v = _mm512_loadu_si512(rp[i] + c);
-            a0[i] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), xe, a0[i]);
-            a1[i] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, hi_mask)), xo, a1[i]);
-        }
-    }
-    for (; c < cols; c += 16) {
-        __m512 x0 = _mm512_maskz_loadu_ps(tail16(cols - c), x + c);
-        UNROLL for (int i = 0; i < R; i++)
-            a0[i] = _mm512_fmadd_ps(dq16(CPUMLA_BF16, (const uint8_t *)rp[i], c, cols - c), x0, a0[i]);
-    }
-    UNROLL for (int i = 0; i < R; i++) y[i] = _mm512_reduce_add_ps(_mm512_add_ps(a0[i], a1[i]));
-}
-
-__attribute__((noinline)) static void gemv_bf16(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) gemv_bf16_rows(w, x, y + (r - r0), r, 4, pf_rows(w, r, r1));
-    for (; r < r1; r++) gemv_bf16_rows(w, x, y + (r - r0), r, 1, pf_rows(w, r, r1));
 }
 
 /* E4M3, blocks a multiple of 64 columns wide: 64 bytes per step per row, read as 16 dwords. Byte j of
@@ -368,7 +306,8 @@ static void gemv_avx512(const cpumla_weight *w, const float *x, float *y, int64_
         GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_F32, 0), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F32, 0));
         return;
     case CPUMLA_BF16:
-        gemv_bf16(w, x, y, r0, r1);
+        if (cpumla_avx512_gemv_bf16(w, x, y, r0, r1) == 0) return;
+        GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_BF16, 0), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_BF16, 0));
         return;
     case CPUMLA_F16:
         GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_F16, pf_rows(w, r, r1)), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F16, pf_rows(w, r, r1)));
@@ -433,6 +372,7 @@ static void gemm_avx512(const cpumla_weight *w, const float *x, int64_t ldx, int
         for (int64_t t = 0; t < n; t++) gemv_avx512(w, x + t * ldx, y + t * ldy, r0, r1);
         return;
     }
+    if (w->dtype == CPUMLA_BF16 && w->cols > 0 && cpumla_avx512_gemm_bf16(w, x, ldx, n, y, ldy, r0, r1) == 0) return;
     float wp[GEMM_MP * GEMM_KC] __attribute__((aligned(64)));
     int64_t K = w->cols;
     if (K == 0) {
@@ -501,7 +441,8 @@ static void gemv_t_avx512(const cpumla_weight *w, int64_t r0, int64_t nr, const 
             int64_t b1 = blocked(w) ? min64((b0 / bc + 1) * bc, c1) : c1;
             __m512 xs[4];
             UNROLL for (int i = 0; i < 4; i++)
-                xs[i] = _mm512_set1_ps(i < R ? x[i0 + i] * (blocked(w) ? blk_scale(w, r0 + i0 + i, b0) : 1.0f) : 0.0f);
+                xs[i] = _mm512_set1_ps(i >= R ? 0.0f : dt == CPUMLA_BF16 ? bf16_round(x[i0 + i])
+                                       : x[i0 + i] * (blocked(w) ? blk_scale(w, r0 + i0 + i, b0) : 1.0f));
             int64_t c = b0;
             if (dt == CPUMLA_E4M3) {
                 for (; c + 64 <= b1; c += 64) {      /* 64 columns per row per step */
@@ -538,6 +479,7 @@ void cpumla_fill_avx512(cpumla_kernels *k) {
     cpumla_fill_avx512_rows(k);
     k->gemv = gemv_avx512;
     k->gemm = gemm_avx512;
+    k->gemm_xb = cpumla_avx512_gemm_xb;
     k->gemv_t = gemv_t_avx512;
     k->dequant_row = dequant_row_avx512;
     static const int ids[] = {K_GEMV, K_GEMM, K_GEMV_T, K_DEQUANT};

@@ -23,6 +23,11 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* The activation operand of a BF16-weight product: x rounded to bf16 (nearest even), as fp32. Every
+ * implementation multiplies bf16 weights by bf16(x) and accumulates in fp32, because that is what
+ * the hardware bf16 dot products (vdpbf16ps, AMX, BFDOT) compute; the others round x to match. */
+static inline float bf16_round(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
 static inline float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;

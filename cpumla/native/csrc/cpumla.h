@@ -279,6 +279,10 @@ double cpumla_read_probe(const void *buf, int64_t bytes);
  * floating-point operations done in total (divide by the elapsed time for FLOP/s). */
 double cpumla_fma_probe(int64_t iters);
 
+/* The same for the multiply-adds of a gemm with BF16 weights (bf16 dot products where the CPU has
+ * them, fp32 FMAs otherwise): the peak that prefill of a bf16 checkpoint is measured against. */
+double cpumla_bf16_probe(int64_t iters);
+
 #ifdef __cplusplus
 }
 #endif

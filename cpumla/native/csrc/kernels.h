@@ -7,6 +7,11 @@
  * that serves each entry, for `cpumla info`.
  *
  * Every entry's semantics are those of its scalar twin in scalar.c, which is the spec.
+ *
+ * BF16 weights (gemv, gemm, gemv_t): the activation is rounded to bf16 (nearest even, bf16_round in
+ * common.h) before the multiply and the products accumulate in fp32, as bf16 hardware dot products
+ * compute them and as transformers and llama.cpp do for bf16 checkpoints. Every implementation keeps
+ * this, so decode (gemv) and prefill (gemm) agree and every ISA gives the same logits.
  */
 #ifndef CPUMLA_KERNELS_H
 #define CPUMLA_KERNELS_H
@@ -14,7 +19,7 @@
 
 enum cpumla_kernel_id {
     K_GEMV, K_GEMM, K_GEMV_T, K_DEQUANT, K_RMSNORM, K_SWIGLU, K_SOFTMAX, K_ATTN, K_CACHE_ROW,
-    K_READ, K_FMA, K_COUNT
+    K_READ, K_FMA, K_DOT, K_COUNT
 };
 
 typedef struct cpumla_kernels {
@@ -24,6 +29,13 @@ typedef struct cpumla_kernels {
     /* y[t*ldy + i] = W[r0 + i, :] . x[t*ldx, :]   for t < n, r0 + i < r1 */
     void (*gemm)(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
                  int64_t ldy, int64_t r0, int64_t r1);
+
+    /* gemm for BF16 weights with the activations already in bf16: xb [n][ldb] bf16 bits, the x of
+     * gemm rounded (so the result is gemm's), zero from w->cols up to ldb, a multiple of 32. Only
+     * where the ISA multiplies bf16 directly (NULL otherwise): ops.c then converts x once per call
+     * (cache_row) instead of once per task. */
+    void (*gemm_xb)(const cpumla_weight *w, const uint16_t *xb, int64_t ldb, int64_t n, float *y,
+                    int64_t ldy, int64_t r0, int64_t r1);
 
     /* y[c - c0] = sum_{i < nr} x[i] * W[r0 + i, c]   for c0 <= c < c1 (overwrites y) */
     void (*gemv_t)(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y,
@@ -60,6 +72,10 @@ typedef struct cpumla_kernels {
     /* iters rounds of independent fp32 FMAs in registers (an FMA-throughput probe); returns the
      * floating-point operations done (2 per multiply-add), folding the results into *sink */
     double (*fma_loop)(int64_t iters, float *sink);
+
+    /* the same for the multiply-adds a BF16-weight gemm does: vdpbf16ps where the ISA has it (32 per
+     * instruction), fp32 FMAs where it decodes the weights first */
+    double (*dot_loop)(int64_t iters, float *sink);
 
     const char *who[K_COUNT];
 } cpumla_kernels;

@@ -19,6 +19,16 @@ static inline float32x4_t ld_bf16(const uint16_t *p) {
     return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16));
 }
 
+/* bf16_round (common.h) of 4 floats: the activations of a BF16 product (kernels.h) */
+static inline float32x4_t bf16_round_q(float32x4_t v) {
+    uint32x4_t u = vreinterpretq_u32_f32(v);
+    uint32x4_t odd = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));
+    uint32x4_t rn = vaddq_u32(u, vaddq_u32(vdupq_n_u32(0x7fff), odd));
+    uint32x4_t nan = vcgtq_u32(vandq_u32(u, vdupq_n_u32(0x7fffffff)), vdupq_n_u32(0x7f800000));
+    uint32x4_t qn = vorrq_u32(u, vdupq_n_u32(0x00400000));
+    return vreinterpretq_f32_u32(vandq_u32(vbslq_u32(nan, qn, rn), vdupq_n_u32(0xffff0000u)));
+}
+
 static inline float32x4_t ld_f16(const uint16_t *p) {
     return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
 }
@@ -100,14 +110,14 @@ static float dot_bf16(const uint16_t *a, const float *x, int64_t n) {
     float32x4_t s0 = vdupq_n_f32(0), s1 = s0, s2 = s0, s3 = s0;
     int64_t c = 0;
     for (; c + 16 <= n; c += 16) {
-        s0 = vfmaq_f32(s0, ld_bf16(a + c), vld1q_f32(x + c));
-        s1 = vfmaq_f32(s1, ld_bf16(a + c + 4), vld1q_f32(x + c + 4));
-        s2 = vfmaq_f32(s2, ld_bf16(a + c + 8), vld1q_f32(x + c + 8));
-        s3 = vfmaq_f32(s3, ld_bf16(a + c + 12), vld1q_f32(x + c + 12));
+        s0 = vfmaq_f32(s0, ld_bf16(a + c), bf16_round_q(vld1q_f32(x + c)));
+        s1 = vfmaq_f32(s1, ld_bf16(a + c + 4), bf16_round_q(vld1q_f32(x + c + 4)));
+        s2 = vfmaq_f32(s2, ld_bf16(a + c + 8), bf16_round_q(vld1q_f32(x + c + 8)));
+        s3 = vfmaq_f32(s3, ld_bf16(a + c + 12), bf16_round_q(vld1q_f32(x + c + 12)));
     }
-    for (; c + 4 <= n; c += 4) s0 = vfmaq_f32(s0, ld_bf16(a + c), vld1q_f32(x + c));
+    for (; c + 4 <= n; c += 4) s0 = vfmaq_f32(s0, ld_bf16(a + c), bf16_round_q(vld1q_f32(x + c)));
     float s = vaddvq_f32(vaddq_f32(vaddq_f32(s0, s1), vaddq_f32(s2, s3)));
-    for (; c < n; c++) s += bf16_to_f32(a[c]) * x[c];
+    for (; c < n; c++) s += bf16_to_f32(a[c]) * bf16_round(x[c]);
     return s;
 }
 
@@ -265,7 +275,8 @@ static void gemm_neon(const cpumla_weight *w, const float *x, int64_t ldx, int64
                       int64_t ldy, int64_t r0, int64_t r1) {
     int quant = w->dtype == CPUMLA_E4M3 || w->dtype == CPUMLA_E2M1;
     int64_t bc = quant ? w->block_cols : w->cols;
-    float panel[4][GEMM_CH];
+    float panel[4][GEMM_CH], xrnd[4][GEMM_CH];    /* xrnd: BF16 weights' activations, rounded */
+    int bf16 = w->dtype == CPUMLA_BF16;
     for (int64_t r = r0; r < r1; r += 4) {
         int nr = r1 - r < 4 ? (int)(r1 - r) : 4;
         const float *wp[4];
@@ -282,7 +293,14 @@ static void gemm_neon(const cpumla_weight *w, const float *x, int64_t ldx, int64
                     int64_t len = b1 - c0 < GEMM_CH ? b1 - c0 : GEMM_CH;
                     for (int i = 0; i < nr; i++) decode_unscaled(w, r + i, c0, len, panel[i]);
                     const float *xp[4];
-                    for (int t = 0; t < 4; t++) xp[t] = xt[t] + c0;
+                    for (int t = 0; t < 4; t++) {
+                        xp[t] = xt[t] + c0;
+                        if (!bf16) continue;
+                        int64_t c = 0;
+                        for (; c + 4 <= len; c += 4) vst1q_f32(xrnd[t] + c, bf16_round_q(vld1q_f32(xp[t] + c)));
+                        for (; c < len; c++) xrnd[t][c] = bf16_round(xp[t][c]);
+                        xp[t] = xrnd[t];
+                    }
                     float part[4][4];
                     micro_4x4(wp, xp, len, part);
                     for (int i = 0; i < 4; i++)
@@ -361,7 +379,7 @@ static void gemv_t_neon(const cpumla_weight *w, int64_t r0, int64_t nr, const fl
     int quant = w->dtype == CPUMLA_E4M3 || w->dtype == CPUMLA_E2M1;
     for (int64_t i = 0; i < nr; i++) {
         int64_t r = r0 + i;
-        if (!quant) { axpy_row(w, r, c0, c1 - c0, x[i], y); continue; }
+        if (!quant) { axpy_row(w, r, c0, c1 - c0, w->dtype == CPUMLA_BF16 ? bf16_round(x[i]) : x[i], y); continue; }
         /* one segment per column block, each with its own scale */
         for (int64_t c = c0; c < c1;) {
             int64_t bend = (c / w->block_cols + 1) * w->block_cols;
@@ -606,14 +624,8 @@ static void cache_row_neon(void *dst, int32_t dtype, const float *src, int64_t w
     }
     uint16_t *d = (uint16_t *)dst;
     int64_t i = 0;
-    for (; i + 4 <= width; i += 4) {
-        uint32x4_t u = vreinterpretq_u32_f32(vld1q_f32(src + i));
-        uint32x4_t odd = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));
-        uint32x4_t rn = vaddq_u32(u, vaddq_u32(vdupq_n_u32(0x7fff), odd));
-        uint32x4_t nan = vcgtq_u32(vandq_u32(u, vdupq_n_u32(0x7fffffff)), vdupq_n_u32(0x7f800000));
-        uint32x4_t qn = vorrq_u32(u, vdupq_n_u32(0x00400000));
-        vst1_u16(d + i, vshrn_n_u32(vbslq_u32(nan, qn, rn), 16));
-    }
+    for (; i + 4 <= width; i += 4)
+        vst1_u16(d + i, vshrn_n_u32(vreinterpretq_u32_f32(bf16_round_q(vld1q_f32(src + i))), 16));
     for (; i < width; i++) d[i] = f32_to_bf16(src[i]);
 }
 

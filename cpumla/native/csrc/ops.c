@@ -38,6 +38,8 @@ typedef struct {
     int64_t ldx, n;                       /* tokens */
     float *y;                             /* y[t*ldy + (r - r_begin)] */
     int64_t ldy, rows_per_task, tokens_per_task, row_tasks;
+    const uint16_t *xb;                   /* BF16 weights: x in bf16 for gemm_xb, or NULL */
+    int64_t ldb;
 } lin_job;
 
 static void gemv_task(void *p, int64_t t, int tid) {
@@ -53,8 +55,26 @@ static void gemm_task(void *p, int64_t t, int tid) {
     int64_t rt = t % j->row_tasks, tt = t / j->row_tasks;
     int64_t r0 = j->r_begin + rt * j->rows_per_task, r1 = min64(r0 + j->rows_per_task, j->r_end);
     int64_t t0 = tt * j->tokens_per_task, t1 = min64(t0 + j->tokens_per_task, j->n);
-    cpumla_k.gemm(j->w, j->x + t0 * j->ldx, j->ldx, t1 - t0, j->y + t0 * j->ldy + (r0 - j->r_begin),
-                  j->ldy, r0, r1);
+    if (j->xb)
+        cpumla_k.gemm_xb(j->w, j->xb + t0 * j->ldb, j->ldb, t1 - t0, j->y + t0 * j->ldy + (r0 - j->r_begin),
+                         j->ldy, r0, r1);
+    else
+        cpumla_k.gemm(j->w, j->x + t0 * j->ldx, j->ldx, t1 - t0, j->y + t0 * j->ldy + (r0 - j->r_begin),
+                      j->ldy, r0, r1);
+}
+
+/* x [n][ldx] -> bf16 [n][ldb] (zero past cols) in this thread's buffer, for gemm_xb; NULL if out of
+ * memory (the caller then uses gemm, which rounds x itself) */
+static const uint16_t *x_to_bf16(const float *x, int64_t ldx, int64_t n, int64_t cols, int64_t ldb) {
+    static __thread void *buf;
+    static __thread size_t cap;
+    uint16_t *xb = cpumla_grow(&buf, &cap, sizeof(uint16_t) * (size_t)(n * ldb));
+    if (!xb) return NULL;
+    for (int64_t t = 0; t < n; t++) {
+        cpumla_k.cache_row(xb + t * ldb, CPUMLA_BF16, x + t * ldx, cols);
+        memset(xb + t * ldb + cols, 0, sizeof(uint16_t) * (size_t)(ldb - cols));
+    }
+    return xb;
 }
 
 /* Rows [r_begin, r_end) of w times n tokens (x [n, ldx] -> y [n, ldy]). */
@@ -72,7 +92,15 @@ static void linear_rows(const cpumla_weight *w, int64_t r_begin, int64_t r_end, 
         cpumla_pool_run(ceil_div(rows, j.rows_per_task), gemv_task, &j);
         return;
     }
-    if (small) { cpumla_k.gemm(w, x, ldx, n, y, ldy, r_begin, r_end); return; }
+    if (w->dtype == CPUMLA_BF16 && cpumla_k.gemm_xb) {      /* convert x once, not once per task */
+        j.ldb = (w->cols + 31) & ~(int64_t)31;
+        j.xb = x_to_bf16(x, ldx, n, w->cols, j.ldb);
+    }
+    if (small) {
+        if (j.xb) cpumla_k.gemm_xb(w, j.xb, j.ldb, n, y, ldy, r_begin, r_end);
+        else cpumla_k.gemm(w, x, ldx, n, y, ldy, r_begin, r_end);
+        return;
+    }
     /* row blocks of 64; with too few blocks to feed every thread, split rows finer and tokens too */
     j.rows_per_task = rows >= 64 * 2 * threads ? 64 : ceil_div(ceil_div(rows, 2 * threads), 8) * 8;
     j.row_tasks = ceil_div(rows, j.rows_per_task);
@@ -545,22 +573,37 @@ double cpumla_read_probe(const void *buf, int64_t bytes) {
     return s;
 }
 
-typedef struct { int64_t iters; double flops[MAX_POOL_THREADS * 8]; float sink[MAX_POOL_THREADS * 16]; } fma_job;
+typedef struct {
+    double (*loop)(int64_t, float *);
+    int64_t iters;
+    double flops[MAX_POOL_THREADS * 8];
+    float sink[MAX_POOL_THREADS * 16];
+} fma_job;
 
 static void fma_task(void *p, int64_t t, int tid) {
     (void)t;
     fma_job *j = p;
-    j->flops[tid * 8] += cpumla_k.fma_loop(j->iters, &j->sink[tid * 16]);
+    j->flops[tid * 8] += j->loop(j->iters, &j->sink[tid * 16]);
 }
 
-double cpumla_fma_probe(int64_t iters) {
-    cpumla_ensure_init();
+static double flops_probe(double (*loop)(int64_t, float *), int64_t iters) {
     static fma_job j;
     int threads = cpumla_pool_threads();
     memset(j.flops, 0, sizeof j.flops);
+    j.loop = loop;
     j.iters = iters;
     cpumla_pool_run(threads, fma_task, &j);
     double s = 0;
     for (int i = 0; i < threads; i++) s += j.flops[i * 8];
     return s;
+}
+
+double cpumla_fma_probe(int64_t iters) {
+    cpumla_ensure_init();
+    return flops_probe(cpumla_k.fma_loop, iters);
+}
+
+double cpumla_bf16_probe(int64_t iters) {
+    cpumla_ensure_init();
+    return flops_probe(cpumla_k.dot_loop, iters);
 }

@@ -19,7 +19,7 @@ static float row_dot(const cpumla_weight *w, int64_t r, const float *x) {
         for (int64_t c = 0; c < w->cols; c++) acc += ((const float *)row)[c] * x[c];
         return acc;
     case CPUMLA_BF16:
-        for (int64_t c = 0; c < w->cols; c++) acc += bf16_to_f32(((const uint16_t *)row)[c]) * x[c];
+        for (int64_t c = 0; c < w->cols; c++) acc += bf16_to_f32(((const uint16_t *)row)[c]) * bf16_round(x[c]);
         return acc;
     case CPUMLA_F16:
         for (int64_t c = 0; c < w->cols; c++) acc += f16_to_f32(((const uint16_t *)row)[c]) * x[c];
@@ -60,8 +60,10 @@ static void dequant_row_scalar(const cpumla_weight *w, int64_t r, int64_t c0, in
 static void gemv_t_scalar(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y,
                           int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; c++) y[c - c0] = 0.0f;
-    for (int64_t i = 0; i < nr; i++)
-        for (int64_t c = c0; c < c1; c++) y[c - c0] += x[i] * weight_at(w, r0 + i, c);
+    for (int64_t i = 0; i < nr; i++) {
+        float xi = w->dtype == CPUMLA_BF16 ? bf16_round(x[i]) : x[i];
+        for (int64_t c = c0; c < c1; c++) y[c - c0] += xi * weight_at(w, r0 + i, c);
+    }
 }
 
 static void rmsnorm_row_scalar(const float *x, float *y, int64_t dim, const void *weight,
@@ -158,6 +160,7 @@ static double fma_loop_scalar(int64_t iters, float *sink) {
 void cpumla_fill_scalar(cpumla_kernels *k) {
     k->gemv = gemv_scalar;
     k->gemm = gemm_scalar;
+    k->gemm_xb = NULL;                     /* no bf16 arithmetic here: gemm rounds x itself */
     k->gemv_t = gemv_t_scalar;
     k->dequant_row = dequant_row_scalar;
     k->rmsnorm_row = rmsnorm_row_scalar;
@@ -167,5 +170,6 @@ void cpumla_fill_scalar(cpumla_kernels *k) {
     k->cache_row = cache_row_scalar;
     k->read_sum = read_sum_scalar;
     k->fma_loop = fma_loop_scalar;
+    k->dot_loop = fma_loop_scalar;         /* BF16 products here are fp32 FMAs */
     for (int i = 0; i < K_COUNT; i++) k->who[i] = "scalar";
 }

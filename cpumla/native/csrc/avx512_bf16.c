@@ -1,0 +1,173 @@
+/* avx512_bf16.c: BF16-weight gemv and gemm with AVX512-BF16 dot products (vdpbf16ps).
+ *
+ * vdpbf16ps acc, w, x adds w[2i] * x[2i] + w[2i+1] * x[2i+1] to fp32 lane i: 32 multiply-adds per
+ * instruction, twice an fp32 FMA's 16. A 64-byte load of a bf16 weight row is 32 columns, which is
+ * already that operand's layout, so the weights are read as stored: no panel is decoded or packed.
+ * The activations are converted once per call (per K chunk for gemm) into a per-thread buffer with
+ * vcvtne2ps2bf16, which rounds to nearest even: the rounding kernels.h specifies for every ISA. A
+ * product of two bf16 is exact in fp32; bf16 subnormal inputs are read as zero (far below anything a
+ * weight or activation holds), and the sums round as fp32 FMAs do.
+ *
+ * gemv: 4 rows at a time, 64 columns per step, prefetching ahead as avx512.c's gemv does (it is
+ * bound by memory bandwidth, like every decode GEMV). gemm: K in chunks of BG_KC columns; for each
+ * chunk the n tokens' activations are converted ([n][BG_KC] bf16, L2-resident), then panels of BG_MP
+ * rows (L1-resident after their first token block) go through a 4-row x 6-token microkernel that
+ * keeps 24 accumulators in zmm registers and reduces them at the end of the chunk.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include "common.h"
+#include "kernels.h"
+#include "dispatch.h"
+#include "avx512_common.h"
+
+#define BG_KC 512    /* gemm: columns per chunk (a multiple of 32) */
+#define BG_MP 32     /* gemm: rows per panel (a multiple of 4) */
+#define BG_NT 6      /* gemm: tokens per microkernel */
+
+static __thread void *xb_buf;      /* this thread's bf16 activations */
+static __thread size_t xb_cap;
+
+INLINE __mmask16 mask16(int64_t n) { return n <= 0 ? 0 : tail16(n); }
+INLINE __mmask32 mask32(int64_t n) { return n >= 32 ? 0xffffffffu : n <= 0 ? 0 : (__mmask32)((1u << n) - 1u); }
+
+/* xb[t*ldb + k] = bf16(x[t*ldx + k]) for k < K, 0 for K <= k < ldb (ldb a multiple of 32) */
+static void to_bf16(const float *x, int64_t ldx, int64_t n, int64_t K, uint16_t *xb, int64_t ldb) {
+    for (int64_t t = 0; t < n; t++) {
+        const float *s = x + t * ldx;
+        uint16_t *d = xb + t * ldb;
+        for (int64_t k = 0; k < ldb; k += 32) {
+            __m512 lo = _mm512_maskz_loadu_ps(mask16(K - k), s + k);
+            __m512 hi = _mm512_maskz_loadu_ps(mask16(K - k - 16), s + k + 16);
+            _mm512_storeu_si512(d + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+}
+
+INLINE __m512bh ld_bh(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
+INLINE __m512bh ld_bh_tail(const uint16_t *p, int64_t n) { return (__m512bh)_mm512_maskz_loadu_epi16(mask32(n), p); }
+
+/* ---- gemv --------------------------------------------------------------------------------------- */
+/* y[i] = row r + i . x for i < R (1..4); two accumulators per row for latency */
+INLINE void gemv_rows(const cpumla_weight *w, const uint16_t *xb, float *y, int64_t r, int R, const uint8_t *pf) {
+    const uint16_t *rp[4];
+    __m512 a0[4], a1[4];
+    UNROLL for (int i = 0; i < R; i++) {
+        rp[i] = (const uint16_t *)weight_row(w, r + i);
+        a0[i] = _mm512_setzero_ps(); a1[i] = _mm512_setzero_ps();
+    }
+    int64_t K = w->cols, c = 0;
+    for (; c + 64 <= K; c += 64) {
+        __m512bh x0 = ld_bh(xb + c), x1 = ld_bh(xb + c + 32);
+        UNROLL for (int i = 0; i < R; i++) {
+            _mm_prefetch(pf_at(pf, w, R, i, 2 * c, 2 * K), PF_HINT);
+            _mm_prefetch(pf_at(pf, w, R, i, 2 * c + 64, 2 * K), PF_HINT);
+            a0[i] = _mm512_dpbf16_ps(a0[i], ld_bh(rp[i] + c), x0);
+            a1[i] = _mm512_dpbf16_ps(a1[i], ld_bh(rp[i] + c + 32), x1);
+        }
+    }
+    for (; c < K; c += 32) {                  /* xb is zero-padded past K */
+        __m512bh x0 = ld_bh(xb + c);
+        UNROLL for (int i = 0; i < R; i++) a0[i] = _mm512_dpbf16_ps(a0[i], ld_bh_tail(rp[i] + c, K - c), x0);
+    }
+    UNROLL for (int i = 0; i < R; i++) y[i] = _mm512_reduce_add_ps(_mm512_add_ps(a0[i], a1[i]));
+}
+
+int cpumla_avx512_gemv_bf16(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
+    int64_t K = w->cols, Kp = (K + 31) & ~(int64_t)31;
+    uint16_t *xb = cpumla_grow(&xb_buf, &xb_cap, sizeof(uint16_t) * (size_t)Kp);
+    if (!xb) return -1;
+    to_bf16(x, 0, 1, K, xb, Kp);
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) gemv_rows(w, xb, y + (r - r0), r, 4, pf_rows(w, r, r1));
+    for (; r < r1; r++) gemv_rows(w, xb, y + (r - r0), r, 1, pf_rows(w, r, r1));
+    return 0;
+}
+
+/* ---- gemm --------------------------------------------------------------------------------------- */
+/* y[t*ldy + i] (+)= sum_{k < kc} rp[i][k] * xb[t*ldb + k] for i < mr, t < NT; xb is zero past kc
+ * (up to the next multiple of 32), the rows are read with a mask there. rp[i] for i >= mr may repeat
+ * a valid row: those sums are not stored. */
+INLINE void gemm_micro(const uint16_t *const rp[4], const uint16_t *xb, int64_t ldb, int64_t kc, float *y,
+                       int64_t ldy, int mr, int NT, int accumulate) {
+    __m512 acc[BG_NT][4];
+    UNROLL for (int t = 0; t < NT; t++)
+        UNROLL for (int i = 0; i < 4; i++) acc[t][i] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= kc; k += 32) {
+        __m512bh wv[4];
+        UNROLL for (int i = 0; i < 4; i++) wv[i] = ld_bh(rp[i] + k);
+        UNROLL for (int t = 0; t < NT; t++) {
+            __m512bh xv = ld_bh(xb + t * ldb + k);
+            UNROLL for (int i = 0; i < 4; i++) acc[t][i] = _mm512_dpbf16_ps(acc[t][i], wv[i], xv);
+        }
+    }
+    if (k < kc) {
+        __m512bh wv[4];
+        UNROLL for (int i = 0; i < 4; i++) wv[i] = ld_bh_tail(rp[i] + k, kc - k);
+        UNROLL for (int t = 0; t < NT; t++) {
+            __m512bh xv = ld_bh(xb + t * ldb + k);
+            UNROLL for (int i = 0; i < 4; i++) acc[t][i] = _mm512_dpbf16_ps(acc[t][i], wv[i], xv);
+        }
+    }
+    __mmask8 m = (__mmask8)((1u << mr) - 1u);
+    UNROLL for (int t = 0; t < NT; t++) {
+        __m128 s = hsum4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
+        if (accumulate) s = _mm_add_ps(s, _mm_maskz_loadu_ps(m, y + t * ldy));
+        _mm_mask_storeu_ps(y + t * ldy, m, s);
+    }
+}
+
+/* Columns [k0, k0 + kc) of rows [r0, r1) against xb (those columns of n tokens, row stride ldb) */
+static void gemm_chunk(const cpumla_weight *w, const uint16_t *xb, int64_t ldb, int64_t n, int64_t k0,
+                       int64_t kc, float *y, int64_t ldy, int64_t r0, int64_t r1) {
+    int acc = k0 > 0;
+    for (int64_t p0 = r0; p0 < r1; p0 += BG_MP) {
+        int64_t p1 = min64(p0 + BG_MP, r1);
+        for (int64_t t0 = 0; t0 < n; t0 += BG_NT) {
+            int nt = (int)min64(BG_NT, n - t0);
+            const uint16_t *xt = xb + t0 * ldb;
+            for (int64_t i0 = p0; i0 < p1; i0 += 4) {
+                int mr = (int)min64(4, p1 - i0);
+                const uint16_t *rp[4];
+                UNROLL for (int i = 0; i < 4; i++) rp[i] = (const uint16_t *)weight_row(w, i0 + (i < mr ? i : 0)) + k0;
+                float *yt = y + t0 * ldy + (i0 - r0);
+                switch (nt) {
+                case 6: gemm_micro(rp, xt, ldb, kc, yt, ldy, mr, 6, acc); break;
+                case 5: gemm_micro(rp, xt, ldb, kc, yt, ldy, mr, 5, acc); break;
+                case 4: gemm_micro(rp, xt, ldb, kc, yt, ldy, mr, 4, acc); break;
+                case 3: gemm_micro(rp, xt, ldb, kc, yt, ldy, mr, 3, acc); break;
+                case 2: gemm_micro(rp, xt, ldb, kc, yt, ldy, mr, 2, acc); break;
+                default: gemm_micro(rp, xt, ldb, kc, yt, ldy, mr, 1, acc); break;
+                }
+            }
+        }
+    }
+}
+
+/* the table's gemm_xb: x already in bf16 (ops.c converts it once per call) */
+void cpumla_avx512_gemm_xb(const cpumla_weight *w, const uint16_t *xb, int64_t ldb, int64_t n, float *y,
+                           int64_t ldy, int64_t r0, int64_t r1) {
+    if (n <= 0 || r1 <= r0) return;
+    if (w->cols <= 0) {
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t r = r0; r < r1; r++) y[t * ldy + (r - r0)] = 0.0f;
+        return;
+    }
+    for (int64_t k0 = 0; k0 < w->cols; k0 += BG_KC)
+        gemm_chunk(w, xb + k0, ldb, n, k0, min64(BG_KC, w->cols - k0), y, ldy, r0, r1);
+}
+
+/* gemm from fp32 x (callers of the table entry itself, e.g. per-head products): converted per chunk */
+int cpumla_avx512_gemm_bf16(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
+                            int64_t ldy, int64_t r0, int64_t r1) {
+    int64_t K = w->cols;
+    uint16_t *xb = cpumla_grow(&xb_buf, &xb_cap, sizeof(uint16_t) * (size_t)(n * BG_KC));
+    if (!xb) return -1;
+    for (int64_t k0 = 0; k0 < K; k0 += BG_KC) {
+        int64_t kc = min64(BG_KC, K - k0);
+        to_bf16(x + k0, ldx, n, kc, xb, BG_KC);
+        gemm_chunk(w, xb, BG_KC, n, k0, kc, y, ldy, r0, r1);
+    }
+    return 0;
+}
