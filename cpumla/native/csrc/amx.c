@@ -3,10 +3,8 @@
  *
  * Precision: the fp32 activations are rounded to bf16 (round to nearest even, vcvtne2ps2bf16) for
  * tdpbf16ps, which multiplies bf16 pairs exactly and accumulates in fp32 (bf16 denormals are flushed).
- * So each product carries a relative error up to 2^-8 (half an ulp of bf16's 8-bit significand) from
- * the activation, i.e. |error| <= 2^-8 * sum_k |W[r,k] X[t,k]| plus fp32 rounding, unlike every other
- * kernel, which keeps activations fp32. Fewer than 16 tokens, and other weight types, go to the fp32
- * path (the avx512 gemm), so who[K_GEMM] = "amx" covers both.
+ * That is the rounding kernels.h specifies for BF16 weights on every ISA. Fewer than 16 tokens, and
+ * other weight types, go to the avx512 gemm, so who[K_GEMM] = "amx" covers both.
  *
  * Status: written without AMX hardware (the development machine has none). Compiled, and run only with
  * the tile instructions emulated in C (packing, tile layout, edges checked against scalar.c); never

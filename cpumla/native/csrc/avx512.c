@@ -398,14 +398,9 @@ static void gemm_avx512(const cpumla_weight *w, const float *x, int64_t ldx, int
                     float *yt = y + t0 * ldy + (p0 - r0) + i0;
                     const float *wi = wp + i0 * GEMM_KC;
                     int mr = (int)min64(4, mp - i0);
-                    switch (nt) {
-                    case 6: gemm_micro(wi, xt, ldx, kc, yt, ldy, mr, 6, acc); break;
-                    case 5: gemm_micro(wi, xt, ldx, kc, yt, ldy, mr, 5, acc); break;
-                    case 4: gemm_micro(wi, xt, ldx, kc, yt, ldy, mr, 4, acc); break;
-                    case 3: gemm_micro(wi, xt, ldx, kc, yt, ldy, mr, 3, acc); break;
-                    case 2: gemm_micro(wi, xt, ldx, kc, yt, ldy, mr, 2, acc); break;
-                    default: gemm_micro(wi, xt, ldx, kc, yt, ldy, mr, 1, acc); break;
-                    }
+#define MICRO(NT) gemm_micro(wi, xt, ldx, kc, yt, ldy, mr, NT, acc)
+                    SWITCH_NT(nt, MICRO)
+#undef MICRO
                 }
             }
         }

@@ -132,14 +132,9 @@ static void gemm_chunk(const cpumla_weight *w, const uint16_t *xb, int64_t ldb, 
                 const uint16_t *rp[4];
                 UNROLL for (int i = 0; i < 4; i++) rp[i] = (const uint16_t *)weight_row(w, i0 + (i < mr ? i : 0)) + k0;
                 float *yt = y + t0 * ldy + (i0 - r0);
-                switch (nt) {
-                case 6: gemm_micro(rp, xt, ldb, kc, yt, ldy, mr, 6, acc); break;
-                case 5: gemm_micro(rp, xt, ldb, kc, yt, ldy, mr, 5, acc); break;
-                case 4: gemm_micro(rp, xt, ldb, kc, yt, ldy, mr, 4, acc); break;
-                case 3: gemm_micro(rp, xt, ldb, kc, yt, ldy, mr, 3, acc); break;
-                case 2: gemm_micro(rp, xt, ldb, kc, yt, ldy, mr, 2, acc); break;
-                default: gemm_micro(rp, xt, ldb, kc, yt, ldy, mr, 1, acc); break;
-                }
+#define MICRO(NT) gemm_micro(rp, xt, ldb, kc, yt, ldy, mr, NT, acc)
+                SWITCH_NT(nt, MICRO)
+#undef MICRO
             }
         }
     }

@@ -105,6 +105,17 @@ int cpumla_avx512_gemm_bf16(const cpumla_weight *w, const float *x, int64_t ldx,
 void cpumla_avx512_gemm_xb(const cpumla_weight *w, const uint16_t *xb, int64_t ldb, int64_t n, float *y,
                            int64_t ldy, int64_t r0, int64_t r1);
 
+/* CALL(NT) with NT a constant 1..6: a gemm microkernel instantiated per token count */
+#define SWITCH_NT(nt, CALL)                                                                      \
+    switch (nt) {                                                                                \
+    case 6: CALL(6); break;                                                                      \
+    case 5: CALL(5); break;                                                                      \
+    case 4: CALL(4); break;                                                                      \
+    case 3: CALL(3); break;                                                                      \
+    case 2: CALL(2); break;                                                                      \
+    default: CALL(1); break;                                                                     \
+    }
+
 /* [sum a, sum b, sum c, sum d] */
 INLINE __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
