@@ -94,6 +94,83 @@ static void swiglu_row_avx512(const float *gate, const float *up, float *out, in
 #define ATT_TJ 16
 #define ATT_BUF (ATT_TJ * 1024)
 
+/* Online-softmax update of one head from its scores s[0..nt) (scaled here): m, l and the head's acc
+ * rows are rescaled; s becomes the probabilities. Returns the factor the old acc must be scaled by. */
+INLINE float softmax_step(float *s, int nt, float scale, float *m, float *l) {
+    __mmask16 tm = tail16(nt);
+    __m512 sv = _mm512_mul_ps(_mm512_maskz_loadu_ps(tm, s), _mm512_set1_ps(scale));
+    float mt = _mm512_mask_reduce_max_ps(tm, sv);
+    float mh = *m, mn = mt > mh ? mt : mh;
+    float c = mh == -INFINITY ? 0.0f : expf(mh - mn);
+    __m512 pv = _mm512_maskz_mov_ps(tm, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mn))));
+    _mm512_store_ps(s, pv);
+    *l = *l * c + _mm512_reduce_add_ps(pv);
+    *m = mn;
+    return c;
+}
+
+/* Heads [h, h + 4) against the tile: each row and q load serves 4 heads x 4 rows of scores, and each
+ * row load 4 heads' value sums (16 accumulators), so the loop is bound by FMAs, not loads. */
+static void attn_heads4(const cpumla_attn_args *a, int64_t qi, int64_t h, int64_t h0, const float *const *rows,
+                        int nt, float *acc, float *m, float *l) {
+    const int64_t dk = a->dk, dv = a->dv;
+    const float *q[4];
+    float s[4][ATT_TJ] __attribute__((aligned(64)));
+    float c[4];
+    for (int i = 0; i < 4; i++) q[i] = a->q + qi * a->ldq_t + (h + i) * a->ldq_h;
+    int t = 0;
+    for (; t < nt; t += 4) {
+        const float *r[4];
+        for (int u = 0; u < 4; u++) r[u] = rows[t + u < nt ? t + u : t];   /* repeats are not stored */
+        __m512 sc[4][4];
+        UNROLL for (int i = 0; i < 4; i++) UNROLL for (int u = 0; u < 4; u++) sc[i][u] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dk; d += 16) {
+            __mmask16 k = tail16(dk - d);
+            __m512 rv[4];
+            UNROLL for (int u = 0; u < 4; u++) rv[u] = _mm512_maskz_loadu_ps(k, r[u] + d);
+            UNROLL for (int i = 0; i < 4; i++) {
+                __m512 qv = _mm512_maskz_loadu_ps(k, q[i] + d);
+                UNROLL for (int u = 0; u < 4; u++) sc[i][u] = _mm512_fmadd_ps(qv, rv[u], sc[i][u]);
+            }
+        }
+        for (int i = 0; i < 4; i++) {
+            float tmp[4];
+            _mm_storeu_ps(tmp, hsum4(sc[i][0], sc[i][1], sc[i][2], sc[i][3]));
+            for (int u = 0; u < 4 && t + u < nt; u++) s[i][t + u] = tmp[u];
+        }
+    }
+    for (int i = 0; i < 4; i++) c[i] = softmax_step(s[i], nt, a->scale, &m[h + i - h0], &l[h + i - h0]);
+    float *o[4];
+    for (int i = 0; i < 4; i++) o[i] = acc + (h + i - h0) * dv;
+    int64_t d = 0;
+    for (; d + 64 <= dv; d += 64) {
+        __m512 ov[4][4];
+        UNROLL for (int i = 0; i < 4; i++) {
+            __m512 cv = _mm512_set1_ps(c[i]);
+            UNROLL for (int k = 0; k < 4; k++) ov[i][k] = _mm512_mul_ps(_mm512_loadu_ps(o[i] + d + 16 * k), cv);
+        }
+        for (int u = 0; u < nt; u++) {
+            __m512 rv[4];
+            UNROLL for (int k = 0; k < 4; k++) rv[k] = _mm512_loadu_ps(rows[u] + d + 16 * k);
+            UNROLL for (int i = 0; i < 4; i++) {
+                __m512 p = _mm512_set1_ps(s[i][u]);
+                UNROLL for (int k = 0; k < 4; k++) ov[i][k] = _mm512_fmadd_ps(p, rv[k], ov[i][k]);
+            }
+        }
+        UNROLL for (int i = 0; i < 4; i++) UNROLL for (int k = 0; k < 4; k++) _mm512_storeu_ps(o[i] + d + 16 * k, ov[i][k]);
+    }
+    for (; d < dv; d += 16) {
+        __mmask16 k = tail16(dv - d);
+        __m512 ov[4];
+        UNROLL for (int i = 0; i < 4; i++) ov[i] = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, o[i] + d), _mm512_set1_ps(c[i]));
+        for (int u = 0; u < nt; u++) {
+            __m512 rv = _mm512_maskz_loadu_ps(k, rows[u] + d);
+            UNROLL for (int i = 0; i < 4; i++) ov[i] = _mm512_fmadd_ps(_mm512_set1_ps(s[i][u]), rv, ov[i]);
+        }
+        UNROLL for (int i = 0; i < 4; i++) _mm512_mask_storeu_ps(o[i] + d, k, ov[i]);
+    }
+}
+
 static void attn_part_avx512(const cpumla_attn_args *a, int64_t qi, int64_t h0, int64_t h1, int64_t j0,
                              int64_t j1, float *acc, float *m, float *l) {
     int64_t dk = a->dk, dv = a->dv, width = max64(dk, dv), w16 = (width + 15) & ~(int64_t)15;
@@ -124,7 +201,9 @@ static void attn_part_avx512(const cpumla_attn_args *a, int64_t qi, int64_t h0, 
             nt++;
         }
         if (nt == 0) break;
-        for (int64_t h = h0; h < h1; h++) {
+        int64_t h = h0;
+        for (; h + 4 <= h1; h += 4) attn_heads4(a, qi, h, h0, rows, nt, acc, m, l);
+        for (; h < h1; h++) {
             const float *q = a->q + qi * a->ldq_t + h * a->ldq_h;
             float s[ATT_TJ] __attribute__((aligned(64)));
             int t = 0;
@@ -148,15 +227,7 @@ static void attn_part_avx512(const cpumla_attn_args *a, int64_t qi, int64_t h0, 
                 }
                 s[t] = _mm512_reduce_add_ps(s0);
             }
-            __mmask16 tm = tail16(nt);
-            __m512 sv = _mm512_mul_ps(_mm512_maskz_loadu_ps(tm, s), _mm512_set1_ps(a->scale));
-            float mt = _mm512_mask_reduce_max_ps(tm, sv);
-            float mh = m[h - h0], mn = mt > mh ? mt : mh;
-            float c = mh == -INFINITY ? 0.0f : expf(mh - mn);
-            __m512 pv = _mm512_maskz_mov_ps(tm, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mn))));
-            _mm512_store_ps(s, pv);
-            l[h - h0] = l[h - h0] * c + _mm512_reduce_add_ps(pv);
-            m[h - h0] = mn;
+            float c = softmax_step(s, nt, a->scale, &m[h - h0], &l[h - h0]);
             float *o = acc + (h - h0) * dv;
             __m512 cv = _mm512_set1_ps(c);
             int64_t d = 0;
