@@ -11,8 +11,9 @@
  *         match (fp4_perm) and never reorders weights.
  * Single-threaded: ops.c splits rows / columns / heads / KV ranges over the pool.
  *
- * This file holds the linear algebra (gemv, gemm, gemv_t, dequant_row); the row-wise and attention
- * kernels are in avx2_rows.c, whose fill cpumla_fill_avx2 calls. Shared helpers: avx2_common.h. */
+ * This file holds gemv, gemv_t and dequant_row; the gemm (panels decoded with dequant_row) is in
+ * avx2_gemm.c, the row-wise and attention kernels in avx2_rows.c: cpumla_fill_avx2 calls their fills.
+ * Shared helpers: avx2_common.h. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -43,15 +44,16 @@ static void row_scales(const cpumla_weight *w, int64_t r, int64_t b0, int64_t nb
 
 /* Layouts the fast paths do not cover go to the entry this one replaced (the scalar spec). */
 static void (*prev_gemv)(const cpumla_weight *, const float *, float *, int64_t, int64_t);
-static void (*prev_gemm)(const cpumla_weight *, const float *, int64_t, int64_t, float *, int64_t, int64_t,
-                         int64_t);
 
-/* Each thread's buffer for activations rounded to bf16 (BF16 weights; see kernels.h) */
+/* Each thread's buffer for activations rounded to bf16 (BF16 weights; see kernels.h): gemv's, and
+ * avx2_gemm.c's through cpumla_avx2_xr */
 static __thread void *xr_buf;
 static __thread size_t xr_cap;
 
+float *cpumla_avx2_xr(size_t bytes) { return cpumla_grow(&xr_buf, &xr_cap, bytes); }
+
 /* ---- dequant_row -------------------------------------------------------------------------------- */
-static void dequant_row_avx2(const cpumla_weight *w, int64_t r, int64_t c0, int64_t c1, float *out) {
+void cpumla_avx2_dequant_row(const cpumla_weight *w, int64_t r, int64_t c0, int64_t c1, float *out) {
     const uint8_t *row = weight_row(w, r);
     int64_t c = c0;
     switch (w->dtype) {
@@ -393,7 +395,7 @@ static void gemv_e2m1(const cpumla_weight *w, const float *x, float *y, int64_t 
     }
 }
 
-static void gemv_avx2(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
+void cpumla_avx2_gemv(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
     switch (w->dtype) {
     case CPUMLA_F32: gemv_plain(w, x, y, r0, r1, CPUMLA_F32); return;
     case CPUMLA_BF16: {
@@ -420,126 +422,6 @@ static void gemv_avx2(const cpumla_weight *w, const float *x, float *y, int64_t 
     default: break;
     }
     prev_gemv(w, x, y, r0, r1);
-}
-
-/* ---- gemm: dequantised 16-row panels, 6 tokens x 16 rows FMA microkernel ------------------------ */
-#define GM_KC 512   /* K chunk */
-#define GM_NR 16    /* rows per panel */
-#define GM_MT 6     /* tokens per microkernel */
-static __thread float gm_pack[GM_KC * GM_NR] ALIGN64;   /* [k][16] */
-static __thread float gm_tmp[GM_NR * GM_KC] ALIGN64;    /* [16][k] */
-
-INLINE void tr8x8_store(const float *src, int64_t lds, float *dst, int64_t ldd) {
-    __m256 r0 = _mm256_load_ps(src), r1 = _mm256_load_ps(src + lds), r2 = _mm256_load_ps(src + 2 * lds);
-    __m256 r3 = _mm256_load_ps(src + 3 * lds), r4 = _mm256_load_ps(src + 4 * lds);
-    __m256 r5 = _mm256_load_ps(src + 5 * lds), r6 = _mm256_load_ps(src + 6 * lds);
-    __m256 r7 = _mm256_load_ps(src + 7 * lds);
-    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
-    __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
-    __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
-    __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
-    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee);
-    __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
-    __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
-    __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
-    _mm256_store_ps(dst + 0 * ldd, _mm256_permute2f128_ps(u0, u4, 0x20));
-    _mm256_store_ps(dst + 1 * ldd, _mm256_permute2f128_ps(u1, u5, 0x20));
-    _mm256_store_ps(dst + 2 * ldd, _mm256_permute2f128_ps(u2, u6, 0x20));
-    _mm256_store_ps(dst + 3 * ldd, _mm256_permute2f128_ps(u3, u7, 0x20));
-    _mm256_store_ps(dst + 4 * ldd, _mm256_permute2f128_ps(u0, u4, 0x31));
-    _mm256_store_ps(dst + 5 * ldd, _mm256_permute2f128_ps(u1, u5, 0x31));
-    _mm256_store_ps(dst + 6 * ldd, _mm256_permute2f128_ps(u2, u6, 0x31));
-    _mm256_store_ps(dst + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
-}
-
-/* gm_pack[k][i] = W[r + i, k0 + k] for i < nr (zero rows above), k < kpad (zero columns past kc) */
-static void gemm_pack(const cpumla_weight *w, int64_t r, int nr, int64_t k0, int64_t kc) {
-    const int64_t kpad = (kc + 7) & ~(int64_t)7;
-    for (int i = 0; i < GM_NR; i++) {
-        float *t = gm_tmp + i * GM_KC;
-        if (i < nr) {
-            dequant_row_avx2(w, r + i, k0, k0 + kc, t);
-            for (int64_t k = kc; k < kpad; k++) t[k] = 0.0f;
-        } else {
-            memset(t, 0, (size_t)kpad * sizeof(float));
-        }
-    }
-    for (int64_t k = 0; k < kpad; k += 8) {
-        tr8x8_store(gm_tmp + k, GM_KC, gm_pack + k * GM_NR, GM_NR);
-        tr8x8_store(gm_tmp + 8 * GM_KC + k, GM_KC, gm_pack + k * GM_NR + 8, GM_NR);
-    }
-}
-
-/* Y[t, 0..nr) (+)= sum_k X[t, k] pack[k][0..nr) for t < nt (nt <= 6; missing tokens repeat the last
- * one and are not stored). Twelve named accumulators so that nothing spills. */
-static void gemm_micro(int nt, const float *wp, int64_t kc, const float *x, int64_t ldx, float *y,
-                       int64_t ldy, int nr, int accumulate) {
-    const float *x0 = x, *x1 = x + (nt > 1 ? 1 : 0) * ldx, *x2 = x + (nt > 2 ? 2 : nt - 1) * ldx;
-    const float *x3 = x + (nt > 3 ? 3 : nt - 1) * ldx, *x4 = x + (nt > 4 ? 4 : nt - 1) * ldx;
-    const float *x5 = x + (nt > 5 ? 5 : nt - 1) * ldx;
-    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    for (int64_t k = 0; k < kc; k++) {
-        __m256 w0 = _mm256_load_ps(wp + k * GM_NR), w1 = _mm256_load_ps(wp + k * GM_NR + 8), b;
-        b = _mm256_broadcast_ss(x0 + k); c00 = _mm256_fmadd_ps(b, w0, c00); c01 = _mm256_fmadd_ps(b, w1, c01);
-        b = _mm256_broadcast_ss(x1 + k); c10 = _mm256_fmadd_ps(b, w0, c10); c11 = _mm256_fmadd_ps(b, w1, c11);
-        b = _mm256_broadcast_ss(x2 + k); c20 = _mm256_fmadd_ps(b, w0, c20); c21 = _mm256_fmadd_ps(b, w1, c21);
-        b = _mm256_broadcast_ss(x3 + k); c30 = _mm256_fmadd_ps(b, w0, c30); c31 = _mm256_fmadd_ps(b, w1, c31);
-        b = _mm256_broadcast_ss(x4 + k); c40 = _mm256_fmadd_ps(b, w0, c40); c41 = _mm256_fmadd_ps(b, w1, c41);
-        b = _mm256_broadcast_ss(x5 + k); c50 = _mm256_fmadd_ps(b, w0, c50); c51 = _mm256_fmadd_ps(b, w1, c51);
-    }
-    __m256 c[GM_MT][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
-    for (int t = 0; t < nt; t++) {
-        float *yt = y + t * ldy;
-        if (nr == GM_NR) {
-            if (accumulate) {
-                c[t][0] = _mm256_add_ps(c[t][0], _mm256_loadu_ps(yt));
-                c[t][1] = _mm256_add_ps(c[t][1], _mm256_loadu_ps(yt + 8));
-            }
-            _mm256_storeu_ps(yt, c[t][0]);
-            _mm256_storeu_ps(yt + 8, c[t][1]);
-        } else {
-            float tmp[GM_NR];
-            _mm256_storeu_ps(tmp, c[t][0]);
-            _mm256_storeu_ps(tmp + 8, c[t][1]);
-            for (int i = 0; i < nr; i++) yt[i] = accumulate ? yt[i] + tmp[i] : tmp[i];
-        }
-    }
-}
-
-static void gemm_avx2(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
-                      int64_t ldy, int64_t r0, int64_t r1) {
-    if (n <= 0 || r1 <= r0) return;
-    if (n == 1) { gemv_avx2(w, x, y, r0, r1); return; }
-    const int64_t K = w->cols;
-    if (K <= 0) {
-        for (int64_t t = 0; t < n; t++)
-            for (int64_t r = r0; r < r1; r++) y[t * ldy + r - r0] = 0.0f;
-        return;
-    }
-    float *xr = NULL;         /* BF16: the K chunk of x rounded to bf16, [n][GM_KC] */
-    if (w->dtype == CPUMLA_BF16) {
-        xr = cpumla_grow(&xr_buf, &xr_cap, sizeof(float) * (size_t)(n * GM_KC));
-        if (!xr) { prev_gemm(w, x, ldx, n, y, ldy, r0, r1); return; }
-    }
-    for (int64_t k0 = 0; k0 < K; k0 += GM_KC) {
-        const int64_t kc = K - k0 < GM_KC ? K - k0 : GM_KC;
-        const int acc = k0 > 0;
-        const float *xk = x + k0;
-        int64_t ldxk = ldx;
-        if (xr) {
-            bf16_round_rows(x + k0, ldx, n, kc, xr, GM_KC);
-            xk = xr;
-            ldxk = GM_KC;
-        }
-        for (int64_t r = r0; r < r1; r += GM_NR) {
-            const int nr = r1 - r < GM_NR ? (int)(r1 - r) : GM_NR;
-            gemm_pack(w, r, nr, k0, kc);
-            float *yr = y + (r - r0);
-            for (int64_t t = 0; t < n; t += GM_MT)
-                gemm_micro(n - t < GM_MT ? (int)(n - t) : GM_MT, gm_pack, kc, xk + t * ldxk, ldxk, yr + t * ldy, ldy, nr, acc);
-        }
-    }
 }
 
 /* ---- gemv_t: y[c - c0] = sum_i x[i] W[r0 + i, c]; rows stream in order, y chunk kept in L1 ------ */
@@ -606,11 +488,10 @@ static void gemv_t_avx2(const cpumla_weight *w, int64_t r0, int64_t nr, const fl
 
 void cpumla_fill_avx2(cpumla_kernels *k) {
     cpumla_fill_avx2_rows(k);
-    if (k->gemv != gemv_avx2) prev_gemv = k->gemv;
-    if (k->gemm != gemm_avx2) prev_gemm = k->gemm;
-    k->gemv = gemv_avx2;
-    k->gemm = gemm_avx2;
+    cpumla_fill_avx2_gemm(k);
+    if (k->gemv != cpumla_avx2_gemv) prev_gemv = k->gemv;
+    k->gemv = cpumla_avx2_gemv;
     k->gemv_t = gemv_t_avx2;
-    k->dequant_row = dequant_row_avx2;
+    k->dequant_row = cpumla_avx2_dequant_row;
     for (int i = K_GEMV; i <= K_DEQUANT; i++) k->who[i] = "avx2";
 }

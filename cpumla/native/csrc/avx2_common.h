@@ -1,10 +1,12 @@
-/* avx2_common.h: inline helpers of avx2.c (linear algebra) and avx2_rows.c (row-wise and attention
- * kernels): first those both use, then avx2.c's weight decoders (see avx2.c for the tricks). Only
- * included by those two files, which are compiled with the same AVX2 flags (csrc/FLAGS).
- * static inline only: nothing here may define data (tables stay in the one file that uses them). */
+/* avx2_common.h: inline helpers of avx2.c (linear algebra), avx2_gemm.c (its gemm) and avx2_rows.c
+ * (row-wise and attention kernels): first those they share, then avx2.c's weight decoders (see avx2.c
+ * for the tricks), last the functions avx2.c lends avx2_gemm.c. Only included by those three files,
+ * which are compiled with the same AVX2 flags (csrc/FLAGS). static inline and declarations only:
+ * nothing here may define data (tables and buffers stay in the one file that uses them). */
 #ifndef CPUMLA_AVX2_COMMON_H
 #define CPUMLA_AVX2_COMMON_H
 #include <immintrin.h>
+#include <stddef.h>
 #include <stdint.h>
 #include "common.h"
 
@@ -116,5 +118,13 @@ INLINE __m256 ld_e8m0x8(const uint8_t *p) {
     f = _mm256_or_si256(f, _mm256_cmpeq_epi32(v, _mm256_set1_epi32(255)));
     return _mm256_castsi256_ps(f);
 }
+
+/* ---- avx2.c, for avx2_gemm.c ------------------------------------------------------------------- */
+/* the table's gemv (gemm of one token) and dequant_row (gemm's panel decoding) */
+void cpumla_avx2_gemv(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1);
+void cpumla_avx2_dequant_row(const cpumla_weight *w, int64_t r, int64_t c0, int64_t c1, float *out);
+/* this thread's buffer for activations rounded to bf16 (gemv's too), grown to at least bytes; NULL if
+ * out of memory */
+float *cpumla_avx2_xr(size_t bytes);
 
 #endif

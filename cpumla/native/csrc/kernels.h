@@ -80,15 +80,18 @@ typedef struct cpumla_kernels {
     const char *who[K_COUNT];
 } cpumla_kernels;
 
-/* Each implementation exports one function that overwrites the entries it provides. avx2 and avx512
- * are two files each (linear algebra; row-wise and attention kernels): their fill calls the _rows one. */
+/* Each implementation exports one function that overwrites the entries it provides. avx2, avx512 and
+ * neon keep their row-wise and attention kernels apart from their linear algebra: their fill calls
+ * the _rows one (and avx2's the _gemm one, its gemm being a file of its own). */
 void cpumla_fill_scalar(cpumla_kernels *k);
 void cpumla_fill_avx2(cpumla_kernels *k);
 void cpumla_fill_avx2_rows(cpumla_kernels *k);     /* avx2_rows.c; called by cpumla_fill_avx2 */
+void cpumla_fill_avx2_gemm(cpumla_kernels *k);     /* avx2_gemm.c; called by cpumla_fill_avx2 */
 void cpumla_fill_avx512(cpumla_kernels *k);
 void cpumla_fill_avx512_rows(cpumla_kernels *k);   /* avx512_rows.c; called by cpumla_fill_avx512 */
 void cpumla_fill_amx(cpumla_kernels *k);
 void cpumla_fill_neon(cpumla_kernels *k);
+void cpumla_fill_neon_rows(cpumla_kernels *k);     /* neon_rows.c; called by cpumla_fill_neon */
 
 /* The flags each file was compiled with, recorded by the build (CPUMLA_FLAGS_<ISA> macros). */
 extern const char cpumla_flags_scalar[], cpumla_flags_avx2[], cpumla_flags_avx512[],

@@ -1,6 +1,6 @@
 /* ops.c: the public kernels of cpumla.h. Each splits its work into tasks for the thread pool and
  * calls the chosen implementation's range kernels (kernels.h). Small ops that never dominate a token
- * (RoPE, top-k, routing) are portable code here. */
+ * (RoPE, top-k, routing) are portable code here. The benchmark probes are in probes.c. */
 #include <float.h>
 #include <math.h>
 #include <stdio.h>
@@ -11,7 +11,6 @@
 #include "threadpool.h"
 
 #define MIN_PARALLEL_WORK 32768     /* below this many multiply-adds a call stays on one thread */
-#define MAX_POOL_THREADS 256
 #ifndef CPUMLA_GEMV_SPLIT
 #define CPUMLA_GEMV_SPLIT 4     /* GEMV tasks per thread */
 #endif
@@ -547,63 +546,4 @@ void cpumla_mla_attention(const cpumla_attn_args *a) {
         if (work_small) for (int64_t t = 0; t < base; t++) attn_merge_task(&j, t, 0);
         else cpumla_pool_run(base, attn_merge_task, &j);
     }
-}
-
-double cpumla_read_probe(const void *buf, int64_t bytes);
-typedef struct { const uint8_t *buf; int64_t bytes, chunk; double sums[MAX_POOL_THREADS * 8]; } read_job;
-
-static void read_task(void *p, int64_t t, int tid) {
-    read_job *j = p;
-    int64_t b0 = t * j->chunk, b1 = min64(b0 + j->chunk, j->bytes);
-    if (b1 > b0) j->sums[tid * 8] += cpumla_k.read_sum(j->buf + b0, b1 - b0);
-}
-
-double cpumla_read_probe(const void *buf, int64_t bytes) {
-    cpumla_ensure_init();
-    static read_job j;
-    int threads = cpumla_pool_threads();
-    memset(j.sums, 0, sizeof j.sums);
-    j.buf = buf;
-    j.bytes = bytes & ~(int64_t)63;
-    /* one contiguous stream per thread, as a GEMV split over rows reads */
-    j.chunk = ceil_div(ceil_div(j.bytes, threads), 4096) * 4096;
-    cpumla_pool_run(threads, read_task, &j);
-    double s = 0;
-    for (int i = 0; i < threads; i++) s += j.sums[i * 8];
-    return s;
-}
-
-typedef struct {
-    double (*loop)(int64_t, float *);
-    int64_t iters;
-    double flops[MAX_POOL_THREADS * 8];
-    float sink[MAX_POOL_THREADS * 16];
-} fma_job;
-
-static void fma_task(void *p, int64_t t, int tid) {
-    (void)t;
-    fma_job *j = p;
-    j->flops[tid * 8] += j->loop(j->iters, &j->sink[tid * 16]);
-}
-
-static double flops_probe(double (*loop)(int64_t, float *), int64_t iters) {
-    static fma_job j;
-    int threads = cpumla_pool_threads();
-    memset(j.flops, 0, sizeof j.flops);
-    j.loop = loop;
-    j.iters = iters;
-    cpumla_pool_run(threads, fma_task, &j);
-    double s = 0;
-    for (int i = 0; i < threads; i++) s += j.flops[i * 8];
-    return s;
-}
-
-double cpumla_fma_probe(int64_t iters) {
-    cpumla_ensure_init();
-    return flops_probe(cpumla_k.fma_loop, iters);
-}
-
-double cpumla_bf16_probe(int64_t iters) {
-    cpumla_ensure_init();
-    return flops_probe(cpumla_k.dot_loop, iters);
 }
