@@ -13,8 +13,13 @@
 #include "cpumla.h"
 
 /* ---- bookkeeping ------------------------------------------------------------------------------ */
-extern int n_pass, n_fail, verbose;
+/* the runner's bookkeeping (harness.c) */
+extern int n_pass, n_fail, verbose, small_mode, watch_seconds;
+extern const char *cur_isa;
 int check(int ok, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void case_begin(void);
+void case_end(void);
+void watchdog(const char *what);   /* NULL: off */
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 static inline uint64_t rng_u64(void) {

@@ -3,12 +3,6 @@
 #include "kernels.h"
 #include "ref.h"
 
-extern int small_mode;
-extern const char *cur_isa;
-void case_begin(void);
-void case_end(void);
-void watchdog(const char *what);
-
 static int g_pass, g_fail;
 static void group_begin(void) { g_pass = n_pass; g_fail = n_fail; }
 static void group_end(const char *group) {
