@@ -26,6 +26,11 @@
 
 const char cpumla_flags_avx512[] = CPUMLA_FLAGS;
 
+/* the entries this file replaces: the BF16 paths fall back to them if avx512_bf16.c cannot get its
+ * activation buffer (out of memory), so the rounding kernels.h specifies holds there too */
+static void (*prev_gemv)(const cpumla_weight *, const float *, float *, int64_t, int64_t);
+static void (*prev_gemm)(const cpumla_weight *, const float *, int64_t, int64_t, float *, int64_t, int64_t,
+                         int64_t);
 
 /* ---- weight decoding ---------------------------------------------------------------------------- */
 static const float dq_fold[5] = {1.0f, 1.0f, 1.0f, 256.0f, 16384.0f};   /* by dtype */
@@ -306,8 +311,7 @@ static void gemv_avx512(const cpumla_weight *w, const float *x, float *y, int64_
         GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_F32, 0), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F32, 0));
         return;
     case CPUMLA_BF16:
-        if (cpumla_avx512_gemv_bf16(w, x, y, r0, r1) == 0) return;
-        GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_BF16, 0), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_BF16, 0));
+        if (cpumla_avx512_gemv_bf16(w, x, y, r0, r1) != 0) prev_gemv(w, x, y, r0, r1);
         return;
     case CPUMLA_F16:
         GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_F16, pf_rows(w, r, r1)), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F16, pf_rows(w, r, r1)));
@@ -372,7 +376,10 @@ static void gemm_avx512(const cpumla_weight *w, const float *x, int64_t ldx, int
         for (int64_t t = 0; t < n; t++) gemv_avx512(w, x + t * ldx, y + t * ldy, r0, r1);
         return;
     }
-    if (w->dtype == CPUMLA_BF16 && w->cols > 0 && cpumla_avx512_gemm_bf16(w, x, ldx, n, y, ldy, r0, r1) == 0) return;
+    if (w->dtype == CPUMLA_BF16 && w->cols > 0) {
+        if (cpumla_avx512_gemm_bf16(w, x, ldx, n, y, ldy, r0, r1) != 0) prev_gemm(w, x, ldx, n, y, ldy, r0, r1);
+        return;
+    }
     float wp[GEMM_MP * GEMM_KC] __attribute__((aligned(64)));
     int64_t K = w->cols;
     if (K == 0) {
@@ -472,6 +479,8 @@ static void gemv_t_avx512(const cpumla_weight *w, int64_t r0, int64_t nr, const 
 
 void cpumla_fill_avx512(cpumla_kernels *k) {
     cpumla_fill_avx512_rows(k);
+    if (k->gemv != gemv_avx512) prev_gemv = k->gemv;
+    if (k->gemm != gemm_avx512) prev_gemm = k->gemm;
     k->gemv = gemv_avx512;
     k->gemm = gemm_avx512;
     k->gemm_xb = cpumla_avx512_gemm_xb;
