@@ -8,11 +8,15 @@
  * product of two bf16 is exact in fp32; bf16 subnormal inputs are read as zero (far below anything a
  * weight or activation holds), and the sums round as fp32 FMAs do.
  *
- * gemv: 4 rows at a time, 64 columns per step, prefetching ahead as avx512.c's gemv does (it is
- * bound by memory bandwidth, like every decode GEMV). gemm: K in chunks of BG_KC columns, rows in
- * panels of BG_MP (a panel's chunk, 256 KiB, stays in L2 while the token blocks pass over it); each
- * block of 6 tokens (24 KiB of bf16 activations, L1) goes through a 4-row x 6-token microkernel that
- * keeps 24 accumulators in zmm registers and reduces them once per chunk. Activations come converted
+ * gemv: 4 rows at a time, 64 columns per step, no software prefetch. It is bound by memory
+ * bandwidth, and the hardware prefetchers alone kept it closer to the read probe: lm_head of the
+ * reference workload, alternating runs, 97% of the probe against 90% with avx512.c's group-ahead
+ * prefetch at ~80 GB/s, 107% against 101% at ~48 GB/s; whole decode 89% against 85%. (The e4m3 gemv
+ * is the other way round: without its prefetch, decode lost 10-17%, so avx512.c keeps it.)
+ * gemm: K in chunks of BG_KC columns, rows in panels of BG_MP (a panel's chunk, 256 KiB, stays in
+ * L2 while the token blocks pass over it); each block of 6 tokens (24 KiB of bf16 activations, L1)
+ * goes through a 4-row x 6-token microkernel that keeps 24 accumulators in zmm registers and reduces
+ * them once per chunk. Activations come converted
  * (gemm_xb, from ops.c, once per call) or are converted here per chunk (gemm). BG_KC and BG_MP were
  * picked by measuring pp512 of the reference workload (KC 512 -> 2048: +15%; MP 32 -> 64: +3%).
  */
@@ -51,7 +55,7 @@ INLINE __m512bh ld_bh_tail(const uint16_t *p, int64_t n) { return (__m512bh)_mm5
 
 /* ---- gemv --------------------------------------------------------------------------------------- */
 /* y[i] = row r + i . x for i < R (1..4); two accumulators per row for latency */
-INLINE void gemv_rows(const cpumla_weight *w, const uint16_t *xb, float *y, int64_t r, int R, const uint8_t *pf) {
+INLINE void gemv_rows(const cpumla_weight *w, const uint16_t *xb, float *y, int64_t r, int R) {
     const uint16_t *rp[4];
     __m512 a0[4], a1[4];
     UNROLL for (int i = 0; i < R; i++) {
@@ -62,8 +66,6 @@ INLINE void gemv_rows(const cpumla_weight *w, const uint16_t *xb, float *y, int6
     for (; c + 64 <= K; c += 64) {
         __m512bh x0 = ld_bh(xb + c), x1 = ld_bh(xb + c + 32);
         UNROLL for (int i = 0; i < R; i++) {
-            _mm_prefetch(pf_at(pf, w, R, i, 2 * c, 2 * K), PF_HINT);
-            _mm_prefetch(pf_at(pf, w, R, i, 2 * c + 64, 2 * K), PF_HINT);
             a0[i] = _mm512_dpbf16_ps(a0[i], ld_bh(rp[i] + c), x0);
             a1[i] = _mm512_dpbf16_ps(a1[i], ld_bh(rp[i] + c + 32), x1);
         }
@@ -81,8 +83,8 @@ int cpumla_avx512_gemv_bf16(const cpumla_weight *w, const float *x, float *y, in
     if (!xb) return -1;
     to_bf16(x, 0, 1, K, xb, Kp);
     int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) gemv_rows(w, xb, y + (r - r0), r, 4, pf_rows(w, r, r1));
-    for (; r < r1; r++) gemv_rows(w, xb, y + (r - r0), r, 1, pf_rows(w, r, r1));
+    for (; r + 4 <= r1; r += 4) gemv_rows(w, xb, y + (r - r0), r, 4);
+    for (; r < r1; r++) gemv_rows(w, xb, y + (r - r0), r, 1);
     return 0;
 }
 
