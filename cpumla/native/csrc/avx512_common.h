@@ -74,10 +74,10 @@ INLINE __m512 dq16(int32_t dt, const uint8_t *row, int64_t c, int64_t n) {
 
 /* avx512_bf16.c: BF16-weight products with vdpbf16ps; they return -1 (nothing written) when the
  * per-thread activation buffer cannot be allocated, and the caller takes its fp32 path. */
-int cpumla_avx512_gemv_bf16(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1);
-int cpumla_avx512_gemm_bf16(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
+CPUMLA_INTERNAL int cpumla_avx512_gemv_bf16(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1);
+CPUMLA_INTERNAL int cpumla_avx512_gemm_bf16(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
                             int64_t ldy, int64_t r0, int64_t r1);
-void cpumla_avx512_gemm_xb(const cpumla_weight *w, const uint16_t *xb, int64_t ldb, int64_t n, float *y,
+CPUMLA_INTERNAL void cpumla_avx512_gemm_xb(const cpumla_weight *w, const uint16_t *xb, int64_t ldb, int64_t n, float *y,
                            int64_t ldy, int64_t r0, int64_t r1);
 
 /* CALL(NT) with NT a constant 1..6: a gemm microkernel instantiated per token count */

@@ -10,6 +10,11 @@
 #define CPUMLA_FLAGS "(unrecorded)"
 #endif
 
+/* Functions one implementation file shares with its sibling (avx2.c / avx2_gemm.c, avx512.c /
+ * avx512_bf16.c): not part of the library's interface, so not exported from the shared object and
+ * called directly rather than through the PLT. */
+#define CPUMLA_INTERNAL __attribute__((visibility("hidden")))
+
 static inline float f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t bits_from_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 
