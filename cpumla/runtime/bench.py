@@ -122,11 +122,6 @@ def fma_peak_gflops(seconds: float = 0.3, kind: str = "fp32") -> float:
         iters *= 2
 
 
-def matmul_format(eng) -> str:
-    """The weight format of the model's linear layers (that of the first layer's kv_a_proj)."""
-    return eng.layers[0].kv_a.dtype
-
-
 def _fill_depth(eng, depth: int, rng) -> None:
     eng.reset()
     if depth:

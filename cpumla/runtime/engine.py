@@ -111,6 +111,12 @@ class Engine:
         self._c = self._describe()
 
     # ---- public ----
+    @property
+    def matmul_format(self) -> str:
+        """The weight format of the linear layers ("bf16", "e4m3", ...): that of kv_a_proj. bf16 means
+        the products run on bf16-rounded activations (kernels.h)."""
+        return self.layers[0].kv_a.dtype
+
     def reset(self) -> None:
         self.pos = 0
         self.tokens = []

@@ -28,7 +28,7 @@ def decode_tolerance(eng) -> float:
     each product (as transformers and llama.cpp do), so an fp32-sized difference can flip one
     rounding and show up at bf16's resolution (2^-8) in a few logits. A cache bug (a wrong position
     or a stale row) moves every logit by far more than either bound."""
-    return 2.0 ** -6 if eng.layers[0].kv_a.dtype == "bf16" else 1e-3
+    return 2.0 ** -6 if eng.matmul_format == "bf16" else 1e-3
 
 
 @dataclass
