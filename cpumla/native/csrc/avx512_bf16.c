@@ -34,7 +34,7 @@
 static __thread void *xb_buf;      /* this thread's bf16 activations */
 static __thread size_t xb_cap;
 
-INLINE __mmask16 mask16(int64_t n) { return n <= 0 ? 0 : tail16(n); }
+/* lanes [0, n) of 32 (bf16 elements), as tail16 */
 INLINE __mmask32 mask32(int64_t n) { return n >= 32 ? 0xffffffffu : n <= 0 ? 0 : (__mmask32)((1u << n) - 1u); }
 
 /* xb[t*ldb + k] = bf16(x[t*ldx + k]) for k < K, 0 for K <= k < ldb (ldb a multiple of 32) */
@@ -43,8 +43,8 @@ static void to_bf16(const float *x, int64_t ldx, int64_t n, int64_t K, uint16_t 
         const float *s = x + t * ldx;
         uint16_t *d = xb + t * ldb;
         for (int64_t k = 0; k < ldb; k += 32) {
-            __m512 lo = _mm512_maskz_loadu_ps(mask16(K - k), s + k);
-            __m512 hi = _mm512_maskz_loadu_ps(mask16(K - k - 16), s + k + 16);
+            __m512 lo = _mm512_maskz_loadu_ps(tail16(K - k), s + k);
+            __m512 hi = _mm512_maskz_loadu_ps(tail16(K - k - 16), s + k + 16);
             _mm512_storeu_si512(d + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
     }

@@ -15,7 +15,8 @@
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
-INLINE __mmask16 tail16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u); }
+/* lanes [0, n) of 16: all for n >= 16, none for n <= 0 */
+INLINE __mmask16 tail16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1u); }
 
 /* high byte of fp16(value * 2^-14) of each E2M1 code: ((code & 7) << 1) | ((code & 8) << 4) */
 #define E2M1_HB 0, 2, 4, 6, 8, 10, 12, 14, -128, -126, -124, -122, -120, -118, -116, -114
