@@ -115,3 +115,18 @@ def test_chunked_prefill(saved, monkeypatch):
     check_fp32(eng.forward(IDS), ref)
     eng.reset()
     check_fp32(eng.forward(IDS, last_only=True), ref[-1:])
+
+
+def test_router_weight_widened_to_fp32(tmp_path):
+    """A bf16 checkpoint's MoE router runs in fp32 (as transformers computes it), so its weight is
+    widened at load to exactly the checkpoint's values, not kept bf16 (which would round the router's
+    activations to bf16, kernels.h)."""
+    m = models.build("v2", tmp_path, dtype=torch.bfloat16)
+    eng = cpumla.load(str(tmp_path))
+    routed = [(i, L) for i, L in enumerate(eng.layers) if L.gate is not None]
+    assert routed
+    for i, L in routed:
+        assert L.gate.dtype == "f32"
+        want = m.model.layers[i].mlp.gate.weight.detach().float().numpy()
+        np.testing.assert_array_equal(L.gate.data, want)
+    assert eng.matmul_format == "bf16"
