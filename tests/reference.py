@@ -24,9 +24,44 @@ def bf16_value(bits: np.ndarray) -> np.ndarray:
 
 def act(fmt: str, x: np.ndarray) -> np.ndarray:
     """The activation operand of a product with fmt weights, as float64: bf16 weights multiply x
-    rounded to bf16 (nearest even, by torch), every other format multiplies x as given."""
+    rounded to bf16 (nearest even, by torch), f32 / f16 / e2m1 multiply x as given. (e4m3 folds the
+    block scale into the activation first: see Linear.)"""
     x = np.asarray(x, np.float32)
     return bf16_value(bf16_bits(x)).reshape(x.shape) if fmt == "bf16" else x.astype(np.float64)
+
+
+class Linear:
+    """The products of a weight with activations as kernels.h defines them, in float64: bf16 weights
+    multiply x rounded to bf16; e4m3 codes multiply bf16(x * their block's scale), the product x *
+    scale taken in float32; the other formats multiply their value (scale included) by x."""
+
+    def __init__(self, fmt: str, data: np.ndarray, scale: np.ndarray | None, block):
+        self.fmt = fmt
+        self.W = dequant(fmt, data, scale, block)
+        if fmt == "e4m3":
+            br, bc = block or (128, 128)
+            s = scale_value(scale).astype(np.float32)
+            self.Q = e4m3_value(data)
+            self.S = np.repeat(np.repeat(s, br, axis=0), bc, axis=1)[: data.shape[0], : data.shape[1]]
+
+    def terms(self, x: np.ndarray, rows=slice(None)) -> np.ndarray:
+        """x [..., K] -> the products [..., R, K] of rows `rows` with x."""
+        if self.fmt != "e4m3":
+            return act(self.fmt, x)[..., None, :] * self.W[rows]
+        xs = np.asarray(x, np.float32)[..., None, :] * self.S[rows]          # float32 products
+        return self.Q[rows] * bf16_value(bf16_bits(xs)).reshape(xs.shape)
+
+    def terms_t(self, x: np.ndarray, rows=slice(None)) -> np.ndarray:
+        """x [..., nr] (one value per row of `rows`) -> the products [..., nr, K] of gemv_t."""
+        if self.fmt != "e4m3":
+            return act(self.fmt, x)[..., :, None] * self.W[rows]
+        xs = np.asarray(x, np.float32)[..., :, None] * self.S[rows]
+        return self.Q[rows] * bf16_value(bf16_bits(xs)).reshape(xs.shape)
+
+    def __call__(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(W x, sum of |terms|) for x [..., K]"""
+        p = self.terms(x)
+        return p.sum(-1), np.abs(p).sum(-1)
 
 
 def e4m3_value(q: np.ndarray) -> np.ndarray:

@@ -37,7 +37,7 @@ def build(fmt, scale_kind, rows, cols, rng, strided=False):
         big[:, : data.shape[1]] = data
         data = big[:, : data.shape[1]]
     w = native.Weight(data, fmt, scale, block)
-    return w, ref.dequant(fmt, data, scale, block)
+    return w, ref.Linear(fmt, data, scale, block)
 
 
 def assert_close(got, want, scale, rtol=2e-5, what=""):
@@ -56,8 +56,8 @@ def test_gemv(isa, case):
     w, W = build(*case, rng, strided=True)
     x = rng.standard_normal(case[3]).astype(np.float32)
     y = native.gemv(w, x)
-    xa = ref.act(case[0], x)          # bf16 weights: x rounded to bf16 (kernels.h)
-    assert_close(y, W @ xa, np.abs(W) @ np.abs(xa), what=f"gemv {isa}")
+    want, mag = W(x)                  # the activation operand of each format (kernels.h)
+    assert_close(y, want, mag, what=f"gemv {isa}")
 
 
 @pytest.mark.parametrize("case", LINEAR_CASES, ids=case_id)
@@ -69,15 +69,15 @@ def test_gemm(isa, case, n):
     xbig[:, : case[3]] = rng.standard_normal((n, case[3]))
     x = xbig[:, : case[3]]
     y = native.gemm(w, x)
-    xa = ref.act(case[0], x)
-    assert_close(y, xa @ W.T, np.abs(xa) @ np.abs(W).T, what=f"gemm {isa}")
+    want, mag = W(x)
+    assert_close(y, want, mag, what=f"gemm {isa}")
 
 
 @pytest.mark.parametrize("case", LINEAR_CASES, ids=case_id)
 def test_dequant_exact(isa, case):
     rng = np.random.default_rng(RNG_SEED)
     w, W = build(*case, rng)
-    np.testing.assert_array_equal(native.dequant(w), W.astype(np.float32))
+    np.testing.assert_array_equal(native.dequant(w), W.W.astype(np.float32))
 
 
 @pytest.mark.parametrize("fmt,scale_kind", [("f32", None), ("bf16", None), ("e4m3", "f32"), ("e4m3", "e8m0")])
@@ -87,21 +87,18 @@ def test_head_gemv_absorb_unabsorb(isa, fmt, scale_kind, n):
     H, dn, dv, R = 5, 24, 20, 136
     rng = np.random.default_rng(7)
     w, W = build(fmt, scale_kind, H * (dn + dv), R, rng)
-    Wh = W.reshape(H, dn + dv, R)
     q = np.full((n, H, dn + 3), np.nan, np.float32)              # strided heads, NaN past dn
     q[:, :, :dn] = rng.standard_normal((n, H, dn))
     q_nope = q[:, :, :dn]
     got = native.head_gemv_t(w, 0, dn + dv, dn, q_nope)
-    qa = ref.act(fmt, q_nope)
-    want = np.einsum("thd,hdr->thr", qa, Wh[:, :dn])
-    mag = np.einsum("thd,hdr->thr", np.abs(qa), np.abs(Wh[:, :dn]))
-    assert_close(got, want, mag, what=f"absorb {isa}")
+    for h in range(H):                                           # rows of W_UK[h]
+        p = W.terms_t(q_nope[:, h], slice(h * (dn + dv), h * (dn + dv) + dn))     # [n, dn, R]
+        assert_close(got[:, h], p.sum(1), np.abs(p).sum(1), what=f"absorb {isa} head {h}")
     o_lat = rng.standard_normal((n, H, R)).astype(np.float32)
     got = native.head_gemv(w, dn, dn + dv, dv, o_lat)
-    oa = ref.act(fmt, o_lat)
-    want = np.einsum("hvr,thr->thv", Wh[:, dn:], oa)
-    mag = np.einsum("hvr,thr->thv", np.abs(Wh[:, dn:]), np.abs(oa))
-    assert_close(got, want, mag, what=f"un-absorb {isa}")
+    for h in range(H):                                           # rows of W_UV[h]
+        p = W.terms(o_lat[:, h], slice(h * (dn + dv) + dn, (h + 1) * (dn + dv)))   # [n, dv, R]
+        assert_close(got[:, h], p.sum(-1), np.abs(p).sum(-1), what=f"un-absorb {isa} head {h}")
 
 
 @pytest.mark.parametrize("wkind", [None, "f32", "bf16"])
@@ -276,11 +273,10 @@ def test_moe(isa, fmt, n):
             if idx[t, j] < 0:
                 continue
             G, U, Dn = (m for _, m in raw[idx[t, j]])
-            xa = ref.act(fmt, x[t])
-            g, u = G @ xa, U @ xa
-            a = ref.act(fmt, (g / (1 + np.exp(-g)) * u).astype(np.float32))
-            want[t] += w[t, j] * (Dn @ a)
-            mag[t] += w[t, j] * (np.abs(Dn) @ np.abs(a))
+            g, u = G(x[t])[0], U(x[t])[0]
+            d, dmag = Dn((g / (1 + np.exp(-g)) * u).astype(np.float32))
+            want[t] += w[t, j] * d
+            mag[t] += w[t, j] * dmag
     assert_close(got, want, mag + 1e-3, rtol=5e-5, what="moe")
     with pytest.raises(CpumlaError, match="out of range"):
         table(x, np.full((n, k), E, np.int32), w, y0.copy())

@@ -61,19 +61,29 @@ def test_parity_bf16(tmp_path, variant):
     m = models.build(variant, tmp_path, dtype=torch.bfloat16)
     ref = models.reference_logits(m, IDS)
     hf_bf16 = models.reference_logits(m.to(torch.bfloat16), IDS)
-    got = cpumla.load(str(tmp_path)).forward(IDS)
+    check_bf16_drift(cpumla.load(str(tmp_path)).forward(IDS), ref, hf_bf16)
 
+
+def check_bf16_drift(got, ref, hf_bf16):
+    """got drifts from the fp32 reference ref (1 - cosine, per position) by no more than transformers'
+    own bf16 forward hf_bf16 does, and its top-1 token is the reference's, or one within twice
+    transformers' bf16 error of it (a near-tie that bf16 rounding may flip either way)."""
     def drift(x):
         return 1 - (x * ref).sum(-1) / np.linalg.norm(x, axis=-1) / np.linalg.norm(ref, axis=-1)
 
-    assert (got.argmax(-1) == ref.argmax(-1)).all()
+    pick = ref[np.arange(len(ref)), got.argmax(-1)]
+    assert (pick >= ref.max(-1) - 2 * np.abs(hf_bf16 - ref).max(-1)).all()
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.75
     assert drift(got).max() <= max(drift(hf_bf16).max(), 1e-5), (drift(got), drift(hf_bf16))
     assert drift(got).max() < 2e-3
 
 
 def test_parity_fp8_partial_blocks(saved, tmp_path):
     """FP8 e4m3 with 128x128 weight_scale_inv grids on dims that are not multiples of 128 (every block
-    partial; hidden 160 gives two column blocks) against transformers on the dequantised weights."""
+    partial; hidden 160 gives two column blocks) against transformers on the dequantised weights in
+    fp32. cpumla multiplies the codes by bf16(x * scale) (kernels.h), so it drifts from that reference
+    by bf16 rounding, but by no more than transformers' bf16 forward of the same weights does (what
+    transformers runs for an FP8 checkpoint on the CPU: the weights dequantised to bf16)."""
     import shutil
 
     from safetensors.torch import save_file
@@ -88,8 +98,10 @@ def test_parity_fp8_partial_blocks(saved, tmp_path):
     save_file(deq, tmp_path / "deq" / "model.safetensors", metadata={"format": "pt"})
     ref_model = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "deq", dtype=torch.float32).eval()
     ref = models.reference_logits(ref_model, IDS)
-    got = cpumla.load(str(tmp_path / "fp8")).forward(IDS)
-    check_fp32(got, ref)
+    hf_bf16 = models.reference_logits(ref_model.to(torch.bfloat16), IDS)
+    eng = cpumla.load(str(tmp_path / "fp8"))
+    assert eng.matmul_format == "e4m3" and eng.bf16_activations
+    check_bf16_drift(eng.forward(IDS), ref, hf_bf16)
 
 
 def test_generate_greedy_is_deterministic(saved):

@@ -124,7 +124,7 @@ def _print(results, output, eng, peaks, bf16_peaks):
     render.out.print("peaks: " + ", ".join(f"fp32 FMA {v:.0f} / bf16 dot {bf16_peaks[t]:.0f} GFLOP/s at {t} threads"
                                            for t, v in peaks.items())
                      + "; read bandwidth probed before and after each test")
-    bf16 = eng.matmul_format == "bf16"     # prefill is measured against its own arithmetic's peak
+    bf16 = eng.bf16_activations            # prefill is measured against its own arithmetic's peak
     rows = []
     for r in results:
         peak = (f"{r.pct_bf16_peak:.0f}% of the bf16 dot peak ({r.pct_fma_peak:.0f}% of fp32 FMA)" if bf16 else

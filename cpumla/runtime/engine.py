@@ -117,6 +117,12 @@ class Engine:
         the products run on bf16-rounded activations (kernels.h)."""
         return self.layers[0].kv_a.dtype
 
+    @property
+    def bf16_activations(self) -> bool:
+        """Whether the linear layers multiply bf16-rounded activations (kernels.h): bf16 weights, and
+        FP8 (e4m3) weights, whose block scale is folded into the activation before the rounding."""
+        return self.matmul_format in ("bf16", "e4m3")
+
     def reset(self) -> None:
         self.pos = 0
         self.tokens = []

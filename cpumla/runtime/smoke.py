@@ -24,11 +24,11 @@ SHRINK = {"num_hidden_layers": 2, "first_k_dense_replace": 1, "hidden_size": 256
 
 def decode_tolerance(eng) -> float:
     """How far cached decode may drift from the full forward, relative to max |logit|. Both sum the
-    same products in a different order; with bf16 weights the activations are rounded to bf16 before
-    each product (as transformers and llama.cpp do), so an fp32-sized difference can flip one
-    rounding and show up at bf16's resolution (2^-8) in a few logits. A cache bug (a wrong position
-    or a stale row) moves every logit by far more than either bound."""
-    return 2.0 ** -6 if eng.matmul_format == "bf16" else 1e-3
+    same products in a different order; with bf16 or FP8 weights the activations are rounded to bf16
+    before each product (as transformers and llama.cpp do for bf16), so an fp32-sized difference can
+    flip one rounding and show up at bf16's resolution (2^-8) in a few logits. A cache bug (a wrong
+    position or a stale row) moves every logit by far more than either bound."""
+    return 2.0 ** -6 if eng.bf16_activations else 1e-3
 
 
 @dataclass

@@ -94,6 +94,8 @@ static const char *dtype_name(int d) {
 typedef struct {
     cpumla_weight w;
     double *wd;        /* [rows, cols]: exact value of each element, scale included */
+    double *qd;        /* [rows, cols]: the code's value without the scale (quantised formats) */
+    float *se;         /* [rows, cols]: the scale of each element's block (quantised formats) */
     void *data, *scale;
 } tweight;
 
@@ -116,6 +118,8 @@ static tweight make_weight(int64_t rows, int64_t cols, int dtype, int sdtype, in
     uint8_t *d = xalloc((size_t)(rows * rb) + 64);
     memset(d, 0xff, (size_t)(rows * rb) + 64);
     t.wd = xalloc(sizeof(double) * (size_t)(rows * cols + 1));
+    t.qd = xalloc(sizeof(double) * (size_t)(rows * cols + 1));
+    t.se = xalloc(sizeof(float) * (size_t)(rows * cols + 1));
     int quant = dtype == CPUMLA_E4M3 || dtype == CPUMLA_E2M1;
     int64_t gr = quant ? (rows + brows - 1) / brows : 0, gc = quant ? (cols + bcols - 1) / bcols : 0;
     int64_t sld = gc + 1;
@@ -183,6 +187,8 @@ static tweight make_weight(int64_t rows, int64_t cols, int dtype, int sdtype, in
                 break;
             }
             }
+            t.qd[r * cols + c] = v;
+            t.se[r * cols + c] = quant ? (float)sv[(r / brows) * sld + c / bcols] : 1.0f;
             if (quant) v *= sv[(r / brows) * sld + c / bcols];
             t.wd[r * cols + c] = v;
         }
@@ -202,7 +208,7 @@ static tweight make_weight(int64_t rows, int64_t cols, int dtype, int sdtype, in
     return t;
 }
 
-static void free_weight(tweight *t) { free(t->data); free(t->scale); free(t->wd); }
+static void free_weight(tweight *t) { free(t->data); free(t->scale); free(t->wd); free(t->qd); free(t->se); }
 
 /* x with n valid values, NaN after (out-of-bounds reads of x poison the result) */
 static float *make_vec(int64_t n, float amp) {
@@ -222,16 +228,24 @@ static inline int close_to(double got, double ref, double mag, double tol) {
 }
 
 /* ---- references ------------------------------------------------------------------------------- */
-/* the activation operand of a product with t's weights: BF16 weights multiply x rounded to bf16 */
-static double ref_act(const tweight *t, float x) {
-    return t->w.dtype == CPUMLA_BF16 ? ref_bf16(ref_to_bf16(x)) : (double)x;
+/* The product of weight element (r, c) with activation x, as kernels.h defines it: BF16 weights
+ * multiply x rounded to bf16; E4M3 codes multiply bf16(x * the block's scale), the product taken in
+ * fp32; the other formats multiply their value (scale included) by x. */
+static double ref_term(const tweight *t, int64_t r, int64_t c, float x) {
+    int64_t i = r * t->w.cols + c;
+    if (t->w.dtype == CPUMLA_BF16) return t->wd[i] * ref_bf16(ref_to_bf16(x));
+    if (t->w.dtype == CPUMLA_E4M3) {
+        volatile float xs = x * t->se[i];           /* the fp32 product, then rounded to bf16 */
+        return t->qd[i] * ref_bf16(ref_to_bf16(xs));
+    }
+    return t->wd[i] * (double)x;
 }
 
 /* dot of weight row r with x over all columns; *mag = sum of |terms| */
 static double ref_row_dot(const tweight *t, int64_t r, const float *x, double *mag) {
     double s = 0, a = 0;
     for (int64_t c = 0; c < t->w.cols; c++) {
-        double p = t->wd[r * t->w.cols + c] * ref_act(t, x[c]);
+        double p = ref_term(t, r, c, x[c]);
         s += p;
         a += fabs(p);
     }

@@ -142,7 +142,7 @@ static void test_linear(void) {
             for (int64_t c = 0; c < Rk && bad < 3; c++) {
                 double s = 0, mag = 0;
                 for (int64_t i = 0; i < dn; i++) {
-                    double p = ref_act(&t, x[tt * ldx_t + h * ldx_h + i]) * t.wd[(h * (dn + dv) + i) * Rk + c];
+                    double p = ref_term(&t, h * (dn + dv) + i, c, x[tt * ldx_t + h * ldx_h + i]);
                     s += p; mag += fabs(p);
                 }
                 float got = y[tt * ldy_t + h * ldy_h + c];

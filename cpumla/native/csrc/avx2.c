@@ -4,8 +4,10 @@
  * Weight decoding tricks (all exact):
  *   BF16  zero-extend to 32 bits and shift left 16.
  *   E4M3  byte b -> fp16 bits ((b << 8) >>arith 1) & 0xbf80, i.e. sign | (b & 0x7f) << 7, which is
- *         the value * 2^-8 (subnormals included); 256 is folded into the block scale. 0x7f / 0xff
- *         are forced to NaN as in the spec.
+ *         the value * 2^-8 (subnormals included); 0x7f / 0xff are forced to NaN as in the spec
+ *         (dequant_row, gemv_t; gemm's panels). gemv decodes straight to fp32 bits (gemv_e4m3). The
+ *         block scale goes into the activation operand, bf16(x * scale) (kernels.h), never onto a
+ *         partial sum.
  *   E2M1  two vpshufb lookups give the low and high byte of each code's bf16 value; the 32 codes of
  *         16 bytes come out in a fixed permuted column order, so gemv permutes x once per call to
  *         match (fp4_perm) and never reorders weights.
@@ -45,8 +47,8 @@ static void row_scales(const cpumla_weight *w, int64_t r, int64_t b0, int64_t nb
 /* Layouts the fast paths do not cover go to the entry this one replaced (the scalar spec). */
 static void (*prev_gemv)(const cpumla_weight *, const float *, float *, int64_t, int64_t);
 
-/* Each thread's buffer for activations rounded to bf16 (BF16 weights; see kernels.h): gemv's, and
- * avx2_gemm.c's through cpumla_avx2_xr */
+/* Each thread's buffer for activation operands rounded to bf16 (BF16 and E4M3 weights; see
+ * kernels.h): gemv's, and avx2_gemm.c's through cpumla_avx2_xr */
 static __thread void *xr_buf;
 static __thread size_t xr_cap;
 
@@ -190,80 +192,27 @@ INLINE void gemv_plain(const cpumla_weight *w, const float *x, float *y, int64_t
     }
 }
 
-/* FP8 e4m3, block scales: per row and block, sum then scale once */
-#define E4M3_ROWS 4
-static void gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
-    const int64_t K = w->cols, bc = w->block_cols, pf = PF_ROWS * w->row_bytes;
-    for (int64_t r = r0; r < r1; r += E4M3_ROWS) {
-        const int nr = r1 - r < E4M3_ROWS ? (int)(r1 - r) : E4M3_ROWS;
-        const uint8_t *p[E4M3_ROWS];
-        for (int i = 0; i < E4M3_ROWS; i++) p[i] = weight_row(w, r + (i < nr ? i : 0));
-        __m256 tot[E4M3_ROWS];
-        float tail[E4M3_ROWS];
-        for (int i = 0; i < E4M3_ROWS; i++) { tot[i] = _mm256_setzero_ps(); tail[i] = 0.0f; }
-        for (int64_t cb = 0; cb < K; cb += bc) {
-            const int64_t ce = cb + bc < K ? cb + bc : K;
-            float s[E4M3_ROWS];
-            for (int i = 0; i < E4M3_ROWS; i++) s[i] = weight_scale(w, r + (i < nr ? i : 0), cb);
-            __m256 a[E4M3_ROWS], b[E4M3_ROWS];
-            for (int i = 0; i < E4M3_ROWS; i++) a[i] = b[i] = _mm256_setzero_ps();
-            int64_t c = cb;
-            for (; c + 16 <= ce; c += 16) {
-                __m256 x0 = _mm256_loadu_ps(x + c), x1 = _mm256_loadu_ps(x + c + 8);
-                if ((c & 63) == 0)
-                    for (int i = 0; i < E4M3_ROWS; i++) _mm_prefetch((const char *)(p[i] + c + pf), _MM_HINT_T0);
-                for (int i = 0; i < E4M3_ROWS; i++) {
-                    __m256 lo, hi;
-                    ld_e4m3x16(p[i] + c, &lo, &hi);
-                    a[i] = _mm256_fmadd_ps(lo, x0, a[i]);
-                    b[i] = _mm256_fmadd_ps(hi, x1, b[i]);
-                }
-            }
-            for (; c + 8 <= ce; c += 8) {
-                __m256 x0 = _mm256_loadu_ps(x + c);
-                for (int i = 0; i < E4M3_ROWS; i++) a[i] = _mm256_fmadd_ps(ld_e4m3x8(p[i] + c), x0, a[i]);
-            }
-            for (int i = 0; i < E4M3_ROWS; i++)
-                tot[i] = _mm256_fmadd_ps(_mm256_add_ps(a[i], b[i]), _mm256_set1_ps(s[i] * 256.0f), tot[i]);
-            if (c < ce) {
-                for (int i = 0; i < E4M3_ROWS; i++) {
-                    float part = 0.0f;
-                    for (int64_t cc = c; cc < ce; cc++) part += e4m3_to_f32(p[i][cc]) * x[cc];
-                    tail[i] += part * s[i];
-                }
-            }
-        }
-        float t[4];
-        _mm_storeu_ps(t, hsum4x8(tot[0], tot[1], tot[2], tot[3]));
-        for (int i = 0; i < nr; i++) y[r - r0 + i] = t[i] + tail[i];
-    }
-}
+/* FP8 e4m3 (kernels.h): each code times its activation operand bf16(x * block scale), summed in fp32.
+ * For each row block [r0, r1) touches, the operands of the whole row are made once (e4m3_act_row into
+ * xs, this thread's buffer), then each row is a plain dot product with xs, 32 bytes (8 dwords) per step
+ * per row, 4 rows at a time (a group never straddles a row block). Byte j of each dword becomes the
+ * fp32 bits of value * 2^-120 with word shifts and masks only (no converts): sraw(d, 4) & 0x87f00000 is
+ * byte 3, (sraw(d, 4) << 16) & 0x87f00000 byte 1, and the same after sllw(d, 8) bytes 2 and 0; e4m3
+ * subnormals land on fp32 subnormals, so every byte is decoded exactly. The operands of the first
+ * K - K % 32 columns are rearranged in place (e4m3_perm_x) to [xs(4k + j), k < 8] for j = 0..3 per 32
+ * columns and multiplied by 2^F, F = 104 unless the block's largest |xs| >= 2^24 (then less, so that
+ * nothing overflows), which keeps the products normal; each sum is multiplied by 2^(120 - F) at the
+ * end. Every product is exact, as in the spec. The last K % 32 columns (scalar) use xs as is. NaN codes
+ * 0x7f / 0xff are not detected here (they decode to +-480; real checkpoints never contain them); gemm,
+ * gemv_t and dequant give NaN for them. */
 
-/* FP8 e4m3 with blocks a multiple of 32 columns wide, 32 bytes (8 dwords) per step per row. Byte j
- * of each dword becomes the fp32 bits of value * 2^-120 with word shifts and masks only (no
- * converts): sraw(d, 4) & 0x87f00000 is byte 3, (sraw(d, 4) << 16) & 0x87f00000 byte 1, and the
- * same after sllw(d, 8) bytes 2 and 0; e4m3 subnormals land on fp32 subnormals, so every byte is
- * decoded exactly. x is rearranged once per call (e4_xp, thread-local) to [x(4k + j), k < 8] for
- * j = 0..3 per 32 columns and multiplied by 2^104 so the products stay normal; the block scale
- * carries the remaining 2^16. When some |x| >= 2^23 (the scaled x would overflow) the call takes
- * gemv_e4m3 above. NaN codes 0x7f / 0xff are not detected on this path (they decode to +-480; real
- * checkpoints never contain them); gemv_e4m3, gemm, gemv_t and dequant give NaN for them. */
-#define E4_XP_MAX 16384
-static __thread float e4_xp[E4_XP_MAX] ALIGN64;
-
-/* n: a multiple of 32. Returns 0 when some |x| >= 2^23 (inf included). */
-static int e4m3_split_x(const float *x, int64_t n, float *xp) {
+/* xp[0, n) (n a multiple of 32) permuted per 32-group as above and multiplied by fold, in place */
+static void e4m3_perm_x(float *xp, int64_t n, float fold) {
     const __m256i ix = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    const __m256 k = _mm256_set1_ps(0x1p104f), lim = _mm256_set1_ps(0x1p23f);
-    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 big = _mm256_setzero_ps();
+    const __m256 k = _mm256_set1_ps(fold);
     for (int64_t g = 0; g < n; g += 32) {
-        __m256 v0 = _mm256_loadu_ps(x + g), v1 = _mm256_loadu_ps(x + g + 8);
-        __m256 v2 = _mm256_loadu_ps(x + g + 16), v3 = _mm256_loadu_ps(x + g + 24);
-        big = _mm256_or_ps(big, _mm256_or_ps(_mm256_cmp_ps(_mm256_and_ps(v0, absm), lim, _CMP_GE_OQ),
-                                             _mm256_cmp_ps(_mm256_and_ps(v1, absm), lim, _CMP_GE_OQ)));
-        big = _mm256_or_ps(big, _mm256_or_ps(_mm256_cmp_ps(_mm256_and_ps(v2, absm), lim, _CMP_GE_OQ),
-                                             _mm256_cmp_ps(_mm256_and_ps(v3, absm), lim, _CMP_GE_OQ)));
+        __m256 v0 = _mm256_load_ps(xp + g), v1 = _mm256_load_ps(xp + g + 8);
+        __m256 v2 = _mm256_load_ps(xp + g + 16), v3 = _mm256_load_ps(xp + g + 24);
         /* 4x4 transposes within 128-bit lanes: o_j = x(4k + j) for k = 0, 2, 4, 6 | 1, 3, 5, 7 */
         __m256 t0 = _mm256_unpacklo_ps(v0, v1), t1 = _mm256_unpackhi_ps(v0, v1);
         __m256 t2 = _mm256_unpacklo_ps(v2, v3), t3 = _mm256_unpackhi_ps(v2, v3);
@@ -272,66 +221,59 @@ static int e4m3_split_x(const float *x, int64_t n, float *xp) {
         for (int j = 0; j < 4; j++)
             _mm256_store_ps(xp + g + 8 * j, _mm256_mul_ps(_mm256_permutevar8x32_ps(o[j], ix), k));
     }
-    return _mm256_movemask_ps(big) == 0;
 }
 
-__attribute__((noinline)) static void gemv_e4m3_x(const cpumla_weight *w, const float *x, float *y,
-                                                  int64_t r0, int64_t r1) {
-    const int64_t K = w->cols, bc = w->block_cols, pf = PF_ROWS * w->row_bytes;
-    const int64_t K32 = K / 32 * 32;
-    if (!e4m3_split_x(x, K32, e4_xp)) { gemv_e4m3(w, x, y, r0, r1); return; }
-    const int e8m0 = w->scale_dtype == CPUMLA_E8M0;
+/* rows [rs, re) of one row block, xs prepared by gemv_e4m3 */
+static void gemv_e4m3_rows(const cpumla_weight *w, const float *xs, float post, float *y, int64_t rs,
+                           int64_t re) {
+    const int64_t K = w->cols, K32 = K / 32 * 32, pf = PF_ROWS * w->row_bytes;
     const __m256i m = _mm256_set1_epi32((int)0x87f00000u);
-    for (int64_t r = r0; r < r1; r += 4) {
-        const int nr = r1 - r < 4 ? (int)(r1 - r) : 4, lin = nr == 4 && w->row_bytes == K;
+    for (int64_t r = rs; r < re; r += 4) {
+        const int nr = re - r < 4 ? (int)(re - r) : 4, lin = nr == 4 && w->row_bytes == K;
         const uint8_t *p[4];
-        const uint8_t *sc8[4];
-        const float *sc32[4];
-        for (int i = 0; i < 4; i++) {
-            int64_t rr = r + (i < nr ? i : 0), si = rr / w->block_rows * w->scale_ld;
-            p[i] = weight_row(w, rr);
-            sc8[i] = (const uint8_t *)w->scale + si;
-            sc32[i] = (const float *)w->scale + si;
-        }
-        __m256 tot[4];
-        float tail[4];
-        for (int i = 0; i < 4; i++) { tot[i] = _mm256_setzero_ps(); tail[i] = 0.0f; }
-        for (int64_t cb = 0, bi = 0; cb < K; cb += bc, bi++) {
-            const int64_t ce = cb + bc < K ? cb + bc : K;
-            float s[4];
-            for (int i = 0; i < 4; i++) s[i] = e8m0 ? e8m0_to_f32(sc8[i][bi]) : sc32[i][bi];
-            __m256 a[4], b[4];
-            for (int i = 0; i < 4; i++) a[i] = b[i] = _mm256_setzero_ps();
-            int64_t c = cb;
-            for (; c + 32 <= ce; c += 32) {
-                const float *xs = e4_xp + c;
-                __m256 x0 = _mm256_load_ps(xs), x1 = _mm256_load_ps(xs + 8);
-                __m256 x2 = _mm256_load_ps(xs + 16), x3 = _mm256_load_ps(xs + 24);
-                if ((c & 63) == 0)
-                    for (int i = 0; i < 4; i++) _mm_prefetch(pf_at(p[0], p[i], pf, lin, i, c), _MM_HINT_T0);
-                for (int i = 0; i < 4; i++) {
-                    __m256i d = _mm256_loadu_si256((const __m256i *)(p[i] + c));
-                    __m256i vh = _mm256_srai_epi16(d, 4), vl = _mm256_srai_epi16(_mm256_slli_epi16(d, 8), 4);
-                    a[i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(vl, 16), m)), x0, a[i]);
-                    b[i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(vh, 16), m)), x1, b[i]);
-                    a[i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(vl, m)), x2, a[i]);
-                    b[i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(vh, m)), x3, b[i]);
-                }
-            }
-            for (int i = 0; i < 4; i++)
-                tot[i] = _mm256_fmadd_ps(_mm256_add_ps(a[i], b[i]), _mm256_set1_ps(s[i] * 0x1p16f), tot[i]);
-            if (c < ce) {                           /* the last columns of a row (K % 32) */
-                for (int i = 0; i < 4; i++) {
-                    float part = 0.0f;
-                    for (int64_t cc = c; cc < ce; cc++) part += e4m3_to_f32(p[i][cc]) * x[cc];
-                    tail[i] += part * s[i];
-                }
+        for (int i = 0; i < 4; i++) p[i] = weight_row(w, r + (i < nr ? i : 0));
+        __m256 a[4], b[4];
+        for (int i = 0; i < 4; i++) a[i] = b[i] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < K32; c += 32) {
+            __m256 x0 = _mm256_load_ps(xs + c), x1 = _mm256_load_ps(xs + c + 8);
+            __m256 x2 = _mm256_load_ps(xs + c + 16), x3 = _mm256_load_ps(xs + c + 24);
+            if (PF_ON && (c & 63) == 0)
+                for (int i = 0; i < 4; i++) _mm_prefetch(pf_at(p[0], p[i], pf, lin, i, c), _MM_HINT_T0);
+            for (int i = 0; i < 4; i++) {
+                __m256i d = _mm256_loadu_si256((const __m256i *)(p[i] + c));
+                __m256i vh = _mm256_srai_epi16(d, 4), vl = _mm256_srai_epi16(_mm256_slli_epi16(d, 8), 4);
+                a[i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(vl, 16), m)), x0, a[i]);
+                b[i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(vh, 16), m)), x1, b[i]);
+                a[i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(vl, m)), x2, a[i]);
+                b[i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(vh, m)), x3, b[i]);
             }
         }
         float t[4];
-        _mm_storeu_ps(t, hsum4x8(tot[0], tot[1], tot[2], tot[3]));
-        for (int i = 0; i < nr; i++) y[r - r0 + i] = t[i] + tail[i];
+        _mm_storeu_ps(t, _mm_mul_ps(hsum4x8(_mm256_add_ps(a[0], b[0]), _mm256_add_ps(a[1], b[1]),
+                                            _mm256_add_ps(a[2], b[2]), _mm256_add_ps(a[3], b[3])),
+                                    _mm_set1_ps(post)));
+        for (int i = 0; i < nr; i++) {
+            for (int64_t c = K32; c < K; c++) t[i] += e4m3_to_f32(p[i][c]) * xs[c];
+            y[r - rs + i] = t[i];
+        }
     }
+}
+
+/* Returns 0 when out of memory (nothing written). */
+static int gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
+    const int64_t K = w->cols, K32 = K / 32 * 32, br = w->block_rows;
+    float *xs = cpumla_grow(&xr_buf, &xr_cap, sizeof(float) * (size_t)(K + 32));
+    if (!xs) return 0;
+    for (int64_t rs = r0; rs < r1;) {
+        const int64_t re = (rs / br + 1) * br < r1 ? (rs / br + 1) * br : r1;
+        const uint32_t mx = e4m3_act_row(w, rs, x, 0, K32, xs);
+        e4m3_act_row(w, rs, x, K32, K, xs + K32);
+        const int e = (int)(mx >> 23) - 127, f = e > 23 ? 127 - e : 104;     /* |xs| * 2^f < 2^128 */
+        e4m3_perm_x(xs, K32, f32_from_bits((uint32_t)(127 + f) << 23));
+        gemv_e4m3_rows(w, xs, f32_from_bits((uint32_t)(247 - f) << 23), y + (rs - r0), rs, re);
+        rs = re;
+    }
+    return 1;
 }
 
 /* FP4 e2m1 with 1 x block_cols E8M0 scales (block_cols a multiple of 32): x is permuted per 32-group
@@ -407,12 +349,8 @@ void cpumla_avx2_gemv(const cpumla_weight *w, const float *x, float *y, int64_t 
     }
     case CPUMLA_F16: gemv_plain(w, x, y, r0, r1, CPUMLA_F16); return;
     case CPUMLA_E4M3:
-        if (w->block_cols > 0 && w->block_cols % 32 == 0 && w->block_rows > 0 && w->cols <= E4_XP_MAX) {
-            gemv_e4m3_x(w, x, y, r0, r1);
-            return;
-        }
-        if (w->block_cols > 0 && w->block_rows > 0) { gemv_e4m3(w, x, y, r0, r1); return; }
-        break;
+        if (w->block_cols > 0 && w->block_rows > 0 && gemv_e4m3(w, x, y, r0, r1)) return;
+        break;                                         /* or out of memory: the spec */
     case CPUMLA_E2M1:
         if (w->block_cols > 0 && w->block_cols % 32 == 0 && w->block_cols <= XP_MAX && w->block_rows > 0) {
             gemv_e2m1(w, x, y, r0, r1);
@@ -464,11 +402,12 @@ static void gemv_t_avx2(const cpumla_weight *w, int64_t r0, int64_t nr, const fl
                 int64_t be = (c / w->block_cols + 1) * w->block_cols;
                 if (be > ce) be = ce;
                 const float s = weight_scale(w, r0 + i, c);
-                if (dt == CPUMLA_E4M3) {
-                    __m256 vx = _mm256_set1_ps(xi * s * 256.0f);
+                if (dt == CPUMLA_E4M3) {        /* acc holds the sums * 2^-8 (the decode's factor) */
+                    const float xs = bf16_round(xi * s);
+                    __m256 vx = _mm256_set1_ps(xs);
                     for (; c + 8 <= be; c += 8)
                         _mm256_storeu_ps(a + c, _mm256_fmadd_ps(vx, ld_e4m3x8(row + c), _mm256_loadu_ps(a + c)));
-                    for (; c < be; c++) a[c] += xi * (e4m3_to_f32(row[c]) * s);
+                    for (; c < be; c++) a[c] += (e4m3_to_f32(row[c]) * 0x1p-8f) * xs;
                 } else {
                     __m256 vx = _mm256_set1_ps(xi * s);
                     if ((c & 1) && c < be) { a[c] += xi * (e2m1_at(row, c) * s); c++; }
@@ -482,7 +421,14 @@ static void gemv_t_avx2(const cpumla_weight *w, int64_t r0, int64_t nr, const fl
                 }
             }
         }
-        memcpy(y + (cs - c0), acc, (size_t)(ce - cs) * sizeof(float));
+        if (dt == CPUMLA_E4M3) {
+            int64_t c = 0;
+            for (; c + 8 <= ce - cs; c += 8)
+                _mm256_storeu_ps(y + (cs - c0) + c, _mm256_mul_ps(_mm256_load_ps(acc + c), _mm256_set1_ps(256.0f)));
+            for (; c < ce - cs; c++) y[cs - c0 + c] = acc[c] * 256.0f;
+        } else {
+            memcpy(y + (cs - c0), acc, (size_t)(ce - cs) * sizeof(float));
+        }
     }
 }
 

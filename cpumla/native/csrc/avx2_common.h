@@ -48,6 +48,63 @@ INLINE void bf16_round_rows(const float *src, int64_t lds, int64_t n, int64_t K,
     }
 }
 
+/* dst[k] = bf16_round(src[k] * s) for k < n: the fp32 product rounded to bf16 (nearest even), as fp32.
+ * Returns the largest |dst[k]| as fp32 bits (above 0x7f800000 when some dst[k] is NaN). The loop
+ * rounds without minding NaN ((u + 0x7fff + lsb) & 0xffff0000 is f32_to_bf16 for all but NaN) and
+ * redoes the whole with bf16_round8 when it saw one. */
+INLINE uint32_t bf16_scale_round(const float *src, int64_t n, float s, float *dst) {
+    const __m256 vs = _mm256_set1_ps(s);
+    const __m256i b7 = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
+    const __m256i hm = _mm256_set1_epi32((int)0xffff0000u), absm = _mm256_set1_epi32(0x7fffffff);
+    __m256 nan = _mm256_setzero_ps();
+    __m256i mx = _mm256_setzero_si256();
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(src + k), vs);
+        __m256i u = _mm256_castps_si256(v);
+        __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, b7), _mm256_and_si256(_mm256_srli_epi32(u, 16), one));
+        r = _mm256_and_si256(r, hm);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        mx = _mm256_max_epu32(mx, _mm256_and_si256(r, absm));
+        _mm256_storeu_si256((__m256i *)(dst + k), r);
+    }
+    __m128i m4 = _mm_max_epu32(_mm256_castsi256_si128(mx), _mm256_extracti128_si256(mx, 1));
+    m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0x4e));
+    m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0xb1));
+    uint32_t m = (uint32_t)_mm_cvtsi128_si32(m4);
+    if (_mm256_movemask_ps(nan)) {
+        m = 0x7fffffffu;
+        for (int64_t j = 0; j + 8 <= n; j += 8) {
+            __m256i u = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(src + j), vs));
+            _mm256_storeu_si256((__m256i *)(dst + j), _mm256_slli_epi32(bf16_round8(u), 16));
+        }
+    }
+    for (; k < n; k++) {
+        dst[k] = bf16_round(src[k] * s);
+        uint32_t a = bits_from_f32(dst[k]) & 0x7fffffffu;
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
+/* E4M3 activation operands (e4m3_act, common.h) of row block containing row r: dst[c - c0] =
+ * bf16_round(x[c] * scale(r, c)) for c0 <= c < c1. Returns the largest |dst| as fp32 bits. */
+INLINE uint32_t e4m3_act_row(const cpumla_weight *w, int64_t r, const float *x, int64_t c0, int64_t c1,
+                             float *dst) {
+    if (c1 <= c0) return 0;
+    const int64_t bc = w->block_cols, si = (r / w->block_rows) * w->scale_ld;
+    uint32_t m = 0;
+    for (int64_t b = c0 / bc, c = c0; c < c1; b++) {
+        const int64_t be = (b + 1) * bc < c1 ? (b + 1) * bc : c1;
+        const float s = w->scale_dtype == CPUMLA_E8M0 ? e8m0_to_f32(((const uint8_t *)w->scale)[si + b])
+                                                      : ((const float *)w->scale)[si + b];
+        const uint32_t mb = bf16_scale_round(x + c, be - c, s, dst + (c - c0));
+        m = mb > m ? mb : m;
+        c = be;
+    }
+    return m;
+}
+
 INLINE __m256 ld_bf16(const uint16_t *p) {
     __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
@@ -55,15 +112,6 @@ INLINE __m256 ld_bf16(const uint16_t *p) {
 INLINE __m256 ld_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
 /* ---- weight decoding (avx2.c) ------------------------------------------------------------------ */
-/* 16 E4M3 bytes -> two vectors of value * 2^-8 */
-INLINE void ld_e4m3x16(const uint8_t *p, __m256 *lo, __m256 *hi) {
-    __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    __m256i f = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(u, 8), 1), _mm256_set1_epi16((short)0xbf80));
-    __m256i t = _mm256_and_si256(u, _mm256_set1_epi16(0x7f));
-    f = _mm256_or_si256(f, _mm256_cmpeq_epi16(t, _mm256_set1_epi16(0x7f)));
-    *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(f));
-    *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(f, 1));
-}
 /* 8 E4M3 bytes -> value * 2^-8 */
 INLINE __m256 ld_e4m3x8(const uint8_t *p) {
     __m128i u = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));

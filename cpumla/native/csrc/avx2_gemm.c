@@ -1,8 +1,12 @@
 /* avx2_gemm.c: the AVX2 + FMA + F16C gemm (prefill): K in chunks of GM_KC columns; for each chunk,
- * 16-row panels of the weights are decoded to fp32 (dequant_row, in avx2.c) and transposed into
- * [k][16] (tr8x8_store), then a 6-token x 16-row FMA microkernel runs over them. Split from avx2.c,
- * whose cpumla_fill_avx2 calls cpumla_fill_avx2_gemm; compiled with the same flags. Same semantics
- * as scalar.c (the spec), to fp32 rounding. Single-threaded: ops.c splits rows and tokens. */
+ * 16-row panels of the weights are decoded to fp32 (dequant_row, in avx2.c; E4M3: the codes without
+ * their scale, e4m3_codes) and transposed into [k][16] (tr8x8_store), then a 6-token x 16-row FMA
+ * microkernel runs over them. Its activation operand is x itself, x rounded to bf16 (BF16 weights),
+ * or, for E4M3, bf16(x * scale) of the panel's row block (kernels.h): E4M3 panels never straddle a
+ * row block, and the operands are made once per row block, K chunk and chunk of at most GM_TC tokens
+ * (which bounds the buffer). Split from avx2.c, whose cpumla_fill_avx2 calls cpumla_fill_avx2_gemm;
+ * compiled with the same flags. Same semantics as scalar.c (the spec), to fp32 rounding.
+ * Single-threaded: ops.c splits rows and tokens. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -11,7 +15,7 @@
 #include "avx2_common.h"
 
 /* The entry this one replaced (the scalar spec, which needs no buffer): used when the buffer for the
- * rounded activations of BF16 weights cannot be allocated. */
+ * activation operands of BF16 / E4M3 weights cannot be allocated. */
 static void (*prev_gemm)(const cpumla_weight *, const float *, int64_t, int64_t, float *, int64_t, int64_t,
                          int64_t);
 
@@ -19,6 +23,7 @@ static void (*prev_gemm)(const cpumla_weight *, const float *, int64_t, int64_t,
 #define GM_KC 512   /* K chunk */
 #define GM_NR 16    /* rows per panel */
 #define GM_MT 6     /* tokens per microkernel */
+#define GM_TC 192   /* most tokens per chunk of E4M3 activation operands (a multiple of GM_MT) */
 static __thread float gm_pack[GM_KC * GM_NR] ALIGN64;   /* [k][16] */
 static __thread float gm_tmp[GM_NR * GM_KC] ALIGN64;    /* [16][k] */
 
@@ -45,13 +50,23 @@ INLINE void tr8x8_store(const float *src, int64_t lds, float *dst, int64_t ldd) 
     _mm256_store_ps(dst + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
 }
 
-/* gm_pack[k][i] = W[r + i, k0 + k] for i < nr (zero rows above), k < kpad (zero columns past kc) */
+/* out[c - c0] = the value of E4M3 code row[c], without the scale, c0 <= c < c1 (NaN codes give NaN) */
+static void e4m3_codes(const uint8_t *row, int64_t c0, int64_t c1, float *out) {
+    const __m256 k = _mm256_set1_ps(256.0f);          /* ld_e4m3x8 gives value * 2^-8 */
+    int64_t c = c0;
+    for (; c + 8 <= c1; c += 8) _mm256_storeu_ps(out + c - c0, _mm256_mul_ps(ld_e4m3x8(row + c), k));
+    for (; c < c1; c++) out[c - c0] = e4m3_to_f32(row[c]);
+}
+
+/* gm_pack[k][i] = W[r + i, k0 + k] for i < nr (zero rows above), k < kpad (zero columns past kc); E4M3:
+ * the codes' values, without the scale */
 static void gemm_pack(const cpumla_weight *w, int64_t r, int nr, int64_t k0, int64_t kc) {
     const int64_t kpad = (kc + 7) & ~(int64_t)7;
     for (int i = 0; i < GM_NR; i++) {
         float *t = gm_tmp + i * GM_KC;
         if (i < nr) {
-            cpumla_avx2_dequant_row(w, r + i, k0, k0 + kc, t);
+            if (w->dtype == CPUMLA_E4M3) e4m3_codes(weight_row(w, r + i), k0, k0 + kc, t);
+            else cpumla_avx2_dequant_row(w, r + i, k0, k0 + kc, t);
             for (int64_t k = kc; k < kpad; k++) t[k] = 0.0f;
         } else {
             memset(t, 0, (size_t)kpad * sizeof(float));
@@ -110,27 +125,48 @@ static void gemm_avx2(const cpumla_weight *w, const float *x, int64_t ldx, int64
             for (int64_t r = r0; r < r1; r++) y[t * ldy + r - r0] = 0.0f;
         return;
     }
-    float *xr = NULL;         /* BF16: the K chunk of x rounded to bf16, [n][GM_KC] */
-    if (w->dtype == CPUMLA_BF16) {
-        xr = cpumla_avx2_xr(sizeof(float) * (size_t)(n * GM_KC));
+    const int e4 = w->dtype == CPUMLA_E4M3, bf = w->dtype == CPUMLA_BF16;
+    if (e4 && (w->block_rows <= 0 || w->block_cols <= 0)) { prev_gemm(w, x, ldx, n, y, ldy, r0, r1); return; }
+    /* tokens per chunk (E4M3; the others take all n at once): the fewest chunks of at most GM_TC, as
+     * even as multiples of GM_MT allow. Each chunk packs the panels again. */
+    const int64_t nch = (n + GM_TC - 1) / GM_TC;
+    const int64_t tc = e4 ? ((n + nch - 1) / nch + GM_MT - 1) / GM_MT * GM_MT : n;
+    float *xr = NULL;         /* BF16 / E4M3: the activation operands of a K and token chunk, [tc][GM_KC] */
+    if (e4 || bf) {
+        xr = cpumla_avx2_xr(sizeof(float) * (size_t)((n < tc ? n : tc) * GM_KC));
         if (!xr) { prev_gemm(w, x, ldx, n, y, ldy, r0, r1); return; }
     }
     for (int64_t k0 = 0; k0 < K; k0 += GM_KC) {
         const int64_t kc = K - k0 < GM_KC ? K - k0 : GM_KC;
         const int acc = k0 > 0;
-        const float *xk = x + k0;
-        int64_t ldxk = ldx;
-        if (xr) {
-            bf16_round_rows(x + k0, ldx, n, kc, xr, GM_KC);
-            xk = xr;
-            ldxk = GM_KC;
-        }
-        for (int64_t r = r0; r < r1; r += GM_NR) {
-            const int nr = r1 - r < GM_NR ? (int)(r1 - r) : GM_NR;
-            gemm_pack(w, r, nr, k0, kc);
-            float *yr = y + (r - r0);
-            for (int64_t t = 0; t < n; t += GM_MT)
-                gemm_micro(n - t < GM_MT ? (int)(n - t) : GM_MT, gm_pack, kc, xk + t * ldxk, ldxk, yr + t * ldy, ldy, nr, acc);
+        for (int64_t t0 = 0; t0 < n; t0 += tc) {
+            const int64_t nt = n - t0 < tc ? n - t0 : tc;
+            const float *xt = x + t0 * ldx, *xk = xt + k0;
+            int64_t ldxk = ldx;
+            if (bf) {
+                bf16_round_rows(xt + k0, ldx, nt, kc, xr, GM_KC);
+                xk = xr;
+                ldxk = GM_KC;
+            }
+            for (int64_t rs = r0; rs < r1;) {      /* E4M3: one row block at a time */
+                int64_t re = r1;
+                if (e4) {
+                    const int64_t be = (rs / w->block_rows + 1) * w->block_rows;
+                    if (be < r1) re = be;
+                    for (int64_t t = 0; t < nt; t++) e4m3_act_row(w, rs, xt + t * ldx, k0, k0 + kc, xr + t * GM_KC);
+                    xk = xr;
+                    ldxk = GM_KC;
+                }
+                for (int64_t r = rs; r < re; r += GM_NR) {
+                    const int nr = re - r < GM_NR ? (int)(re - r) : GM_NR;
+                    gemm_pack(w, r, nr, k0, kc);
+                    float *yr = y + t0 * ldy + (r - r0);
+                    for (int64_t t = 0; t < nt; t += GM_MT)
+                        gemm_micro(nt - t < GM_MT ? (int)(nt - t) : GM_MT, gm_pack, kc, xk + t * ldxk, ldxk,
+                                   yr + t * ldy, ldy, nr, acc);
+                }
+                rs = re;
+            }
         }
     }
 }

@@ -1,6 +1,6 @@
-/* avx512.c: AVX-512 (F/BW/VL/DQ/BF16) kernels. Same semantics as scalar.c (the spec), to fp32 rounding:
- * every product is accumulated in fp32 and the weights are decoded exactly. BF16 weights go to
- * avx512_bf16.c (vdpbf16ps on bf16-rounded activations, as kernels.h specifies) for gemv and gemm.
+/* avx512.c: AVX-512 (F/BW/VL/DQ/BF16/VNNI/VBMI) kernels. Same semantics as scalar.c (the spec), to fp32 rounding:
+ * every product is accumulated in fp32 and the weights are decoded exactly. BF16 and E4M3 weights go
+ * to avx512_bf16.c (vdpbf16ps on bf16 activations, as kernels.h specifies) for gemv and gemm.
  *
  * Generic weight decoding, 16 columns at a time into fp32 (dq16; used by gemv_t, the gemm panel,
  * dequant_row and unusual block shapes), with a power of two folded into the block scale:
@@ -8,10 +8,10 @@
  *   E4M3: fp16 bits ((b & 0x7f) << 7) | (b & 0x80) << 8 are exactly value * 2^-8 (subnormals too);
  *         built as (sign_extend(b) << 7) & 0xbfff. 0x7f / 0xff decode to NaN as in the spec.
  *   E2M1: a 16-entry byte table gives the high byte of the fp16 of value * 2^-14 (low byte is 0).
- * gemv has its own streaming loops per format (BF16, E4M3 with 64-multiple blocks, E2M1 with 1x32
- * blocks), 4 rows at a time with software prefetch; see each. Block scales (FP8 128x128, FP4 1x32) are
- * applied once per block to a partial sum (gemv) or while dequantising a panel (gemm, gemv_t). The
- * fold factors assume |scale| < 2^113 (scale * 2^14 must not overflow).
+ * gemv has its own streaming loops per format (E2M1 with 1x32 blocks here, 4 rows at a time with
+ * software prefetch). FP4 block scales (1x32) are applied once per block to a partial sum (gemv) or
+ * while dequantising a panel (gemm); gemv_t folds them, and E4M3's (kernels.h), into the activation.
+ * The fold factors assume |scale| < 2^113 (scale * 2^14 must not overflow).
  *
  * This file holds the linear algebra (gemv, gemm, gemv_t, dequant_row); the row-wise and attention
  * kernels are in avx512_rows.c, whose fill cpumla_fill_avx512 calls. Shared helpers: avx512_common.h.
@@ -125,112 +125,6 @@ INLINE void gemv_rows(const cpumla_weight *w, const float *x, float *y, int64_t 
     UNROLL for (int i = 0; i < R; i++) y[i] = _mm512_reduce_add_ps(acc[i]);
 }
 
-/* E4M3, blocks a multiple of 64 columns wide: 64 bytes per step per row, read as 16 dwords. Byte j of
- * a dword becomes the fp32 bits of value * 2^-120 with word shifts and masks only, no converts:
- * sraw(word, 4) puts the high byte of each word at [sign | 0000 | eeee mmm] in the top 12 bits of
- * that word, so (v & 0x87f00000) is byte 3 and ((v << 16) & 0x87f00000) byte 1; the same after
- * sllw(d, 8) gives bytes 2 and 0. e4m3 subnormals (eeee = 0) land on fp32 subnormals, so the decode
- * is exact for every byte; FMA takes subnormal inputs at full speed here. x is rearranged once per
- * call as [x(4k) | x(4k+1) | x(4k+2) | x(4k+3)] per 64 columns and multiplied by 2^E4M3_XK, so the
- * products stay normal; the block scale carries the remaining 2^(120 - E4M3_XK). A call whose x has
- * |x| >= 2^(127 - E4M3_XK) (it would overflow) takes the generic path instead.
- * NaN codes 0x7f / 0xff are not detected here (they decode to +-480, real checkpoints never contain
- * them); the generic paths (gemm, gemv_t, dequant) still give NaN for them as the spec does.
- * Columns [cb, ce) (block-aligned), xp = rearranged x[cb, ce); y[i] += the row's dot. */
-#define FP8_XSEG 8192        /* columns of x rearranged at a time (32 KiB on the stack) */
-#define E4M3_XK 104          /* x is scaled by 2^104 (|x| < 2^23 required), the scale by 2^16 */
-
-/* n: whole 64-column groups. Returns 0 when some |x| >= 2^23 (too large for the scaling; inf too). */
-static int fp8_split_x(const float *x, int64_t n, float *xp) {
-    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60);
-    const __m512 k = _mm512_set1_ps(0x1p104f), lim = _mm512_set1_ps(0x1p23f);
-    __mmask16 big = 0;
-    for (int64_t g = 0; g < n; g += 64) {
-        __m512 v0 = _mm512_loadu_ps(x + g), v1 = _mm512_loadu_ps(x + g + 16);
-        __m512 v2 = _mm512_loadu_ps(x + g + 32), v3 = _mm512_loadu_ps(x + g + 48);
-        big |= _mm512_cmp_ps_mask(_mm512_abs_ps(v0), lim, _CMP_GE_OQ) | _mm512_cmp_ps_mask(_mm512_abs_ps(v1), lim, _CMP_GE_OQ) |
-               _mm512_cmp_ps_mask(_mm512_abs_ps(v2), lim, _CMP_GE_OQ) | _mm512_cmp_ps_mask(_mm512_abs_ps(v3), lim, _CMP_GE_OQ);
-        for (int j = 0; j < 4; j++) {
-            __m512i ij = _mm512_add_epi32(idx, _mm512_set1_epi32(j));   /* x(4k + j), k < 16 */
-            /* lanes 0..7 from v0:v1, 8..15 from v2:v3 (the index is taken mod 32) */
-            __m512 r = _mm512_mask_blend_ps(0xff00, _mm512_permutex2var_ps(v0, ij, v1), _mm512_permutex2var_ps(v2, ij, v3));
-            _mm512_storeu_ps(xp + g + 16 * j, _mm512_mul_ps(r, k));
-        }
-    }
-    return big == 0;
-}
-
-/* scale element i of an F32 or E8M0 grid */
-INLINE float blk_scale_at(const void *scale, int e8m0, int64_t i) {
-    return e8m0 ? e8m0_to_f32(((const uint8_t *)scale)[i]) : ((const float *)scale)[i];
-}
-
-INLINE void gemv_e4m3_rows(const cpumla_weight *w, const float *x, const float *xp, int64_t cb, int64_t ce,
-                           float *y, int64_t r, int R, const uint8_t *pf) {
-    const uint8_t *rp[4];
-    __m512 acc[4];
-    UNROLL for (int i = 0; i < R; i++) { rp[i] = weight_row(w, r + i); acc[i] = _mm512_setzero_ps(); }
-    int64_t bc = w->block_cols, sb[4];
-    UNROLL for (int i = 0; i < R; i++) sb[i] = (r + i) / w->block_rows * w->scale_ld + cb / bc;
-    const int e8m0 = w->scale_dtype == CPUMLA_E8M0;
-    const __m512i m = _mm512_set1_epi32((int)0x87f00000u);
-    for (int64_t b0 = cb, bi = 0; b0 < ce; b0 += bc, bi++) {
-        int64_t b1 = min64(b0 + bc, ce), c = b0;
-        __m512 p0[4], p1[4];
-        UNROLL for (int i = 0; i < R; i++) { p0[i] = _mm512_setzero_ps(); p1[i] = _mm512_setzero_ps(); }
-        for (; c + 64 <= b1; c += 64) {
-            const float *xs = xp + (c - cb);
-            __m512 x0 = _mm512_loadu_ps(xs), x1 = _mm512_loadu_ps(xs + 16);
-            __m512 x2 = _mm512_loadu_ps(xs + 32), x3 = _mm512_loadu_ps(xs + 48);
-            UNROLL for (int i = 0; i < R; i++) {
-                _mm_prefetch(pf_at(pf, w, R, i, c, w->cols), PF_HINT);
-                __m512i d = _mm512_loadu_si512(rp[i] + c);
-                __asm__("" : "+v"(d));                  /* one load, not one folded into each shift */
-                __m512i vh = _mm512_srai_epi16(d, 4), vl = _mm512_srai_epi16(_mm512_slli_epi16(d, 8), 4);
-                __m512 f3 = _mm512_castsi512_ps(_mm512_and_si512(vh, m));
-                __m512 f1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(vh, 16), m));
-                __m512 f2 = _mm512_castsi512_ps(_mm512_and_si512(vl, m));
-                __m512 f0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(vl, 16), m));
-                p0[i] = _mm512_fmadd_ps(f0, x0, p0[i]);
-                p1[i] = _mm512_fmadd_ps(f1, x1, p1[i]);
-                p0[i] = _mm512_fmadd_ps(f2, x2, p0[i]);
-                p1[i] = _mm512_fmadd_ps(f3, x3, p1[i]);
-            }
-        }
-        UNROLL for (int i = 0; i < R; i++)
-            acc[i] = _mm512_fmadd_ps(_mm512_add_ps(p0[i], p1[i]),
-                                     _mm512_set1_ps(blk_scale_at(w->scale, e8m0, sb[i] + bi) * 0x1p16f), acc[i]);
-        if (c < b1) {                                   /* only the last, partial block of a row */
-            UNROLL for (int i = 0; i < R; i++) p0[i] = _mm512_setzero_ps();
-            for (; c < b1; c += 16) {
-                __m512 xv = _mm512_maskz_loadu_ps(tail16(b1 - c), x + c);
-                UNROLL for (int i = 0; i < R; i++) p0[i] = _mm512_fmadd_ps(dq16(CPUMLA_E4M3, rp[i], c, b1 - c), xv, p0[i]);
-            }
-            UNROLL for (int i = 0; i < R; i++)
-                acc[i] = _mm512_fmadd_ps(p0[i], _mm512_set1_ps(blk_scale(w, r + i, b0)), acc[i]);
-        }
-    }
-    UNROLL for (int i = 0; i < R; i++) y[i] += _mm512_reduce_add_ps(acc[i]);
-}
-
-__attribute__((noinline)) static void gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
-    float xp[FP8_XSEG] __attribute__((aligned(64)));
-    int64_t seg = FP8_XSEG / w->block_cols * w->block_cols;
-    for (int64_t r = r0; r < r1; r++) y[r - r0] = 0.0f;
-    for (int64_t cb = 0; cb < w->cols; cb += seg) {
-        int64_t ce = min64(cb + seg, w->cols);
-        if (!fp8_split_x(x + cb, (ce - cb) / 64 * 64, xp)) {      /* huge activations: generic path */
-            int64_t r = r0;
-            for (; r + 4 <= r1; r += 4) gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_E4M3, 0);
-            for (; r < r1; r++) gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_E4M3, 0);
-            return;
-        }
-        int64_t r = r0;
-        for (; r + 4 <= r1; r += 4) gemv_e4m3_rows(w, x, xp, cb, ce, y + (r - r0), r, 4, pf_rows(w, r, r1));
-        for (; r < r1; r++) gemv_e4m3_rows(w, x, xp, cb, ce, y + (r - r0), r, 1, pf_rows(w, r, r1));
-    }
-}
-
 /* E2M1 with 1x32 blocks, 128 columns (64 bytes) per step: vpermps reads the low 4 bits of each dword
  * as an index into the 16-float table, so the dword shifted right by 4p looks up nibble p, column
  * 8k + p of dword lane k. x is rearranged once per call to match (xp[p*16 + k] = x[8k + p] per 128
@@ -341,8 +235,7 @@ static void gemv_avx512(const cpumla_weight *w, const float *x, float *y, int64_
         GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_F16, pf_rows(w, r, r1)), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F16, pf_rows(w, r, r1)));
         return;
     case CPUMLA_E4M3:
-        if (w->block_cols % 64 == 0 && w->block_cols <= FP8_XSEG) { gemv_e4m3(w, x, y, r0, r1); return; }
-        GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_E4M3, 0), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_E4M3, 0));
+        if (cpumla_avx512_gemv_e4m3(w, x, y, r0, r1) != 0) prev_gemv(w, x, y, r0, r1);
         return;
     case CPUMLA_E2M1:
         if (w->block_cols == 32) { gemv_e2m1(w, x, y, r0, r1); return; }
@@ -402,6 +295,10 @@ static void gemm_avx512(const cpumla_weight *w, const float *x, int64_t ldx, int
     }
     if (w->dtype == CPUMLA_BF16 && w->cols > 0) {
         if (cpumla_avx512_gemm_bf16(w, x, ldx, n, y, ldy, r0, r1) != 0) prev_gemm(w, x, ldx, n, y, ldy, r0, r1);
+        return;
+    }
+    if (w->dtype == CPUMLA_E4M3 && w->cols > 0) {
+        if (cpumla_avx512_gemm_e4m3(w, x, ldx, n, y, ldy, r0, r1) != 0) prev_gemm(w, x, ldx, n, y, ldy, r0, r1);
         return;
     }
     float wp[GEMM_MP * GEMM_KC] __attribute__((aligned(64)));
@@ -466,8 +363,9 @@ static void gemv_t_avx512(const cpumla_weight *w, int64_t r0, int64_t nr, const 
         for (int64_t b0 = c0; b0 < c1;) {
             int64_t b1 = blocked(w) ? min64((b0 / bc + 1) * bc, c1) : c1;
             __m512 xs[4];
-            UNROLL for (int i = 0; i < 4; i++)
+            UNROLL for (int i = 0; i < 4; i++)      /* the activation operand (kernels.h), decode fold in */
                 xs[i] = _mm512_set1_ps(i >= R ? 0.0f : dt == CPUMLA_BF16 ? bf16_round(x[i0 + i])
+                                       : dt == CPUMLA_E4M3 ? e4m3_act(w, r0 + i0 + i, b0, x[i0 + i]) * dq_fold[dt]
                                        : x[i0 + i] * (blocked(w) ? blk_scale(w, r0 + i0 + i, b0) : 1.0f));
             int64_t c = b0;
             if (dt == CPUMLA_E4M3) {
@@ -505,6 +403,7 @@ void cpumla_fill_avx512(cpumla_kernels *k) {
     cpumla_fill_avx512_rows(k);
     if (k->gemv != gemv_avx512) prev_gemv = k->gemv;
     if (k->gemm != gemm_avx512) prev_gemm = k->gemm;
+    cpumla_avx512_e4m3_tables();
     k->gemv = gemv_avx512;
     k->gemm = gemm_avx512;
     k->gemm_xb = cpumla_avx512_gemm_xb;

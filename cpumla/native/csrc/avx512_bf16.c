@@ -170,3 +170,175 @@ int cpumla_avx512_gemm_bf16(const cpumla_weight *w, const float *x, int64_t ldx,
     }
     return 0;
 }
+
+/* ---- E4M3 weights --------------------------------------------------------------------------------
+ * kernels.h: an E4M3 product is code * bf16(x * block scale), summed in fp32. Every e4m3 code is
+ * exact in bf16, subnormals and NaN included, so the weights are decoded to bf16 and multiplied with
+ * vdpbf16ps like BF16 weights. Decoding 64 codes: two vpermi2b over 128-entry tables give the high
+ * and low byte of the bf16 of each code's magnitude (any bit trick maps e4m3 subnormals to bf16
+ * subnormals, which vdpbf16ps reads as zero); the sign is or'ed into the high byte and unpacking the
+ * bytes gives 2 x 32 bf16 in the order of PERM below. The activations are converted once per row
+ * block (block_rows rows share a scale per column block) into bf16 in that same order, scale
+ * folded in, so a row's dot is 2 vdpbf16ps per 64 codes with nothing applied per block.
+ *
+ * PERM, within each 64 columns: unpacklo/hi of bytes work per 128-bit lane, so word 8L + j of the
+ * first vector is column 16L + j and word 8L + j of the second is column 16L + 8 + j (L < 4, j < 8).
+ * Columns past K are zero codes in the weight (masked loads) and zero in x. */
+static uint8_t e4_hi[128], e4_lo[128];      /* bytes of bf16(e4m3 value of c), c < 128 */
+
+void cpumla_avx512_e4m3_tables(void) {
+    for (int c = 0; c < 128; c++) {
+        uint16_t h = f32_to_bf16(e4m3_to_f32((uint8_t)c));   /* exact; 0x7f -> NaN */
+        e4_hi[c] = (uint8_t)(h >> 8);
+        e4_lo[c] = (uint8_t)h;
+    }
+}
+
+typedef struct { __m512i h0, h1, l0, l1; } e4_tab;
+
+INLINE e4_tab e4_load(void) {
+    e4_tab t = {_mm512_loadu_si512(e4_hi), _mm512_loadu_si512(e4_hi + 64), _mm512_loadu_si512(e4_lo),
+                _mm512_loadu_si512(e4_lo + 64)};
+    return t;
+}
+
+INLINE __mmask64 mask64(int64_t n) { return n >= 64 ? ~(__mmask64)0 : n <= 0 ? 0 : ((__mmask64)1 << n) - 1; }
+
+/* 64 codes -> two vectors of 32 bf16, in PERM order */
+INLINE void e4_decode(const e4_tab *t, __m512i d, __m512bh *w0, __m512bh *w1) {
+    __m512i hi = _mm512_permutex2var_epi8(t->h0, d, t->h1);       /* index: the code's low 7 bits */
+    __m512i lo = _mm512_permutex2var_epi8(t->l0, d, t->l1);
+    hi = _mm512_ternarylogic_epi32(hi, d, _mm512_set1_epi8((char)0x80), 0xf8);   /* hi | (d & 0x80) */
+    *w0 = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
+    *w1 = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+}
+
+/* the scales of columns [c, c + 16) for row r (0 past K, where x is 0 too) */
+INLINE __m512 scale16(const cpumla_weight *w, int64_t r, int64_t c, int64_t K) {
+    int64_t last = min64(c + 15, K - 1);
+    if (c > last) return _mm512_setzero_ps();
+    if (c / w->block_cols == last / w->block_cols) return _mm512_set1_ps(weight_scale(w, r, c));
+    float s[16];
+    for (int64_t i = 0; i < 16; i++) s[i] = c + i <= last ? weight_scale(w, r, c + i) : 0.0f;
+    return _mm512_loadu_ps(s);
+}
+
+/* xs[t*ldb + PERM(k)] = bf16(x[t*ldx + k] * scale(r, k)) for k < K, 0 up to ldb (a multiple of 64) */
+static void e4_act(const cpumla_weight *w, int64_t r, const float *x, int64_t ldx, int64_t n, uint16_t *xs,
+                   int64_t ldb) {
+    int64_t K = w->cols;
+    for (int64_t c = 0; c < ldb; c += 64) {
+        __m512 s[4];
+        UNROLL for (int i = 0; i < 4; i++) s[i] = scale16(w, r, c + 16 * i, K);
+        for (int64_t t = 0; t < n; t++) {
+            __m512 v[4];
+            UNROLL for (int i = 0; i < 4; i++)
+                v[i] = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail16(K - c - 16 * i), x + t * ldx + c + 16 * i), s[i]);
+            __m512 a = _mm512_shuffle_f32x4(v[0], v[1], 0x44), b = _mm512_shuffle_f32x4(v[2], v[3], 0x44);
+            __m512 e = _mm512_shuffle_f32x4(v[0], v[1], 0xee), f = _mm512_shuffle_f32x4(v[2], v[3], 0xee);
+            _mm512_storeu_si512(xs + t * ldb + c, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+            _mm512_storeu_si512(xs + t * ldb + c + 32, (__m512i)_mm512_cvtne2ps_pbh(f, e));
+        }
+    }
+}
+
+static __thread void *e4_xs_buf, *e4_panel_buf;
+static __thread size_t e4_xs_cap, e4_panel_cap;
+
+/* y[i] = row r + i . xs for i < R (1..4) */
+INLINE void e4_gemv_rows(const cpumla_weight *w, const e4_tab *tab, const uint16_t *xs, float *y, int64_t r, int R) {
+    const uint8_t *rp[4];
+    __m512 a0[4], a1[4];
+    UNROLL for (int i = 0; i < R; i++) {
+        rp[i] = weight_row(w, r + i);
+        a0[i] = _mm512_setzero_ps(); a1[i] = _mm512_setzero_ps();
+    }
+    int64_t K = w->cols, c = 0;
+    for (; c + 64 <= K; c += 64) {
+        __m512bh x0 = ld_bh(xs + c), x1 = ld_bh(xs + c + 32);
+        UNROLL for (int i = 0; i < R; i++) {
+            __m512bh w0, w1;
+            e4_decode(tab, _mm512_loadu_si512(rp[i] + c), &w0, &w1);
+            a0[i] = _mm512_dpbf16_ps(a0[i], w0, x0);
+            a1[i] = _mm512_dpbf16_ps(a1[i], w1, x1);
+        }
+    }
+    if (c < K) {                               /* the last, partial 64 columns: masked loads */
+        __m512bh x0 = ld_bh(xs + c), x1 = ld_bh(xs + c + 32);
+        UNROLL for (int i = 0; i < R; i++) {
+            __m512bh w0, w1;
+            e4_decode(tab, _mm512_maskz_loadu_epi8(mask64(K - c), rp[i] + c), &w0, &w1);
+            a0[i] = _mm512_dpbf16_ps(a0[i], w0, x0);
+            a1[i] = _mm512_dpbf16_ps(a1[i], w1, x1);
+        }
+    }
+    UNROLL for (int i = 0; i < R; i++) y[i] = _mm512_reduce_add_ps(_mm512_add_ps(a0[i], a1[i]));
+}
+
+int cpumla_avx512_gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
+    int64_t Kp = (w->cols + 63) & ~(int64_t)63;
+    uint16_t *xs = cpumla_grow(&e4_xs_buf, &e4_xs_cap, sizeof(uint16_t) * (size_t)Kp);
+    if (!xs) return -1;
+    e4_tab tab = e4_load();
+    for (int64_t b0 = r0; b0 < r1;) {                /* one row block (one activation) at a time */
+        int64_t b1 = min64((b0 / w->block_rows + 1) * w->block_rows, r1), r = b0;
+        e4_act(w, b0, x, 0, 1, xs, Kp);
+        for (; r + 4 <= b1; r += 4) e4_gemv_rows(w, &tab, xs, y + (r - r0), r, 4);
+        for (; r < b1; r++) e4_gemv_rows(w, &tab, xs, y + (r - r0), r, 1);
+        b0 = b1;
+    }
+    return 0;
+}
+
+/* gemm: per row block, the tokens' activations (in chunks of up to E4_ACT_BYTES) are converted once;
+ * then for each panel of BG_MP rows and BG_KC columns the codes are decoded to bf16 (PERM order) into
+ * a per-thread panel, and the BF16 microkernel runs over it. */
+#define E4_ACT_BYTES (2 << 20)
+
+int cpumla_avx512_gemm_e4m3(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
+                            int64_t ldy, int64_t r0, int64_t r1) {
+    int64_t K = w->cols, Kp = (K + 63) & ~(int64_t)63;
+    int64_t ntc = min64(n, max64(BG_NT, E4_ACT_BYTES / (2 * Kp)));
+    uint16_t *xs = cpumla_grow(&e4_xs_buf, &e4_xs_cap, sizeof(uint16_t) * (size_t)(ntc * Kp));
+    uint16_t *panel = cpumla_grow(&e4_panel_buf, &e4_panel_cap, sizeof(uint16_t) * (size_t)(BG_MP * BG_KC));
+    if (!xs || !panel) return -1;
+    e4_tab tab = e4_load();
+    for (int64_t b0 = r0; b0 < r1;) {
+        int64_t b1 = min64((b0 / w->block_rows + 1) * w->block_rows, r1);
+        for (int64_t t0 = 0; t0 < n; t0 += ntc) {
+            int64_t nt = min64(ntc, n - t0);
+            e4_act(w, b0, x + t0 * ldx, ldx, nt, xs, Kp);
+            for (int64_t p0 = b0; p0 < b1; p0 += BG_MP) {
+                int64_t p1 = min64(p0 + BG_MP, b1);
+                for (int64_t k0 = 0; k0 < Kp; k0 += BG_KC) {
+                    int64_t kc = min64(BG_KC, Kp - k0);
+                    for (int64_t r = p0; r < p1; r++) {
+                        const uint8_t *src = weight_row(w, r) + k0;
+                        uint16_t *dst = panel + (r - p0) * BG_KC;
+                        for (int64_t c = 0; c < kc; c += 64) {
+                            __m512bh w0, w1;
+                            e4_decode(&tab, _mm512_maskz_loadu_epi8(mask64(K - k0 - c), src + c), &w0, &w1);
+                            _mm512_storeu_si512(dst + c, (__m512i)w0);
+                            _mm512_storeu_si512(dst + c + 32, (__m512i)w1);
+                        }
+                    }
+                    for (int64_t tt = 0; tt < nt; tt += BG_NT) {
+                        int ntt = (int)min64(BG_NT, nt - tt);
+                        const uint16_t *xt = xs + tt * Kp + k0;
+                        for (int64_t i0 = p0; i0 < p1; i0 += 4) {
+                            int mr = (int)min64(4, p1 - i0);
+                            const uint16_t *rp[4];
+                            UNROLL for (int i = 0; i < 4; i++) rp[i] = panel + (i0 - p0 + (i < mr ? i : 0)) * BG_KC;
+                            float *yt = y + (t0 + tt) * ldy + (i0 - r0);
+#define MICRO(NT) gemm_micro(rp, xt, Kp, kc, yt, ldy, mr, NT, k0 > 0)
+                            SWITCH_NT(ntt, MICRO)
+#undef MICRO
+                        }
+                    }
+                }
+            }
+        }
+        b0 = b1;
+    }
+    return 0;
+}

@@ -81,6 +81,13 @@ CPUMLA_INTERNAL int cpumla_avx512_gemm_bf16(const cpumla_weight *w, const float 
 CPUMLA_INTERNAL void cpumla_avx512_gemm_xb(const cpumla_weight *w, const uint16_t *xb, int64_t ldb, int64_t n, float *y,
                            int64_t ldy, int64_t r0, int64_t r1);
 
+/* E4M3 weights the same way (codes decoded to bf16, activations bf16(x * scale) per row block);
+ * cpumla_avx512_e4m3_tables fills their decode tables (once, from cpumla_fill_avx512). */
+CPUMLA_INTERNAL void cpumla_avx512_e4m3_tables(void);
+CPUMLA_INTERNAL int cpumla_avx512_gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1);
+CPUMLA_INTERNAL int cpumla_avx512_gemm_e4m3(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
+                            int64_t ldy, int64_t r0, int64_t r1);
+
 /* CALL(NT) with NT a constant 1..6: a gemm microkernel instantiated per token count */
 #define SWITCH_NT(nt, CALL)                                                                      \
     switch (nt) {                                                                                \

@@ -74,6 +74,16 @@ static inline float weight_scale(const cpumla_weight *w, int64_t r, int64_t c) {
     return ((const float *)w->scale)[i];
 }
 
+/* The activation operand of an E4M3 product: x times the scale of element (r, c)'s block, in fp32,
+ * rounded to bf16 (nearest even). An e4m3 code is exact in bf16 and a product of two bf16 is exact
+ * in fp32, so every implementation can multiply codes by this operand with bf16 dot products
+ * (vdpbf16ps, BFDOT) or fp32 FMAs alike, and sum in fp32: W[r, :] . x = sum_c e4m3(q[r, c]) *
+ * e4m3_act(w, r, c, x[c]). The scale is folded into the activation (one rounding per activation and
+ * row block, none on the weight), the same precision as bf16 checkpoints (kernels.h). */
+static inline float e4m3_act(const cpumla_weight *w, int64_t r, int64_t c, float x) {
+    return bf16_round(x * weight_scale(w, r, c));
+}
+
 static inline const uint8_t *weight_row(const cpumla_weight *w, int64_t r) {
     return (const uint8_t *)w->data + r * w->row_bytes;
 }

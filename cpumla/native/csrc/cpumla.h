@@ -77,7 +77,8 @@ enum cpumla_feature {
     CPUMLA_FEAT_NEON_DOTPROD = 524288,
     CPUMLA_FEAT_NEON_BF16 = 1048576,
     CPUMLA_FEAT_NEON_I8MM = 2097152,
-    CPUMLA_FEAT_SVE = 4194304
+    CPUMLA_FEAT_SVE = 4194304,
+    CPUMLA_FEAT_AVX512VBMI = 8388608
 };
 
 /* Choose the implementation. isa NULL or "" or "auto": the best this CPU and OS support (the

@@ -59,6 +59,7 @@ static uint64_t detect(void) {
         if ((b >> 30) & 1) f |= CPUMLA_FEAT_AVX512BW;
         if ((b >> 31) & 1) f |= CPUMLA_FEAT_AVX512VL;
         if ((c >> 11) & 1) f |= CPUMLA_FEAT_AVX512VNNI;
+        if ((c >> 1) & 1) f |= CPUMLA_FEAT_AVX512VBMI;
         if ((d >> 24) & 1) f |= CPUMLA_FEAT_AMX_TILE;
         if ((d >> 22) & 1) f |= CPUMLA_FEAT_AMX_BF16;
         if ((d >> 25) & 1) f |= CPUMLA_FEAT_AMX_INT8;
@@ -136,7 +137,8 @@ typedef struct {
 
 #define NEED_AVX2 (CPUMLA_FEAT_AVX | CPUMLA_FEAT_AVX2 | CPUMLA_FEAT_FMA | CPUMLA_FEAT_F16C | CPUMLA_FEAT_OS_AVX)
 #define NEED_AVX512 (NEED_AVX2 | CPUMLA_FEAT_AVX512F | CPUMLA_FEAT_AVX512BW | CPUMLA_FEAT_AVX512VL | \
-                     CPUMLA_FEAT_AVX512DQ | CPUMLA_FEAT_AVX512BF16 | CPUMLA_FEAT_AVX512VNNI | CPUMLA_FEAT_OS_AVX512)
+                     CPUMLA_FEAT_AVX512DQ | CPUMLA_FEAT_AVX512BF16 | CPUMLA_FEAT_AVX512VNNI | CPUMLA_FEAT_AVX512VBMI | \
+                     CPUMLA_FEAT_OS_AVX512)
 #define NEED_AMX (NEED_AVX512 | CPUMLA_FEAT_AMX_TILE | CPUMLA_FEAT_AMX_BF16 | CPUMLA_FEAT_AMX_INT8 | CPUMLA_FEAT_OS_AMX)
 
 static const isa_t isas[] = {

@@ -12,6 +12,11 @@
  * common.h) before the multiply and the products accumulate in fp32, as bf16 hardware dot products
  * compute them and as transformers and llama.cpp do for bf16 checkpoints. Every implementation keeps
  * this, so decode (gemv) and prefill (gemm) agree and every ISA gives the same logits.
+ *
+ * E4M3 weights (gemv, gemm, gemv_t): the block scale is folded into the activation instead: each
+ * code (exact) multiplies e4m3_act (common.h), bf16(x * scale of its block), and the products sum in
+ * fp32. So an FP8 product is a bf16 product too, with no scale applied per block to partial sums.
+ * F32, F16 and E2M1 weights multiply x as given (E2M1: scale applied once per block's partial sum).
  */
 #ifndef CPUMLA_KERNELS_H
 #define CPUMLA_KERNELS_H

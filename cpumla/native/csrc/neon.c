@@ -2,9 +2,14 @@
  *
  * Same semantics as scalar.c (the spec); only the order of fp32 additions differs.
  *   FP8 e4m3 is widened through fp16: the bits ((b & 0x7f) << 7) | ((b & 0x80) << 8) are an fp16
- *   equal to value * 2^-8 exactly (subnormals included), so the block scale is multiplied by 256.
- *   FP4 e2m1 goes through a byte table of 2 * value (all integers), so the block scale is halved.
- *   Both factors are powers of two: scale applied once per block, as scalar.c does.
+ *   equal to value * 2^-8 exactly (subnormals included). The block scale goes into the activation
+ *   (e4m3_act, common.h): bf16_round(x * scale), computed once per row block and column; the codes
+ *   are used unscaled and no block scale touches partial sums. The decode's 2^-8 is undone by one
+ *   multiply by 256 of each finished sum: sums of products scaled by a power of two round alike
+ *   (FMA: one rounding each), so this is exact unless a partial sum is below 2^-118 (a subnormal).
+ *   (256 folded into the activation instead would overflow once |bf16(x * scale)| >= 2^120.)
+ *   FP4 e2m1 goes through a byte table of 2 * value (all integers), so the block scale is halved and
+ *   applied once per block to the block's partial sum, as scalar.c does.
  *
  * This file holds the linear algebra (gemv, gemm, gemv_t, dequant_row); the row-wise and attention
  * kernels are in neon_rows.c, whose fill cpumla_fill_neon calls. Shared helpers: neon_common.h. */
@@ -70,10 +75,38 @@ static inline void ld_e2m1_32(const uint8_t *p, float32x4_t ev[4], float32x4_t o
     s8x16_to_f32(vqtbl1q_s8(tab, vshrq_n_u8(b, 4)), od);
 }
 
-/* Block scale with the format's fold: 256 for e4m3 (fp16 trick), 0.5 for e2m1 (table of 2x). */
-static inline float block_scale(const cpumla_weight *w, int64_t r, int64_t c) {
-    float s = weight_scale(w, r, c);
-    return w->dtype == CPUMLA_E4M3 ? s * 256.0f : s * 0.5f;
+/* E2M1 block scale with the table's fold (2x values): halved. */
+static inline float e2m1_block_scale(const cpumla_weight *w, int64_t r, int64_t c) {
+    return weight_scale(w, r, c) * 0.5f;
+}
+
+/* ---- E4M3 activations: e4m3_act (common.h), vectorised -------------------------------------------- */
+#define E4M3_UNFOLD 256.0f   /* sums of decoded codes (value * 2^-8) times activations, times this */
+
+/* xs[k] = bf16_round(x[k] * s) for k < n */
+static inline void e4m3_act_seg(const float *x, float s, int64_t n, float *xs) {
+    float32x4_t sv = vdupq_n_f32(s);
+    int64_t k = 0;
+    for (; k + 4 <= n; k += 4) vst1q_f32(xs + k, bf16_round_q(vmulq_f32(vld1q_f32(x + k), sv)));
+    for (; k < n; k++) xs[k] = bf16_round(x[k] * s);
+}
+
+/* xs[c - c0] = e4m3_act(w, r, c, x[c]) for c0 <= c < c0 + n (x indexed by column): one
+ * segment per column block, each with the scale of block (r / block_rows, c / block_cols) */
+static void e4m3_act_cols(const cpumla_weight *w, int64_t r, const float *x, int64_t c0, int64_t n,
+                          float *xs) {
+    for (int64_t c = c0; c < c0 + n;) {
+        int64_t bend = (c / w->block_cols + 1) * w->block_cols;
+        int64_t e = bend < c0 + n ? bend : c0 + n;
+        e4m3_act_seg(x + c, weight_scale(w, r, c), e - c, xs + (c - c0));
+        c = e;
+    }
+}
+
+/* end of the row block holding row r, capped at r1 */
+static inline int64_t row_block_end(const cpumla_weight *w, int64_t r, int64_t r1) {
+    int64_t e = (r / w->block_rows + 1) * w->block_rows;
+    return e < r1 ? e : r1;
 }
 
 /* ---- dot products of one row segment with x --------------------------------------------------- */
@@ -122,7 +155,7 @@ static float dot_f16(const uint16_t *a, const float *x, int64_t n) {
     return s;
 }
 
-/* sum of e4m3(a[c]) * 2^-8 * x[c] */
+/* sum of e4m3(a[c]) * 2^-8 * x[c] (x: activations from e4m3_act_cols) */
 static float dot_e4m3(const uint8_t *a, const float *x, int64_t n) {
     float32x4_t s0 = vdupq_n_f32(0), s1 = s0, s2 = s0, s3 = s0;
     int64_t c = 0;
@@ -167,14 +200,11 @@ static float row_dot(const cpumla_weight *w, int64_t r, const float *x) {
     case CPUMLA_F32: return dot_f32((const float *)row, x, n);
     case CPUMLA_BF16: return dot_bf16((const uint16_t *)row, x, n);
     case CPUMLA_F16: return dot_f16((const uint16_t *)row, x, n);
-    case CPUMLA_E4M3:
     case CPUMLA_E2M1: {
         float acc = 0.0f;
         for (int64_t c0 = 0; c0 < n; c0 += w->block_cols) {
             int64_t c1 = c0 + w->block_cols < n ? c0 + w->block_cols : n;
-            float part = w->dtype == CPUMLA_E4M3 ? dot_e4m3(row + c0, x + c0, c1 - c0)
-                                                 : dot_e2m1(row, x, c0, c1);
-            acc += part * block_scale(w, r, c0);
+            acc += dot_e2m1(row, x, c0, c1) * e2m1_block_scale(w, r, c0);
         }
         return acc;
     }
@@ -182,7 +212,27 @@ static float row_dot(const cpumla_weight *w, int64_t r, const float *x) {
     }
 }
 
+/* E4M3 gemv: per row block, the activations of E4M3_CH columns at a time (once per row block), then
+ * a plain dot of each row's codes with them, accumulated in y over the column chunks */
+#define E4M3_CH 4096
+static void gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
+    float xs[E4M3_CH];
+    if (w->cols <= 0) { memset(y, 0, (size_t)(r1 - r0) * sizeof(float)); return; }
+    for (int64_t ra = r0, rb; ra < r1; ra = rb) {
+        rb = row_block_end(w, ra, r1);
+        for (int64_t c0 = 0; c0 < w->cols; c0 += E4M3_CH) {
+            int64_t len = w->cols - c0 < E4M3_CH ? w->cols - c0 : E4M3_CH;
+            e4m3_act_cols(w, ra, x, c0, len, xs);
+            for (int64_t r = ra; r < rb; r++) {
+                float part = dot_e4m3(weight_row(w, r) + c0, xs, len) * E4M3_UNFOLD;
+                y[r - r0] = c0 ? y[r - r0] + part : part;
+            }
+        }
+    }
+}
+
 static void gemv_neon(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
+    if (w->dtype == CPUMLA_E4M3) { gemv_e4m3(w, x, y, r0, r1); return; }
     for (int64_t r = r0; r < r1; r++) y[r - r0] = row_dot(w, r, x);
 }
 
@@ -257,9 +307,46 @@ static void micro_4x4(const float *const wp[4], const float *const xp[4], int64_
         }
 }
 
+/* E4M3 gemm, per row block: for each column chunk and each chunk of E4M3_TC tokens, the tokens'
+ * activations for that row block once (e4m3_act_cols), then 4-row panels of unscaled codes times
+ * 4 tokens at a time; partial sums of the column chunks accumulate in y. */
+#define E4M3_TC 16
+static void gemm_e4m3(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
+                      int64_t ldy, int64_t r0, int64_t r1) {
+    float panel[4][GEMM_CH], xs[E4M3_TC][GEMM_CH];
+    for (int64_t t = 0; t < n; t++) memset(y + t * ldy, 0, (size_t)(r1 - r0) * sizeof(float));
+    for (int64_t ra = r0, rb; ra < r1; ra = rb) {
+        rb = row_block_end(w, ra, r1);
+        for (int64_t c0 = 0; c0 < w->cols; c0 += GEMM_CH) {
+            int64_t len = w->cols - c0 < GEMM_CH ? w->cols - c0 : GEMM_CH;
+            for (int64_t t0 = 0; t0 < n; t0 += E4M3_TC) {
+                int ntc = n - t0 < E4M3_TC ? (int)(n - t0) : E4M3_TC;
+                for (int t = 0; t < ntc; t++) e4m3_act_cols(w, ra, x + (t0 + t) * ldx, c0, len, xs[t]);
+                for (int64_t r = ra; r < rb; r += 4) {
+                    int nr = rb - r < 4 ? (int)(rb - r) : 4;
+                    const float *wp[4];
+                    for (int i = 0; i < 4; i++) wp[i] = panel[i < nr ? i : 0];
+                    for (int i = 0; i < nr; i++) decode_unscaled(w, r + i, c0, len, panel[i]);
+                    for (int tg = 0; tg < ntc; tg += 4) {
+                        int nt = ntc - tg < 4 ? ntc - tg : 4;
+                        const float *xp[4];
+                        for (int t = 0; t < 4; t++) xp[t] = xs[tg + (t < nt ? t : 0)];
+                        float part[4][4];
+                        micro_4x4(wp, xp, len, part);
+                        float *yt = y + (t0 + tg) * ldy + (r - r0);
+                        for (int i = 0; i < nr; i++)
+                            for (int t = 0; t < nt; t++) yt[t * ldy + i] += part[i][t] * E4M3_UNFOLD;
+                    }
+                }
+            }
+        }
+    }
+}
+
 static void gemm_neon(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
                       int64_t ldy, int64_t r0, int64_t r1) {
-    int quant = w->dtype == CPUMLA_E4M3 || w->dtype == CPUMLA_E2M1;
+    if (w->dtype == CPUMLA_E4M3) { gemm_e4m3(w, x, ldx, n, y, ldy, r0, r1); return; }
+    int quant = w->dtype == CPUMLA_E2M1;
     int64_t bc = quant ? w->block_cols : w->cols;
     float panel[4][GEMM_CH], xrnd[4][GEMM_CH];    /* xrnd: BF16 weights' activations, rounded */
     int bf16 = w->dtype == CPUMLA_BF16;
@@ -293,7 +380,7 @@ static void gemm_neon(const cpumla_weight *w, const float *x, int64_t ldx, int64
                         for (int t = 0; t < 4; t++) blk[i][t] += part[i][t];
                 }
                 for (int i = 0; i < nr; i++) {
-                    float s = quant ? block_scale(w, r + i, b0) : 1.0f;
+                    float s = quant ? e2m1_block_scale(w, r + i, b0) : 1.0f;
                     for (int t = 0; t < nt; t++) acc[i][t] += quant ? blk[i][t] * s : blk[i][t];
                 }
             }
@@ -366,13 +453,21 @@ static void gemv_t_neon(const cpumla_weight *w, int64_t r0, int64_t nr, const fl
     for (int64_t i = 0; i < nr; i++) {
         int64_t r = r0 + i;
         if (!quant) { axpy_row(w, r, c0, c1 - c0, w->dtype == CPUMLA_BF16 ? bf16_round(x[i]) : x[i], y); continue; }
-        /* one segment per column block, each with its own scale */
+        /* one segment per column block, each with its own scale: e4m3 folds it into the activation
+         * (e4m3_act; y is multiplied by E4M3_UNFOLD at the end), e2m1 multiplies x by it (halved) */
         for (int64_t c = c0; c < c1;) {
             int64_t bend = (c / w->block_cols + 1) * w->block_cols;
             int64_t e = bend < c1 ? bend : c1;
-            axpy_row(w, r, c, e - c, x[i] * block_scale(w, r, c), y + (c - c0));
+            float s = w->dtype == CPUMLA_E4M3 ? e4m3_act(w, r, c, x[i]) : x[i] * e2m1_block_scale(w, r, c);
+            axpy_row(w, r, c, e - c, s, y + (c - c0));
             c = e;
         }
+    }
+    if (w->dtype == CPUMLA_E4M3) {
+        float32x4_t f = vdupq_n_f32(E4M3_UNFOLD);
+        int64_t k = 0, n = c1 - c0;
+        for (; k + 4 <= n; k += 4) vst1q_f32(y + k, vmulq_f32(vld1q_f32(y + k), f));
+        for (; k < n; k++) y[k] *= E4M3_UNFOLD;
     }
 }
 
@@ -387,10 +482,12 @@ static void dequant_row_neon(const cpumla_weight *w, int64_t r, int64_t c0, int6
         int64_t e = bend < c1 ? bend : c1;
         float *o = out + (c - c0);
         decode_unscaled(w, r, c, e - c, o);
-        float32x4_t sv = vdupq_n_f32(block_scale(w, r, c));
+        /* the decode's fold: 256 for e4m3 (value * 2^-8), 0.5 for e2m1 (2 * value) */
+        float s = weight_scale(w, r, c) * (w->dtype == CPUMLA_E4M3 ? 256.0f : 0.5f);
+        float32x4_t sv = vdupq_n_f32(s);
         int64_t k = 0, n = e - c;
         for (; k + 4 <= n; k += 4) vst1q_f32(o + k, vmulq_f32(vld1q_f32(o + k), sv));
-        for (; k < n; k++) o[k] *= vgetq_lane_f32(sv, 0);
+        for (; k < n; k++) o[k] *= s;
         c = e;
     }
 }

@@ -100,8 +100,11 @@ static void linear_rows(const cpumla_weight *w, int64_t r_begin, int64_t r_end, 
         else cpumla_k.gemm(w, x, ldx, n, y, ldy, r_begin, r_end);
         return;
     }
-    /* row blocks of 64; with too few blocks to feed every thread, split rows finer and tokens too */
-    j.rows_per_task = rows >= 64 * 2 * threads ? 64 : ceil_div(ceil_div(rows, 2 * threads), 8) * 8;
+    /* row blocks of 64 (128 for FP8 with 128-row scale blocks: the rows of a scale block share one
+     * converted activation, kernels.h); with too few blocks to feed every thread, split rows finer
+     * and tokens too */
+    int64_t unit = w->dtype == CPUMLA_E4M3 && w->block_rows == 128 ? 128 : 64;
+    j.rows_per_task = rows >= unit * 2 * threads ? unit : ceil_div(ceil_div(rows, 2 * threads), 8) * 8;
     j.row_tasks = ceil_div(rows, j.rows_per_task);
     int64_t token_tasks = j.row_tasks >= 2 * threads ? 1 : min64(ceil_div(2 * threads, j.row_tasks), n);
     j.tokens_per_task = ceil_div(n, token_tasks);

@@ -9,8 +9,9 @@
 
 const char cpumla_flags_scalar[] = CPUMLA_FLAGS;
 
-/* Dot product of row r with x, block by block so each FP8/FP4 scale is applied once per block
- * (the same association the vector kernels use). */
+/* Dot product of row r with x. E4M3: each code times its activation operand e4m3_act (x times the
+ * block scale, rounded to bf16). E2M1: block by block, each scale applied once per block to the
+ * block's partial sum (the association the vector kernels use). */
 static float row_dot(const cpumla_weight *w, int64_t r, const float *x) {
     const uint8_t *row = weight_row(w, r);
     float acc = 0.0f;
@@ -25,15 +26,14 @@ static float row_dot(const cpumla_weight *w, int64_t r, const float *x) {
         for (int64_t c = 0; c < w->cols; c++) acc += f16_to_f32(((const uint16_t *)row)[c]) * x[c];
         return acc;
     case CPUMLA_E4M3:
+        for (int64_t c = 0; c < w->cols; c++) acc += e4m3_to_f32(row[c]) * e4m3_act(w, r, c, x[c]);
+        return acc;
     case CPUMLA_E2M1:
         for (int64_t c0 = 0; c0 < w->cols; c0 += w->block_cols) {
             int64_t c1 = c0 + w->block_cols < w->cols ? c0 + w->block_cols : w->cols;
             float part = 0.0f;
             for (int64_t c = c0; c < c1; c++) {
-                float q;
-                if (w->dtype == CPUMLA_E4M3) q = e4m3_to_f32(row[c]);
-                else q = cpumla_e2m1_lut[(c & 1) ? (row[c >> 1] >> 4) : (row[c >> 1] & 15)];
-                part += q * x[c];
+                part += cpumla_e2m1_lut[(c & 1) ? (row[c >> 1] >> 4) : (row[c >> 1] & 15)] * x[c];
             }
             acc += part * weight_scale(w, r, c0);
         }
@@ -61,6 +61,11 @@ static void gemv_t_scalar(const cpumla_weight *w, int64_t r0, int64_t nr, const 
                           int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; c++) y[c - c0] = 0.0f;
     for (int64_t i = 0; i < nr; i++) {
+        const uint8_t *row = weight_row(w, r0 + i);
+        if (w->dtype == CPUMLA_E4M3) {
+            for (int64_t c = c0; c < c1; c++) y[c - c0] += e4m3_to_f32(row[c]) * e4m3_act(w, r0 + i, c, x[i]);
+            continue;
+        }
         float xi = w->dtype == CPUMLA_BF16 ? bf16_round(x[i]) : x[i];
         for (int64_t c = c0; c < c1; c++) y[c - c0] += xi * weight_at(w, r0 + i, c);
     }
