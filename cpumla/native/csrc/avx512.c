@@ -65,30 +65,6 @@ static void dequant_row_avx512(const cpumla_weight *w, int64_t r, int64_t c0, in
 }
 
 /* ---- gemv --------------------------------------------------------------------------------------- */
-#ifndef PF_BYTES
-#define PF_BYTES 4096
-#endif
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T0
-#endif
-/* The line to prefetch for row i of the group at pf, byte offset off of each row, while a group of
- * R rows is read 64 bytes per row per step. When the 4 rows lie back to back (row_bytes equals the
- * row's data bytes), the next group is one contiguous range and is fetched in address order, 4 lines
- * per step (4 * off + 64 * i), which the memory system serves better than 4 interleaved page
- * streams; otherwise line off of each of the R rows. */
-INLINE const char *pf_at(const uint8_t *pf, const cpumla_weight *w, int R, int i, int64_t off, int64_t data_bytes) {
-    if (R == 4 && w->row_bytes == data_bytes) return (const char *)(pf + 4 * off + 64 * i);
-    return (const char *)(pf + i * w->row_bytes + off);
-}
-/* The rows to prefetch while rows [r, r + 4) are computed: a later group about 16 KiB ahead (4 row
- * streams, each starting a new page, leave the hardware prefetcher behind); at the end of the range,
- * the last group (already read: cheap). */
-INLINE const uint8_t *pf_rows(const cpumla_weight *w, int64_t r, int64_t r1) {
-    int64_t ahead = 4 * max64(1, PF_BYTES / max64(w->row_bytes, 1));
-    int64_t p = min64(r + ahead, r1 - 4);
-    return weight_row(w, p > r ? p : r);
-}
-
 /* R rows (1..4) at once so each x load serves all of them; one block at a time (the whole row when
  * unblocked), two partial sums per row per block for latency. */
 INLINE void gemv_rows(const cpumla_weight *w, const float *x, float *y, int64_t r, int R, int32_t dt,
