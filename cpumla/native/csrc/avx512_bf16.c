@@ -225,7 +225,7 @@ INLINE __m512 scale16(const cpumla_weight *w, int64_t r, int64_t c, int64_t K) {
 
 /* xs[t*ldb + PERM(k)] = bf16(x[t*ldx + k] * scale(r, k)) for k < K, 0 up to ldb (a multiple of 64).
  * This runs before a row block's weights stream (decode: once per 128 rows), so the scales are
- * walked with a counter, not found by dividing per 16 columns (that cost ~10% of FP8 decode). */
+ * walked with a counter rather than found by two divisions per 16 columns. */
 static void e4_act(const cpumla_weight *w, int64_t r, const float *x, int64_t ldx, int64_t n, uint16_t *xs,
                    int64_t ldb) {
     const int64_t K = w->cols, bc = w->block_cols;
@@ -275,13 +275,10 @@ INLINE void e4_gemv_rows(const cpumla_weight *w, const e4_tab *tab, const uint16
         __m512bh x0 = ld_bh(xs + c), x1 = ld_bh(xs + c + 32);
         UNROLL for (int i = 0; i < R; i++) {
             __m512bh w0, w1;
-#ifndef E4_NO_PF
             _mm_prefetch(pf_at(pf, w, R, i, c, K), PF_HINT);
-#endif
             __m512i d = _mm512_loadu_si512(rp[i] + c);
-            __asm__("" : "+v"(d));        /* one load of the line, not one per use (vpermi2b clobbers
-                                           * its index: gcc would reload it), which costs ~5% of
-                                           * FP8 decode when the line comes from memory */
+            __asm__("" : "+v"(d));        /* one load of the line, not one per use: vpermi2b clobbers
+                                           * its index, and gcc reloaded the line for each lookup */
             e4_decode(tab, d, &w0, &w1);
             a0[i] = _mm512_dpbf16_ps(a0[i], w0, x0);
             a1[i] = _mm512_dpbf16_ps(a1[i], w1, x1);
