@@ -73,6 +73,21 @@ def test_gemm(isa, case, n):
     assert_close(y, want, mag, what=f"gemm {isa}")
 
 
+@pytest.mark.parametrize("n", [1, 3, 70])
+def test_gemm_f32act_keeps_activations(isa, n):
+    """The router's product: bf16 weights times x unrounded, to fp32 accuracy (cpumla_gemm_f32act),
+    where gemm rounds x to bf16 (~2^-9 relative: far outside this tolerance). n = 70 passes its
+    64-token chunks."""
+    rng = np.random.default_rng(5)
+    w, W = build("bf16", None, 40, 300, rng)
+    xbig = np.full((n, 305), np.nan, np.float32)
+    xbig[:, :300] = rng.standard_normal((n, 300)) * np.exp(rng.uniform(-8, 8, (n, 300)))
+    x = xbig[:, :300]
+    want = x.astype(np.float64) @ W.W.T
+    assert_close(native.gemm_f32act(w, x), want, np.abs(x) @ np.abs(W.W).T, rtol=2e-6, what=f"f32act {isa}")
+    assert np.abs(native.gemm(w, x) - want).max() > 1e-4 * np.abs(want).max()     # gemm does round
+
+
 @pytest.mark.parametrize("case", LINEAR_CASES, ids=case_id)
 def test_dequant_exact(isa, case):
     rng = np.random.default_rng(RNG_SEED)

@@ -129,16 +129,20 @@ def test_chunked_prefill(saved, monkeypatch):
     check_fp32(eng.forward(IDS, last_only=True), ref[-1:])
 
 
-def test_router_weight_widened_to_fp32(tmp_path):
-    """A bf16 checkpoint's MoE router runs in fp32 (as transformers computes it), so its weight is
-    widened at load to exactly the checkpoint's values, not kept bf16 (which would round the router's
-    activations to bf16, kernels.h)."""
+def test_router_logits_fp32_with_bf16_weight(tmp_path):
+    """A bf16 checkpoint's MoE router stays bf16 in memory (no widened copy), yet its logits are
+    transformers' fp32 ones: cpumla_gemm_f32act keeps the activations unrounded."""
     m = models.build("v2", tmp_path, dtype=torch.bfloat16)
     eng = cpumla.load(str(tmp_path))
     routed = [(i, L) for i, L in enumerate(eng.layers) if L.gate is not None]
     assert routed
+    rng = np.random.default_rng(3)
     for i, L in routed:
-        assert L.gate.dtype == "f32"
-        want = m.model.layers[i].mlp.gate.weight.detach().float().numpy()
-        np.testing.assert_array_equal(L.gate.data, want)
+        assert L.gate.dtype == "bf16"
+        wt = m.model.layers[i].mlp.gate.weight.detach().float()
+        x = rng.standard_normal((5, wt.shape[1])).astype(np.float32)
+        want = (torch.from_numpy(x).double() @ wt.double().T).numpy()
+        got = native.gemm_f32act(L.gate, x)
+        mag = np.abs(x) @ np.abs(wt.numpy()).T
+        assert np.abs(got - want).max() <= 2e-6 * mag.max(), np.abs(got - want).max() / mag.max()
     assert eng.matmul_format == "bf16"

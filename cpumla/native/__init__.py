@@ -204,6 +204,18 @@ def gemm(w: Weight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     return y
 
 
+def gemm_f32act(w: Weight, x: np.ndarray) -> np.ndarray:
+    """gemm with x as given even for bf16 weights (cpumla_gemm_f32act: the MoE router)."""
+    ensure_init()
+    _f32(x, "x")
+    if x.ndim != 2 or x.shape[1] != w.cols:
+        raise CpumlaError(f"x has shape {x.shape}, weight wants (n, {w.cols})")
+    y = np.empty((x.shape[0], w.rows), np.float32)
+    if lib.cpumla_gemm_f32act(w.c, fptr(x), ld(x), x.shape[0], fptr(y), ld(y)) != 0:
+        raise CpumlaError(_err())
+    return y
+
+
 def head_gemv(w: Weight, row0: int, head_stride: int, head_rows: int, x: np.ndarray,
               out: np.ndarray | None = None) -> np.ndarray:
     """x [n, H, cols] -> [n, H, head_rows]: y_h = W_h x_h (MLA un-absorb)."""

@@ -43,13 +43,11 @@ def linear(src, name: str, shape: tuple[int, int], cfg: MLAConfig) -> native.Wei
 
 
 def router_linear(src, name: str, shape: tuple[int, int], cfg: MLAConfig) -> native.Weight:
-    """The MoE router [E, D], widened to float32 (a copy of E*D*4 bytes): transformers computes the
-    router logits in fp32 from fp32 activations, and a bf16 weight would make cpumla round the
-    activations to bf16 there (kernels.h), which moves scores near a top-k boundary."""
-    w = linear(src, name, shape, cfg)
-    if w.dtype == "bf16":
-        return native.Weight(np.ascontiguousarray(as_f32(w.data)), "f32")
-    return w
+    """The MoE router [E, D], as stored. transformers computes the router logits in fp32 from fp32
+    activations; a bf16 weight's products would round them to bf16 (kernels.h), which moves scores
+    near a top-k boundary, so the forward (mla_model.c) runs the router through cpumla_gemm_f32act,
+    which keeps the activations exact without a widened copy of the weight."""
+    return linear(src, name, shape, cfg)
 
 
 def vector(src, name: str, shape: tuple[int, ...]) -> np.ndarray:

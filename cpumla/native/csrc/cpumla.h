@@ -107,6 +107,15 @@ void cpumla_gemv(const cpumla_weight *w, const float *x, float *y);
 /* Y[i, r] = sum_c X[i,c] W[r,c] for i < n (prefill: n tokens). X is [n, ldx], Y is [n, ldy]. */
 void cpumla_gemm(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy);
 
+/* cpumla_gemm with the activations as given, for a BF16 weight whose products must not round them
+ * (kernels.h rounds a BF16 weight's activations to bf16): the MoE router, whose logits transformers
+ * computes in fp32. Each x is split exactly into three bf16 parts, x = p1 + p2 + p3 (p1 = bf16(x),
+ * p2 = bf16(x - p1), p3 = x - p1 - p2), the three products run as bf16 ones (exact products, fp32
+ * sums) and are added. Reads the weight 3 times (from cache after the first), and keeps it bf16
+ * where widening it to f32 would copy it. Other formats: cpumla_gemm. Returns 0, or -1 (out of
+ * memory; cpumla_last_error). */
+int cpumla_gemm_f32act(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy);
+
 /* Per-head products over slices of one weight, for MLA's absorb / un-absorb with kv_b_proj
  * ([H*(dn+dv), R]). Head h uses rows W_h = W[row0 + h*head_stride : row0 + h*head_stride + head_rows].
  * Token t's head h input is x + t*ldx_t + h*ldx_h, its output y + t*ldy_t + h*ldy_h.

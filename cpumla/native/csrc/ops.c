@@ -122,6 +122,33 @@ void cpumla_gemm(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n,
     linear_rows(w, 0, w->rows, x, ldx, n, y, ldy);
 }
 
+int cpumla_gemm_f32act(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy) {
+    cpumla_ensure_init();
+    if (w->dtype != CPUMLA_BF16) { linear_rows(w, 0, w->rows, x, ldx, n, y, ldy); return 0; }
+    enum { CHUNK = 64 };                    /* tokens at a time: the scratch stays a few MB */
+    static void *buf;                       /* the parts [3 * CHUNK][K] and their products [3 * CHUNK][R] */
+    static size_t cap;
+    int64_t K = w->cols, R = w->rows;
+    float *parts = cpumla_grow(&buf, &cap, sizeof(float) * (size_t)(3 * min64(n, CHUNK) * (K + R)));
+    if (!parts) { cpumla_set_error("out of memory for the fp32-activation product"); return -1; }
+    float *out = parts + 3 * min64(n, CHUNK) * K;
+    for (int64_t t0 = 0; t0 < n; t0 += CHUNK) {
+        int64_t nt = min64(CHUNK, n - t0);
+        for (int64_t t = 0; t < nt; t++)
+            for (int64_t c = 0; c < K; c++) {
+                float v = x[(t0 + t) * ldx + c], p1 = bf16_round(v), p2 = bf16_round(v - p1);
+                parts[(3 * t) * K + c] = p1;
+                parts[(3 * t + 1) * K + c] = p2;
+                parts[(3 * t + 2) * K + c] = (v - p1) - p2;    /* exact, at most 8 significant bits */
+            }
+        linear_rows(w, 0, R, parts, K, 3 * nt, out, R);
+        for (int64_t t = 0; t < nt; t++)
+            for (int64_t r = 0; r < R; r++)
+                y[(t0 + t) * ldy + r] = (out[(3 * t) * R + r] + out[(3 * t + 1) * R + r]) + out[(3 * t + 2) * R + r];
+    }
+    return 0;
+}
+
 /* ---- per-head products (MLA absorb / un-absorb) ----------------------------------------------- */
 typedef struct {
     const cpumla_weight *w;
