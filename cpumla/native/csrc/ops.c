@@ -126,8 +126,8 @@ int cpumla_gemm_f32act(const cpumla_weight *w, const float *x, int64_t ldx, int6
     cpumla_ensure_init();
     if (w->dtype != CPUMLA_BF16) { linear_rows(w, 0, w->rows, x, ldx, n, y, ldy); return 0; }
     enum { CHUNK = 64 };                    /* tokens at a time: the scratch stays a few MB */
-    static void *buf;                       /* the parts [3 * CHUNK][K] and their products [3 * CHUNK][R] */
-    static size_t cap;
+    static __thread void *buf;              /* the parts [3 * CHUNK][K] and their products [3 * CHUNK][R] */
+    static __thread size_t cap;
     int64_t K = w->cols, R = w->rows;
     float *parts = cpumla_grow(&buf, &cap, sizeof(float) * (size_t)(3 * min64(n, CHUNK) * (K + R)));
     if (!parts) { cpumla_set_error("out of memory for the fp32-activation product"); return -1; }
