@@ -1,0 +1,80 @@
+"""Decode speed as a share of the read bandwidth, split by the host's bandwidth phase.
+
+    python benchmarks/decode_phases.py --model moonshotai/Moonlight-16B-A3B --dummy-dtype fp8 --seconds 110
+
+On a shared host the read bandwidth jumps between phases (here ~47 and ~80 GB/s), sometimes within
+seconds, so two `cpumla bench` runs minutes apart compare different machines. This takes many short
+samples instead: each is `--tokens` one-token forwards (after a short prefill) with a bandwidth probe
+right before and after, and is filed under the phase its probe reads. It prints the mean of decode
+GB/s / probe GB/s per phase. To compare two builds, run this alternately with each on PYTHONPATH
+(e.g. a clone at the old commit built with `python3 setup.py build_ext --inplace`) and compare the
+same phase's rows. The model is cpumla's dummy-weight model (`--layers` layers), as `cpumla bench`
+builds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+import cpumla
+from cpumla import native
+from cpumla.runtime import bench as rb
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="deepseek-ai/DeepSeek-V2-Lite")
+    ap.add_argument("--dummy-dtype", default="bf16", choices=["bf16", "fp8"])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hf-overrides", default="{}", help="JSON merged into the config (after --layers)")
+    ap.add_argument("--seconds", type=float, default=110.0, help="how long to take samples")
+    ap.add_argument("--tokens", type=int, default=32, help="decoded tokens per sample")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--slow-below", type=float, default=55.0, help="probe GB/s under which a sample is 'slow'")
+    ap.add_argument("--fast-above", type=float, default=65.0, help="probe GB/s over which a sample is 'fast'")
+    ap.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    a = ap.parse_args(argv)
+
+    eng = cpumla.load(a.model, dummy_weights=True, dummy_dtype=a.dummy_dtype,
+                      hf_overrides={"num_hidden_layers": a.layers, **json.loads(a.hf_overrides)})
+    native.set_threads(a.threads)
+    probe = rb.BandwidthProbe()                 # a buffer of its own, far larger than the caches
+    per_token = rb.decode_bytes(eng, 64)
+    rng = np.random.default_rng(0)
+    samples = []                                # (decode GB/s, probe GB/s)
+    end = time.time() + a.seconds
+    while time.time() < end:
+        eng.reset()
+        eng.forward(rng.integers(0, eng.config.vocab_size, size=48), last_only=True)
+        before = probe(2)
+        t0 = time.perf_counter()
+        for tok in rng.integers(0, eng.config.vocab_size, size=a.tokens):
+            eng.forward([int(tok)], last_only=True)
+        dt = time.perf_counter() - t0
+        samples.append((per_token * a.tokens / dt / 1e9, (before + probe(2)) / 2))
+
+    s = np.array(samples)
+    phases = {"slow": s[:, 1] < a.slow_below, "fast": s[:, 1] > a.fast_above, "all": np.ones(len(s), bool)}
+    out = {"model": a.model, "dummy_dtype": a.dummy_dtype, "isa": native.isa(), "tokens_per_sample": a.tokens}
+    for name, m in phases.items():
+        out[name] = {"samples": int(m.sum()),
+                     "pct_probe": float(100 * np.mean(s[m, 0] / s[m, 1])) if m.any() else None,
+                     "probe_gbs": float(np.mean(s[m, 1])) if m.any() else None}
+    if a.json:
+        print(json.dumps(out))
+        return
+    print(f"{a.model} ({a.dummy_dtype}, {a.layers} layers, {native.isa()}), {per_token / 1e6:.0f} MB per token")
+    for name in phases:
+        r = out[name]
+        if r["samples"]:
+            print(f"{name:5s} {r['pct_probe']:5.1f}% of the probe ({r['samples']} samples, probe {r['probe_gbs']:.1f} GB/s)")
+        else:
+            print(f"{name:5s} no samples")
+
+
+if __name__ == "__main__":
+    main()
