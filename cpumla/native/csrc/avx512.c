@@ -329,6 +329,7 @@ INLINE void e4m3_64(const uint8_t *p, __m512 f[4]) {
 static void gemv_t_avx512(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y,
                           int64_t c0, int64_t c1) {
     int32_t dt = w->dtype;
+    if (dt == CPUMLA_BF16 && cpumla_avx512_gemv_t_bf16(w, r0, nr, x, y, c0, c1) == 0) return;
     int64_t bc = blocked(w) ? w->block_cols : c1 - c0;
     if (bc <= 0) bc = 1;
     for (int64_t c = c0; c < c1; c += 16) _mm512_mask_storeu_ps(y + (c - c0), tail16(c1 - c), _mm512_setzero_ps());

@@ -392,3 +392,53 @@ int cpumla_avx512_gemm_e4m3(const cpumla_weight *w, const float *x, int64_t ldx,
     }
     return 0;
 }
+
+/* ---- gemv_t for BF16 weights (the MLA absorb) ----------------------------------------------------
+ * y[c - c0] = sum_i bf16(x[i]) * W[r0 + i, c]. Rows go in pairs: unpacking 32 columns of rows i and
+ * i + 1 by 16-bit words gives (W[i, c], W[i+1, c]) pairs in each dword, and one vdpbf16ps against
+ * the broadcast pair (x_i, x_{i+1}) adds both rows' products to 16 columns. The unpack permutes the
+ * columns within each 32: the low vector holds columns 8L + 0..3 of 128-bit lane L (L < 4), the high
+ * one 8L + 4..7. The sums are kept in that order in a per-thread buffer and put back in order at the
+ * end. Two pairs (4 rows) per pass over the buffer. */
+static __thread void *gt_buf;
+static __thread size_t gt_cap;
+
+INLINE __m512bh pair_bh(float a, float b) {
+    uint32_t u = (uint32_t)f32_to_bf16(a) | (uint32_t)f32_to_bf16(b) << 16;
+    return (__m512bh)_mm512_set1_epi32((int)u);
+}
+
+int cpumla_avx512_gemv_t_bf16(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y,
+                              int64_t c0, int64_t c1) {
+    int64_t n = c1 - c0, n32 = (n + 31) & ~(int64_t)31;
+    float *acc = cpumla_grow(&gt_buf, &gt_cap, sizeof(float) * (size_t)(n32 > 0 ? n32 : 32));
+    if (!acc) return -1;
+    for (int64_t c = 0; c < n32; c += 16) _mm512_storeu_ps(acc + c, _mm512_setzero_ps());
+    for (int64_t i = 0; i < nr; i += 4) {
+        int R = (int)min64(4, nr - i);
+        const uint16_t *rp[4];
+        UNROLL for (int k = 0; k < 4; k++) rp[k] = (const uint16_t *)weight_row(w, r0 + i + (k < R ? k : 0)) + c0;
+        /* rows past nr: no weights loaded (zeros) and x = 0 */
+        __m512bh xp0 = pair_bh(x[i], R > 1 ? x[i + 1] : 0.0f);
+        __m512bh xp1 = pair_bh(R > 2 ? x[i + 2] : 0.0f, R > 3 ? x[i + 3] : 0.0f);
+        for (int64_t c = 0; c < n; c += 32) {
+            __mmask32 m = mask32(n - c);
+            __m512i a = _mm512_maskz_loadu_epi16(m, rp[0] + c), b = _mm512_maskz_loadu_epi16(R > 1 ? m : 0, rp[1] + c);
+            __m512i e = _mm512_maskz_loadu_epi16(R > 2 ? m : 0, rp[2] + c), f = _mm512_maskz_loadu_epi16(R > 3 ? m : 0, rp[3] + c);
+            __m512 lo = _mm512_loadu_ps(acc + c), hi = _mm512_loadu_ps(acc + c + 16);
+            lo = _mm512_dpbf16_ps(lo, (__m512bh)_mm512_unpacklo_epi16(a, b), xp0);
+            hi = _mm512_dpbf16_ps(hi, (__m512bh)_mm512_unpackhi_epi16(a, b), xp0);
+            lo = _mm512_dpbf16_ps(lo, (__m512bh)_mm512_unpacklo_epi16(e, f), xp1);
+            hi = _mm512_dpbf16_ps(hi, (__m512bh)_mm512_unpackhi_epi16(e, f), xp1);
+            _mm512_storeu_ps(acc + c, lo);
+            _mm512_storeu_ps(acc + c + 16, hi);
+        }
+    }
+    for (int64_t c = 0; c < n; c += 32) {           /* back in column order */
+        __m512 lo = _mm512_loadu_ps(acc + c), hi = _mm512_loadu_ps(acc + c + 16);
+        __m512 t0 = _mm512_shuffle_f32x4(lo, hi, 0x44), t1 = _mm512_shuffle_f32x4(lo, hi, 0xee);
+        _mm512_mask_storeu_ps(y + c, tail16(n - c), _mm512_shuffle_f32x4(t0, t0, 0xd8));
+        _mm512_mask_storeu_ps(y + c + 16, tail16(n - c - 16), _mm512_shuffle_f32x4(t1, t1, 0xd8));
+    }
+    return 0;
+}

@@ -106,6 +106,10 @@ CPUMLA_INTERNAL int cpumla_avx512_gemm_bf16(const cpumla_weight *w, const float 
 CPUMLA_INTERNAL void cpumla_avx512_gemm_xb(const cpumla_weight *w, const uint16_t *xb, int64_t ldb, int64_t n, float *y,
                            int64_t ldy, int64_t r0, int64_t r1);
 
+/* gemv_t of BF16 weights, rows paired per vdpbf16ps (-1: out of memory, nothing written) */
+CPUMLA_INTERNAL int cpumla_avx512_gemv_t_bf16(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y,
+                              int64_t c0, int64_t c1);
+
 /* E4M3 weights the same way (codes decoded to bf16, activations bf16(x * scale) per row block);
  * cpumla_avx512_e4m3_tables fills their decode tables (once, from cpumla_fill_avx512). */
 CPUMLA_INTERNAL void cpumla_avx512_e4m3_tables(void);

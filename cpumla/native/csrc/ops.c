@@ -188,7 +188,7 @@ static void head_gemv_t_task(void *p, int64_t t, int tid) {
     (void)tid;
     head_job *j = p;
     int64_t ct = t % j->col_tasks, rest = t / j->col_tasks;
-    int64_t h = rest % j->n_heads, tok = rest / j->n_heads;
+    int64_t tok = rest % j->n, h = rest / j->n;      /* a head's tokens in a row: its rows stay in L2 */
     int64_t c0 = ct * j->cols_per_task, c1 = min64(c0 + j->cols_per_task, j->w->cols);
     cpumla_k.gemv_t(j->w, j->row0 + h * j->head_stride, j->head_rows, j->x + tok * j->ldx_t + h * j->ldx_h,
                     j->y + tok * j->ldy_t + h * j->ldy_h + c0, c0, c1);
