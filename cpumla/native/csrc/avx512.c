@@ -1,6 +1,7 @@
 /* avx512.c: AVX-512 (F/BW/VL/DQ/BF16/VNNI/VBMI) kernels. Same semantics as scalar.c (the spec), to fp32 rounding:
  * every product is accumulated in fp32 and the weights are decoded exactly. BF16 and E4M3 weights go
- * to avx512_bf16.c (vdpbf16ps on bf16 activations, as kernels.h specifies) for gemv and gemm.
+ * to avx512_bf16.c (vdpbf16ps on bf16 activations, as kernels.h specifies) for gemv and gemm, and
+ * BF16 for gemv_t too.
  *
  * Generic weight decoding, 16 columns at a time into fp32 (dq16; used by gemv_t, the gemm panel,
  * dequant_row and unusual block shapes), with a power of two folded into the block scale:

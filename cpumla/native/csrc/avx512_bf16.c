@@ -1,4 +1,5 @@
-/* avx512_bf16.c: BF16-weight gemv and gemm with AVX512-BF16 dot products (vdpbf16ps).
+/* avx512_bf16.c: products on AVX512-BF16 dot products (vdpbf16ps): BF16-weight gemv, gemm and gemv_t,
+ * and E4M3-weight gemv and gemm (codes decoded to bf16; see the E4M3 section below).
  *
  * vdpbf16ps acc, w, x adds w[2i] * x[2i] + w[2i+1] * x[2i+1] to fp32 lane i: 32 multiply-adds per
  * instruction, twice an fp32 FMA's 16. A 64-byte load of a bf16 weight row is 32 columns, which is
