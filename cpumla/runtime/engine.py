@@ -75,7 +75,7 @@ def build_layer(cfg: MLAConfig, src, layer: int) -> Layer:
         q=lin("q"), q_a=lin("q_a"), q_a_ln=vec("q_a_ln"), q_b=lin("q_b"),
         kv_a=lin("kv_a"), kv_a_ln=vec("kv_a_ln"), kv_b=lin("kv_b"), o_proj=lin("o_proj"),
         mlp=table(names["dense"], cfg.intermediate_size) if "dense" in names else None,
-        gate=W.router_linear(src, *m["gate"], cfg) if "gate" in m else None, router=router,
+        gate=lin("gate"), router=router,    # kept as stored: mla_model.c runs it on fp32 activations
         experts=table(names["experts"], cfg.moe_intermediate_size) if "experts" in names else None,
         shared=table(names["shared"], cfg.moe_intermediate_size * cfg.n_shared_experts)
         if "shared" in names else None,

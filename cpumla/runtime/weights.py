@@ -42,14 +42,6 @@ def linear(src, name: str, shape: tuple[int, int], cfg: MLAConfig) -> native.Wei
     return native.Weight(data, "e4m3", scale, cfg.block)
 
 
-def router_linear(src, name: str, shape: tuple[int, int], cfg: MLAConfig) -> native.Weight:
-    """The MoE router [E, D], as stored. transformers computes the router logits in fp32 from fp32
-    activations; a bf16 weight's products would round them to bf16 (kernels.h), which moves scores
-    near a top-k boundary, so the forward (mla_model.c) runs the router through cpumla_gemm_f32act,
-    which keeps the activations exact without a widened copy of the weight."""
-    return linear(src, name, shape, cfg)
-
-
 def vector(src, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """A norm weight, bias or embedding table: float32, bf16 bits (uint16) or float16, as stored."""
     if not src.has(name):

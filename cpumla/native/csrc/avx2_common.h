@@ -96,8 +96,7 @@ INLINE uint32_t e4m3_act_row(const cpumla_weight *w, int64_t r, const float *x, 
     uint32_t m = 0;
     for (int64_t b = c0 / bc, c = c0; c < c1; b++) {
         const int64_t be = (b + 1) * bc < c1 ? (b + 1) * bc : c1;
-        const float s = w->scale_dtype == CPUMLA_E8M0 ? e8m0_to_f32(((const uint8_t *)w->scale)[si + b])
-                                                      : ((const float *)w->scale)[si + b];
+        const float s = scale_elem(w, si + b);
         const uint32_t mb = bf16_scale_round(x + c, be - c, s, dst + (c - c0));
         m = mb > m ? mb : m;
         c = be;

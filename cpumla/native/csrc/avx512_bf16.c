@@ -230,9 +230,8 @@ INLINE __m512 scale16(const cpumla_weight *w, int64_t r, int64_t c, int64_t K) {
 static void e4_act(const cpumla_weight *w, int64_t r, const float *x, int64_t ldx, int64_t n, uint16_t *xs,
                    int64_t ldb) {
     const int64_t K = w->cols, bc = w->block_cols;
-    const int simple = bc % 16 == 0, e8 = w->scale_dtype == CPUMLA_E8M0;
-    const uint8_t *s8 = (const uint8_t *)w->scale + (r / w->block_rows) * w->scale_ld;
-    const float *s32 = (const float *)w->scale + (r / w->block_rows) * w->scale_ld;
+    const int simple = bc % 16 == 0;
+    const int64_t si = (r / w->block_rows) * w->scale_ld;   /* the row block's first scale */
     int64_t b = 0, rem = 0;               /* (simple blocks) the block of column c and c's offset in it */
     for (int64_t c = 0; c < ldb; c += 64) {
         __m512 s[4];
@@ -241,7 +240,7 @@ static void e4_act(const cpumla_weight *w, int64_t r, const float *x, int64_t ld
             if (!simple || cc >= K) {
                 s[i] = scale16(w, r, cc, K);
             } else {                      /* 16 columns inside one block */
-                s[i] = _mm512_set1_ps(e8 ? e8m0_to_f32(s8[b]) : s32[b]);
+                s[i] = _mm512_set1_ps(scale_elem(w, si + b));
                 rem += 16;
                 if (rem == bc) { rem = 0; b++; }
             }

@@ -67,11 +67,15 @@ static inline float e8m0_to_f32(uint8_t b) {
 static const float cpumla_e2m1_lut[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                           -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
-/* Scale of block (r / block_rows, c / block_cols). */
-static inline float weight_scale(const cpumla_weight *w, int64_t r, int64_t c) {
-    int64_t i = (r / w->block_rows) * w->scale_ld + c / w->block_cols;
+/* Element i of the block-scale grid (F32 or E8M0), as fp32. */
+static inline float scale_elem(const cpumla_weight *w, int64_t i) {
     if (w->scale_dtype == CPUMLA_E8M0) return e8m0_to_f32(((const uint8_t *)w->scale)[i]);
     return ((const float *)w->scale)[i];
+}
+
+/* Scale of block (r / block_rows, c / block_cols). */
+static inline float weight_scale(const cpumla_weight *w, int64_t r, int64_t c) {
+    return scale_elem(w, (r / w->block_rows) * w->scale_ld + c / w->block_cols);
 }
 
 /* The activation operand of an E4M3 product: x times the scale of element (r, c)'s block, in fp32,
@@ -126,5 +130,15 @@ static inline const void *attn_kv_row(const cpumla_attn_args *a, int64_t qi, int
 }
 
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+/* One element of cpumla_swiglu: silu(min(g, limit)) * clamp(u, -limit, limit), unclamped when
+ * limit <= 0. */
+static inline float swiglu1(float g, float u, float limit) {
+    if (limit > 0.0f) {
+        g = g < limit ? g : limit;
+        u = u < -limit ? -limit : (u > limit ? limit : u);
+    }
+    return silu(g) * u;
+}
 
 #endif

@@ -98,6 +98,8 @@ static int ffn(const cpumla_mla_model *m, const cpumla_mla_layer *L, int64_t n, 
     cpumla_rmsnorm(s->h, D, s->x, D, n, D, L->post_ln.data, L->post_ln.dtype, m->rms_norm_eps);
     if (L->gate) {
         const cpumla_router *r = L->router;
+        /* fp32 activations, as transformers computes router logits: bf16-rounded ones move scores
+         * across the top-k boundary */
         if (cpumla_gemm_f32act(L->gate, s->x, D, n, s->gate, r->n_experts) != 0) return -1;
         if (cpumla_route(r, s->gate, r->n_experts, n, NULL, s->idx, s->w) != 0) return -1;
         if (cpumla_moe(L->experts, r->n_experts, s->x, D, n, s->idx, s->w, r->top_k, s->h, D, 0.0f) != 0) return -1;

@@ -77,14 +77,7 @@ static void swiglu_row_neon(const float *gate, const float *up, float *out, int6
         float32x4_t sg = vdivq_f32(g, vaddq_f32(one, exp_f32x4(vnegq_f32(g))));
         vst1q_f32(out + i, vmulq_f32(sg, u));
     }
-    for (; i < dim; i++) {
-        float g = gate[i], u = up[i];
-        if (limit > 0.0f) {
-            g = g < limit ? g : limit;
-            u = u < -limit ? -limit : (u > limit ? limit : u);
-        }
-        out[i] = silu(g) * u;
-    }
+    for (; i < dim; i++) out[i] = swiglu1(gate[i], up[i], limit);
 }
 
 static void softmax_row_neon(float *x, int64_t n) {

@@ -83,14 +83,7 @@ static void rmsnorm_row_scalar(const float *x, float *y, int64_t dim, const void
 }
 
 static void swiglu_row_scalar(const float *gate, const float *up, float *out, int64_t dim, float limit) {
-    for (int64_t i = 0; i < dim; i++) {
-        float g = gate[i], u = up[i];
-        if (limit > 0.0f) {
-            g = g < limit ? g : limit;
-            u = u < -limit ? -limit : (u > limit ? limit : u);
-        }
-        out[i] = silu(g) * u;
-    }
+    for (int64_t i = 0; i < dim; i++) out[i] = swiglu1(gate[i], up[i], limit);
 }
 
 static void softmax_row_scalar(float *x, int64_t n) {
