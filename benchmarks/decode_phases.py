@@ -21,8 +21,9 @@ import time
 import numpy as np
 
 import cpumla
-from cpumla import native
+from cpumla import CpumlaError, native
 from cpumla.runtime import bench as rb
+from cpumla.runtime.resolve import parse_overrides
 
 
 def main(argv=None) -> None:
@@ -38,16 +39,22 @@ def main(argv=None) -> None:
     ap.add_argument("--fast-above", type=float, default=65.0, help="probe GB/s over which a sample is 'fast'")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of text")
     a = ap.parse_args(argv)
+    if a.tokens < 1 or a.threads < 1:
+        ap.error("--tokens and --threads must be at least 1")
+    try:                                        # the CLI's parsing and messages for bad input
+        overrides = parse_overrides(a.hf_overrides)
+        eng = cpumla.load(a.model, dummy_weights=True, dummy_dtype=a.dummy_dtype,
+                          hf_overrides={"num_hidden_layers": a.layers, **overrides})
+    except CpumlaError as e:
+        ap.error(str(e))
 
-    eng = cpumla.load(a.model, dummy_weights=True, dummy_dtype=a.dummy_dtype,
-                      hf_overrides={"num_hidden_layers": a.layers, **json.loads(a.hf_overrides)})
     native.set_threads(a.threads)
     probe = rb.BandwidthProbe()                 # a buffer of its own, far larger than the caches
     per_token = rb.decode_bytes(eng, 64)
     rng = np.random.default_rng(0)
     samples = []                                # (decode GB/s, probe GB/s)
     end = time.time() + a.seconds
-    while time.time() < end:
+    while not samples or time.time() < end:     # at least one sample
         eng.reset()
         eng.forward(rng.integers(0, eng.config.vocab_size, size=48), last_only=True)
         before = probe(2)

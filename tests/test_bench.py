@@ -62,22 +62,41 @@ def test_bench_model_bad_input(args, words):
     assert_one_line_error(run("bench", *TINY, *args), *words)
 
 
-def test_decode_phases_script(capsys):
-    """benchmarks/decode_phases.py on a shrunk model: samples taken, each filed under a phase, and a
-    decode share of the probe that is a positive number."""
+def _decode_phases():
     import importlib.util
-    import json
     from pathlib import Path
-
-    from cpumla.runtime.smoke import SHRINK
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_phases.py"
     spec = importlib.util.spec_from_file_location("decode_phases", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_decode_phases_script(capsys):
+    """benchmarks/decode_phases.py on a shrunk model: samples taken, each filed under a phase, and a
+    decode share of the probe that is a positive number."""
+    import json
+
+    from cpumla.runtime.smoke import SHRINK
+
+    mod = _decode_phases()
     mod.main(["--seconds", "1", "--tokens", "4", "--layers", "2", "--json",
               "--hf-overrides", json.dumps({**SHRINK, "vocab_size": 1000})])
     out = json.loads(capsys.readouterr().out)
     assert out["all"]["samples"] >= 1
     assert out["slow"]["samples"] + out["fast"]["samples"] <= out["all"]["samples"]
     assert 0 < out["all"]["pct_probe"] < float("inf")
+
+
+@pytest.mark.parametrize("args,words", [(["--hf-overrides", "[1]"], "must be a JSON object"),
+                                        (["--hf-overrides", "{bad"], "not valid JSON"),
+                                        (["--tokens", "0"], "at least 1"),
+                                        (["--model", "nope/nope"], "not a local directory")])
+def test_decode_phases_bad_input(capsys, args, words):
+    """Bad input to the script: usage error (exit 2) with one line naming the problem, no traceback."""
+    with pytest.raises(SystemExit) as e:
+        _decode_phases().main(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert words in err[-1] and "Traceback" not in "\n".join(err)

@@ -193,12 +193,17 @@ def gemv(w: Weight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     return y
 
 
-def gemm(w: Weight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """x [n, cols] (rows may be strided) -> [n, rows]."""
+def _tokens_x(w: Weight, x: np.ndarray) -> None:
+    """Checks x [n, w.cols] float32 (rows may be strided), the activations of a gemm."""
     ensure_init()
     _f32(x, "x")
     if x.ndim != 2 or x.shape[1] != w.cols:
         raise CpumlaError(f"x has shape {x.shape}, weight wants (n, {w.cols})")
+
+
+def gemm(w: Weight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """x [n, cols] (rows may be strided) -> [n, rows]."""
+    _tokens_x(w, x)
     y = np.empty((x.shape[0], w.rows), np.float32) if out is None else out
     lib.cpumla_gemm(w.c, fptr(x), ld(x), x.shape[0], fptr(y), ld(y))
     return y
@@ -206,10 +211,7 @@ def gemm(w: Weight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 
 def gemm_f32act(w: Weight, x: np.ndarray) -> np.ndarray:
     """gemm with x as given even for bf16 weights (cpumla_gemm_f32act: the MoE router)."""
-    ensure_init()
-    _f32(x, "x")
-    if x.ndim != 2 or x.shape[1] != w.cols:
-        raise CpumlaError(f"x has shape {x.shape}, weight wants (n, {w.cols})")
+    _tokens_x(w, x)
     y = np.empty((x.shape[0], w.rows), np.float32)
     if lib.cpumla_gemm_f32act(w.c, fptr(x), ld(x), x.shape[0], fptr(y), ld(y)) != 0:
         raise CpumlaError(_err())
