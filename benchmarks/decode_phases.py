@@ -22,8 +22,8 @@ import numpy as np
 
 import cpumla
 from cpumla import CpumlaError, native
+from cpumla.cli.overrides import parse_hf_overrides
 from cpumla.runtime import bench as rb
-from cpumla.runtime.resolve import parse_overrides
 
 
 def main(argv=None) -> None:
@@ -42,7 +42,7 @@ def main(argv=None) -> None:
     if a.tokens < 1 or a.threads < 1:
         ap.error("--tokens and --threads must be at least 1")
     try:                                        # the CLI's parsing and messages for bad input
-        overrides = parse_overrides(a.hf_overrides)
+        overrides = parse_hf_overrides(a.hf_overrides)
         eng = cpumla.load(a.model, dummy_weights=True, dummy_dtype=a.dummy_dtype,
                           hf_overrides={"num_hidden_layers": a.layers, **overrides})
     except CpumlaError as e:

@@ -47,7 +47,7 @@ def turn(child, text):
 
 @pytest.fixture(scope="module")
 def tok():
-    from cpumla.runtime.tokenizer import Tokenizer
+    from cpumla.chat.tokenizer import Tokenizer
 
     return Tokenizer.bundled()
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from cpumla.errors import CpumlaError
-from cpumla.runtime.chat_format import ChatFormat, Message, detect_family
-from cpumla.runtime.tokenizer import IncrementalDecoder, Tokenizer
+from cpumla.chat.chat_format import ChatFormat, Message, detect_family
+from cpumla.chat.tokenizer import IncrementalDecoder, Tokenizer
 
 B, E, U, A = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
 
@@ -153,7 +153,7 @@ SHRINK = {"num_hidden_layers": 1, "hidden_size": 128, "n_routed_experts": 8, "fi
 
 def _conv(tok, family, ctx=256, **settings):
     import cpumla
-    from cpumla.runtime.conversation import Conversation, Settings
+    from cpumla.chat.conversation import Conversation, Settings
 
     eng = cpumla.load("deepseek-ai/DeepSeek-V3", dummy_weights=True, hf_overrides=SHRINK, max_seq_len=ctx)
     return Conversation(eng, tok, ChatFormat(family), Settings(**{"temperature": 0.0, "max_tokens": 6, **settings}))

@@ -143,6 +143,17 @@ def test_smoke_bad_input(args, word):
     one_line_error(cli(*args), word)
 
 
+def test_load_takes_overrides_as_a_dict_and_the_cli_parses_json():
+    """cpumla.load refuses JSON text (one line); the same JSON on the command line still works."""
+    text = '{"num_hidden_layers": 2, "n_routed_experts": 4}'
+    with pytest.raises(CpumlaError) as err:
+        cpumla.load("deepseek-ai/DeepSeek-V2-Lite", dummy_weights=True, hf_overrides=text)
+    assert "hf_overrides must be a dict" in str(err.value) and "\n" not in str(err.value)
+    p = cli("smoke", "--dummy-weights", "--model", "deepseek-ai/DeepSeek-V2-Lite", "--hf-overrides", text,
+            "-p", "8", "-n", "16")
+    assert p.returncode == 0 and " ok" in p.stdout, p.stderr
+
+
 def test_dummy_weights_deterministic_and_fp8():
     a = cpumla.load("deepseek-ai/DeepSeek-V3", dummy_weights=True, seed=3, dummy_dtype="fp8",
                     hf_overrides={"num_hidden_layers": 2, "hidden_size": 256, "n_routed_experts": 8,

@@ -1,10 +1,12 @@
-"""--model resolution (dir, HF cache, preset), the presets' key values, and --hf-overrides."""
+"""--model resolution (dir, HF cache, preset), the presets' key values, and hf_overrides (a dict in the
+library, JSON text parsed by the CLI's helper)."""
 
 import json
 import socket
 
 import pytest
 
+from cpumla.cli.overrides import parse_hf_overrides
 from cpumla.errors import CpumlaError
 from cpumla.runtime.resolve import PRESETS, Resolved, apply_overrides, preset_config, resolve_model
 
@@ -174,7 +176,7 @@ def test_unknown_repo_says_how_to_download(offline_empty_hub):
 
 def test_overrides_merge_into_a_copy():
     base = preset_config("deepseek-ai/DeepSeek-V2-Lite")
-    out = apply_overrides(base, '{"num_hidden_layers": 2, "rope_scaling": {"factor": 4}}')
+    out = apply_overrides(base, {"num_hidden_layers": 2, "rope_scaling": {"factor": 4}})
     assert out["num_hidden_layers"] == 2 and out["rope_scaling"]["factor"] == 4
     assert out["rope_scaling"]["mscale"] == 0.707  # nested dicts merge key-wise
     assert base["num_hidden_layers"] == 27 and base["rope_scaling"]["factor"] == 40  # input untouched
@@ -183,15 +185,34 @@ def test_overrides_merge_into_a_copy():
     moon = preset_config("moonshotai/Moonlight-16B-A3B")
     yarn = {"type": "yarn", "factor": 2.0}
     assert apply_overrides(moon, {"rope_scaling": yarn})["rope_scaling"] == yarn
-    assert apply_overrides(base, None) == base and apply_overrides(base, "") == base
+    assert apply_overrides(base, None) == base and apply_overrides(base, {}) == base
+
+
+@pytest.mark.parametrize("bad, message", [
+    ('{"num_hidden_layers": 2}', "hf_overrides must be a dict, not a str (the CLI parses JSON)"),
+    ("", "hf_overrides must be a dict, not a str"),
+    ([1, 2], "hf_overrides must be a dict, not a list"),
+    ({"xyz": 1}, "--hf-overrides: config has no field 'xyz'"),
+])
+def test_bad_overrides(bad, message):
+    """The library takes a dict (or None); JSON text is the CLI's to parse."""
+    with pytest.raises(CpumlaError) as err:
+        apply_overrides(preset_config("deepseek-ai/DeepSeek-V3"), bad)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_cli_parses_overrides_json():
+    assert parse_hf_overrides('{"num_hidden_layers": 2, "rope_scaling": {"factor": 4}}') == \
+        {"num_hidden_layers": 2, "rope_scaling": {"factor": 4}}
+    assert parse_hf_overrides(None) == {} and parse_hf_overrides("  ") == {}
 
 
 @pytest.mark.parametrize("bad, message", [
     ('{"num_hidden_layers": 2', "--hf-overrides is not valid JSON"),
-    ("[1, 2]", "--hf-overrides must be a JSON object"),
-    ('"x"', "--hf-overrides must be a JSON object"),
-    ('{"xyz": 1}', "--hf-overrides: config has no field 'xyz'"),
+    ("[1, 2]", "--hf-overrides must be a JSON object, not a list"),
+    ('"x"', "--hf-overrides must be a JSON object, not a str"),
 ])
-def test_bad_overrides(bad, message):
-    with pytest.raises(CpumlaError, match=message.replace("-", r"\-")):
-        apply_overrides(preset_config("deepseek-ai/DeepSeek-V3"), bad)
+def test_cli_bad_overrides_json(bad, message):
+    with pytest.raises(CpumlaError) as err:
+        parse_hf_overrides(bad)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)

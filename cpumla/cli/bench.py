@@ -12,6 +12,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from cpumla import native
 from cpumla.cli import render
+from cpumla.cli.overrides import parse_hf_overrides
 from cpumla.errors import CpumlaError
 
 OUTPUTS = ("md", "json", "jsonl", "csv")
@@ -58,7 +59,8 @@ def bench(
         return _kernels(output, thr, formats, rows, cols, seconds, stream_mb)
     if model is None:
         raise CpumlaError("name a model (or a preset with --dummy-weights), or pass --kernels")
-    _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, reps, threads, depths, output, seed)
+    _model(model, dummy_weights, parse_hf_overrides(hf_overrides), dummy_dtype, n_prompt, n_gen, reps, threads,
+           depths, output, seed)
 
 
 def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, reps, threads, depths, output, seed):

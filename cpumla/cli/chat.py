@@ -1,6 +1,6 @@
 """`cpumla chat MODEL`: a terminal chat that streams, or one answer with -p / a prompt on stdin.
 
-The conversation itself (formats, cache reuse, sampling, detokenization) is cpumla.runtime.conversation;
+The conversation itself (formats, cache reuse, sampling, detokenization) is cpumla.chat.conversation;
 this module reads input, handles commands and Ctrl-C, and renders through cpumla.cli.render's consoles.
 """
 
@@ -66,13 +66,13 @@ def chat(
 def _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, system, sampling, think, interactive):
     import cpumla
     from cpumla import native
-    from cpumla.runtime.chat_format import ChatFormat, detect_family
-    from cpumla.runtime.conversation import Conversation, Settings
+    from cpumla.chat.chat_format import ChatFormat, detect_family
+    from cpumla.chat.conversation import Conversation, Settings
+    from cpumla.chat.tokenizer import load_tokenizer
+    from cpumla.cli.overrides import parse_hf_overrides
     from cpumla.runtime.loader import load_config
-    from cpumla.runtime.resolve import parse_overrides
-    from cpumla.runtime.tokenizer import load_tokenizer
 
-    overrides = parse_overrides(hf_overrides)
+    overrides = parse_hf_overrides(hf_overrides)
     cfg, resolved = load_config(model, overrides)
     tok, notices = load_tokenizer(resolved, tokenizer, dummy_weights)
     if tok.vocab_size > cfg.vocab_size and "vocab_size" not in overrides:

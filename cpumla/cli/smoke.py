@@ -21,17 +21,16 @@ def smoke(
     prompt_tokens: int = typer.Option(32, "--prompt-tokens", "-p"),
     decode_tokens: int = typer.Option(16, "--decode-tokens", "-n"),
 ) -> None:
+    from cpumla.cli.overrides import parse_hf_overrides
     from cpumla.runtime import smoke as sm
 
+    if model is None and not dummy_weights:
+        raise CpumlaError("without --model, smoke runs the bundled configs and needs --dummy-weights")
+    extra = parse_hf_overrides(hf_overrides)      # each key is checked against each config on load
     if model is None:
-        if not dummy_weights:
-            raise CpumlaError("without --model, smoke runs the bundled configs and needs --dummy-weights")
-        from cpumla.runtime.resolve import parse_overrides
-
-        extra = parse_overrides(hf_overrides)      # each key is checked against each config on load
         runs = [(m, {**sm.SHRINK, **o, **extra}) for m, o in sm.DEFAULT_MODELS.items()]
     else:
-        runs = [(model, hf_overrides)]
+        runs = [(model, extra)]
     results = []
     with render.err.status("") as status:
         for m, ov in runs:

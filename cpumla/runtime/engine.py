@@ -155,7 +155,7 @@ class Engine:
 
     def generate(self, prompt_ids, max_new_tokens: int, stop_ids=None, **sampling):
         """Yields generated token ids; the prompt is appended to the cache first."""
-        from cpumla.runtime.sampling import Sampler
+        from cpumla.chat.sampling import Sampler
 
         sampler = Sampler(**sampling)
         stops = set(self.config.eos_ids if stop_ids is None else stop_ids)

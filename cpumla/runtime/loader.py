@@ -21,9 +21,9 @@ def fit_shrunk_moe(cfg: dict, overrides) -> dict:
     smaller expert count cannot satisfy; fit them, as vLLM's dummy runs do: top_k <= experts, and groups
     that divide the experts (at least two per group for the top-2 group score). Only when the overrides
     changed the expert count: a real config that is inconsistent stays an error."""
-    from cpumla.runtime.resolve import parse_overrides
+    from cpumla.runtime.resolve import check_overrides
 
-    ov = parse_overrides(overrides)
+    ov = check_overrides(overrides)
     if "n_routed_experts" not in ov or not cfg.get("n_routed_experts"):
         return cfg
     E = int(cfg["n_routed_experts"])

@@ -147,24 +147,24 @@ def _merge(base: dict[str, Any], patch: dict[str, Any], where: str) -> None:
             base[key] = copy.deepcopy(value)
 
 
-def apply_overrides(config: dict[str, Any], overrides: str | dict[str, Any] | None) -> dict[str, Any]:
-    """vLLM-style hf_overrides: merge a JSON object into a copy of `config`.
+def apply_overrides(config: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """vLLM-style hf_overrides: merge a dict into a copy of `config`.
 
     Top-level keys must already exist in the config (a typo is an error, not a silent no-op);
     nested objects such as rope_scaling merge key by key and may gain keys.
     """
     merged = copy.deepcopy(config)
-    _merge(merged, parse_overrides(overrides), "")
+    _merge(merged, check_overrides(overrides), "")
     return merged
 
 
-def parse_overrides(overrides: str | dict[str, Any] | None) -> dict[str, Any]:
-    """--hf-overrides as a dict: a JSON object (string) or a dict; anything else is a CpumlaError."""
-    if overrides is None or (isinstance(overrides, str) and not overrides.strip()):
+def check_overrides(overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """hf_overrides as the library takes it: a dict or None ({}). JSON text is the CLI's to parse
+    (cpumla.cli.overrides.parse_hf_overrides); anything else is a CpumlaError."""
+    if overrides is None:
         return {}
     if isinstance(overrides, str):
-        return _json_object(overrides, "--hf-overrides is not valid JSON: {msg} at column {col}",
-                            "--hf-overrides must be a JSON object, not a {kind}")
+        raise CpumlaError("hf_overrides must be a dict, not a str (the CLI parses JSON)")
     if not isinstance(overrides, dict):
-        raise CpumlaError(f"--hf-overrides must be a JSON object, not a {type(overrides).__name__}")
+        raise CpumlaError(f"hf_overrides must be a dict, not a {type(overrides).__name__}")
     return overrides

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from cpumla.errors import CpumlaError
-from cpumla.runtime.chat_format import ChatFormat, Message
-from cpumla.runtime.sampling import Sampler
-from cpumla.runtime.tokenizer import IncrementalDecoder, Tokenizer
+from cpumla.chat.chat_format import ChatFormat, Message
+from cpumla.chat.sampling import Sampler
+from cpumla.chat.tokenizer import IncrementalDecoder, Tokenizer
 
 
 @dataclass

@@ -1,0 +1,21 @@
+"""--hf-overrides: the one place JSON text becomes the dict the library takes (cpumla.load(hf_overrides=))."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from cpumla.errors import CpumlaError
+
+
+def parse_hf_overrides(text: str | None) -> dict[str, Any]:
+    """--hf-overrides JSON text as a dict ({} for none or blank); bad input is one CpumlaError line."""
+    if text is None or not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CpumlaError(f"--hf-overrides is not valid JSON: {e.msg} at column {e.colno}") from None
+    if not isinstance(value, dict):
+        raise CpumlaError(f"--hf-overrides must be a JSON object, not a {type(value).__name__}")
+    return value
