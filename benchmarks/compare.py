@@ -35,11 +35,13 @@ def save_dummy(model: str, overrides: str | None, seed: int, out: Path) -> dict:
     import torch
     from safetensors.torch import save_file
 
+    from cpumla.cli.overrides import parse_hf_overrides
+    from cpumla.models import family
     from cpumla.runtime.loader import load_config
     from cpumla.runtime.weights import DummySource
 
-    cfg, _ = load_config(model, overrides)
-    src = DummySource(cfg, seed=seed, dtype="bf16")
+    cfg, _ = load_config(model, parse_hf_overrides(overrides))
+    src = DummySource(family(cfg.model_type).tensors(cfg), cfg.block, seed=seed, dtype="bf16")
     tensors = {}
     for name in src.table:
         dtype, _ = src.info(name)

@@ -108,7 +108,7 @@ def test_bad_checkpoint(tiny, tmp_path, how, word):
 
 def test_loading_is_zero_copy(tiny):
     eng = cpumla.load(str(tiny))
-    w = eng.layers[1].kv_b.data
+    w = eng.model.layers[1].kv_b.data
     assert not w.flags.writeable and not w.flags.owndata      # a view into the read-only mapping
 
 
@@ -158,7 +158,7 @@ def test_dummy_weights_deterministic_and_fp8():
     a = cpumla.load("deepseek-ai/DeepSeek-V3", dummy_weights=True, seed=3, dummy_dtype="fp8",
                     hf_overrides={"num_hidden_layers": 2, "hidden_size": 256, "n_routed_experts": 8,
                                   "first_k_dense_replace": 1, "q_lora_rank": 64, "num_attention_heads": 2})
-    assert a.layers[0].kv_b.dtype == "e4m3" and a.layers[1].experts is not None
+    assert a.model.layers[0].kv_b.dtype == "e4m3" and a.model.layers[1].experts is not None
     la = a.forward([1, 2, 3])
     b = cpumla.load("deepseek-ai/DeepSeek-V3", dummy_weights=True, seed=3, dummy_dtype="fp8",
                     hf_overrides={"num_hidden_layers": 2, "hidden_size": 256, "n_routed_experts": 8,

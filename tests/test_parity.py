@@ -134,7 +134,7 @@ def test_router_logits_fp32_with_bf16_weight(tmp_path):
     transformers' fp32 ones: cpumla_gemm_f32act keeps the activations unrounded."""
     m = models.build("v2", tmp_path, dtype=torch.bfloat16)
     eng = cpumla.load(str(tmp_path))
-    routed = [(i, L) for i, L in enumerate(eng.layers) if L.gate is not None]
+    routed = [(i, L) for i, L in enumerate(eng.model.layers) if L.gate is not None]
     assert routed
     rng = np.random.default_rng(3)
     for i, L in routed:

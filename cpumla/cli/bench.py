@@ -90,7 +90,7 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
         eng = cpumla.load(model, dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed,
                           max_seq_len=need, dummy_dtype=dummy_dtype)
         load_s = time.perf_counter() - t0
-        probe = mb.BandwidthProbe([eng.lm_head.data, eng.embed])
+        probe = mb.BandwidthProbe(eng.model.probe_arrays())
         results = []
         for r in mb.run(eng, model_name=model, n_prompt=n_prompt, n_gen=n_gen, reps=reps, threads=thr, depths=dep,
                         load_s=load_s, probe=probe, peak_gflops=peaks, bf16_peak_gflops=bf16_peaks, seed=seed,

@@ -1,10 +1,15 @@
-"""DeepSeek-V2 / V2-Lite config and the MLA model description shared by V3 (deepseek_v3.py).
+"""DeepSeek-V2 / V2-Lite (`deepseek_v2`) and V3 / R1 / V3.1 / Moonlight (`deepseek_v3`): MLA attention over
+a latent cache, then a dense MLP or a MoE per layer. The native forward is deepseek_v2.c.
 
 Field names are the Hugging Face config.json names, verbatim; unknown keys are ignored. Derived values
 (rope frequencies, softmax scale, router) are computed once here, so the runtime never re-reads the
-config. Cross-read with transformers/models/deepseek_v2/modeling_deepseek_v2.py.
+config. Cross-read with transformers/models/deepseek_v2/modeling_deepseek_v2.py and deepseek_v3.
 
 D=hidden H=heads R=kv_lora_rank P=qk_rope_head_dim dn=qk_nope_head_dim dv=v_head_dim E=experts K=top_k
+
+Attention is absorbed MLA in both phases: q~_h = [q_nope_h @ W_UK[h] | RoPE(q_pe_h)] (R+P) against the
+latent cache rows [c_t | RoPE(k_pe_t)] (R+P), output o~_h (R) mapped back by W_UV[h]. Prefill uses the
+same kernel with a causal length per query (latent-space prefill: one kernel, exact for any prompt).
 """
 
 from __future__ import annotations
@@ -15,14 +20,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cpumla import native
 from cpumla.errors import CpumlaError
+from cpumla.runtime import weights as W
 
-SUPPORTED = ("deepseek_v2", "deepseek_v3")
-NOT_YET = {"deepseek_v32": "DeepSeek-V3.2", "deepseek_v4": "DeepSeek-V4"}
+MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
 @dataclass
-class MLAConfig:
+class Config:
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -57,6 +63,8 @@ class MLAConfig:
     num_nextn_predict_layers: int = 0
     extra: dict = field(default_factory=dict, repr=False)
 
+    MODEL_TYPES = MODEL_TYPES
+
     # ---- derived, set in __post_init__ ----
     def __post_init__(self):
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -65,14 +73,12 @@ class MLAConfig:
         self.block = tuple((self.quantization_config or {}).get("weight_block_size") or (128, 128))
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "config.json") -> "MLAConfig":
+    def from_dict(cls, d: dict, source: str = "config.json") -> "Config":
         if not isinstance(d, dict):
             raise CpumlaError(f"{source}: expected a JSON object")
         mt = d.get("model_type")
-        if mt in NOT_YET:
-            raise CpumlaError(f"{source}: model_type '{mt}' ({NOT_YET[mt]}) is not supported yet")
-        if mt not in SUPPORTED:
-            raise CpumlaError(f"{source}: unsupported model_type '{mt}' (supported: {', '.join(SUPPORTED)})")
+        if mt not in cls.MODEL_TYPES:
+            raise CpumlaError(f"{source}: model_type {mt!r} is not one of {', '.join(cls.MODEL_TYPES)}")
         d = dict(d)
         rp = d.get("rope_parameters")           # transformers 5 folds rope_theta/rope_scaling in here
         if isinstance(rp, dict):
@@ -124,7 +130,7 @@ class MLAConfig:
 
     @property
     def router_method(self) -> str:
-        if self.model_type == "deepseek_v3":
+        if self.model_type != "deepseek_v2":
             return "noaux_tc"
         if self.topk_method == "group_limited_greedy":
             return "group_limited"
@@ -146,7 +152,7 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def rope_frequencies(cfg: MLAConfig) -> tuple[np.ndarray, float]:
+def rope_frequencies(cfg: Config) -> tuple[np.ndarray, float]:
     """(inv_freq [P/2] float32, cos/sin multiplier). YaRN as DeepSeek uses it (spec 1.4)."""
     dim, base = cfg.qk_rope_head_dim, float(cfg.rope_theta)
     pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
@@ -178,7 +184,7 @@ def rope_frequencies(cfg: MLAConfig) -> tuple[np.ndarray, float]:
     return inv_freq, float(attn)
 
 
-def softmax_scale(cfg: MLAConfig) -> float:
+def softmax_scale(cfg: Config) -> float:
     """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (spec 1.5)."""
     scale = cfg.qk_head_dim ** -0.5
     rs = cfg.rope_scaling or {}
@@ -188,7 +194,7 @@ def softmax_scale(cfg: MLAConfig) -> float:
     return scale
 
 
-def checkpoint_name_map(cfg: MLAConfig, layer: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+def checkpoint_name_map(cfg: Config, layer: int) -> dict[str, tuple[str, tuple[int, ...]]]:
     """What layer `layer` reads from a HF-named checkpoint: {role: (tensor name, [out, in] shape)}.
     Experts are listed by mlp_names()."""
     D, H = cfg.hidden_size, cfg.num_attention_heads
@@ -210,12 +216,12 @@ def checkpoint_name_map(cfg: MLAConfig, layer: int) -> dict[str, tuple[str, tupl
         m["q"] = (a + "q_proj.weight", (H * cfg.qk_head_dim, D))
     if cfg.is_moe_layer(layer):
         m["gate"] = (p + "mlp.gate.weight", (cfg.n_routed_experts, D))
-        if cfg.model_type == "deepseek_v3":
+        if cfg.router_method == "noaux_tc":
             m["gate_bias"] = (p + "mlp.gate.e_score_correction_bias", (cfg.n_routed_experts,))
     return m
 
 
-def mlp_names(cfg: MLAConfig, layer: int) -> dict[str, list[tuple[str, str, str]]]:
+def mlp_names(cfg: Config, layer: int) -> dict[str, list[tuple[str, str, str]]]:
     """{"experts": [(gate, up, down) names per routed expert], "shared": [...], "dense": [...]}"""
     p = f"model.layers.{layer}.mlp."
 
@@ -228,3 +234,251 @@ def mlp_names(cfg: MLAConfig, layer: int) -> dict[str, list[tuple[str, str, str]
     if cfg.n_shared_experts:
         out["shared"] = [trio(p + "shared_experts.")]
     return out
+
+
+def tensors(cfg: Config) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor the model reads: name -> (shape, kind). Kinds guide dummy weights: "linear" (FP8
+    in an FP8 checkpoint), "plain" (a matrix never quantised: the router), "embed", "norm", "bias"."""
+    D, V = cfg.hidden_size, cfg.vocab_size
+    out = {"model.embed_tokens.weight": ((V, D), "embed"), "model.norm.weight": ((D,), "norm"),
+           "lm_head.weight": ((V, D), "plain")}
+    for layer in range(cfg.num_hidden_layers):
+        for role, (name, shape) in checkpoint_name_map(cfg, layer).items():
+            kind = "norm" if role.endswith("_ln") else "bias" if role == "gate_bias" else \
+                "plain" if role == "gate" else "linear"
+            out[name] = (shape, kind)
+        for group, trios in mlp_names(cfg, layer).items():
+            inter = cfg.intermediate_size if group == "dense" else \
+                cfg.moe_intermediate_size * (cfg.n_shared_experts if group == "shared" else 1)
+            for g, u, d in trios:
+                out[g] = ((inter, D), "linear")
+                out[u] = ((inter, D), "linear")
+                out[d] = ((D, inter), "linear")
+    return out
+
+
+def fit_overrides(cfg: dict, overrides: dict) -> dict:
+    """vLLM-style shrinking (`{"n_routed_experts": 4}` on V2-Lite's top-6) leaves routing settings the
+    smaller expert count cannot satisfy; fit them, as vLLM's dummy runs do: top_k <= experts, and groups
+    that divide the experts (at least two per group for V3's top-2 group score). Only when the overrides
+    changed the expert count: a real config that is inconsistent stays an error."""
+    if "n_routed_experts" not in overrides or not cfg.get("n_routed_experts"):
+        return cfg
+    E = int(cfg["n_routed_experts"])
+    if cfg.get("num_experts_per_tok") and "num_experts_per_tok" not in overrides:
+        cfg["num_experts_per_tok"] = min(int(cfg["num_experts_per_tok"]), E)
+    g = cfg.get("n_group") or 1
+    if g > 1 and "n_group" not in overrides:
+        min_per = 1 if cfg.get("model_type") == "deepseek_v2" else 2
+        g = max([d for d in range(1, g + 1) if E % d == 0 and E // d >= min_per] or [1])
+        cfg["n_group"] = g
+        cfg["topk_group"] = min(int(cfg.get("topk_group") or 1), g)
+    return cfg
+
+
+# ---- the model: weights in place, their native description, the native state ----------------------
+@dataclass
+class Layer:
+    input_ln: np.ndarray          # [D]
+    post_ln: np.ndarray           # [D]
+    q: native.Weight | None       # [H*(dn+P), D]            (no q LoRA: V2-Lite, Moonlight)
+    q_a: native.Weight | None     # [q_lora, D]
+    q_a_ln: np.ndarray | None     # [q_lora]
+    q_b: native.Weight | None     # [H*(dn+P), q_lora]
+    kv_a: native.Weight           # [R+P, D]
+    kv_a_ln: np.ndarray           # [R]
+    kv_b: native.Weight           # [H*(dn+dv), R]: per head dn rows of W_UK then dv rows of W_UV
+    o_proj: native.Weight         # [D, H*dv]
+    mlp: native.Experts | None    # dense layer: a table of one
+    gate: native.Weight | None    # [E, D] router, kept as stored (run on fp32 activations)
+    router: native.Router | None
+    experts: native.Experts | None
+    shared: native.Experts | None
+
+
+def build_router(cfg: Config, bias: np.ndarray | None) -> native.Router:
+    # V3: renormalise (norm_topk_prob) then scale. V2's own code: renormalise *or* scale (the released V2
+    # checkpoints scale; transformers' V2 always scales).
+    v2 = cfg.model_type == "deepseek_v2"
+    v2_norm = v2 and bool(cfg.norm_topk_prob) and cfg.num_experts_per_tok > 1
+    return native.Router(cfg.router_method, cfg.n_routed_experts, cfg.num_experts_per_tok,
+                         n_group=cfg.n_group or 1, topk_group=cfg.topk_group or 1,
+                         norm_topk_prob=v2_norm if v2 else bool(cfg.norm_topk_prob),
+                         routed_scaling_factor=1.0 if v2_norm else float(cfg.routed_scaling_factor),
+                         bias=bias)
+
+
+def build_layer(cfg: Config, src, layer: int) -> Layer:
+    m = checkpoint_name_map(cfg, layer)
+
+    def lin(role):
+        return W.linear(src, m[role][0], m[role][1], cfg.block) if role in m else None
+
+    def vec(role):
+        return W.vector(src, m[role][0], m[role][1]) if role in m else None
+
+    def table(trios, inter):
+        D = cfg.hidden_size
+        return native.Experts([(W.linear(src, g, (inter, D), cfg.block), W.linear(src, u, (inter, D), cfg.block),
+                                W.linear(src, d, (D, inter), cfg.block)) for g, u, d in trios])
+
+    names = mlp_names(cfg, layer)
+    router = None
+    if "gate" in m:
+        router = build_router(cfg, W.as_f32(vec("gate_bias")) if "gate_bias" in m else None)
+    return Layer(
+        input_ln=vec("input_ln"), post_ln=vec("post_ln"),
+        q=lin("q"), q_a=lin("q_a"), q_a_ln=vec("q_a_ln"), q_b=lin("q_b"),
+        kv_a=lin("kv_a"), kv_a_ln=vec("kv_a_ln"), kv_b=lin("kv_b"), o_proj=lin("o_proj"),
+        mlp=table(names["dense"], cfg.intermediate_size) if "dense" in names else None,
+        gate=lin("gate"), router=router,
+        experts=table(names["experts"], cfg.moe_intermediate_size) if "experts" in names else None,
+        shared=table(names["shared"], cfg.moe_intermediate_size * cfg.n_shared_experts)
+        if "shared" in names else None,
+    )
+
+
+def _table_bytes(t: native.Experts | None) -> tuple[int, int]:
+    """(bytes of one expert, number of experts) of an expert table."""
+    if t is None:
+        return 0, 0
+    g, u, d = t._keep[0]
+    return g.nbytes + u.nbytes + d.nbytes, t.n
+
+
+class Model:
+    """One model of this family: weights read in place, described once to the native forward, and the
+    native state (latent caches and scratch) that lives and dies with it. The runtime's interface:
+    forward(ids, pos0, out, last_only) -> status, matmul_format, decode_bytes, prefill_flops,
+    cache_bytes_per_token, probe_arrays, close."""
+
+    STATE = ("cpumla_dsv2_new", "cpumla_dsv2_free", "cpumla_dsv2_forward")
+
+    def __init__(self, cfg: Config, src, ctx: int, max_tokens: int):
+        self.config = cfg
+        D, V = cfg.hidden_size, cfg.vocab_size
+        self.embed = W.vector(src, "model.embed_tokens.weight", (V, D))
+        self.norm = W.vector(src, "model.norm.weight", (D,))
+        head = "lm_head.weight"
+        if not src.has(head) and cfg.tie_word_embeddings:
+            head = "model.embed_tokens.weight"
+        self.lm_head = W.linear(src, head, (V, D), cfg.block)
+        self.layers = [self.build_layer(src, i) for i in range(cfg.num_hidden_layers)]
+        self.ctx = ctx
+        self._c = self.describe()
+        new, free, fwd = (getattr(native.lib, f) for f in self.STATE)
+        state = new(self._c, ctx, max_tokens)
+        if state == native.ffi.NULL:
+            raise CpumlaError(native.last_error())
+        self._state = native.ffi.gc(state, free)
+        self._forward = fwd
+
+    def build_layer(self, src, i: int) -> Layer:
+        return build_layer(self.config, src, i)
+
+    def forward(self, ids: np.ndarray, pos0: int, out: np.ndarray, last_only: bool) -> None:
+        """Appends ids (int64, contiguous) at pos0 and writes their logits into out (float32)."""
+        if self._state is None:
+            raise CpumlaError("this model has been closed")
+        rc = self._forward(self._state, native.vptr(ids, "int64_t *"), ids.size, pos0, native.fptr(out),
+                           int(last_only))
+        if rc != 0:
+            raise CpumlaError(native.last_error())
+
+    def close(self) -> None:
+        """Frees the native state (caches and scratch) now rather than at garbage collection."""
+        if self._state is not None:
+            native.ffi.release(self._state)
+            self._state = None
+
+    # ---- what the model is made of ----
+    @property
+    def matmul_format(self) -> str:
+        """The weight format of the linear layers ("bf16", "e4m3", ...): that of kv_a_proj."""
+        return self.layers[0].kv_a.dtype
+
+    def probe_arrays(self) -> list[np.ndarray]:
+        """The model's largest resident arrays, for a read-bandwidth probe over the memory decode reads."""
+        return [self.lm_head.data, self.embed]
+
+    def cache_bytes_per_token(self) -> int:
+        cfg = self.config
+        return 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers
+
+    def layer_weights(self, L: Layer) -> list:
+        """The attention-side weights of a layer read once per token (the router included)."""
+        return [L.q, L.q_a, L.q_b, L.kv_a, L.kv_b, L.o_proj, L.gate]
+
+    def attended(self, depth: int) -> int:
+        """Cache rows one query at cache depth `depth` attends to."""
+        return depth + 1
+
+    def decode_bytes(self, depth: int) -> float:
+        """Bytes one decode token reads at cache depth `depth`: every attention and dense weight, the
+        top_k routed experts plus shared experts and router of MoE layers, one embedding row, the lm_head,
+        and the cache rows it attends to."""
+        cfg = self.config
+        total = self.lm_head.nbytes + self.embed.nbytes / cfg.vocab_size
+        for L in self.layers:
+            total += sum(w.nbytes for w in self.layer_weights(L) if w is not None)
+            for t in (L.mlp, L.shared):
+                b, n = _table_bytes(t)
+                total += b * n
+            if L.experts is not None:
+                total += _table_bytes(L.experts)[0] * cfg.num_experts_per_tok
+        row = 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        return total + cfg.num_hidden_layers * row * self.attended(depth)
+
+    def prefill_flops(self, n: int, depth: int) -> float:
+        """Multiply-adds x 2 of a prefill of n tokens after `depth` cached ones: the weight products of
+        every token (routed experts at top_k) plus latent attention (R+P scores, R values per pair)."""
+        cfg = self.config
+        macs = self.lm_head.rows * self.lm_head.cols / n       # lm_head on the last token only
+        H, dn, dv, R = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        for L in self.layers:
+            macs += sum(w.rows * w.cols for w in self.layer_weights(L) if w is not None and w is not L.kv_b)
+            macs += H * (dn + dv) * R                          # absorb + un-absorb
+            for t in (L.mlp, L.shared):
+                if t is not None:
+                    macs += 3 * t.hidden * t.intermediate * t.n
+            if L.experts is not None:
+                macs += 3 * L.experts.hidden * L.experts.intermediate * cfg.num_experts_per_tok
+        pairs = sum(self.attended(depth + i) for i in range(n))   # (query, key) pairs
+        attn = 2.0 * pairs * H * (2 * R + cfg.qk_rope_head_dim) * cfg.num_hidden_layers
+        return 2.0 * macs * n + attn
+
+    # ---- the native description, built once ----
+    def describe_base(self, m) -> None:
+        """Fills a cpumla_dsv2_model (m) with pointers to the weights in place (kept alive by self)."""
+        ffi, cfg = native.ffi, self.config
+        layers = ffi.new("cpumla_dsv2_layer[]", len(self.layers))
+        for i, L in enumerate(self.layers):
+            c = layers[i]
+            for name in ("input_ln", "post_ln", "q_a_ln", "kv_a_ln"):
+                v = getattr(L, name)
+                if v is not None:
+                    native.set_vec(getattr(c, name), v)
+            for name in ("q", "q_a", "q_b", "kv_a", "kv_b", "o_proj", "gate"):
+                w = getattr(L, name)
+                setattr(c, name, w.c if w is not None else ffi.NULL)
+            c.router = L.router.c if L.router is not None else ffi.NULL
+            c.experts = L.experts.c if L.experts is not None else ffi.NULL
+            mlp = L.mlp if L.mlp is not None else L.shared
+            c.mlp = mlp.c if mlp is not None else ffi.NULL
+        m.n_layers, m.hidden, m.n_heads = cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads
+        m.q_lora_rank, m.kv_lora_rank = cfg.q_lora_rank or 0, cfg.kv_lora_rank
+        m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        m.vocab = cfg.vocab_size
+        m.rms_norm_eps, m.softmax_scale, m.rope_attn_scale = cfg.rms_norm_eps, cfg.softmax_scale, cfg.rope_attn_scale
+        self._inv_freq = np.ascontiguousarray(cfg.inv_freq, dtype=np.float32)
+        m.inv_freq = native.fptr(self._inv_freq)
+        self._embed_w = native.Weight(self.embed, native.format_of(self.embed))
+        m.embed, m.lm_head = self._embed_w.c, self.lm_head.c
+        native.set_vec(m.norm, self.norm)
+        m.layers = layers
+        self._layers_c = layers
+
+    def describe(self):
+        m = native.ffi.new("cpumla_dsv2_model *")
+        self.describe_base(m)
+        return m

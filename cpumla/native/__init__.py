@@ -429,3 +429,23 @@ class Experts:
         if rc != 0:
             raise CpumlaError(_err())
         return out
+
+
+# ---- model descriptions ----------------------------------------------------------------------------
+_VEC_DTYPES = {np.dtype(np.float32): lib.CPUMLA_F32, np.dtype(np.uint16): lib.CPUMLA_BF16,
+               np.dtype(np.float16): lib.CPUMLA_F16}
+_FORMATS = {np.dtype(np.float32): "f32", np.dtype(np.uint16): "bf16", np.dtype(np.float16): "f16"}
+
+
+def set_vec(c, v: np.ndarray) -> None:
+    """Points a cpumla_vec at v (float32, bf16 bits as uint16, or float16) in place; v must outlive it."""
+    if v.dtype not in _VEC_DTYPES or not v.flags.c_contiguous:
+        raise CpumlaError(f"a vector must be contiguous float32, bf16 or float16, got {v.dtype}")
+    c.data, c.dtype = vptr(v), _VEC_DTYPES[v.dtype]
+
+
+def format_of(a: np.ndarray) -> str:
+    """The weight format of a plain array: f32, bf16 (uint16 bits) or f16."""
+    if a.dtype not in _FORMATS:
+        raise CpumlaError(f"no weight format for {a.dtype}")
+    return _FORMATS[a.dtype]

@@ -78,14 +78,19 @@ def package_version() -> str:
     return "0"
 
 
+# The public headers, in dependency order: the core kernels, then one per model family.
+PUBLIC_HEADERS = ("cpumla.h", "deepseek_v2.h", "deepseek_v32.h")
+
+
 def cdef_text() -> str:
-    """cpumla.h without preprocessor lines and the extern "C" braces, for cffi's cdef."""
+    """The public headers without preprocessor lines and the extern "C" braces, for cffi's cdef."""
     keep = []
-    for line in (CSRC / "cpumla.h").read_text().splitlines():
-        s = line.strip()
-        if s.startswith("#") or s in ('extern "C" {', "}") and s != "};":
-            continue
-        keep.append(line)
+    for header in PUBLIC_HEADERS:
+        for line in (CSRC / header).read_text().splitlines():
+            s = line.strip()
+            if s.startswith("#") or s in ('extern "C" {', "}") and s != "};":
+                continue
+            keep.append(line)
     return "\n".join(keep)
 
 
@@ -93,7 +98,7 @@ ffibuilder = FFI()
 ffibuilder.cdef(cdef_text())
 ffibuilder.set_source(
     "cpumla.native._cpumla",
-    '#include "cpumla.h"',
+    "\n".join(f'#include "{h}"' for h in PUBLIC_HEADERS),
     include_dirs=[str(CSRC)],
     libraries=["m", "pthread"],
 )

@@ -55,56 +55,14 @@ def peak_rss_mb() -> float:
     return kb / 1024.0 if platform.system() == "Linux" else kb / 1e6
 
 
-def weight_bytes(w: native.Weight | None) -> int:
-    return 0 if w is None else w.nbytes
-
-
-def table_bytes(t) -> tuple[int, int]:
-    """(bytes of one expert, number of experts) of a native.Experts table."""
-    if t is None:
-        return 0, 0
-    g, u, d = t._keep[0]
-    return g.nbytes + u.nbytes + d.nbytes, t.n
-
-
 def decode_bytes(eng, depth: int) -> float:
-    """Bytes one decode token reads at cache depth `depth`: every attention and dense weight, the
-    top_k routed experts plus shared experts and router of MoE layers, one embedding row, the lm_head,
-    and the latent cache rows."""
-    cfg = eng.config
-    total = eng.lm_head.nbytes + eng.embed.nbytes / cfg.vocab_size
-    for L in eng.layers:
-        for w in (L.q, L.q_a, L.q_b, L.kv_a, L.kv_b, L.o_proj, L.gate):
-            total += weight_bytes(w)
-        for t in (L.mlp, L.shared):
-            b, n = table_bytes(t)
-            total += b * n
-        if L.experts is not None:
-            b, _ = table_bytes(L.experts)
-            total += b * cfg.num_experts_per_tok
-    row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * eng.cache[0].itemsize
-    return total + cfg.num_hidden_layers * row * (depth + 1)
+    """Bytes one decode token reads at cache depth `depth` (the model family counts them)."""
+    return eng.model.decode_bytes(depth)
 
 
 def prefill_flops(eng, n: int, depth: int) -> float:
-    """Multiply-adds x 2 of a prefill of n tokens after `depth` cached ones: the weight products of
-    every token (routed experts at top_k) plus latent attention (R+P scores, R values per pair)."""
-    cfg = eng.config
-    macs = eng.lm_head.rows * eng.lm_head.cols / n       # lm_head on the last token only
-    for L in eng.layers:
-        for w in (L.q, L.q_a, L.q_b, L.kv_a, L.o_proj, L.gate):
-            macs += 0 if w is None else w.rows * w.cols
-        H, dn, dv, R = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        macs += H * (dn + dv) * R                          # absorb + un-absorb
-        for t in (L.mlp, L.shared):
-            if t is not None:
-                macs += 3 * t.hidden * t.intermediate * t.n
-        if L.experts is not None:
-            macs += 3 * L.experts.hidden * L.experts.intermediate * cfg.num_experts_per_tok
-    per_token = 2.0 * macs * n
-    pairs = n * depth + n * (n + 1) / 2                    # causal (query, key) pairs
-    attn = 2.0 * pairs * cfg.num_attention_heads * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers
-    return per_token + attn
+    """FLOPs of a prefill of n tokens after `depth` cached ones (the model family counts them)."""
+    return eng.model.prefill_flops(n, depth)
 
 
 def fma_peak_gflops(seconds: float = 0.3, kind: str = "fp32") -> float:

@@ -1,9 +1,10 @@
-"""The one seam for checkpoint surgery: tensors as shipped -> kernel weights, and dummy weights.
+"""Weight formats shared by every family: tensors as shipped -> kernel weights, and dummy weights.
 
 A source is anything with `has(name)`, `info(name) -> (dtype, shape)` and `tensor(name) -> ndarray`:
 a real checkpoint (runtime/safetensors.py, memory-mapped, zero copy) or DummySource (deterministic
 random tensors in the same formats a real checkpoint has). FP8 scales are paired with their weights
-here; the forward pass never sees checkpoint quirks. The MTP layer (model.layers.<L>.*) is never read.
+here; which tensors a model reads (and so which it never reads, such as an MTP layer) is its family
+module's business (cpumla/models).
 """
 
 from __future__ import annotations
@@ -15,12 +16,11 @@ import numpy as np
 
 from cpumla import native
 from cpumla.errors import CpumlaError
-from cpumla.models.deepseek_v2 import MLAConfig, checkpoint_name_map, mlp_names
 
 FORMAT_OF = {"F32": "f32", "BF16": "bf16", "F16": "f16", "F8_E4M3": "e4m3"}
 
 
-def linear(src, name: str, shape: tuple[int, int], cfg: MLAConfig) -> native.Weight:
+def linear(src, name: str, shape: tuple[int, int], block: tuple[int, int] = (128, 128)) -> native.Weight:
     """A [out, in] weight in its checkpoint format; FP8 with its `weight_scale_inv` block grid."""
     if not src.has(name):
         raise CpumlaError(f"checkpoint is missing tensor '{name}'")
@@ -39,7 +39,7 @@ def linear(src, name: str, shape: tuple[int, int], cfg: MLAConfig) -> native.Wei
     scale = src.tensor(sname)
     if scale.dtype != np.float32 and scale.dtype != np.uint8:
         raise CpumlaError(f"'{sname}' must be F32 or F8_E8M0")
-    return native.Weight(data, "e4m3", scale, cfg.block)
+    return native.Weight(data, "e4m3", scale, block)
 
 
 def vector(src, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -60,41 +60,23 @@ def as_f32(v: np.ndarray) -> np.ndarray:
     return v.astype(np.float32)
 
 
-def model_tensors(cfg: MLAConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Every tensor the model reads: name -> (shape, role). Roles guide dummy initialisation."""
-    D, V = cfg.hidden_size, cfg.vocab_size
-    out = {"model.embed_tokens.weight": ((V, D), "embed"), "model.norm.weight": ((D,), "norm"),
-           "lm_head.weight": ((V, D), "linear")}
-    for layer in range(cfg.num_hidden_layers):
-        for role, (name, shape) in checkpoint_name_map(cfg, layer).items():
-            kind = "norm" if role.endswith("_ln") else "bias" if role == "gate_bias" else \
-                "router" if role == "gate" else "linear"
-            out[name] = (shape, kind)
-        for group, trios in mlp_names(cfg, layer).items():
-            inter = cfg.intermediate_size if group == "dense" else \
-                cfg.moe_intermediate_size * (cfg.n_shared_experts if group == "shared" else 1)
-            for g, u, d in trios:
-                out[g] = ((inter, D), "linear")
-                out[u] = ((inter, D), "linear")
-                out[d] = ((D, inter), "linear")
-    return out
-
-
 class DummySource:
     """Deterministic random tensors (from seed and tensor name), scaled so activations stay finite
     through every layer: linear weights ~ N(0, 1/in), norms 1, embeddings N(0, 1). dtype "bf16" (as
     V2 ships) or "fp8" (FP8 e4m3 linears with f32 128x128 block scales, as V3 ships; embeddings, norms
     and the router stay bf16/f32)."""
 
-    def __init__(self, cfg: MLAConfig, seed: int = 0, dtype: str = "bf16"):
+    def __init__(self, table: dict, block: tuple[int, int] = (128, 128), seed: int = 0, dtype: str = "bf16"):
+        """table: name -> (shape, kind), the family's tensors(); kind "linear" is FP8 in an FP8 model,
+        "plain" a matrix that stays bf16, "embed", "norm" and "bias" as their names say."""
         if dtype not in ("bf16", "fp8", "f32"):
             raise CpumlaError(f"dummy weight dtype must be bf16, fp8 or f32, got '{dtype}'")
-        self.cfg, self.seed, self.dtype = cfg, seed, dtype
-        self.table = model_tensors(cfg)
+        self.block, self.seed, self.dtype = tuple(block), seed, dtype
+        self.table = table
         self.scales: dict[str, str] = {}
         if dtype == "fp8":
             for name, (shape, kind) in list(self.table.items()):
-                if kind == "linear" and name != "lm_head.weight":
+                if kind == "linear":
                     self.scales[name + "_scale_inv"] = name
 
     def has(self, name: str) -> bool:
@@ -113,7 +95,7 @@ class DummySource:
     def info(self, name: str):
         if name in self.scales:
             r, c = self.table[self.scales[name]][0]
-            b = self.cfg.block
+            b = self.block
             return "F32", (-(-r // b[0]), -(-c // b[1]))
         return self._kind_dtype(name), self.table[name][0]
 

@@ -1,6 +1,6 @@
 /* cpumla.h: the public C API of cpumla's kernel library.
  *
- * Dimension legend (MLA, see shared/docs/deepseek-architectures.md):
+ * Dimension legend (MLA):
  *   D=hidden  H=heads  R=kv_lora_rank  P=qk_rope_head_dim  E=experts  K=top_k  T=cached tokens
  *
  * Conventions
@@ -236,48 +236,13 @@ typedef struct cpumla_attn_args {
 } cpumla_attn_args;
 void cpumla_mla_attention(const cpumla_attn_args *a);
 
-/* ---- whole-model forward: DeepSeek V2 / V3 (MLA + MoE) ------------------------------------------ */
-/* A vector as stored (norm weights): F32, BF16 or F16. */
+/* ---- model descriptions ------------------------------------------------------------------------ */
+/* A vector as stored (norm weights, biases): F32, BF16 or F16. Each model family's forward, its
+ * structs and its state live in a header of its own (deepseek_v2.h, deepseek_v32.h). */
 typedef struct cpumla_vec {
     const void *data;
     int32_t dtype;
 } cpumla_vec;
-
-/* One decoder layer. Weight pointers point at checkpoint tensors in place. */
-typedef struct cpumla_mla_layer {
-    cpumla_vec input_ln, post_ln, q_a_ln, kv_a_ln;  /* [D], [D], [q_lora] (unused without q LoRA), [R] */
-    const cpumla_weight *q;        /* [H*(dn+P), D], or NULL with q LoRA */
-    const cpumla_weight *q_a;      /* [q_lora, D] */
-    const cpumla_weight *q_b;      /* [H*(dn+P), q_lora] */
-    const cpumla_weight *kv_a;     /* [R+P, D] */
-    const cpumla_weight *kv_b;     /* [H*(dn+dv), R] */
-    const cpumla_weight *o_proj;   /* [D, H*dv] */
-    const cpumla_weight *gate;     /* [E, D] router, or NULL for a dense layer */
-    const cpumla_router *router;
-    const cpumla_expert *experts;  /* [E] routed experts */
-    const cpumla_expert *mlp;      /* dense MLP (gate NULL) or the shared experts (or NULL): a table of one */
-    void *cache;                   /* latent cache [cache_rows, R+P] in cache_dtype (F32 or BF16) */
-} cpumla_mla_layer;
-
-typedef struct cpumla_mla_model {
-    int64_t n_layers, hidden, n_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
-        v_head_dim, vocab, cache_rows;
-    int32_t cache_dtype;
-    float rms_norm_eps, softmax_scale, rope_attn_scale;
-    const float *inv_freq;         /* [P/2] */
-    const cpumla_weight *embed;    /* [V, D] (F32/BF16/F16) */
-    const cpumla_weight *lm_head;  /* [V, D] */
-    cpumla_vec norm;               /* [D] */
-    const cpumla_mla_layer *layers;
-} cpumla_mla_model;
-
-/* Appends n tokens at positions pos0 .. pos0+n-1 to every layer's latent cache and writes logits
- * [n, vocab] (last_only: [1, vocab] of the last token). The whole forward runs here: embedding, MLA
- * (absorbed, latent-space prefill with causal lengths), MoE, final norm, lm_head; scratch is the
- * library's and only grows. Returns 0, or -1 (cpumla_last_error(): bad token id, context full,
- * routing error). */
-int cpumla_mla_forward(const cpumla_mla_model *m, const int64_t *ids, int64_t n, int64_t pos0,
-                       float *logits, int32_t last_only);
 
 /* ---- probes for benchmarks -------------------------------------------------------------------- */
 /* Reads bytes of buf (64-byte aligned; the tail past a multiple of 64 is ignored) with every thread:
