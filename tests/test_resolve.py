@@ -13,7 +13,8 @@ from cpumla.runtime.resolve import PRESETS, Resolved, apply_overrides, preset_co
 EXPECTED_PRESETS = [
     "deepseek-ai/DeepSeek-V2-Lite", "deepseek-ai/DeepSeek-V2-Lite-Chat", "deepseek-ai/DeepSeek-V2",
     "deepseek-ai/DeepSeek-V2.5", "deepseek-ai/DeepSeek-V3", "deepseek-ai/DeepSeek-R1",
-    "deepseek-ai/DeepSeek-V3.1", "moonshotai/Moonlight-16B-A3B", "moonshotai/Moonlight-16B-A3B-Instruct",
+    "deepseek-ai/DeepSeek-V3.1", "deepseek-ai/DeepSeek-V3.2-Exp", "deepseek-ai/DeepSeek-V3.2",
+    "moonshotai/Moonlight-16B-A3B", "moonshotai/Moonlight-16B-A3B-Instruct",
 ]
 MLA_FIELDS = [
     "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
@@ -65,6 +66,16 @@ def test_every_preset_is_present_and_complete():
         if cfg["rope_scaling"] is not None:
             assert set(cfg["rope_scaling"]) == {"type", "factor", "original_max_position_embeddings",
                                                 "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}
+
+
+def test_v32_values():
+    """V3.2's presets: V3.1's architecture with model_type deepseek_v32 and the indexer's real sizes."""
+    for repo in ("deepseek-ai/DeepSeek-V3.2-Exp", "deepseek-ai/DeepSeek-V3.2"):
+        c = preset_config(repo)
+        assert c["model_type"] == "deepseek_v32" and c["architectures"] == ["DeepseekV32ForCausalLM"]
+        assert (c["index_n_heads"], c["index_head_dim"], c["index_topk"]) == (64, 128, 2048)
+        assert (c["hidden_size"], c["num_hidden_layers"], c["q_lora_rank"], c["n_routed_experts"]) == (7168, 61, 1536, 256)
+        assert c["quantization_config"]["weight_block_size"] == [128, 128]
 
 
 def test_v2_lite_values():

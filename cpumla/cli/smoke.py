@@ -12,7 +12,7 @@ from cpumla.errors import CpumlaError
 
 def smoke(
     model: str = typer.Option(None, "--model", "-m", help="Model dir, cached repo id or preset. Default: "
-                              "shrunk V2-Lite, V2, V3 and Moonlight configs (needs --dummy-weights)."),
+                              "shrunk V2-Lite, V2, V3, V3.2 and Moonlight configs (needs --dummy-weights)."),
     dummy_weights: bool = typer.Option(False, "--dummy-weights", help="Deterministic random weights."),
     hf_overrides: str = typer.Option(None, "--hf-overrides", help="JSON merged into the config (as vLLM)."),
     dummy_dtype: str = typer.Option("bf16", "--dummy-dtype", help="bf16 or fp8 (FP8 block-scaled linears)."),

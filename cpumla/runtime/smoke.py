@@ -15,6 +15,7 @@ DEFAULT_MODELS = {
     "deepseek-ai/DeepSeek-V2-Lite": {},
     "deepseek-ai/DeepSeek-V2": {"q_lora_rank": 192},
     "deepseek-ai/DeepSeek-V3": {"q_lora_rank": 192},
+    "deepseek-ai/DeepSeek-V3.2": {"q_lora_rank": 192, "index_topk": 16},   # below the prompt: sparse
     "moonshotai/Moonlight-16B-A3B": {},
 }
 SHRINK = {"num_hidden_layers": 2, "first_k_dense_replace": 1, "hidden_size": 256, "intermediate_size": 512,

@@ -20,37 +20,47 @@ from cpumla.errors import CpumlaError
 FORMAT_OF = {"F32": "f32", "BF16": "bf16", "F16": "f16", "F8_E4M3": "e4m3"}
 
 
-def linear(src, name: str, shape: tuple[int, int], block: tuple[int, int] = (128, 128)) -> native.Weight:
-    """A [out, in] weight in its checkpoint format; FP8 with its `weight_scale_inv` block grid."""
+def where(src, name: str | None = None) -> str:
+    """Where a tensor lives, for messages: its shard file, else the checkpoint directory."""
+    if name is not None and hasattr(src, "file_of") and src.has(name):
+        return str(src.file_of(name))
+    d = getattr(src, "directory", None)
+    return str(d) if d is not None else "dummy weights"
+
+
+def _checked(src, name: str, shape) -> str:
+    """The dtype of tensor `name` after checking it exists with `shape`."""
     if not src.has(name):
-        raise CpumlaError(f"checkpoint is missing tensor '{name}'")
+        raise CpumlaError(f"{where(src)}: checkpoint is missing tensor '{name}'")
     dtype, got = src.info(name)
     if tuple(got) != tuple(shape):
-        raise CpumlaError(f"tensor '{name}' has shape {list(got)}, config wants {list(shape)}")
+        raise CpumlaError(f"{where(src, name)}: tensor '{name}' has shape {list(got)}, config wants {list(shape)}")
+    return dtype
+
+
+def linear(src, name: str, shape: tuple[int, int], block: tuple[int, int] = (128, 128)) -> native.Weight:
+    """A [out, in] weight in its checkpoint format; FP8 with its `weight_scale_inv` block grid."""
+    dtype = _checked(src, name, shape)
     fmt = FORMAT_OF.get(dtype)
     if fmt is None:
-        raise CpumlaError(f"tensor '{name}' has dtype {dtype}, which cpumla cannot use for a weight")
+        raise CpumlaError(f"{where(src, name)}: tensor '{name}' has dtype {dtype}, which cpumla cannot use for a weight")
     data = src.tensor(name)
     if fmt != "e4m3":
         return native.Weight(data, fmt)
     sname = name + "_scale_inv"
     if not src.has(sname):
-        raise CpumlaError(f"FP8 tensor '{name}' has no '{sname}'")
+        raise CpumlaError(f"{where(src, name)}: FP8 tensor '{name}' has no '{sname}'")
     scale = src.tensor(sname)
     if scale.dtype != np.float32 and scale.dtype != np.uint8:
-        raise CpumlaError(f"'{sname}' must be F32 or F8_E8M0")
+        raise CpumlaError(f"{where(src, sname)}: '{sname}' must be F32 or F8_E8M0")
     return native.Weight(data, "e4m3", scale, block)
 
 
 def vector(src, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """A norm weight, bias or embedding table: float32, bf16 bits (uint16) or float16, as stored."""
-    if not src.has(name):
-        raise CpumlaError(f"checkpoint is missing tensor '{name}'")
-    dtype, got = src.info(name)
-    if tuple(got) != tuple(shape):
-        raise CpumlaError(f"tensor '{name}' has shape {list(got)}, config wants {list(shape)}")
+    dtype = _checked(src, name, shape)
     if dtype not in ("F32", "BF16", "F16"):
-        raise CpumlaError(f"tensor '{name}' has dtype {dtype}; cpumla reads it as F32, BF16 or F16 only")
+        raise CpumlaError(f"{where(src, name)}: tensor '{name}' has dtype {dtype}; cpumla reads it as F32, BF16 or F16 only")
     return src.tensor(name)
 
 

@@ -2,7 +2,10 @@
 
 Each file is the repository's real config.json, named `<org>--<name>.json` (the Hugging Face
 cache's spelling). Deviations: Moonlight's files carry an explicit `"rope_scaling": null` (the
-published files omit the key), so that `--hf-overrides '{"rope_scaling": {...}}'` is accepted.
+published files omit the key), so that `--hf-overrides '{"rope_scaling": {...}}'` is accepted. The
+two V3.2 files (V3.2-Exp and V3.2 share one architecture) carry the published values (V3.1's config
+with model_type deepseek_v32, index_n_heads 64, index_head_dim 128, index_topk 2048) in the same
+layout, without the remote-code `auto_map`.
 """
 
 from pathlib import Path
