@@ -28,9 +28,6 @@ typedef struct {
     int64_t *kv_len; /* [n] = pos + 1 */
 } fwd_scratch;
 
-static void *fwd_buf;
-static size_t fwd_cap;
-
 static int fwd_alloc(const cpumla_mla_model *m, int64_t n, int64_t E, int64_t K, fwd_scratch *s) {
     int64_t D = m->hidden, H = m->n_heads, R = m->kv_lora_rank, P = m->qk_rope_head_dim;
     int64_t qk = m->qk_nope_head_dim + P, QL = m->q_lora_rank > 0 ? m->q_lora_rank : 0;
@@ -39,8 +36,8 @@ static int fwd_alloc(const cpumla_mla_model *m, int64_t n, int64_t E, int64_t K,
     size_t floats = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) floats += (size_t)((sizes[i] + 15) & ~15);
     size_t bytes = floats * 4 + (size_t)n * (K > 0 ? K : 1) * 4 + (size_t)n * 4 + (size_t)n * 16 + 256;
-    float *p = cpumla_grow(&fwd_buf, &fwd_cap, bytes);
-    if (!p) { cpumla_set_error("out of memory for the forward's scratch"); return -1; }
+    float *p = cpumla_scratch(CPUMLA_SCRATCH_FWD, bytes);
+    if (!p) return -1;
     float **slots[] = {&s->h, &s->x, &s->t, &s->qa, &s->q, &s->latent, &s->q_abs, &s->o_lat, &s->o, &s->gate,
                        &s->w, &s->ones};
     for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++) {
@@ -108,9 +105,8 @@ static int ffn(const cpumla_mla_model *m, const cpumla_mla_layer *L, int64_t n, 
     return 0;
 }
 
-int cpumla_mla_forward(const cpumla_mla_model *m, const int64_t *ids, int64_t n, int64_t pos0, float *logits,
+static int mla_forward(const cpumla_mla_model *m, const int64_t *ids, int64_t n, int64_t pos0, float *logits,
                        int32_t last_only) {
-    cpumla_ensure_init();
     char msg[160];
     if (n <= 0) { cpumla_set_error("forward needs at least one token"); return -1; }
     if (pos0 < 0 || pos0 + n > m->cache_rows) {
@@ -151,4 +147,13 @@ int cpumla_mla_forward(const cpumla_mla_model *m, const int64_t *ids, int64_t n,
     cpumla_rmsnorm(s.h + first * D, D, s.x, D, rows, D, m->norm.data, m->norm.dtype, m->rms_norm_eps);
     cpumla_gemm(m->lm_head, s.x, D, rows, logits, m->vocab);
     return 0;
+}
+
+/* Under the library lock, with the scratch of the caller's context (a temporary one when it entered
+ * none): a failed scratch request anywhere inside makes the forward return -1. */
+int cpumla_mla_forward(const cpumla_mla_model *m, const int64_t *ids, int64_t n, int64_t pos0, float *logits,
+                       int32_t last_only) {
+    cpumla_enter(NULL);
+    cpumla_ensure_init();
+    return cpumla_leave(mla_forward(m, ids, n, pos0, logits, last_only));
 }
