@@ -59,6 +59,29 @@ def test_info_honours_cpumla_isa(isa):
         assert_one_line_error(p, isa)
 
 
+@pytest.mark.parametrize("isa,kernel,fmt", [("scalar", "gemv", "e2m1"), ("avx2", "gemv", "e4m3"),
+                                            ("avx2", "head_gemv_t", "bf16"), ("avx512", "gemm", "bf16"),
+                                            ("avx512", "gemv", "e2m1")])
+def test_info_reports_owner_per_format(isa, kernel, fmt):
+    """`cpumla info --json` has a kernel x format table naming what really serves each format."""
+    if isa not in native.available_isas():
+        pytest.skip(f"{isa}: this CPU/OS cannot run it")
+    p = run("info", "--json", env={"CPUMLA_ISA": isa})
+    assert p.returncode == 0, p.stderr
+    formats = json.loads(p.stdout)["kernel_formats"]
+    assert set(formats) == {"gemv", "gemm", "head_gemv", "head_gemv_t", "dequant"}
+    assert all(set(row) == set(native.DTYPES) for row in formats.values())
+    assert formats[kernel][fmt] == isa
+    if isa == "avx2":
+        assert formats["gemv"]["e2m1"].startswith("avx2 (scalar when")
+
+
+def test_info_table_shows_formats():
+    p = run("info")
+    assert p.returncode == 0, p.stderr
+    assert "kernels by weight format" in p.stdout and "e4m3" in p.stdout
+
+
 def test_unknown_isa_is_one_line_error():
     assert_one_line_error(run("info", env={"CPUMLA_ISA": "sse9"}), "unknown implementation", "sse9")
 

@@ -25,6 +25,7 @@ def collect(threads: int | None = None) -> dict:
         "implementations_available": native.available_isas(),
         "implementation": isa,
         "kernels": {k: native.kernel_impl(k) for k in native.KERNELS},
+        "kernel_formats": native.kernel_formats(),
         "threads": native.get_threads(),
         "build": native.build_info().splitlines(),
     }
@@ -51,5 +52,9 @@ def info(
     render.table(None, ["", ""], rows, header=False)
     render.out.print()
     render.table("kernels", ["kernel", "implementation"], [[k, v] for k, v in d["kernels"].items()])
+    render.out.print()
+    fmts = list(native.DTYPES)
+    render.table("kernels by weight format", ["kernel", *fmts],
+                 [[k, *(v[f] for f in fmts)] for k, v in d["kernel_formats"].items()])
     render.out.print()
     render.table("build", ["", ""], [line.split(": ", 1) for line in d["build"]], header=False)

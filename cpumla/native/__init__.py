@@ -34,6 +34,12 @@ def _err() -> str:
     return ffi.string(lib.cpumla_last_error()).decode()
 
 
+def _check(rc: int) -> None:
+    """Raises CpumlaError with the library's message (this thread's) when a kernel returned -1."""
+    if rc != 0:
+        raise CpumlaError(_err() or "cpumla kernel failed")
+
+
 last_error = _err
 
 
@@ -75,12 +81,21 @@ def get_threads() -> int:
     return lib.cpumla_get_threads()
 
 
+FORMAT_KERNELS = ("gemv", "gemm", "head_gemv", "head_gemv_t", "dequant")
+
+
 def kernel_impl(name: str) -> str:
+    """The implementation serving a kernel ("gemv"), or one weight format of it ("gemv:e2m1")."""
     ensure_init()
     p = lib.cpumla_kernel_impl(name.encode())
     if p == ffi.NULL:
         raise CpumlaError(f"unknown kernel '{name}'")
     return ffi.string(p).decode()
+
+
+def kernel_formats() -> dict[str, dict[str, str]]:
+    """{kernel: {weight format: implementation that really serves it}} for the linear algebra."""
+    return {k: {f: kernel_impl(f"{k}:{f}") for f in DTYPES} for k in FORMAT_KERNELS}
 
 
 def cpu_features() -> dict[str, bool]:
@@ -189,7 +204,7 @@ def gemv(w: Weight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     if x.shape != (w.cols,):
         raise CpumlaError(f"x has shape {x.shape}, weight wants ({w.cols},)")
     y = np.empty(w.rows, np.float32) if out is None else out
-    lib.cpumla_gemv(w.c, fptr(x), fptr(y))
+    _check(lib.cpumla_gemv(w.c, fptr(x), fptr(y)))
     return y
 
 
@@ -205,7 +220,7 @@ def gemm(w: Weight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """x [n, cols] (rows may be strided) -> [n, rows]."""
     _tokens_x(w, x)
     y = np.empty((x.shape[0], w.rows), np.float32) if out is None else out
-    lib.cpumla_gemm(w.c, fptr(x), ld(x), x.shape[0], fptr(y), ld(y))
+    _check(lib.cpumla_gemm(w.c, fptr(x), ld(x), x.shape[0], fptr(y), ld(y)))
     return y
 
 
@@ -213,8 +228,7 @@ def gemm_f32act(w: Weight, x: np.ndarray) -> np.ndarray:
     """gemm with x as given even for bf16 weights (cpumla_gemm_f32act: the MoE router)."""
     _tokens_x(w, x)
     y = np.empty((x.shape[0], w.rows), np.float32)
-    if lib.cpumla_gemm_f32act(w.c, fptr(x), ld(x), x.shape[0], fptr(y), ld(y)) != 0:
-        raise CpumlaError(_err())
+    _check(lib.cpumla_gemm_f32act(w.c, fptr(x), ld(x), x.shape[0], fptr(y), ld(y)))
     return y
 
 
@@ -225,8 +239,8 @@ def head_gemv(w: Weight, row0: int, head_stride: int, head_rows: int, x: np.ndar
     _f32(x, "x")
     n, H, _ = x.shape
     y = np.empty((n, H, head_rows), np.float32) if out is None else out
-    lib.cpumla_head_gemv(w.c, row0, head_stride, head_rows, H, n, fptr(x), ld(x, 0), ld(x, 1),
-                         fptr(y), ld(y, 0), ld(y, 1))
+    _check(lib.cpumla_head_gemv(w.c, row0, head_stride, head_rows, H, n, fptr(x), ld(x, 0), ld(x, 1),
+                                fptr(y), ld(y, 0), ld(y, 1)))
     return y
 
 
@@ -237,8 +251,8 @@ def head_gemv_t(w: Weight, row0: int, head_stride: int, head_rows: int, x: np.nd
     _f32(x, "x")
     n, H, _ = x.shape
     y = np.empty((n, H, w.cols), np.float32) if out is None else out
-    lib.cpumla_head_gemv_t(w.c, row0, head_stride, head_rows, H, n, fptr(x), ld(x, 0), ld(x, 1),
-                           fptr(y), ld(y, 0), ld(y, 1))
+    _check(lib.cpumla_head_gemv_t(w.c, row0, head_stride, head_rows, H, n, fptr(x), ld(x, 0), ld(x, 1),
+                                  fptr(y), ld(y, 0), ld(y, 1)))
     return y
 
 
@@ -346,8 +360,7 @@ class Router:
         rc = lib.cpumla_route(self.c, fptr(logits), ld(logits), n,
                               ffi.NULL if ids is None else vptr(ids, "int64_t *"),
                               vptr(idx, "int32_t *"), fptr(w))
-        if rc != 0:
-            raise CpumlaError(_err())
+        _check(rc)
         return idx, w
 
 
@@ -360,8 +373,8 @@ def cache_store(cache: np.ndarray, src: np.ndarray, slots: np.ndarray) -> None:
     slots = np.ascontiguousarray(slots, dtype=np.int64)
     if np.any(slots >= cache.shape[0]):
         raise CpumlaError("a slot is past the end of the cache")
-    lib.cpumla_cache_store(vptr(cache), dt, ld(cache), fptr(src), ld(src), src.shape[0], src.shape[1],
-                           vptr(slots, "int64_t *"))
+    _check(lib.cpumla_cache_store(vptr(cache), dt, ld(cache), fptr(src), ld(src), src.shape[0], src.shape[1],
+                                  vptr(slots, "int64_t *")))
 
 
 def mla_attention(q: np.ndarray, kv: np.ndarray, dk: int, dv: int, scale: float,
@@ -394,7 +407,7 @@ def mla_attention(q: np.ndarray, kv: np.ndarray, dk: int, dv: int, scale: float,
     a.out, a.ldo_t, a.ldo_h = fptr(out), ld(out, 0), ld(out, 1)
     lse = np.empty((n_q, H), np.float32) if want_lse else None
     a.lse = fptr(lse) if want_lse else ffi.NULL
-    lib.cpumla_mla_attention(a)
+    _check(lib.cpumla_mla_attention(a))
     return (out, lse) if want_lse else out
 
 
@@ -426,8 +439,7 @@ class Experts:
         w = np.ascontiguousarray(w, dtype=np.float32)
         rc = lib.cpumla_moe(self.c, self.n, fptr(x), ld(x), x.shape[0], vptr(idx, "int32_t *"), fptr(w),
                             idx.shape[1], fptr(out), ld(out), limit)
-        if rc != 0:
-            raise CpumlaError(_err())
+        _check(rc)
         return out
 
 

@@ -88,7 +88,7 @@ def gemv_bandwidth(fmt: str, rows: int, cols: int, min_seconds: float, probe_gbs
 
     sec = _time_passes(one_pass, min_seconds) / len(copies)
     gbs = first.nbytes / sec / 1e9
-    return KernelResult("gemv", fmt, f"{rows}x{cols}", native.get_threads(), native.kernel_impl("gemv"),
+    return KernelResult("gemv", fmt, f"{rows}x{cols}", native.get_threads(), native.kernel_impl(f"gemv:{fmt}"),
                         sec, gbs, 100.0 * gbs / probe_gbs, 2.0 * rows * cols / sec / 1e9)
 
 
@@ -99,7 +99,7 @@ def gemm_throughput(fmt: str, rows: int, cols: int, n: int, min_seconds: float,
     y = np.empty((n, rows), np.float32)
     sec = _time_passes(lambda: native.gemm(w, x, y), min_seconds)
     return KernelResult("gemm", fmt, f"{n}x{cols} @ {rows}x{cols}", native.get_threads(),
-                        native.kernel_impl("gemm"), sec, 0.0, 0.0, 2.0 * rows * cols * n / sec / 1e9)
+                        native.kernel_impl(f"gemm:{fmt}"), sec, 0.0, 0.0, 2.0 * rows * cols * n / sec / 1e9)
 
 
 def run(formats=FORMATS, rows: int = 10944, cols: int = 2048, gemm_n: int = 128,

@@ -4,7 +4,8 @@
  * Precision: the fp32 activations are rounded to bf16 (round to nearest even, vcvtne2ps2bf16) for
  * tdpbf16ps, which multiplies bf16 pairs exactly and accumulates in fp32 (bf16 denormals are flushed).
  * That is the rounding kernels.h specifies for BF16 weights on every ISA. Fewer than 16 tokens, and
- * other weight types, go to the avx512 gemm, so who[K_GEMM] = "amx" covers both.
+ * other weight types, go to the avx512 gemm: who[K_GEMM] = "amx" names the entry, and who_fmt says
+ * which formats really reach the tiles.
  *
  * Status: written without AMX hardware (the development machine has none). Compiled, and run only with
  * the tile instructions emulated in C (packing, tile layout, edges checked against scalar.c); never
@@ -19,6 +20,7 @@
 #include <immintrin.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdio.h>
 #include "common.h"
 #include "kernels.h"
 
@@ -37,19 +39,8 @@ typedef struct {                /* the 64-byte operand of ldtilecfg, palette 1 *
     uint8_t rows[16];           /* rows of tile i */
 } __attribute__((packed, aligned(64))) amx_tilecfg;
 
-/* The packed panel: 32 rows x kpad columns of bf16, 2 KiB per 32 columns. Owned by each thread and
- * only grown (kernels run on the library's persistent pool threads). */
-static __thread uint16_t *panel_buf;
-static __thread size_t panel_cap;
-
-static uint16_t *panel_reserve(size_t elems) {
-    if (elems > panel_cap) {
-        free(panel_buf);
-        panel_buf = aligned_alloc(64, elems * sizeof(uint16_t));
-        panel_cap = panel_buf ? elems : 0;
-    }
-    return panel_buf;
-}
+/* The packed panel, 32 rows x kpad columns of bf16 (2 KiB per 32 columns), is the thread's
+ * CPUMLA_SCRATCH_AMX_PANEL buffer; without it the kernel does nothing (the call then fails). */
 
 /* Pack rows [p0, p0 + mp) (mp <= 32; missing rows are zero) of a BF16 weight, columns [0, kpad)
  * (zero past K): for chunk c, half j, k-pair kk, row n: dword ((c*2 + j)*16 + kk)*16 + n. */
@@ -103,8 +94,9 @@ static void pack_acts(const float *x, int64_t ldx, int64_t nt, int64_t k0, int64
 static void gemm_amx(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy,
                      int64_t r0, int64_t r1) {
     int64_t K = w->cols, kpad = (K + 31) / 32 * 32;
-    uint16_t *bp = w->dtype == CPUMLA_BF16 && n >= AMX_MIN_TOKENS && K > 0 ? panel_reserve((size_t)(32 * kpad)) : NULL;
-    if (!bp) { prev_gemm(w, x, ldx, n, y, ldy, r0, r1); return; }
+    if (w->dtype != CPUMLA_BF16 || n < AMX_MIN_TOKENS || K <= 0) { prev_gemm(w, x, ldx, n, y, ldy, r0, r1); return; }
+    uint16_t *bp = cpumla_scratch(CPUMLA_SCRATCH_AMX_PANEL, sizeof(uint16_t) * (size_t)(32 * kpad));
+    if (!bp) return;
 
     amx_tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -149,8 +141,12 @@ static void gemm_amx(const cpumla_weight *w, const float *x, int64_t ldx, int64_
 }
 
 void cpumla_fill_amx(cpumla_kernels *k) {
+    static char bf16_gemm[64];
     if (k->gemm != gemm_amx) prev_gemm = k->gemm;
     k->gemm = gemm_amx;
     k->gemm_xb = NULL;                     /* BF16 goes to the tiles through gemm */
     k->who[K_GEMM] = "amx";
+    /* other formats keep who_fmt of the gemm below (avx512) */
+    snprintf(bf16_gemm, sizeof bf16_gemm, "amx (%s below %d tokens)", k->who_fmt[K_GEMM][CPUMLA_BF16], AMX_MIN_TOKENS);
+    k->who_fmt[K_GEMM][CPUMLA_BF16] = bf16_gemm;
 }

@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 #include "common.h"
 #include "kernels.h"
@@ -44,15 +45,11 @@ static void row_scales(const cpumla_weight *w, int64_t r, int64_t b0, int64_t nb
     }
 }
 
-/* Layouts the fast paths do not cover go to the entry this one replaced (the scalar spec). */
+/* Layouts the fast paths do not cover go to the entry this one replaced (the scalar spec): E2M1 with
+ * block_cols not a multiple of 32 (or over XP_MAX), and degenerate block shapes. The activation
+ * operands of BF16 and E4M3 weights (kernels.h) go to the thread's CPUMLA_SCRATCH_AVX2_XR buffer
+ * (avx2_gemm.c's too); without it a kernel does nothing (the call then fails). */
 static void (*prev_gemv)(const cpumla_weight *, const float *, float *, int64_t, int64_t);
-
-/* Each thread's buffer for activation operands rounded to bf16 (BF16 and E4M3 weights; see
- * kernels.h): gemv's, and avx2_gemm.c's through cpumla_avx2_xr */
-static __thread void *xr_buf;
-static __thread size_t xr_cap;
-
-float *cpumla_avx2_xr(size_t bytes) { return cpumla_grow(&xr_buf, &xr_cap, bytes); }
 
 /* ---- dequant_row -------------------------------------------------------------------------------- */
 void cpumla_avx2_dequant_row(const cpumla_weight *w, int64_t r, int64_t c0, int64_t c1, float *out) {
@@ -259,11 +256,11 @@ static void gemv_e4m3_rows(const cpumla_weight *w, const float *xs, float post, 
     }
 }
 
-/* Returns 0 when out of memory (nothing written). */
-static int gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
+/* Out of memory: nothing written (the context is marked failed). */
+static void gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
     const int64_t K = w->cols, K32 = K / 32 * 32, br = w->block_rows;
-    float *xs = cpumla_grow(&xr_buf, &xr_cap, sizeof(float) * (size_t)(K + 32));
-    if (!xs) return 0;
+    float *xs = cpumla_scratch(CPUMLA_SCRATCH_AVX2_XR, sizeof(float) * (size_t)(K + 32));
+    if (!xs) return;
     for (int64_t rs = r0; rs < r1;) {
         const int64_t re = (rs / br + 1) * br < r1 ? (rs / br + 1) * br : r1;
         const uint32_t mx = e4m3_act_row(w, rs, x, 0, K32, xs);
@@ -273,12 +270,12 @@ static int gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t r
         gemv_e4m3_rows(w, xs, f32_from_bits((uint32_t)(247 - f) << 23), y + (rs - r0), rs, re);
         rs = re;
     }
-    return 1;
 }
 
 /* FP4 e2m1 with 1 x block_cols E8M0 scales (block_cols a multiple of 32): x is permuted per 32-group
  * into xp (thread-local), in column chunks of XP_MAX */
 #define XP_MAX 16384
+#define E2M1_FAST(w) ((w)->block_cols > 0 && (w)->block_cols % 32 == 0 && (w)->block_cols <= XP_MAX && (w)->block_rows > 0)
 static __thread float fp4_xp[XP_MAX] ALIGN64;
 static __thread float fp4_sc[4][XP_MAX / 32] ALIGN64;
 
@@ -341,18 +338,18 @@ void cpumla_avx2_gemv(const cpumla_weight *w, const float *x, float *y, int64_t 
     switch (w->dtype) {
     case CPUMLA_F32: gemv_plain(w, x, y, r0, r1, CPUMLA_F32); return;
     case CPUMLA_BF16: {
-        float *xr = cpumla_grow(&xr_buf, &xr_cap, sizeof(float) * (size_t)w->cols);
-        if (!xr) break;                                /* out of memory: the spec, which needs none */
+        float *xr = cpumla_scratch(CPUMLA_SCRATCH_AVX2_XR, sizeof(float) * (size_t)w->cols);
+        if (!xr) return;                               /* out of memory: the call fails */
         bf16_round_rows(x, 0, 1, w->cols, xr, 0);
         gemv_plain(w, xr, y, r0, r1, CPUMLA_BF16);
         return;
     }
     case CPUMLA_F16: gemv_plain(w, x, y, r0, r1, CPUMLA_F16); return;
     case CPUMLA_E4M3:
-        if (w->block_cols > 0 && w->block_rows > 0 && gemv_e4m3(w, x, y, r0, r1)) return;
-        break;                                         /* or out of memory: the spec */
+        if (w->block_cols > 0 && w->block_rows > 0) { gemv_e4m3(w, x, y, r0, r1); return; }
+        break;
     case CPUMLA_E2M1:
-        if (w->block_cols > 0 && w->block_cols % 32 == 0 && w->block_cols <= XP_MAX && w->block_rows > 0) {
+        if (E2M1_FAST(w)) {
             gemv_e2m1(w, x, y, r0, r1);
             return;
         }
@@ -433,11 +430,21 @@ static void gemv_t_avx2(const cpumla_weight *w, int64_t r0, int64_t nr, const fl
 }
 
 void cpumla_fill_avx2(cpumla_kernels *k) {
+    static char e2m1_gemv[64], e2m1_gemm[80];
     cpumla_fill_avx2_rows(k);
-    cpumla_fill_avx2_gemm(k);
     if (k->gemv != cpumla_avx2_gemv) prev_gemv = k->gemv;
+    /* E2M1 hands unusual block widths back; gemm's single tokens go through this gemv */
+    snprintf(e2m1_gemv, sizeof e2m1_gemv, "avx2 (%s when block_cols %% 32 != 0)", k->who_fmt[K_GEMV][CPUMLA_E2M1]);
+    snprintf(e2m1_gemm, sizeof e2m1_gemm, "avx2 (single tokens: %s when block_cols %% 32 != 0)",
+             k->who_fmt[K_GEMV][CPUMLA_E2M1]);
+    cpumla_fill_avx2_gemm(k);
     k->gemv = cpumla_avx2_gemv;
     k->gemv_t = gemv_t_avx2;
     k->dequant_row = cpumla_avx2_dequant_row;
-    for (int i = K_GEMV; i <= K_DEQUANT; i++) k->who[i] = "avx2";
+    for (int i = K_GEMV; i <= K_DEQUANT; i++) {
+        k->who[i] = "avx2";
+        for (int f = 0; f <= CPUMLA_E2M1; f++) k->who_fmt[i][f] = "avx2";
+    }
+    k->who_fmt[K_GEMV][CPUMLA_E2M1] = e2m1_gemv;
+    k->who_fmt[K_GEMM][CPUMLA_E2M1] = e2m1_gemm;
 }

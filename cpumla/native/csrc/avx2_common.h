@@ -170,8 +170,5 @@ INLINE __m256 ld_e8m0x8(const uint8_t *p) {
 /* the table's gemv (gemm of one token) and dequant_row (gemm's panel decoding) */
 CPUMLA_INTERNAL void cpumla_avx2_gemv(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1);
 CPUMLA_INTERNAL void cpumla_avx2_dequant_row(const cpumla_weight *w, int64_t r, int64_t c0, int64_t c1, float *out);
-/* this thread's buffer for activations rounded to bf16 (gemv's too), grown to at least bytes; NULL if
- * out of memory */
-CPUMLA_INTERNAL float *cpumla_avx2_xr(size_t bytes);
 
 #endif

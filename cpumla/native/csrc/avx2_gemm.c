@@ -14,8 +14,9 @@
 #include "kernels.h"
 #include "avx2_common.h"
 
-/* The entry this one replaced (the scalar spec, which needs no buffer): used when the buffer for the
- * activation operands of BF16 / E4M3 weights cannot be allocated. */
+/* The entry this one replaced (the scalar spec): for degenerate E4M3 block shapes only. The activation
+ * operands of BF16 / E4M3 weights go to the thread's CPUMLA_SCRATCH_AVX2_XR buffer; without it the
+ * kernel does nothing (the context is marked failed and the call returns -1). */
 static void (*prev_gemm)(const cpumla_weight *, const float *, int64_t, int64_t, float *, int64_t, int64_t,
                          int64_t);
 
@@ -133,8 +134,8 @@ static void gemm_avx2(const cpumla_weight *w, const float *x, int64_t ldx, int64
     const int64_t tc = e4 ? ((n + nch - 1) / nch + GM_MT - 1) / GM_MT * GM_MT : n;
     float *xr = NULL;         /* BF16 / E4M3: the activation operands of a K and token chunk, [tc][GM_KC] */
     if (e4 || bf) {
-        xr = cpumla_avx2_xr(sizeof(float) * (size_t)((n < tc ? n : tc) * GM_KC));
-        if (!xr) { prev_gemm(w, x, ldx, n, y, ldy, r0, r1); return; }
+        xr = cpumla_scratch(CPUMLA_SCRATCH_AVX2_XR, sizeof(float) * (size_t)((n < tc ? n : tc) * GM_KC));
+        if (!xr) return;
     }
     for (int64_t k0 = 0; k0 < K; k0 += GM_KC) {
         const int64_t kc = K - k0 < GM_KC ? K - k0 : GM_KC;

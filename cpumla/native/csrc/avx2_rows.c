@@ -351,4 +351,5 @@ void cpumla_fill_avx2_rows(cpumla_kernels *k) {
     k->cache_row = cache_row_avx2;
     k->read_sum = read_sum_avx2;
     for (int i = K_RMSNORM; i <= K_READ; i++) k->who[i] = "avx2";
+    k->who[K_ATTN] = "avx2 (scalar for BF16 rows wider than 16384)";     /* AT_BUF */
 }

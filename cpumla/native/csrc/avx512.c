@@ -27,11 +27,6 @@
 
 const char cpumla_flags_avx512[] = CPUMLA_FLAGS;
 
-/* the entries this file replaces: the BF16 paths fall back to them if avx512_bf16.c cannot get its
- * activation buffer (out of memory), so the rounding kernels.h specifies holds there too */
-static void (*prev_gemv)(const cpumla_weight *, const float *, float *, int64_t, int64_t);
-static void (*prev_gemm)(const cpumla_weight *, const float *, int64_t, int64_t, float *, int64_t, int64_t,
-                         int64_t);
 
 /* ---- weight decoding ---------------------------------------------------------------------------- */
 static const float dq_fold[5] = {1.0f, 1.0f, 1.0f, 256.0f, 16384.0f};   /* by dtype */
@@ -206,13 +201,13 @@ static void gemv_avx512(const cpumla_weight *w, const float *x, float *y, int64_
         GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_F32, 0), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F32, 0));
         return;
     case CPUMLA_BF16:
-        if (cpumla_avx512_gemv_bf16(w, x, y, r0, r1) != 0) prev_gemv(w, x, y, r0, r1);
+        cpumla_avx512_gemv_bf16(w, x, y, r0, r1);
         return;
     case CPUMLA_F16:
         GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_F16, pf_rows(w, r, r1)), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F16, pf_rows(w, r, r1)));
         return;
     case CPUMLA_E4M3:
-        if (cpumla_avx512_gemv_e4m3(w, x, y, r0, r1) != 0) prev_gemv(w, x, y, r0, r1);
+        cpumla_avx512_gemv_e4m3(w, x, y, r0, r1);
         return;
     case CPUMLA_E2M1:
         if (w->block_cols == 32) { gemv_e2m1(w, x, y, r0, r1); return; }
@@ -271,11 +266,11 @@ static void gemm_avx512(const cpumla_weight *w, const float *x, int64_t ldx, int
         return;
     }
     if (w->dtype == CPUMLA_BF16 && w->cols > 0) {
-        if (cpumla_avx512_gemm_bf16(w, x, ldx, n, y, ldy, r0, r1) != 0) prev_gemm(w, x, ldx, n, y, ldy, r0, r1);
+        cpumla_avx512_gemm_bf16(w, x, ldx, n, y, ldy, r0, r1);
         return;
     }
     if (w->dtype == CPUMLA_E4M3 && w->cols > 0) {
-        if (cpumla_avx512_gemm_e4m3(w, x, ldx, n, y, ldy, r0, r1) != 0) prev_gemm(w, x, ldx, n, y, ldy, r0, r1);
+        cpumla_avx512_gemm_e4m3(w, x, ldx, n, y, ldy, r0, r1);
         return;
     }
     float wp[GEMM_MP * GEMM_KC] __attribute__((aligned(64)));
@@ -330,7 +325,7 @@ INLINE void e4m3_64(const uint8_t *p, __m512 f[4]) {
 static void gemv_t_avx512(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y,
                           int64_t c0, int64_t c1) {
     int32_t dt = w->dtype;
-    if (dt == CPUMLA_BF16 && cpumla_avx512_gemv_t_bf16(w, r0, nr, x, y, c0, c1) == 0) return;
+    if (dt == CPUMLA_BF16) { cpumla_avx512_gemv_t_bf16(w, r0, nr, x, y, c0, c1); return; }
     int64_t bc = blocked(w) ? w->block_cols : c1 - c0;
     if (bc <= 0) bc = 1;
     for (int64_t c = c0; c < c1; c += 16) _mm512_mask_storeu_ps(y + (c - c0), tail16(c1 - c), _mm512_setzero_ps());
@@ -379,8 +374,6 @@ static void gemv_t_avx512(const cpumla_weight *w, int64_t r0, int64_t nr, const 
 
 void cpumla_fill_avx512(cpumla_kernels *k) {
     cpumla_fill_avx512_rows(k);
-    if (k->gemv != gemv_avx512) prev_gemv = k->gemv;
-    if (k->gemm != gemm_avx512) prev_gemm = k->gemm;
     cpumla_avx512_e4m3_tables();
     k->gemv = gemv_avx512;
     k->gemm = gemm_avx512;
@@ -388,5 +381,8 @@ void cpumla_fill_avx512(cpumla_kernels *k) {
     k->gemv_t = gemv_t_avx512;
     k->dequant_row = dequant_row_avx512;
     static const int ids[] = {K_GEMV, K_GEMM, K_GEMV_T, K_DEQUANT};
-    for (size_t i = 0; i < sizeof ids / sizeof ids[0]; i++) k->who[ids[i]] = "avx512";
+    for (size_t i = 0; i < sizeof ids / sizeof ids[0]; i++) {
+        k->who[ids[i]] = "avx512";
+        for (int f = 0; f <= CPUMLA_E2M1; f++) k->who_fmt[ids[i]][f] = "avx512";    /* every format, every layout */
+    }
 }

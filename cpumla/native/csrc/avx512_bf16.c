@@ -4,7 +4,8 @@
  * vdpbf16ps acc, w, x adds w[2i] * x[2i] + w[2i+1] * x[2i+1] to fp32 lane i: 32 multiply-adds per
  * instruction, twice an fp32 FMA's 16. A 64-byte load of a bf16 weight row is 32 columns, which is
  * already that operand's layout, so the weights are read as stored: no panel is decoded or packed.
- * The activations are converted once per call (per K chunk for gemm) into a per-thread buffer with
+ * The activations are converted once per call (per K chunk for gemm) into a per-thread scratch
+ * buffer (cpumla_scratch) with
  * vcvtne2ps2bf16, which rounds to nearest even: the rounding kernels.h specifies for every ISA. A
  * product of two bf16 is exact in fp32; bf16 subnormal inputs are read as zero (far below anything a
  * weight or activation holds), and the sums round as fp32 FMAs do.
@@ -31,9 +32,6 @@
 #define BG_KC 2048    /* gemm: columns per chunk (a multiple of 32) */
 #define BG_MP 64      /* gemm: rows per panel (a multiple of 4) */
 #define BG_NT 6       /* gemm: tokens per microkernel */
-
-static __thread void *xb_buf;      /* this thread's bf16 activations */
-static __thread size_t xb_cap;
 
 /* lanes [0, n) of 32 (bf16 elements), as tail16 */
 INLINE __mmask32 mask32(int64_t n) { return n >= 32 ? 0xffffffffu : n <= 0 ? 0 : (__mmask32)((1u << n) - 1u); }
@@ -78,15 +76,14 @@ INLINE void gemv_rows(const cpumla_weight *w, const uint16_t *xb, float *y, int6
     UNROLL for (int i = 0; i < R; i++) y[i] = _mm512_reduce_add_ps(_mm512_add_ps(a0[i], a1[i]));
 }
 
-int cpumla_avx512_gemv_bf16(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
+void cpumla_avx512_gemv_bf16(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
     int64_t K = w->cols, Kp = (K + 31) & ~(int64_t)31;
-    uint16_t *xb = cpumla_grow(&xb_buf, &xb_cap, sizeof(uint16_t) * (size_t)Kp);
-    if (!xb) return -1;
+    uint16_t *xb = cpumla_scratch(CPUMLA_SCRATCH_AVX512_XB, sizeof(uint16_t) * (size_t)Kp);
+    if (!xb) return;
     to_bf16(x, 0, 1, K, xb, Kp);
     int64_t r = r0;
     for (; r + 4 <= r1; r += 4) gemv_rows(w, xb, y + (r - r0), r, 4);
     for (; r < r1; r++) gemv_rows(w, xb, y + (r - r0), r, 1);
-    return 0;
 }
 
 /* ---- gemm --------------------------------------------------------------------------------------- */
@@ -159,17 +156,16 @@ void cpumla_avx512_gemm_xb(const cpumla_weight *w, const uint16_t *xb, int64_t l
 }
 
 /* gemm from fp32 x (callers of the table entry itself, e.g. per-head products): converted per chunk */
-int cpumla_avx512_gemm_bf16(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
-                            int64_t ldy, int64_t r0, int64_t r1) {
+void cpumla_avx512_gemm_bf16(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
+                             int64_t ldy, int64_t r0, int64_t r1) {
     int64_t K = w->cols;
-    uint16_t *xb = cpumla_grow(&xb_buf, &xb_cap, sizeof(uint16_t) * (size_t)(n * BG_KC));
-    if (!xb) return -1;
+    uint16_t *xb = cpumla_scratch(CPUMLA_SCRATCH_AVX512_XB, sizeof(uint16_t) * (size_t)(n * BG_KC));
+    if (!xb) return;
     for (int64_t k0 = 0; k0 < K; k0 += BG_KC) {
         int64_t kc = min64(BG_KC, K - k0);
         to_bf16(x + k0, ldx, n, kc, xb, BG_KC);
         gemm_chunk(w, xb, BG_KC, n, k0, kc, y, ldy, r0, r1);
     }
-    return 0;
 }
 
 /* ---- E4M3 weights --------------------------------------------------------------------------------
@@ -257,9 +253,6 @@ static void e4_act(const cpumla_weight *w, int64_t r, const float *x, int64_t ld
     }
 }
 
-static __thread void *e4_xs_buf, *e4_panel_buf;
-static __thread size_t e4_xs_cap, e4_panel_cap;
-
 /* y[i] = row r + i . xs for i < R (1..4), prefetching the group at pf (pf_rows). Unlike the BF16
  * GEMV, this one is faster with the group-ahead prefetch (see docs/benchmarks.md). */
 INLINE void e4_gemv_rows(const cpumla_weight *w, const e4_tab *tab, const uint16_t *xs, float *y, int64_t r, int R,
@@ -296,10 +289,10 @@ INLINE void e4_gemv_rows(const cpumla_weight *w, const e4_tab *tab, const uint16
     UNROLL for (int i = 0; i < R; i++) y[i] = _mm512_reduce_add_ps(_mm512_add_ps(a0[i], a1[i]));
 }
 
-int cpumla_avx512_gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
+void cpumla_avx512_gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
     int64_t Kp = (w->cols + 63) & ~(int64_t)63;
-    uint16_t *xs = cpumla_grow(&e4_xs_buf, &e4_xs_cap, sizeof(uint16_t) * (size_t)Kp);
-    if (!xs) return -1;
+    uint16_t *xs = cpumla_scratch(CPUMLA_SCRATCH_AVX512_E4_XS, sizeof(uint16_t) * (size_t)Kp);
+    if (!xs) return;
     e4_tab tab = e4_load();
     for (int64_t b0 = r0; b0 < r1;) {                /* one row block (one activation) at a time */
         int64_t b1 = min64((b0 / w->block_rows + 1) * w->block_rows, r1), r = b0;
@@ -308,7 +301,6 @@ int cpumla_avx512_gemv_e4m3(const cpumla_weight *w, const float *x, float *y, in
         for (; r < b1; r++) e4_gemv_rows(w, &tab, xs, y + (r - r0), r, 1, pf_rows(w, r, r1));
         b0 = b1;
     }
-    return 0;
 }
 
 /* gemm: per row block, the tokens' activations (in chunks of up to E4_ACT_BYTES) are converted once;
@@ -335,13 +327,13 @@ INLINE void e4_pf_some(e4_pf *p) {
     }
 }
 
-int cpumla_avx512_gemm_e4m3(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
-                            int64_t ldy, int64_t r0, int64_t r1) {
+void cpumla_avx512_gemm_e4m3(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
+                             int64_t ldy, int64_t r0, int64_t r1) {
     int64_t K = w->cols, Kp = (K + 63) & ~(int64_t)63;
     int64_t ntc = min64(n, max64(BG_NT, E4_ACT_BYTES / (2 * Kp)));
-    uint16_t *xs = cpumla_grow(&e4_xs_buf, &e4_xs_cap, sizeof(uint16_t) * (size_t)(ntc * Kp));
-    uint16_t *panel = cpumla_grow(&e4_panel_buf, &e4_panel_cap, sizeof(uint16_t) * (size_t)(BG_MP * BG_KC));
-    if (!xs || !panel) return -1;
+    uint16_t *xs = cpumla_scratch(CPUMLA_SCRATCH_AVX512_E4_XS, sizeof(uint16_t) * (size_t)(ntc * Kp));
+    uint16_t *panel = cpumla_scratch(CPUMLA_SCRATCH_AVX512_E4_PANEL, sizeof(uint16_t) * (size_t)(BG_MP * BG_KC));
+    if (!xs || !panel) return;
     e4_tab tab = e4_load();
     for (int64_t b0 = r0; b0 < r1;) {
         int64_t b1 = min64((b0 / w->block_rows + 1) * w->block_rows, r1);
@@ -390,7 +382,6 @@ int cpumla_avx512_gemm_e4m3(const cpumla_weight *w, const float *x, int64_t ldx,
         }
         b0 = b1;
     }
-    return 0;
 }
 
 /* ---- gemv_t for BF16 weights (the MLA absorb) ----------------------------------------------------
@@ -400,19 +391,16 @@ int cpumla_avx512_gemm_e4m3(const cpumla_weight *w, const float *x, int64_t ldx,
  * columns within each 32: the low vector holds columns 8L + 0..3 of 128-bit lane L (L < 4), the high
  * one 8L + 4..7. The sums are kept in that order in a per-thread buffer and put back in order at the
  * end. Two pairs (4 rows) per pass over the buffer. */
-static __thread void *gt_buf;
-static __thread size_t gt_cap;
-
 INLINE __m512bh pair_bh(float a, float b) {
     uint32_t u = (uint32_t)f32_to_bf16(a) | (uint32_t)f32_to_bf16(b) << 16;
     return (__m512bh)_mm512_set1_epi32((int)u);
 }
 
-int cpumla_avx512_gemv_t_bf16(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y,
-                              int64_t c0, int64_t c1) {
+void cpumla_avx512_gemv_t_bf16(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y,
+                               int64_t c0, int64_t c1) {
     int64_t n = c1 - c0, n32 = (n + 31) & ~(int64_t)31;
-    float *acc = cpumla_grow(&gt_buf, &gt_cap, sizeof(float) * (size_t)(n32 > 0 ? n32 : 32));
-    if (!acc) return -1;
+    float *acc = cpumla_scratch(CPUMLA_SCRATCH_AVX512_GT, sizeof(float) * (size_t)(n32 > 0 ? n32 : 32));
+    if (!acc) return;
     for (int64_t c = 0; c < n32; c += 16) _mm512_storeu_ps(acc + c, _mm512_setzero_ps());
     for (int64_t i = 0; i < nr; i += 4) {
         int R = (int)min64(4, nr - i);
@@ -440,5 +428,4 @@ int cpumla_avx512_gemv_t_bf16(const cpumla_weight *w, int64_t r0, int64_t nr, co
         _mm512_mask_storeu_ps(y + c, tail16(n - c), _mm512_shuffle_f32x4(t0, t0, 0xd8));
         _mm512_mask_storeu_ps(y + c + 16, tail16(n - c - 16), _mm512_shuffle_f32x4(t1, t1, 0xd8));
     }
-    return 0;
 }

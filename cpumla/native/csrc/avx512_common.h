@@ -98,23 +98,23 @@ INLINE __m512 dq16(int32_t dt, const uint8_t *row, int64_t c, int64_t n) {
     }
 }
 
-/* avx512_bf16.c: BF16-weight products with vdpbf16ps; they return -1 (nothing written) when the
- * per-thread activation buffer cannot be allocated, and the caller takes its fp32 path. */
-CPUMLA_INTERNAL int cpumla_avx512_gemv_bf16(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1);
-CPUMLA_INTERNAL int cpumla_avx512_gemm_bf16(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
+/* avx512_bf16.c: BF16-weight products with vdpbf16ps. Their buffers come from cpumla_scratch; when
+ * one cannot be had they write nothing (the context is marked failed and the call returns -1). */
+CPUMLA_INTERNAL void cpumla_avx512_gemv_bf16(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1);
+CPUMLA_INTERNAL void cpumla_avx512_gemm_bf16(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
                             int64_t ldy, int64_t r0, int64_t r1);
 CPUMLA_INTERNAL void cpumla_avx512_gemm_xb(const cpumla_weight *w, const uint16_t *xb, int64_t ldb, int64_t n, float *y,
                            int64_t ldy, int64_t r0, int64_t r1);
 
-/* gemv_t of BF16 weights, rows paired per vdpbf16ps (-1: out of memory, nothing written) */
-CPUMLA_INTERNAL int cpumla_avx512_gemv_t_bf16(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y,
+/* gemv_t of BF16 weights, rows paired per vdpbf16ps */
+CPUMLA_INTERNAL void cpumla_avx512_gemv_t_bf16(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y,
                               int64_t c0, int64_t c1);
 
 /* E4M3 weights the same way (codes decoded to bf16, activations bf16(x * scale) per row block);
  * cpumla_avx512_e4m3_tables fills their decode tables (once, from cpumla_fill_avx512). */
 CPUMLA_INTERNAL void cpumla_avx512_e4m3_tables(void);
-CPUMLA_INTERNAL int cpumla_avx512_gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1);
-CPUMLA_INTERNAL int cpumla_avx512_gemm_e4m3(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
+CPUMLA_INTERNAL void cpumla_avx512_gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1);
+CPUMLA_INTERNAL void cpumla_avx512_gemm_e4m3(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
                             int64_t ldy, int64_t r0, int64_t r1);
 
 /* CALL(NT) with NT a constant 1..6: a gemm microkernel instantiated per token count */

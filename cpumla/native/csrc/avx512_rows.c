@@ -336,4 +336,5 @@ void cpumla_fill_avx512_rows(cpumla_kernels *k) {
     k->read_sum = read_sum_avx512;
     static const int ids[] = {K_RMSNORM, K_SWIGLU, K_SOFTMAX, K_ATTN, K_CACHE_ROW, K_READ};
     for (size_t i = 0; i < sizeof ids / sizeof ids[0]; i++) k->who[ids[i]] = "avx512";
+    k->who[K_ATTN] = "avx512 (avx2 for rows wider than 16384, scalar if BF16)";   /* ATT_BUF */
 }

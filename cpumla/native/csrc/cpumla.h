@@ -10,8 +10,13 @@
  *   - A weight is [rows, cols] = [out, in], as torch.nn.Linear stores it: y = W x.
  *   - Every "ld" is a stride in elements (of the buffer it belongs to), so strided views work.
  *   - Public kernels are multi-threaded on the library's own persistent pool; each call returns when
- *     the result is complete. Calls must come from one thread at a time.
- *   - Nothing here allocates per call once warm: scratch is owned by the library and only grows.
+ *     the result is complete. Any thread may call: every call that runs kernels takes the library
+ *     lock (cpumla_enter), so calls from different threads run one after the other.
+ *   - Scratch belongs to a context (cpumla_ctx), never to the process: a caller that enters its own
+ *     context (a model's forward) keeps its buffers warm across calls, and nothing is allocated per
+ *     call once they have grown; a standalone call gets a temporary context, freed when it returns.
+ *   - Calls that can fail return 0, or -1 with cpumla_last_error() (per thread) saying why; a failed
+ *     scratch allocation is such a failure, never a result computed some other way.
  *
  * This header is parsed by cffi (lines starting with '#' are dropped), so keep declarations plain C.
  */
@@ -86,13 +91,17 @@ enum cpumla_feature {
  * "scalar", "avx2", "avx512", "amx", "neon". Returns 0, or -1 when that implementation was not built
  * into this library or the CPU/OS cannot run it (cpumla_last_error() says which). Safe to call again. */
 int cpumla_init(const char *isa);
-const char *cpumla_last_error(void);
+const char *cpumla_last_error(void);          /* the calling thread's last error */
 const char *cpumla_isa(void);                  /* the implementation in use */
 int cpumla_isa_available(const char *isa);     /* 1: built and runnable here; 0: not */
 const char *cpumla_isa_list(void);             /* all implementations built in, space-separated */
 uint64_t cpumla_cpu_features(void);
 const char *cpumla_cpu_name(void);
-const char *cpumla_kernel_impl(const char *kernel);  /* which implementation serves a kernel */
+/* Which implementation serves a kernel: "gemv" names the file owning the table entry; "gemv:e2m1"
+ * (gemv, gemm, head_gemv, head_gemv_t, dequant with f32 / bf16 / f16 / e4m3 / e2m1) the one that
+ * really serves that weight format, with any hand-back that depends on the layout named in
+ * parentheses. NULL for an unknown name. */
+const char *cpumla_kernel_impl(const char *kernel);
 const char *cpumla_kernel_names(void);         /* space-separated kernel names */
 const char *cpumla_build_info(void);           /* compiler and flags of each implementation */
 const char *cpumla_version(void);
@@ -100,12 +109,27 @@ const char *cpumla_version(void);
 int cpumla_set_threads(int n);                 /* n < 1: one per online core. Returns the count. */
 int cpumla_get_threads(void);
 
+/* ---- scratch contexts and the library lock ----------------------------------------------------- */
+typedef struct cpumla_ctx cpumla_ctx;          /* scratch owned by one model (or one call) */
+cpumla_ctx *cpumla_ctx_new(void);              /* NULL when out of memory */
+void cpumla_ctx_free(cpumla_ctx *ctx);         /* NULL ok */
+/* Takes the library lock (recursive for the calling thread) and makes ctx's scratch current for the
+   calls made until the matching leave. ctx NULL: keeps the current one if already inside, else a
+   temporary one freed at the outermost leave. Returns 0. */
+int cpumla_enter(cpumla_ctx *ctx);
+/* Ends the innermost enter; returns rc, or -1 when a scratch allocation failed since the matching
+   enter (cpumla_last_error says so). Releases the lock at the outermost level. */
+int cpumla_leave(int rc);
+/* Test hook: with the environment variable CPUMLA_SCRATCH_LIMIT set to a byte count (read at each
+   outermost cpumla_enter), every scratch request above it fails as if out of memory. */
+
 /* ---- linear algebra --------------------------------------------------------------------------- */
-/* y[r] = sum_c W[r,c] x[c] for all rows. */
-void cpumla_gemv(const cpumla_weight *w, const float *x, float *y);
+/* y[r] = sum_c W[r,c] x[c] for all rows. gemv, gemm, head_gemv, head_gemv_t, mla_attention and
+ * cache_store return 0, or -1 (cpumla_last_error: out of memory for scratch, bad arguments). */
+int cpumla_gemv(const cpumla_weight *w, const float *x, float *y);
 
 /* Y[i, r] = sum_c X[i,c] W[r,c] for i < n (prefill: n tokens). X is [n, ldx], Y is [n, ldy]. */
-void cpumla_gemm(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy);
+int cpumla_gemm(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy);
 
 /* cpumla_gemm with the activations as given, for a BF16 weight whose products must not round them
  * (kernels.h rounds a BF16 weight's activations to bf16): the MoE router, whose logits transformers
@@ -121,12 +145,12 @@ int cpumla_gemm_f32act(const cpumla_weight *w, const float *x, int64_t ldx, int6
  * Token t's head h input is x + t*ldx_t + h*ldx_h, its output y + t*ldy_t + h*ldy_h.
  *   head_gemv   (un-absorb, o_h = W_UV[h] o_lat_h):   y_h[head_rows] = W_h x_h[cols]
  *   head_gemv_t (absorb, q~_h = q_nope_h @ W_UK[h]):  y_h[cols]      = W_h^T x_h[head_rows] */
-void cpumla_head_gemv(const cpumla_weight *w, int64_t row0, int64_t head_stride, int64_t head_rows,
-                      int64_t n_heads, int64_t n, const float *x, int64_t ldx_t, int64_t ldx_h,
-                      float *y, int64_t ldy_t, int64_t ldy_h);
-void cpumla_head_gemv_t(const cpumla_weight *w, int64_t row0, int64_t head_stride, int64_t head_rows,
-                        int64_t n_heads, int64_t n, const float *x, int64_t ldx_t, int64_t ldx_h,
-                        float *y, int64_t ldy_t, int64_t ldy_h);
+int cpumla_head_gemv(const cpumla_weight *w, int64_t row0, int64_t head_stride, int64_t head_rows,
+                     int64_t n_heads, int64_t n, const float *x, int64_t ldx_t, int64_t ldx_h,
+                     float *y, int64_t ldy_t, int64_t ldy_h);
+int cpumla_head_gemv_t(const cpumla_weight *w, int64_t row0, int64_t head_stride, int64_t head_rows,
+                       int64_t n_heads, int64_t n, const float *x, int64_t ldx_t, int64_t ldx_h,
+                       float *y, int64_t ldy_t, int64_t ldy_h);
 
 /* out[r - r0, c] = W[r, c] in fp32, rows [r0, r1): for load-time conversions and tests. */
 void cpumla_dequant(const cpumla_weight *w, int64_t r0, int64_t r1, float *out, int64_t ldo);
@@ -207,9 +231,9 @@ int cpumla_moe(const cpumla_expert *experts, int64_t n_experts, const float *x, 
 
 /* ---- latent cache and MLA attention ----------------------------------------------------------- */
 /* cache row slots[t] = src row t (width values), for t < n; a slot of -1 is skipped.
- * cache_dtype: CPUMLA_F32, or CPUMLA_BF16 (round to nearest even). */
-void cpumla_cache_store(void *cache, int32_t cache_dtype, int64_t ld_cache, const float *src,
-                        int64_t ld_src, int64_t n, int64_t width, const int64_t *slots);
+ * cache_dtype: CPUMLA_F32, or CPUMLA_BF16 (round to nearest even); another is an error (-1). */
+int cpumla_cache_store(void *cache, int32_t cache_dtype, int64_t ld_cache, const float *src,
+                       int64_t ld_src, int64_t n, int64_t width, const int64_t *slots);
 
 /* Multi-query attention of H query heads against one shared key/value row per token:
  * MLA decode (absorbed q~ [H, R+P] against the latent cache [T, R+P], value = first R columns),
@@ -234,7 +258,7 @@ typedef struct cpumla_attn_args {
     float *out; int64_t ldo_t, ldo_h;           /* [n_q, H, dv] */
     float *lse;                                 /* [n_q, H] or NULL */
 } cpumla_attn_args;
-void cpumla_mla_attention(const cpumla_attn_args *a);
+int cpumla_mla_attention(const cpumla_attn_args *a);
 
 /* ---- model descriptions ------------------------------------------------------------------------ */
 /* A vector as stored (norm weights, biases): F32, BF16 or F16. Each model family's forward, its

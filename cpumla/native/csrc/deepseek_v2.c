@@ -43,7 +43,8 @@ int dsv2_state_init(cpumla_dsv2_state *s, const cpumla_dsv2_model *m, int64_t ct
     size_t bytes = floats * 4 + (size_t)(n * K + n) * 4 + (size_t)n * 16 + 256;
     s->block = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
     s->cache = calloc((size_t)m->n_layers, sizeof(float *));
-    if (!s->block || !s->cache) goto oom;
+    s->scratch = cpumla_ctx_new();
+    if (!s->block || !s->cache || !s->scratch) goto oom;
     float *p = s->block;
     for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++) {
         *slots[i] = p;
@@ -72,8 +73,10 @@ void dsv2_state_release(cpumla_dsv2_state *s) {
         for (int64_t l = 0; l < s->m->n_layers; l++) free(s->cache[l]);
     free(s->cache);
     free(s->block);
+    cpumla_ctx_free(s->scratch);
     s->cache = NULL;
     s->block = NULL;
+    s->scratch = NULL;
 }
 
 int dsv2_begin(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int64_t pos0) {
@@ -116,23 +119,23 @@ int dsv2_attn_in(cpumla_dsv2_state *s, int64_t l, int64_t n) {
     float eps = m->rms_norm_eps;
     cpumla_rmsnorm(s->h, D, s->x, D, n, D, L->input_ln.data, L->input_ln.dtype, eps);
     if (L->q) {
-        cpumla_gemm(L->q, s->x, D, n, s->q, H * qk);
+        TRY(cpumla_gemm(L->q, s->x, D, n, s->q, H * qk));
     } else {
         int64_t QL = m->q_lora_rank;
-        cpumla_gemm(L->q_a, s->x, D, n, s->qa, QL);
+        TRY(cpumla_gemm(L->q_a, s->x, D, n, s->qa, QL));
         cpumla_rmsnorm(s->qa, QL, s->qa, QL, n, QL, L->q_a_ln.data, L->q_a_ln.dtype, eps);
-        cpumla_gemm(L->q_b, s->qa, QL, n, s->q, H * qk);
+        TRY(cpumla_gemm(L->q_b, s->qa, QL, n, s->q, H * qk));
     }
-    cpumla_gemm(L->kv_a, s->x, D, n, s->latent, R + P);
+    TRY(cpumla_gemm(L->kv_a, s->x, D, n, s->latent, R + P));
     cpumla_rmsnorm(s->latent, R + P, s->latent, R + P, n, R, L->kv_a_ln.data, L->kv_a_ln.dtype, eps);
     cpumla_rope(s->latent, n, R + P, 1, 0, R, P, s->pos, m->inv_freq, m->rope_attn_scale, CPUMLA_ROPE_INTERLEAVED);
     cpumla_rope(s->q, n, H * qk, H, qk, dn, P, s->pos, m->inv_freq, m->rope_attn_scale, CPUMLA_ROPE_INTERLEAVED);
     /* absorb: q~_h[:R] = q_nope_h @ W_UK[h]; q~_h[R:] = q_pe_h */
-    cpumla_head_gemv_t(L->kv_b, 0, dn + dv, dn, H, n, s->q, H * qk, qk, s->q_abs, H * (R + P), R + P);
+    TRY(cpumla_head_gemv_t(L->kv_b, 0, dn + dv, dn, H, n, s->q, H * qk, qk, s->q_abs, H * (R + P), R + P));
     for (int64_t t = 0; t < n; t++)
         for (int64_t hh = 0; hh < H; hh++)
             memcpy(s->q_abs + (t * H + hh) * (R + P) + R, s->q + t * H * qk + hh * qk + dn, sizeof(float) * (size_t)P);
-    cpumla_cache_store(s->cache[l], CPUMLA_F32, R + P, s->latent, R + P, n, R + P, s->pos);
+    TRY(cpumla_cache_store(s->cache[l], CPUMLA_F32, R + P, s->latent, R + P, n, R + P, s->pos));
     return 0;
 }
 
@@ -149,10 +152,10 @@ int dsv2_attn_out(cpumla_dsv2_state *s, int64_t l, int64_t n, int64_t pos0, cons
     a.kv_len = kv_idx ? kv_count : s->kv_len; a.kv_idx = kv_idx; a.ld_idx = ld_idx;
     a.scale = m->softmax_scale;
     a.out = s->o_lat; a.ldo_t = H * R; a.ldo_h = R;
-    cpumla_mla_attention(&a);
+    TRY(cpumla_mla_attention(&a));
     /* un-absorb: o_h = W_UV[h] o~_h */
-    cpumla_head_gemv(L->kv_b, dn, dn + dv, dv, H, n, s->o_lat, H * R, R, s->o, H * dv, dv);
-    cpumla_gemm(L->o_proj, s->o, H * dv, n, s->t, D);
+    TRY(cpumla_head_gemv(L->kv_b, dn, dn + dv, dv, H, n, s->o_lat, H * R, R, s->o, H * dv, dv));
+    TRY(cpumla_gemm(L->o_proj, s->o, H * dv, n, s->t, D));
     for (int64_t i = 0; i < n * D; i++) s->h[i] += s->t[i];
     return 0;
 }
@@ -178,7 +181,7 @@ int dsv2_end(cpumla_dsv2_state *s, int64_t n, float *logits, int32_t last_only) 
     const cpumla_dsv2_model *m = s->m;
     int64_t D = m->hidden, first = last_only ? n - 1 : 0, rows = n - first;
     cpumla_rmsnorm(s->h + first * D, D, s->x, D, rows, D, m->norm.data, m->norm.dtype, m->rms_norm_eps);
-    cpumla_gemm(m->lm_head, s->x, D, rows, logits, m->vocab);
+    TRY(cpumla_gemm(m->lm_head, s->x, D, rows, logits, m->vocab));
     return 0;
 }
 
@@ -208,8 +211,11 @@ static int forward(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int64_t 
     return dsv2_end(s, n, logits, last_only);
 }
 
+/* Under the library lock, with the model's own scratch: a failed scratch request anywhere inside makes
+ * the forward return -1 rather than go on with garbage. */
 int cpumla_dsv2_forward(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int64_t pos0, float *logits,
                         int32_t last_only) {
+    cpumla_enter(s->scratch);
     cpumla_ensure_init();
-    return forward(s, ids, n, pos0, logits, last_only);
+    return cpumla_leave(forward(s, ids, n, pos0, logits, last_only));
 }

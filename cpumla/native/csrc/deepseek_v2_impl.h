@@ -12,6 +12,7 @@
 struct cpumla_dsv2_state {
     const cpumla_dsv2_model *m;
     int64_t ctx, max_tokens;
+    cpumla_ctx *scratch;  /* the kernels' scratch (attention parts, MoE lists, operand conversions) */
     float **cache;   /* [n_layers] latent caches [ctx, R+P] = rows of [c_kv | RoPE(k_pe)] */
     void *block;     /* the one allocation behind every scratch pointer below */
     float *h;        /* [n, D] residual stream */

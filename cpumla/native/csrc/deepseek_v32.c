@@ -139,13 +139,13 @@ static int indexer(cpumla_dsv32_state *s, int64_t l, int64_t n, int64_t pos0) {
     cpumla_dsv2_state *b = &s->base;
     int64_t D = m->base.hidden, QL = m->base.q_lora_rank, P = m->base.qk_rope_head_dim;
     int64_t IH = m->index_n_heads, ID = m->index_head_dim, K = m->index_topk;
-    cpumla_gemm(X->wq_b, b->qa, QL, n, s->qi, IH * ID);
-    cpumla_gemm(X->wk, b->x, D, n, s->ki, ID);
-    cpumla_gemm(X->weights_proj, b->x, D, n, s->iw, IH);
+    TRY(cpumla_gemm(X->wq_b, b->qa, QL, n, s->qi, IH * ID));
+    TRY(cpumla_gemm(X->wk, b->x, D, n, s->ki, ID));
+    TRY(cpumla_gemm(X->weights_proj, b->x, D, n, s->iw, IH));
     layernorm(s->ki, n, ID, X->k_norm, X->k_norm_bias, m->index_norm_eps);
     cpumla_rope(s->qi, n, IH * ID, IH, ID, 0, P, b->pos, m->base.inv_freq, m->base.rope_attn_scale, CPUMLA_ROPE_HALF);
     cpumla_rope(s->ki, n, ID, 1, 0, 0, P, b->pos, m->base.inv_freq, m->base.rope_attn_scale, CPUMLA_ROPE_HALF);
-    cpumla_cache_store(s->icache[l], CPUMLA_F32, ID, s->ki, ID, n, ID, b->pos);
+    TRY(cpumla_cache_store(s->icache[l], CPUMLA_F32, ID, s->ki, ID, n, ID, b->pos));
     float wscale = (float)(1.0 / sqrt((double)IH) / sqrt((double)ID));
     for (int64_t i = 0; i < n * IH; i++) s->iw[i] *= wscale;
 
@@ -158,7 +158,7 @@ static int indexer(cpumla_dsv32_state *s, int64_t l, int64_t n, int64_t pos0) {
             /* scores[(t - q0)*IH + h][s] = qI_h(t) . kI(s): one gemm over the cache rows */
             cpumla_weight keys = {.data = s->icache[l], .rows = T, .cols = ID, .row_bytes = ID * 4,
                                   .dtype = CPUMLA_F32, .block_rows = 1, .block_cols = 1};
-            cpumla_gemm(&keys, s->qi + q0 * IH * ID, ID, (q1 - q0) * IH, s->scores, T);
+            TRY(cpumla_gemm(&keys, s->qi + q0 * IH * ID, ID, (q1 - q0) * IH, s->scores, T));
         }
         for (int64_t t = q0; t < q1; t++) {
             int64_t count = pos0 + t + 1;         /* causal */
@@ -198,6 +198,7 @@ static int forward(cpumla_dsv32_state *s, const int64_t *ids, int64_t n, int64_t
 
 int cpumla_dsv32_forward(cpumla_dsv32_state *s, const int64_t *ids, int64_t n, int64_t pos0, float *logits,
                          int32_t last_only) {
+    cpumla_enter(s->base.scratch);
     cpumla_ensure_init();
-    return forward(s, ids, n, pos0, logits, last_only);
+    return cpumla_leave(forward(s, ids, n, pos0, logits, last_only));
 }

@@ -19,7 +19,7 @@
 
 cpumla_kernels cpumla_k;
 static char chosen[16] = "";
-static char last_error[256] = "";
+static __thread char last_error[256];    /* per thread: one thread's error never hides another's */
 static uint64_t features;
 static int features_known;
 static char cpu_name[128] = "";
@@ -184,7 +184,7 @@ static int is_known_isa(const char *name) {
     return 0;
 }
 
-int cpumla_init(const char *isa) {
+static int init(const char *isa) {
     int target;
     if (!isa || !isa[0] || !strcmp(isa, "auto")) {
         target = 0;
@@ -222,6 +222,12 @@ int cpumla_init(const char *isa) {
     return 0;
 }
 
+/* under the library lock: never while another thread's call uses the table or the pool */
+int cpumla_init(const char *isa) {
+    cpumla_enter(NULL);
+    return cpumla_leave(init(isa));
+}
+
 void cpumla_ensure_init(void) {
     if (!chosen[0]) cpumla_init(NULL);
 }
@@ -236,7 +242,7 @@ static const struct { const char *name; int id; } kernel_names[] = {
     {"gemv", K_GEMV}, {"gemm", K_GEMM}, {"head_gemv", K_GEMM}, {"head_gemv_t", K_GEMV_T},
     {"dequant", K_DEQUANT}, {"rmsnorm", K_RMSNORM}, {"swiglu", K_SWIGLU}, {"softmax", K_SOFTMAX},
     {"mla_attention", K_ATTN}, {"cache_store", K_CACHE_ROW}, {"read_probe", K_READ},
-    {"fma_probe", K_FMA}, {"bf16_probe", K_DOT}, {"moe", -1}, {"mla_forward", -1},
+    {"fma_probe", K_FMA}, {"bf16_probe", K_DOT}, {"moe", -1},
     {"rope", -1}, {"topk", -1}, {"route", -1},
 };
 
@@ -250,11 +256,23 @@ const char *cpumla_kernel_names(void) {
     return buf;
 }
 
+static const char *fmt_names[CPUMLA_E2M1 + 1] = {"f32", "bf16", "f16", "e4m3", "e2m1"};
+
+/* "name" -> who[entry]; "name:fmt" -> who_fmt[entry][fmt] for the linear-algebra kernels */
 const char *cpumla_kernel_impl(const char *kernel) {
+    if (!kernel) return NULL;
     cpumla_ensure_init();
-    for (size_t i = 0; i < sizeof kernel_names / sizeof kernel_names[0]; i++)
-        if (kernel && !strcmp(kernel_names[i].name, kernel))
-            return kernel_names[i].id < 0 ? "portable" : cpumla_k.who[kernel_names[i].id];
+    const char *colon = strchr(kernel, ':');
+    size_t len = colon ? (size_t)(colon - kernel) : strlen(kernel);
+    for (size_t i = 0; i < sizeof kernel_names / sizeof kernel_names[0]; i++) {
+        if (strlen(kernel_names[i].name) != len || strncmp(kernel_names[i].name, kernel, len)) continue;
+        int id = kernel_names[i].id;
+        if (!colon) return id < 0 ? "portable" : cpumla_k.who[id];
+        if (id < K_GEMV || id > K_DEQUANT) return NULL;
+        for (int f = 0; f <= CPUMLA_E2M1; f++)
+            if (!strcmp(colon + 1, fmt_names[f])) return cpumla_k.who_fmt[id][f];
+        return NULL;
+    }
     return NULL;
 }
 
@@ -268,5 +286,12 @@ const char *cpumla_build_info(void) {
 
 const char *cpumla_version(void) { return CPUMLA_VERSION; }
 
-int cpumla_set_threads(int n) { return cpumla_pool_resize(n); }
-int cpumla_get_threads(void) { return cpumla_pool_threads(); }
+int cpumla_set_threads(int n) {
+    cpumla_enter(NULL);
+    return cpumla_leave(cpumla_pool_resize(n));
+}
+
+int cpumla_get_threads(void) {
+    cpumla_enter(NULL);
+    return cpumla_leave(cpumla_pool_threads());
+}

@@ -10,8 +10,6 @@
 
 extern cpumla_kernels cpumla_k;     /* filled by cpumla_init */
 void cpumla_ensure_init(void);      /* cpumla_init(NULL) on first use */
-void cpumla_set_error(const char *msg);
-/* (re)allocates *buf to at least bytes (64-byte aligned) only when it is too small; NULL if out of memory */
-void *cpumla_grow(void **buf, size_t *cap, size_t bytes);
+void cpumla_set_error(const char *msg);   /* the calling thread's cpumla_last_error */
 
 #endif

@@ -4,7 +4,8 @@
  * of a public call (cpumla.h) over the thread pool and calls these. The dispatcher fills the table
  * from scalar.c first, then lets each better implementation the CPU supports overwrite the entries it
  * has, in order scalar -> avx2 -> avx512 -> amx (x86) or scalar -> neon (arm64). who[] names the file
- * that serves each entry, for `cpumla info`.
+ * that owns each entry and who_fmt[] the one that serves each weight format of the linear-algebra
+ * entries (a fill sets it for the formats it really handles), for `cpumla info`.
  *
  * Every entry's semantics are those of its scalar twin in scalar.c, which is the spec.
  *
@@ -20,7 +21,8 @@
  */
 #ifndef CPUMLA_KERNELS_H
 #define CPUMLA_KERNELS_H
-#include "cpumla.h"
+#include <stddef.h>
+#include "common.h"
 
 enum cpumla_kernel_id {
     K_GEMV, K_GEMM, K_GEMV_T, K_DEQUANT, K_RMSNORM, K_SWIGLU, K_SOFTMAX, K_ATTN, K_CACHE_ROW,
@@ -83,7 +85,37 @@ typedef struct cpumla_kernels {
     double (*dot_loop)(int64_t iters, float *sink);
 
     const char *who[K_COUNT];
+
+    /* who_fmt[K_GEMV .. K_DEQUANT][weight dtype]: the implementation that really serves that format
+     * through the entry (one that hands a format back to the entry it replaced names the one below);
+     * a hand-back that depends on the layout is named in parentheses. cpumla_kernel_impl("gemv:e2m1"). */
+    const char *who_fmt[K_DEQUANT + 1][CPUMLA_E2M1 + 1];
 } cpumla_kernels;
+
+/* ---- scratch ------------------------------------------------------------------------------------
+ * Buffers a kernel needs beyond its fixed-size locals come from the current context (cpumla_enter,
+ * context.c): one buffer per slot per pool thread, grown as needed, 64-byte aligned, kept by the
+ * context. Two uses of one slot must never be live at once on one thread. cpumla_scratch returns NULL
+ * when the buffer cannot be had (out of memory, or above CPUMLA_SCRATCH_LIMIT): the context is then
+ * marked failed with a message, the public call returns -1, and the kernel must skip its work (never
+ * compute on garbage, never hand the work to another implementation). */
+enum cpumla_scratch_slot {
+    CPUMLA_SCRATCH_X_BF16,           /* ops.c: a gemm's activations in bf16, for gemm_xb */
+    CPUMLA_SCRATCH_F32ACT,           /* ops.c: cpumla_gemm_f32act's parts and products */
+    CPUMLA_SCRATCH_ATTN,             /* ops.c: attention parts */
+    CPUMLA_SCRATCH_ROUTE,            /* moe.c: routing scores */
+    CPUMLA_SCRATCH_MOE1,             /* moe.c: one token's expert activations */
+    CPUMLA_SCRATCH_MOE,              /* moe.c: prefill activations per expert */
+    CPUMLA_SCRATCH_MOE_LIST,         /* moe.c: tokens grouped by expert */
+    CPUMLA_SCRATCH_AVX2_XR,          /* avx2.c, avx2_gemm.c: rounded activation operands */
+    CPUMLA_SCRATCH_AVX512_XB,        /* avx512_bf16.c: bf16 activations */
+    CPUMLA_SCRATCH_AVX512_E4_XS,     /* avx512_bf16.c: e4m3 activation operands */
+    CPUMLA_SCRATCH_AVX512_E4_PANEL,  /* avx512_bf16.c: decoded e4m3 panel */
+    CPUMLA_SCRATCH_AVX512_GT,        /* avx512_bf16.c: gemv_t sums */
+    CPUMLA_SCRATCH_AMX_PANEL,        /* amx.c: packed weight panel */
+    CPUMLA_SCRATCH_COUNT
+};
+CPUMLA_INTERNAL void *cpumla_scratch(int slot, size_t bytes);
 
 /* Each implementation exports one function that overwrites the entries it provides. avx2, avx512 and
  * neon keep their row-wise and attention kernels apart from their linear algebra: their fill calls

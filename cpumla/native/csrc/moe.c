@@ -1,7 +1,9 @@
-/* moe.c: cpumla_moe, SwiGLU experts applied to routed tokens (also dense MLPs and shared experts, as a
- * table of one). Portable orchestration over the table's gemv / gemm / swiglu kernels.
+/* moe.c: MoE routing (cpumla_route: scores, the group step, top-k) and cpumla_moe, SwiGLU experts
+ * applied to routed tokens (also dense MLPs and shared experts, as a table of one). Portable
+ * orchestration over the table's gemv / gemm / swiglu kernels; scratch from the current context.
  *
  * D=hidden I=expert intermediate K=experts per token (k here) n=tokens */
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 #include "common.h"
@@ -10,6 +12,123 @@
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* ---- routing ---------------------------------------------------------------------------------- */
+static float sqrt_softplus(float v) {
+    float sp = v > 20.0f ? v : log1pf(expf(v));     /* torch's softplus threshold */
+    return sqrtf(sp);
+}
+
+static int route(const cpumla_router *r, const float *logits, int64_t ld, int64_t n,
+                 const int64_t *token_ids, int32_t *idx, float *weights) {
+    int64_t E = r->n_experts, K = r->top_k, G = r->n_group > 1 ? r->n_group : 1;
+    char msg[200];
+    if (E < 1 || K < 1 || K > E || r->method < 0 || r->method > CPUMLA_ROUTE_HASH) {
+        snprintf(msg, sizeof msg, "bad router: method %d, %lld experts, top_k %lld", r->method, (long long)E,
+                 (long long)K);
+        cpumla_set_error(msg);
+        return -1;
+    }
+    int grouped = (r->method == CPUMLA_ROUTE_GROUP_LIMITED || r->method == CPUMLA_ROUTE_NOAUX_TC) && G > 1;
+    if (grouped && (E % G != 0 || r->topk_group < 1 || r->topk_group > G ||
+                    (r->method == CPUMLA_ROUTE_NOAUX_TC && E / G < 2))) {
+        snprintf(msg, sizeof msg, "bad router groups: %lld experts in %lld groups, topk_group %d", (long long)E,
+                 (long long)G, r->topk_group);
+        cpumla_set_error(msg);
+        return -1;
+    }
+    if (r->method == CPUMLA_ROUTE_HASH && (!r->tid2eid || !token_ids)) {
+        cpumla_set_error("hash routing needs tid2eid and token ids");
+        return -1;
+    }
+    float *s = cpumla_scratch(CPUMLA_SCRATCH_ROUTE, sizeof(float) * (size_t)(3 * E + 2 * G + 2 * K));
+    if (!s) return -1;
+    float *choice = s + E, *gscore = choice + E, *gval = gscore + G, *kval = gval + G;
+    int32_t *gidx = (int32_t *)(kval + K);   /* G ints fit in the E floats after kval */
+    for (int64_t t = 0; t < n; t++) {
+        const float *lg = logits + t * ld;
+        int32_t *it = idx + t * K;
+        float *wt = weights + t * K;
+        switch (r->method) {
+        case CPUMLA_ROUTE_SOFTMAX:
+        case CPUMLA_ROUTE_GROUP_LIMITED:
+            memcpy(s, lg, sizeof(float) * (size_t)E);
+            {
+                float m = -INFINITY, sum = 0.0f;
+                for (int64_t e = 0; e < E; e++) m = s[e] > m ? s[e] : m;
+                for (int64_t e = 0; e < E; e++) { s[e] = expf(s[e] - m); sum += s[e]; }
+                for (int64_t e = 0; e < E; e++) s[e] /= sum;
+            }
+            break;
+        case CPUMLA_ROUTE_NOAUX_TC:
+            for (int64_t e = 0; e < E; e++) s[e] = 1.0f / (1.0f + expf(-lg[e]));
+            break;
+        default:  /* SQRTSOFTPLUS, HASH */
+            for (int64_t e = 0; e < E; e++) s[e] = sqrt_softplus(lg[e]);
+            break;
+        }
+        if (r->method == CPUMLA_ROUTE_HASH) {
+            int64_t tok = token_ids[t];
+            if (tok < 0 || tok >= r->vocab) {
+                snprintf(msg, sizeof msg, "token id %lld outside the hash table's vocabulary of %lld",
+                         (long long)tok, (long long)r->vocab);
+                cpumla_set_error(msg);
+                return -1;
+            }
+            for (int64_t k = 0; k < K; k++) {
+                int64_t e = r->tid2eid_dtype == CPUMLA_I32 ? ((const int32_t *)r->tid2eid)[tok * K + k]
+                                                           : ((const int64_t *)r->tid2eid)[tok * K + k];
+                if (e < 0 || e >= E) {
+                    snprintf(msg, sizeof msg, "tid2eid[%lld] names expert %lld of %lld", (long long)tok,
+                             (long long)e, (long long)E);
+                    cpumla_set_error(msg);
+                    return -1;
+                }
+                it[k] = (int32_t)e;
+            }
+        } else {
+            int biased = r->bias && (r->method == CPUMLA_ROUTE_NOAUX_TC || r->method == CPUMLA_ROUTE_SQRTSOFTPLUS);
+            for (int64_t e = 0; e < E; e++) choice[e] = biased ? s[e] + r->bias[e] : s[e];
+            if (grouped) {
+                int64_t per = E / G;
+                for (int64_t g = 0; g < G; g++) {
+                    const float *c = choice + g * per;
+                    if (r->method == CPUMLA_ROUTE_GROUP_LIMITED) {
+                        float m = -INFINITY;
+                        for (int64_t e = 0; e < per; e++) m = c[e] > m ? c[e] : m;
+                        gscore[g] = m;
+                    } else {
+                        int32_t i2[2];
+                        float v2[2];
+                        cpumla_topk(c, per, 2, i2, v2);
+                        gscore[g] = v2[0] + v2[1];
+                    }
+                }
+                cpumla_topk(gscore, G, r->topk_group, gidx, gval);
+                for (int64_t g = 0; g < G; g++) {
+                    int keep = 0;
+                    for (int64_t q = 0; q < r->topk_group; q++) keep |= gidx[q] == g;
+                    if (!keep)
+                        for (int64_t e = 0; e < per; e++) choice[g * per + e] = -INFINITY;
+                }
+            }
+            cpumla_topk(choice, E, K, it, kval);
+        }
+        float sum = 0.0f;
+        for (int64_t k = 0; k < K; k++) { wt[k] = s[it[k]]; sum += wt[k]; }
+        for (int64_t k = 0; k < K; k++) {
+            if (r->norm_topk_prob) wt[k] /= sum + 1e-20f;
+            wt[k] *= r->routed_scaling_factor;
+        }
+    }
+    return 0;
+}
+
+int cpumla_route(const cpumla_router *r, const float *logits, int64_t ld, int64_t n,
+                 const int64_t *token_ids, int32_t *idx, float *weights) {
+    cpumla_enter(NULL);
+    return cpumla_leave(route(r, logits, ld, n, token_ids, idx, weights));
+}
 
 /* ---- decode: one token, k experts -------------------------------------------------------------- */
 typedef struct {
@@ -41,14 +160,11 @@ static void moe1_out_task(void *p, int64_t t, int tid) {
     if (r0 < r1) cpumla_k.gemv(&j->experts[j->idx[e]].down, j->h + e * 2 * j->I, j->o + e * j->D + r0, r0, r1);
 }
 
-static void *moe1_buf;
-static size_t moe1_cap;
-
 static int moe_one_token(const cpumla_expert *experts, const float *x, const int32_t *idx, const float *w,
                          int64_t k, float *y, float limit) {
     int64_t I = experts[0].gate.rows, D = experts[0].gate.cols;
-    float *h = cpumla_grow(&moe1_buf, &moe1_cap, sizeof(float) * (size_t)(k * 2 * I + k * D));
-    if (!h) { cpumla_set_error("out of memory for MoE scratch"); return -1; }
+    float *h = cpumla_scratch(CPUMLA_SCRATCH_MOE1, sizeof(float) * (size_t)(k * 2 * I + k * D));
+    if (!h) return -1;
     int threads = cpumla_pool_threads();
     moe1_job j = {experts, idx, k, I, D, 1, 1, I, D, x, h, h + k * 2 * I};
     /* ~4 tasks per thread over all k*2 input matrices, a multiple of 8 rows each */
@@ -70,12 +186,8 @@ static int moe_one_token(const cpumla_expert *experts, const float *x, const int
 }
 
 /* ---- prefill: group tokens by expert, one GEMM per expert hit ----------------------------------- */
-static void *moe_buf, *moe_list_buf;
-static size_t moe_cap, moe_list_cap;
-
-int cpumla_moe(const cpumla_expert *experts, int64_t n_experts, const float *x, int64_t ldx, int64_t n,
+static int moe(const cpumla_expert *experts, int64_t n_experts, const float *x, int64_t ldx, int64_t n,
                const int32_t *idx, const float *w, int64_t k, float *y, int64_t ldy, float limit) {
-    cpumla_ensure_init();
     if (n <= 0 || k <= 0) return 0;
     for (int64_t i = 0; i < n * k; i++) {
         if (idx[i] >= n_experts) {
@@ -90,8 +202,8 @@ int cpumla_moe(const cpumla_expert *experts, int64_t n_experts, const float *x, 
 
     int64_t I = experts[0].gate.rows, D = experts[0].gate.cols;
     /* counting sort of the (token, slot) pairs by expert */
-    int64_t *list = cpumla_grow(&moe_list_buf, &moe_list_cap, sizeof(int64_t) * (size_t)(n * k + n_experts + 1));
-    if (!list) { cpumla_set_error("out of memory for MoE scratch"); return -1; }
+    int64_t *list = cpumla_scratch(CPUMLA_SCRATCH_MOE_LIST, sizeof(int64_t) * (size_t)(n * k + n_experts + 1));
+    if (!list) return -1;
     int64_t *start = list + n * k;
     memset(start, 0, sizeof(int64_t) * (size_t)(n_experts + 1));
     for (int64_t i = 0; i < n * k; i++)
@@ -109,17 +221,17 @@ int cpumla_moe(const cpumla_expert *experts, int64_t n_experts, const float *x, 
         if (idx[i] >= 0) list[start[idx[i] + 1]++] = i;
     /* now start[e+1] is the end of expert e's run and start[e] its beginning (start[0] = 0) */
     (void)total;
-    float *xs = cpumla_grow(&moe_buf, &moe_cap, sizeof(float) * (size_t)(most * (D + 2 * I + D)));
-    if (!xs) { cpumla_set_error("out of memory for MoE scratch"); return -1; }
+    float *xs = cpumla_scratch(CPUMLA_SCRATCH_MOE, sizeof(float) * (size_t)(most * (D + 2 * I + D)));
+    if (!xs) return -1;
     float *g = xs + most * D, *u = g + most * I, *o = u + most * I;
     for (int64_t e = 0; e < n_experts; e++) {
         int64_t b = start[e], cnt = start[e + 1] - b;
         if (cnt == 0) continue;
         for (int64_t r = 0; r < cnt; r++) memcpy(xs + r * D, x + (list[b + r] / k) * ldx, sizeof(float) * (size_t)D);
-        cpumla_gemm(&experts[e].gate, xs, D, cnt, g, I);
-        cpumla_gemm(&experts[e].up, xs, D, cnt, u, I);
+        if (cpumla_gemm(&experts[e].gate, xs, D, cnt, g, I) != 0 || cpumla_gemm(&experts[e].up, xs, D, cnt, u, I) != 0)
+            return -1;
         cpumla_swiglu(g, u, I, g, I, cnt, I, limit);
-        cpumla_gemm(&experts[e].down, g, I, cnt, o, D);
+        if (cpumla_gemm(&experts[e].down, g, I, cnt, o, D) != 0) return -1;
         for (int64_t r = 0; r < cnt; r++) {
             int64_t pair = list[b + r];
             float we = w[pair];
@@ -129,4 +241,11 @@ int cpumla_moe(const cpumla_expert *experts, int64_t n_experts, const float *x, 
         }
     }
     return 0;
+}
+
+int cpumla_moe(const cpumla_expert *experts, int64_t n_experts, const float *x, int64_t ldx, int64_t n,
+               const int32_t *idx, const float *w, int64_t k, float *y, int64_t ldy, float limit) {
+    cpumla_enter(NULL);
+    cpumla_ensure_init();
+    return cpumla_leave(moe(experts, n_experts, x, ldx, n, idx, w, k, y, ldy, limit));
 }

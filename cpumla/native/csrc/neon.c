@@ -498,4 +498,6 @@ void cpumla_fill_neon(cpumla_kernels *k) {
     k->gemm = gemm_neon;               k->who[K_GEMM] = "neon";
     k->gemv_t = gemv_t_neon;           k->who[K_GEMV_T] = "neon";
     k->dequant_row = dequant_row_neon; k->who[K_DEQUANT] = "neon";
+    for (int i = K_GEMV; i <= K_DEQUANT; i++)          /* every format, every layout */
+        for (int f = 0; f <= CPUMLA_E2M1; f++) k->who_fmt[i][f] = "neon";
 }

@@ -1,6 +1,8 @@
 /* ops.c: the public kernels of cpumla.h. Each splits its work into tasks for the thread pool and
- * calls the chosen implementation's range kernels (kernels.h). Small ops that never dominate a token
- * (RoPE, top-k, routing) are portable code here. The benchmark probes are in probes.c. */
+ * calls the chosen implementation's range kernels (kernels.h), between cpumla_enter(NULL) and
+ * cpumla_leave (context.c: the library lock and the scratch of the current context). Small ops that
+ * never dominate a token (RoPE, top-k) are portable code here; routing is in moe.c, the benchmark
+ * probes in probes.c. */
 #include <float.h>
 #include <math.h>
 #include <stdio.h>
@@ -17,17 +19,6 @@
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-
-/* Library-owned scratch that only grows, so nothing is allocated per call once warm. */
-void *cpumla_grow(void **buf, size_t *cap, size_t bytes) {
-    if (bytes > *cap) {
-        free(*buf);
-        size_t want = bytes + bytes / 4 + 4096;
-        *buf = aligned_alloc(64, (want + 63) & ~(size_t)63);
-        *cap = *buf ? want : 0;
-    }
-    return *buf;
-}
 
 /* ---- gemv / gemm ------------------------------------------------------------------------------ */
 typedef struct {
@@ -62,12 +53,10 @@ static void gemm_task(void *p, int64_t t, int tid) {
                       j->ldy, r0, r1);
 }
 
-/* x [n][ldx] -> bf16 [n][ldb] (zero past cols) in this thread's buffer, for gemm_xb; NULL if out of
- * memory (the caller then uses gemm, which rounds x itself) */
+/* x [n][ldx] -> bf16 [n][ldb] (zero past cols) in the caller's scratch, for gemm_xb; NULL if out of
+ * memory (the context is then marked failed and the call does nothing) */
 static const uint16_t *x_to_bf16(const float *x, int64_t ldx, int64_t n, int64_t cols, int64_t ldb) {
-    static __thread void *buf;
-    static __thread size_t cap;
-    uint16_t *xb = cpumla_grow(&buf, &cap, sizeof(uint16_t) * (size_t)(n * ldb));
+    uint16_t *xb = cpumla_scratch(CPUMLA_SCRATCH_X_BF16, sizeof(uint16_t) * (size_t)(n * ldb));
     if (!xb) return NULL;
     for (int64_t t = 0; t < n; t++) {
         cpumla_k.cache_row(xb + t * ldb, CPUMLA_BF16, x + t * ldx, cols);
@@ -94,6 +83,7 @@ static void linear_rows(const cpumla_weight *w, int64_t r_begin, int64_t r_end, 
     if (w->dtype == CPUMLA_BF16 && cpumla_k.gemm_xb) {      /* convert x once, not once per task */
         j.ldb = (w->cols + 31) & ~(int64_t)31;
         j.xb = x_to_bf16(x, ldx, n, w->cols, j.ldb);
+        if (!j.xb) return;
     }
     if (small) {
         if (j.xb) cpumla_k.gemm_xb(w, j.xb, j.ldb, n, y, ldy, r_begin, r_end);
@@ -112,25 +102,26 @@ static void linear_rows(const cpumla_weight *w, int64_t r_begin, int64_t r_end, 
     cpumla_pool_run(j.row_tasks * token_tasks, gemm_task, &j);
 }
 
-void cpumla_gemv(const cpumla_weight *w, const float *x, float *y) {
+int cpumla_gemv(const cpumla_weight *w, const float *x, float *y) {
+    cpumla_enter(NULL);
     cpumla_ensure_init();
     linear_rows(w, 0, w->rows, x, 0, 1, y, 0);
+    return cpumla_leave(0);
 }
 
-void cpumla_gemm(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy) {
+int cpumla_gemm(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy) {
+    cpumla_enter(NULL);
     cpumla_ensure_init();
     linear_rows(w, 0, w->rows, x, ldx, n, y, ldy);
+    return cpumla_leave(0);
 }
 
-int cpumla_gemm_f32act(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy) {
-    cpumla_ensure_init();
-    if (w->dtype != CPUMLA_BF16) { linear_rows(w, 0, w->rows, x, ldx, n, y, ldy); return 0; }
+static void gemm_f32act(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy) {
+    if (w->dtype != CPUMLA_BF16) { linear_rows(w, 0, w->rows, x, ldx, n, y, ldy); return; }
     enum { CHUNK = 64 };                    /* tokens at a time: the scratch stays a few MB */
-    static __thread void *buf;              /* the parts [3 * CHUNK][K] and their products [3 * CHUNK][R] */
-    static __thread size_t cap;
-    int64_t K = w->cols, R = w->rows;
-    float *parts = cpumla_grow(&buf, &cap, sizeof(float) * (size_t)(3 * min64(n, CHUNK) * (K + R)));
-    if (!parts) { cpumla_set_error("out of memory for the fp32-activation product"); return -1; }
+    int64_t K = w->cols, R = w->rows;       /* the parts [3 * CHUNK][K] and their products [3 * CHUNK][R] */
+    float *parts = cpumla_scratch(CPUMLA_SCRATCH_F32ACT, sizeof(float) * (size_t)(3 * min64(n, CHUNK) * (K + R)));
+    if (!parts) return;
     float *out = parts + 3 * min64(n, CHUNK) * K;
     for (int64_t t0 = 0; t0 < n; t0 += CHUNK) {
         int64_t nt = min64(CHUNK, n - t0);
@@ -146,7 +137,13 @@ int cpumla_gemm_f32act(const cpumla_weight *w, const float *x, int64_t ldx, int6
             for (int64_t r = 0; r < R; r++)
                 y[(t0 + t) * ldy + r] = (out[(3 * t) * R + r] + out[(3 * t + 1) * R + r]) + out[(3 * t + 2) * R + r];
     }
-    return 0;
+}
+
+int cpumla_gemm_f32act(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy) {
+    cpumla_enter(NULL);
+    cpumla_ensure_init();
+    gemm_f32act(w, x, ldx, n, y, ldy);
+    return cpumla_leave(0);
 }
 
 /* ---- per-head products (MLA absorb / un-absorb) ----------------------------------------------- */
@@ -170,18 +167,20 @@ static void head_gemv_task(void *p, int64_t t, int tid) {
     else cpumla_k.gemm(j->w, x, j->ldx_t, j->n, y, j->ldy_t, r0, r0 + j->head_rows);
 }
 
-void cpumla_head_gemv(const cpumla_weight *w, int64_t row0, int64_t head_stride, int64_t head_rows,
-                      int64_t n_heads, int64_t n, const float *x, int64_t ldx_t, int64_t ldx_h,
-                      float *y, int64_t ldy_t, int64_t ldy_h) {
+int cpumla_head_gemv(const cpumla_weight *w, int64_t row0, int64_t head_stride, int64_t head_rows,
+                     int64_t n_heads, int64_t n, const float *x, int64_t ldx_t, int64_t ldx_h,
+                     float *y, int64_t ldy_t, int64_t ldy_h) {
+    cpumla_enter(NULL);
     cpumla_ensure_init();
-    if (n <= 0 || n_heads <= 0) return;
     head_job j = {w, row0, head_stride, head_rows, n_heads, n, x, ldx_t, ldx_h, y, ldy_t, ldy_h, 1, 0};
     /* one task per head; all n tokens of a head go through gemm so its rows are read once */
-    if (cpumla_pool_threads() == 1 || head_rows * w->cols * n * n_heads < MIN_PARALLEL_WORK) {
+    if (n <= 0 || n_heads <= 0) {
+    } else if (cpumla_pool_threads() == 1 || head_rows * w->cols * n * n_heads < MIN_PARALLEL_WORK) {
         for (int64_t h = 0; h < n_heads; h++) head_gemv_task(&j, h, 0);
-        return;
+    } else {
+        cpumla_pool_run(n_heads, head_gemv_task, &j);
     }
-    cpumla_pool_run(n_heads, head_gemv_task, &j);
+    return cpumla_leave(0);
 }
 
 static void head_gemv_t_task(void *p, int64_t t, int tid) {
@@ -194,10 +193,9 @@ static void head_gemv_t_task(void *p, int64_t t, int tid) {
                     j->y + tok * j->ldy_t + h * j->ldy_h + c0, c0, c1);
 }
 
-void cpumla_head_gemv_t(const cpumla_weight *w, int64_t row0, int64_t head_stride, int64_t head_rows,
+static void head_gemv_t(const cpumla_weight *w, int64_t row0, int64_t head_stride, int64_t head_rows,
                         int64_t n_heads, int64_t n, const float *x, int64_t ldx_t, int64_t ldx_h,
                         float *y, int64_t ldy_t, int64_t ldy_h) {
-    cpumla_ensure_init();
     if (n <= 0 || n_heads <= 0) return;
     int threads = cpumla_pool_threads();
     head_job j = {w, row0, head_stride, head_rows, n_heads, n, x, ldx_t, ldx_h, y, ldy_t, ldy_h, 1, w->cols};
@@ -215,9 +213,20 @@ void cpumla_head_gemv_t(const cpumla_weight *w, int64_t row0, int64_t head_strid
     cpumla_pool_run(tasks, head_gemv_t_task, &j);
 }
 
+int cpumla_head_gemv_t(const cpumla_weight *w, int64_t row0, int64_t head_stride, int64_t head_rows,
+                       int64_t n_heads, int64_t n, const float *x, int64_t ldx_t, int64_t ldx_h,
+                       float *y, int64_t ldy_t, int64_t ldy_h) {
+    cpumla_enter(NULL);
+    cpumla_ensure_init();
+    head_gemv_t(w, row0, head_stride, head_rows, n_heads, n, x, ldx_t, ldx_h, y, ldy_t, ldy_h);
+    return cpumla_leave(0);
+}
+
 void cpumla_dequant(const cpumla_weight *w, int64_t r0, int64_t r1, float *out, int64_t ldo) {
+    cpumla_enter(NULL);
     cpumla_ensure_init();
     for (int64_t r = r0; r < r1; r++) cpumla_k.dequant_row(w, r, 0, w->cols, out + (r - r0) * ldo);
+    cpumla_leave(0);
 }
 
 /* ---- row-wise ops ----------------------------------------------------------------------------- */
@@ -251,10 +260,12 @@ static void rmsnorm_task(void *p, int64_t t, int tid) {
 
 void cpumla_rmsnorm(const float *x, int64_t ldx, float *y, int64_t ldy, int64_t n_rows, int64_t dim,
                     const void *weight, int32_t weight_dtype, float eps) {
+    cpumla_enter(NULL);
     cpumla_ensure_init();
     row_job j = {.x = x, .y = y, .ldx = ldx, .ldy = ldy, .n_rows = n_rows, .dim = dim, .weight = weight,
                  .wdtype = weight_dtype, .eps = eps};
     rows_run(&j, rmsnorm_task);
+    cpumla_leave(0);
 }
 
 static void swiglu_task(void *p, int64_t t, int tid) {
@@ -266,10 +277,12 @@ static void swiglu_task(void *p, int64_t t, int tid) {
 
 void cpumla_swiglu(const float *gate, const float *up, int64_t ld_in, float *out, int64_t ld_out,
                    int64_t n_rows, int64_t dim, float limit) {
+    cpumla_enter(NULL);
     cpumla_ensure_init();
     row_job j = {.x = gate, .x2 = up, .y = out, .ldx = ld_in, .ldy = ld_out, .n_rows = n_rows, .dim = dim,
                  .eps = limit};
     rows_run(&j, swiglu_task);
+    cpumla_leave(0);
 }
 
 static void softmax_task(void *p, int64_t t, int tid) {
@@ -280,9 +293,11 @@ static void softmax_task(void *p, int64_t t, int tid) {
 }
 
 void cpumla_softmax(float *x, int64_t n_rows, int64_t ld, int64_t n) {
+    cpumla_enter(NULL);
     cpumla_ensure_init();
     row_job j = {.y = x, .ldy = ld, .n_rows = n_rows, .dim = n};
     rows_run(&j, softmax_task);
+    cpumla_leave(0);
 }
 
 /* Portable: cos/sin of one token's angles once, applied to each head. rope_dim/2 angles. */
@@ -314,7 +329,7 @@ void cpumla_rope(float *x, int64_t n_rows, int64_t ld_row, int64_t n_heads, int6
     }
 }
 
-/* ---- top-k and routing (portable) ------------------------------------------------------------- */
+/* ---- top-k (portable) ------------------------------------------------------------------------- */
 /* a ranks above b: larger value, NaN lowest, equal values by lower index */
 static int ranks_above(float va, int32_t ia, float vb, int32_t ib) {
     if (isnan(va)) return isnan(vb) && ia < ib;
@@ -344,121 +359,14 @@ void cpumla_topk(const float *x, int64_t n, int64_t k, int32_t *idx, float *val)
     }
 }
 
-static float sqrt_softplus(float v) {
-    float sp = v > 20.0f ? v : log1pf(expf(v));     /* torch's softplus threshold */
-    return sqrtf(sp);
-}
-
-static void *route_buf;
-static size_t route_cap;
-
-int cpumla_route(const cpumla_router *r, const float *logits, int64_t ld, int64_t n,
-                 const int64_t *token_ids, int32_t *idx, float *weights) {
-    int64_t E = r->n_experts, K = r->top_k, G = r->n_group > 1 ? r->n_group : 1;
-    char msg[200];
-    if (E < 1 || K < 1 || K > E || r->method < 0 || r->method > CPUMLA_ROUTE_HASH) {
-        snprintf(msg, sizeof msg, "bad router: method %d, %lld experts, top_k %lld", r->method, (long long)E,
-                 (long long)K);
-        cpumla_set_error(msg);
-        return -1;
-    }
-    int grouped = (r->method == CPUMLA_ROUTE_GROUP_LIMITED || r->method == CPUMLA_ROUTE_NOAUX_TC) && G > 1;
-    if (grouped && (E % G != 0 || r->topk_group < 1 || r->topk_group > G ||
-                    (r->method == CPUMLA_ROUTE_NOAUX_TC && E / G < 2))) {
-        snprintf(msg, sizeof msg, "bad router groups: %lld experts in %lld groups, topk_group %d", (long long)E,
-                 (long long)G, r->topk_group);
-        cpumla_set_error(msg);
-        return -1;
-    }
-    if (r->method == CPUMLA_ROUTE_HASH && (!r->tid2eid || !token_ids)) {
-        cpumla_set_error("hash routing needs tid2eid and token ids");
-        return -1;
-    }
-    float *s = cpumla_grow(&route_buf, &route_cap, sizeof(float) * (size_t)(3 * E + 2 * G + 2 * K));
-    float *choice = s + E, *gscore = choice + E, *gval = gscore + G, *kval = gval + G;
-    int32_t *gidx = (int32_t *)(kval + K);   /* G ints fit in the E floats after kval */
-    for (int64_t t = 0; t < n; t++) {
-        const float *lg = logits + t * ld;
-        int32_t *it = idx + t * K;
-        float *wt = weights + t * K;
-        switch (r->method) {
-        case CPUMLA_ROUTE_SOFTMAX:
-        case CPUMLA_ROUTE_GROUP_LIMITED:
-            memcpy(s, lg, sizeof(float) * (size_t)E);
-            {
-                float m = -INFINITY, sum = 0.0f;
-                for (int64_t e = 0; e < E; e++) m = s[e] > m ? s[e] : m;
-                for (int64_t e = 0; e < E; e++) { s[e] = expf(s[e] - m); sum += s[e]; }
-                for (int64_t e = 0; e < E; e++) s[e] /= sum;
-            }
-            break;
-        case CPUMLA_ROUTE_NOAUX_TC:
-            for (int64_t e = 0; e < E; e++) s[e] = 1.0f / (1.0f + expf(-lg[e]));
-            break;
-        default:  /* SQRTSOFTPLUS, HASH */
-            for (int64_t e = 0; e < E; e++) s[e] = sqrt_softplus(lg[e]);
-            break;
-        }
-        if (r->method == CPUMLA_ROUTE_HASH) {
-            int64_t tok = token_ids[t];
-            if (tok < 0 || tok >= r->vocab) {
-                snprintf(msg, sizeof msg, "token id %lld outside the hash table's vocabulary of %lld",
-                         (long long)tok, (long long)r->vocab);
-                cpumla_set_error(msg);
-                return -1;
-            }
-            for (int64_t k = 0; k < K; k++) {
-                int64_t e = r->tid2eid_dtype == CPUMLA_I32 ? ((const int32_t *)r->tid2eid)[tok * K + k]
-                                                           : ((const int64_t *)r->tid2eid)[tok * K + k];
-                if (e < 0 || e >= E) {
-                    snprintf(msg, sizeof msg, "tid2eid[%lld] names expert %lld of %lld", (long long)tok,
-                             (long long)e, (long long)E);
-                    cpumla_set_error(msg);
-                    return -1;
-                }
-                it[k] = (int32_t)e;
-            }
-        } else {
-            int biased = r->bias && (r->method == CPUMLA_ROUTE_NOAUX_TC || r->method == CPUMLA_ROUTE_SQRTSOFTPLUS);
-            for (int64_t e = 0; e < E; e++) choice[e] = biased ? s[e] + r->bias[e] : s[e];
-            if (grouped) {
-                int64_t per = E / G;
-                for (int64_t g = 0; g < G; g++) {
-                    const float *c = choice + g * per;
-                    if (r->method == CPUMLA_ROUTE_GROUP_LIMITED) {
-                        float m = -INFINITY;
-                        for (int64_t e = 0; e < per; e++) m = c[e] > m ? c[e] : m;
-                        gscore[g] = m;
-                    } else {
-                        int32_t i2[2];
-                        float v2[2];
-                        cpumla_topk(c, per, 2, i2, v2);
-                        gscore[g] = v2[0] + v2[1];
-                    }
-                }
-                cpumla_topk(gscore, G, r->topk_group, gidx, gval);
-                for (int64_t g = 0; g < G; g++) {
-                    int keep = 0;
-                    for (int64_t q = 0; q < r->topk_group; q++) keep |= gidx[q] == g;
-                    if (!keep)
-                        for (int64_t e = 0; e < per; e++) choice[g * per + e] = -INFINITY;
-                }
-            }
-            cpumla_topk(choice, E, K, it, kval);
-        }
-        float sum = 0.0f;
-        for (int64_t k = 0; k < K; k++) { wt[k] = s[it[k]]; sum += wt[k]; }
-        for (int64_t k = 0; k < K; k++) {
-            if (r->norm_topk_prob) wt[k] /= sum + 1e-20f;
-            wt[k] *= r->routed_scaling_factor;
-        }
-    }
-    return 0;
-}
-
 /* ---- latent cache and attention --------------------------------------------------------------- */
-void cpumla_cache_store(void *cache, int32_t cache_dtype, int64_t ld_cache, const float *src,
-                        int64_t ld_src, int64_t n, int64_t width, const int64_t *slots) {
+int cpumla_cache_store(void *cache, int32_t cache_dtype, int64_t ld_cache, const float *src,
+                       int64_t ld_src, int64_t n, int64_t width, const int64_t *slots) {
+    if (cache_dtype != CPUMLA_F32 && cache_dtype != CPUMLA_BF16) {
+        cpumla_set_error("cache_store: the cache must be F32 or BF16");
+        return -1;
+    }
+    cpumla_enter(NULL);
     cpumla_ensure_init();
     size_t esz = cache_dtype == CPUMLA_BF16 ? 2 : 4;
     for (int64_t t = 0; t < n; t++) {
@@ -466,6 +374,7 @@ void cpumla_cache_store(void *cache, int32_t cache_dtype, int64_t ld_cache, cons
         cpumla_k.cache_row((uint8_t *)cache + (size_t)slots[t] * (size_t)ld_cache * esz, cache_dtype,
                            src + t * ld_src, width);
     }
+    return cpumla_leave(0);
 }
 
 /* Work split: (query, head block, KV split). Each part writes (acc, m, l) for its heads; a second
@@ -543,11 +452,7 @@ static void attn_merge_task(void *p, int64_t t, int tid) {
     attn_merge(j, t / j->n_hblocks, t % j->n_hblocks);
 }
 
-static void *attn_buf;
-static size_t attn_cap;
-
-void cpumla_mla_attention(const cpumla_attn_args *a) {
-    cpumla_ensure_init();
+static void mla_attention(const cpumla_attn_args *a) {
     if (a->n_q <= 0 || a->n_heads <= 0) return;
     int threads = cpumla_pool_threads();
     attn_job j = {.a = a};
@@ -563,8 +468,8 @@ void cpumla_mla_attention(const cpumla_attn_args *a) {
     j.split_len = ceil_div(longest > 0 ? longest : 1, j.n_splits);
     size_t bytes = sizeof(float) * (size_t)a->n_q * (size_t)j.n_hblocks * (size_t)j.n_splits *
                    (size_t)j.head_block * (size_t)(a->dv + 2);
-    j.parts = cpumla_grow(&attn_buf, &attn_cap, bytes);
-    if (!j.parts) { cpumla_set_error("out of memory for attention scratch"); return; }
+    j.parts = cpumla_scratch(CPUMLA_SCRATCH_ATTN, bytes);
+    if (!j.parts) return;
     int64_t tasks = base * j.n_splits;
     int work_small = threads == 1 || tasks == 1;
     if (work_small) {
@@ -576,4 +481,11 @@ void cpumla_mla_attention(const cpumla_attn_args *a) {
         if (work_small) for (int64_t t = 0; t < base; t++) attn_merge_task(&j, t, 0);
         else cpumla_pool_run(base, attn_merge_task, &j);
     }
+}
+
+int cpumla_mla_attention(const cpumla_attn_args *a) {
+    cpumla_enter(NULL);
+    cpumla_ensure_init();
+    mla_attention(a);
+    return cpumla_leave(0);
 }

@@ -1,12 +1,13 @@
 /* probes.c: the benchmark probes of cpumla.h (read bandwidth, fp32 FMA and bf16 dot-product peaks):
  * each runs the table's single-threaded probe kernel (kernels.h: read_sum, fma_loop, dot_loop) on
- * every thread of the pool and adds up what they return. Split from ops.c. */
+ * every thread of the pool and adds up what they return, holding the library lock (cpumla_enter),
+ * which also guards the static job records. Split from ops.c. */
 #include <string.h>
 #include "common.h"
 #include "dispatch.h"
 #include "threadpool.h"
 
-#define MAX_POOL_THREADS 256     /* threadpool.c's MAX_THREADS: a result slot per thread, 64 bytes apart */
+#define MAX_POOL_THREADS CPUMLA_MAX_THREADS     /* a result slot per thread, 64 bytes apart */
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -21,6 +22,7 @@ static void read_task(void *p, int64_t t, int tid) {
 }
 
 double cpumla_read_probe(const void *buf, int64_t bytes) {
+    cpumla_enter(NULL);
     cpumla_ensure_init();
     static read_job j;
     int threads = cpumla_pool_threads();
@@ -32,6 +34,7 @@ double cpumla_read_probe(const void *buf, int64_t bytes) {
     cpumla_pool_run(threads, read_task, &j);
     double s = 0;
     for (int i = 0; i < threads; i++) s += j.sums[i * 8];
+    cpumla_leave(0);
     return s;
 }
 
@@ -61,11 +64,17 @@ static double flops_probe(double (*loop)(int64_t, float *), int64_t iters) {
 }
 
 double cpumla_fma_probe(int64_t iters) {
+    cpumla_enter(NULL);
     cpumla_ensure_init();
-    return flops_probe(cpumla_k.fma_loop, iters);
+    double f = flops_probe(cpumla_k.fma_loop, iters);
+    cpumla_leave(0);
+    return f;
 }
 
 double cpumla_bf16_probe(int64_t iters) {
+    cpumla_enter(NULL);
     cpumla_ensure_init();
-    return flops_probe(cpumla_k.dot_loop, iters);
+    double f = flops_probe(cpumla_k.dot_loop, iters);
+    cpumla_leave(0);
+    return f;
 }

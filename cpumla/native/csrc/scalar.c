@@ -170,4 +170,6 @@ void cpumla_fill_scalar(cpumla_kernels *k) {
     k->fma_loop = fma_loop_scalar;
     k->dot_loop = fma_loop_scalar;         /* BF16 products here are fp32 FMAs */
     for (int i = 0; i < K_COUNT; i++) k->who[i] = "scalar";
+    for (int i = K_GEMV; i <= K_DEQUANT; i++)
+        for (int f = 0; f <= CPUMLA_E2M1; f++) k->who_fmt[i][f] = "scalar";
 }

@@ -13,11 +13,10 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-#define MAX_THREADS 256
 #define SPIN_ROUNDS 20000   /* ~100 us of polling before a worker sleeps */
 
 static struct {
-    pthread_t threads[MAX_THREADS];
+    pthread_t threads[CPUMLA_MAX_THREADS];
     int n_threads;                 /* including the caller */
     cpumla_task_fn fn;
     void *ctx;
@@ -31,6 +30,8 @@ static struct {
     pthread_mutex_t mu;
     pthread_cond_t wake;
 } pool = {.n_threads = 0, .mu = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+
+__thread int cpumla_pool_tid;
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -50,6 +51,7 @@ static void run_tasks(int tid) {
 
 static void *worker_main(void *arg) {
     int tid = (int)(intptr_t)arg;
+    cpumla_pool_tid = tid;
     /* Not the current generation: a job published before this thread got to run must still be seen
      * as new, or the caller would wait for this worker forever. */
     unsigned seen = pool.start_generation;
@@ -97,7 +99,7 @@ int cpumla_online_cores(void) {
 
 int cpumla_pool_resize(int n) {
     if (n < 1) n = cpumla_online_cores();
-    if (n > MAX_THREADS) n = MAX_THREADS;
+    if (n > CPUMLA_MAX_THREADS) n = CPUMLA_MAX_THREADS;
     if (n == pool.n_threads) return n;
     stop_workers();
     pool.start_generation = atomic_load(&pool.generation);

@@ -5,9 +5,16 @@
 #include <stdint.h>
 
 /* fn(ctx, task, tid) for task in [0, n_tasks), handed out dynamically; tid in [0, threads). The caller
- * is thread 0 and works too. Returns when every task is done. Not reentrant. */
+ * is thread 0 and works too. Returns when every task is done. Not reentrant: callers hold the library
+ * lock (cpumla_enter), so one job runs at a time. */
 typedef void (*cpumla_task_fn)(void *ctx, int64_t task, int tid);
 void cpumla_pool_run(int64_t n_tasks, cpumla_task_fn fn, void *ctx);
+
+#define CPUMLA_MAX_THREADS 256
+
+/* The calling thread's id in the pool: worker i has i (1 .. threads-1), every other thread 0, as the
+ * caller of cpumla_pool_run is task thread 0. Scratch (cpumla_scratch) is kept per id. */
+extern __thread int cpumla_pool_tid;
 
 int cpumla_pool_resize(int n_threads);   /* n < 1: one per core available to this process */
 int cpumla_pool_threads(void);
