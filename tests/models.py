@@ -32,6 +32,18 @@ VARIANTS = {
                                       rope_scaling=None)),
 }
 
+# V3.2 (DSA): V3 plus the lightning indexer. index_topk 6 is below the 12-token test sequences, so the
+# top-k really drops keys; 8 indexer heads of width 20 (rope 8 + nope 12) differ from the 4 MLA heads
+# and from 2 * qk_rope_head_dim, so a wrong head count, slice or width shows (and wq_b's 160 rows make a
+# partial second 128-row block in the FP8 copy). q LoRA is required. The seeds were picked for top-k
+# choices far from ties (fp32, bf16-rounded and FP8-dequantised weights); tests/test_parity_v32.py
+# asserts the margins on every fixture it builds.
+V32 = dict(q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+           rope_scaling={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0},
+           index_n_heads=8, index_head_dim=20, index_topk=6)
+V32_SEED = 76          # hidden 64
+V32_FP8_SEED = 10      # hidden 160 (two 128-column blocks, the second partial)
+
 
 def build(variant: str, out: Path, dtype=torch.float32, seed: int = 0):
     """Saves the model to `out` and returns it (fp32, eval mode)."""
@@ -39,11 +51,19 @@ def build(variant: str, out: Path, dtype=torch.float32, seed: int = 0):
     return build_from_kwargs(model_type, {**BASE, **extra}, out, dtype, seed)
 
 
+def build_v32(out: Path, dtype=torch.float32, seed: int = V32_SEED, **overrides):
+    """The tiny DeepSeek-V3.2 model (V32 on BASE), saved to `out`; returns it (fp32, eval mode)."""
+    return build_from_kwargs("deepseek_v32", {**BASE, **V32, **overrides}, out, dtype, seed)
+
+
 def build_from_kwargs(model_type: str, kw: dict, out: Path, dtype=torch.float32, seed: int = 0):
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
+                              DeepseekV32Config, DeepseekV32ForCausalLM)
 
     if model_type == "deepseek_v2":
         cfg, cls = DeepseekV2Config(**kw), DeepseekV2ForCausalLM
+    elif model_type == "deepseek_v32":
+        cfg, cls = DeepseekV32Config(**kw), DeepseekV32ForCausalLM
     else:
         cfg, cls = DeepseekV3Config(**kw, num_nextn_predict_layers=0), DeepseekV3ForCausalLM
     torch.manual_seed(seed)
@@ -53,6 +73,8 @@ def build_from_kwargs(model_type: str, kw: dict, out: Path, dtype=torch.float32,
         for name, p in model.named_parameters():          # give every parameter a real value
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            elif name.endswith("norm.bias"):                # the V3.2 indexer's LayerNorm
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
             elif "e_score_correction_bias" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
             elif name.endswith("gate.weight"):
@@ -69,14 +91,21 @@ def build_from_kwargs(model_type: str, kw: dict, out: Path, dtype=torch.float32,
 def quantize_fp8(src_dir: Path, out: Path, block=(128, 128)):
     """An FP8 e4m3 copy of a saved fp32 model, V3-style: every projection weight quantised per block
     with a `weight_scale_inv` (F32) grid; embeddings, norms, router and lm_head stay as they were.
-    Returns the state dict of dequantised weights (the reference's weights)."""
+    V3.2's indexer as its checkpoints ship it: wq_b and wk quantised like the projections,
+    weights_proj not quantised but stored BF16. Returns the state dict of dequantised weights (the
+    reference's weights)."""
     from safetensors.torch import load_file, save_file
 
     sd = load_file(src_dir / "model.safetensors")
     out.mkdir(parents=True, exist_ok=True)
     new, deq = {}, {}
     for name, t in sd.items():
-        quant = name.endswith("_proj.weight") or name.endswith("kv_a_proj_with_mqa.weight")
+        if name.endswith("indexer.weights_proj.weight"):
+            new[name] = t.to(torch.bfloat16)
+            deq[name] = new[name].to(torch.float32)
+            continue
+        quant = (name.endswith("_proj.weight") or name.endswith("kv_a_proj_with_mqa.weight")
+                 or name.endswith(("indexer.wq_b.weight", "indexer.wk.weight")))
         if not quant:
             new[name], deq[name] = t, t
             continue

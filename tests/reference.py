@@ -177,3 +177,88 @@ def attention(q: np.ndarray, kv: np.ndarray, dk: int, dv: int, scale: float, row
         out[i] = (p @ v) / denom
         lse[i] = (m + np.log(denom))[:, 0]
     return out, lse
+
+
+def yarn_inv_freq(dim: int, base: float, factor: float, original_max: int, beta_fast: float = 32,
+                  beta_slow: float = 1) -> np.ndarray:
+    """DeepSeek-flavoured YaRN inverse frequencies [dim/2], float64 (factor <= 1: plain RoPE)."""
+    i = np.arange(dim // 2, dtype=np.float64)
+    plain = base ** (-2 * i / dim)
+    if factor <= 1:
+        return plain
+
+    def corr(n):
+        return dim * np.log(original_max / (n * 2 * np.pi)) / (2 * np.log(base))
+
+    low, high = max(np.floor(corr(beta_fast)), 0), min(np.ceil(corr(beta_slow)), dim - 1)
+    if low == high:
+        high += 1e-3
+    ramp = np.clip((i - low) / (high - low), 0, 1)
+    return plain * (ramp / factor + (1 - ramp))
+
+
+def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
+    x = x.astype(np.float64)
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)                   # biased, as torch's LayerNorm
+    return (x - mu) / np.sqrt(var + eps) * w + b
+
+
+def dsa_index_scores(x: np.ndarray, q_latent: np.ndarray, wq_b: np.ndarray, wk: np.ndarray, k_norm_w: np.ndarray,
+                     k_norm_b: np.ndarray, weights_proj: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray,
+                     n_heads: int, rope_dim: int, attention_scaling: float = 1.0, eps: float = 1e-6) -> np.ndarray:
+    """DeepSeek-V3.2's lightning-indexer scores for one layer, float64, as transformers'
+    DeepseekV32Indexer computes them (its bf16/fp32 form: no Hadamard rotation, no FP8 scoring).
+
+    x [n, D]: the layer's attention input (the input_layernorm output) for tokens 0..n-1 of the
+    sequence (prefill and decode alike: a decode step is row t of this, its keys those of the
+    tokens before it); q_latent [n, q_lora_rank]: q_a_layernorm(q_a_proj(x)), the same latent MLA's
+    q_b_proj reads; wq_b [n_heads * d, q_lora_rank], wk [d, D], k_norm_w/k_norm_b [d] (LayerNorm,
+    eps 1e-6), weights_proj [n_heads, D]: the indexer's weights (no biases); positions [n]: the
+    tokens' absolute positions; inv_freq [rope_dim/2]: the model's rotary frequencies (YaRN
+    included: the indexer shares MLA's cos/sin, attention_scaling too).
+
+        q_h(t) = (wq_b q_latent_t)[h*d:(h+1)*d]          k(s) = LayerNorm(wk x_s)
+        the first rope_dim dims of q_h and k rotated half-split (pairs (i, i + rope_dim/2), NOT
+        MLA's interleaved pairs) by angle pos * inv_freq[i], times attention_scaling; the rest as is
+        w_h(t) = (weights_proj x_t)[h] * n_heads^-0.5
+        I[t, s] = sum_h w_h(t) * ReLU(q_h(t) . k(s) * d^-0.5)   for s <= t;   -inf for s > t
+
+    Returns I [n, n]."""
+    n, d = x.shape[0], wk.shape[0]
+    q = (q_latent.astype(np.float64) @ wq_b.astype(np.float64).T).reshape(n, n_heads, d)
+    k = layer_norm(x.astype(np.float64) @ wk.astype(np.float64).T, k_norm_w, k_norm_b, eps)[:, None, :]
+    q = rope(q, positions, inv_freq, 0, rope_dim, half_split=True, inverse=False)
+    k = rope(k, positions, inv_freq, 0, rope_dim, half_split=True, inverse=False)
+    if attention_scaling != 1.0:
+        q[..., :rope_dim] *= attention_scaling
+        k[..., :rope_dim] *= attention_scaling
+    w = x.astype(np.float64) @ weights_proj.astype(np.float64).T * n_heads ** -0.5        # [n, H]
+    s = np.maximum(np.einsum("thd,sd->ths", q, k[:, 0]) * d ** -0.5, 0)                  # [t, H, s]
+    scores = np.einsum("th,ths->ts", w, s)
+    scores[np.triu_indices(n, 1)] = -np.inf
+    return scores
+
+
+def dsa_select(scores: np.ndarray, index_topk: int) -> list[np.ndarray]:
+    """The keys each query attends to, ascending: all of 0..t when t + 1 <= index_topk, else the
+    index_topk largest I[t, :t+1]. (transformers takes topk(min(index_topk, T)) over the causally
+    masked row; the masked entries it may pick when t + 1 < index_topk stay masked, so they change
+    nothing.) Ties are not resolved here: see dsa_margins."""
+    out = []
+    for t in range(scores.shape[0]):
+        row = scores[t, : t + 1]
+        out.append(np.arange(t + 1) if t + 1 <= index_topk else np.sort(np.argsort(-row, kind="stable")[:index_topk]))
+    return out
+
+
+def dsa_margins(scores: np.ndarray, index_topk: int) -> np.ndarray:
+    """Per query: the gap between its index_topk-th and (index_topk+1)-th largest score over its
+    valid keys, divided by the largest |score| of the row (inf when every key is selected). A
+    selection is only a parity target when this is well above the rounding of the scores."""
+    out = np.full(scores.shape[0], np.inf)
+    for t in range(scores.shape[0]):
+        row = np.sort(scores[t, : t + 1])[::-1]
+        if row.size > index_topk:
+            out[t] = (row[index_topk - 1] - row[index_topk]) / max(np.abs(row).max(), 1e-30)
+    return out
