@@ -118,7 +118,7 @@ class Runner:
         self.job: Job | None = None
         self.closing = False
 
-    async def start(self, watch: Watch, prepare, sampling: P.Sampling, **job_kw):
+    async def start(self, watch: Watch, prepare, sampling: P.Sampling, prompt_param: str, **job_kw):
         """Wait for the engine, make the prompt on the worker, start generating; (job, events, done):
         events gets (kind, text) reports and ("done", ""), done is set once the worker has finished.
         Raises ApiError (refused; the engine is free again) or ClientGone."""
@@ -131,7 +131,7 @@ class Runner:
                 prompt = await loop.run_in_executor(self.worker, prepare)
             except CpumlaError as e:
                 raise P.bad(str(e)) from None
-            max_tokens = self.served.check(prompt, sampling.max_tokens)
+            max_tokens = self.served.check(prompt, sampling.max_tokens, prompt_param)
             if sampling.seed is None:
                 sampling.seed = int(self.rng.integers(1 << 63))
             job = Job(prompt, sampling, max_tokens, **job_kw)
@@ -233,7 +233,8 @@ def create_app(served: ServedModel, *, api_key: str | None = None, max_queue: in
     async def generate(request: Request, prepare, sampling, stream, kind, include_usage=False, echo=False, **job_kw):
         watch = Watch(request.receive)
         try:
-            job, events, done = await runner.start(watch, prepare, sampling, **job_kw)
+            job, events, done = await runner.start(watch, prepare, sampling, "messages" if kind == "chat" else "prompt",
+                                                   **job_kw)
         except ClientGone:
             watch.close()
             _note(request, error="the client went away while queued")

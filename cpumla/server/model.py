@@ -116,15 +116,16 @@ class ServedModel:
             prompt = bos + prompt        # as the tokenizer's add_special_tokens would
         return self._text_prompt(prompt)
 
-    def check(self, prompt: Prompt, max_tokens: int | None) -> int:
-        """The number of tokens to generate; ApiError when the prompt cannot run."""
+    def check(self, prompt: Prompt, max_tokens: int | None, param: str = "messages") -> int:
+        """The number of tokens to generate; ApiError when the prompt cannot run (param: the request
+        field that holds the prompt)."""
         n, ctx = len(prompt.ids), self.ctx
         vocab = self.engine.config.vocab_size
         bad_id = next((i for i in prompt.ids if i >= vocab), None)
         if bad_id is not None:
-            raise bad(f"token id {bad_id} is outside the model's vocabulary ({vocab})", "prompt")
+            raise bad(f"token id {bad_id} is outside the model's vocabulary ({vocab})", param)
         if n >= ctx:
-            raise bad(f"the prompt is {n} tokens; the context holds {ctx}", "messages",
+            raise bad(f"the prompt is {n} tokens; the context holds {ctx}", param,
                       "context_length_exceeded")
         if max_tokens is None:
             return ctx - n
