@@ -366,3 +366,31 @@ def test_cli_errors_are_one_line(server):
         p = subprocess.run([sys.executable, "-m", "cpumla", "serve", *args], capture_output=True, text=True, env=env,
                            timeout=60)
         assert p.returncode == 2 and words in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_v2_answer_sent_back_is_reused():
+    """V2 writes "Assistant: " + answer in history: the answer's leading space is not sent, so a client
+    sending it back hits the cache up to the end of the answer."""
+    from cpumla.server.model import Job, load_served
+    from cpumla.server.protocol import Sampling
+
+    served, _ = load_served("deepseek-ai/DeepSeek-V2-Lite-Chat", dummy_weights=True, ctx=256,
+                            hf_overrides={k: v for k, v in SHRINK.items() if k != "q_lora_rank"})
+
+    def turn(msgs, seed):
+        job = Job(served.chat_prompt(msgs, None), Sampling(max_tokens=6, temperature=1.0, seed=seed), 6,
+                  strip_first_space=True)
+        out = []
+        served.run(job, lambda kind, text: out.append(text))
+        return job.stats, "".join(out)
+
+    try:
+        for seed in range(50):        # an answer whose first token starts with a space
+            first, answer = turn([("user", "Hello", "")], seed)
+            if served.tok.decode(served.engine.tokens[first.prompt_tokens:][:1]).startswith(" "):
+                break
+        assert seed < 49 and answer and not answer.startswith(" ")
+        second, _ = turn([("user", "Hello", ""), ("assistant", answer, ""), ("user", "More", "")], 0)
+        assert second.cached_tokens == first.prompt_tokens + first.completion_tokens - (first.finish == "length")
+    finally:
+        served.engine.close()

@@ -153,7 +153,8 @@ class Runner:
             if not f.cancelled() and f.exception() is not None:      # a bug, not a user error
                 e = f.exception()
                 job.stats.finish = "error"
-                events.put_nowait(("error", f"internal error: {type(e).__name__}: {e}"))
+                first = str(e).splitlines()[0] if str(e) else ""
+                events.put_nowait(("error", f"internal error: {type(e).__name__}: {first}".rstrip(": ")))
             events.put_nowait(("done", ""))
             self.job = None
             self.slot.release()
