@@ -19,7 +19,7 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from cpumla.cli import bench, chat, download, info, smoke
+    from cpumla.cli import bench, chat, download, info, serve, smoke
 
     app.command("info", help="CPU, detected features, chosen kernel implementations, build flags.")(info.info)
     app.command("smoke", help="Run models end to end (dummy or real weights) and check the logits.")(smoke.smoke)
@@ -27,6 +27,7 @@ def _register() -> None:
         bench.bench
     )
     app.command("chat", help="Chat with a model in the terminal (or answer one prompt with -p / stdin).")(chat.chat)
+    app.command("serve", help="An OpenAI-compatible HTTP server (chat and completions, streaming).")(serve.serve)
     app.command("download", help="Download a model's config, tokenizer and safetensors into the HF cache.")(
         download.download
     )

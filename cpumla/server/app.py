@@ -1,0 +1,402 @@
+"""The ASGI app (Starlette): routes, the API-key gate, one log line per request, errors in OpenAI's
+shape, and the scheduler that gives the one engine to one request at a time.
+
+Scheduling. A request takes the engine (`Slot`) or waits in a FIFO of at most `max_queue` requests;
+beyond it the answer is 503. Its prompt is tokenized and generated on the server's single worker thread
+(the engine's forward is a blocking native call), and the event loop stays free to accept, queue and
+refuse. The engine is handed to the next request only once the worker has finished. A client that
+disconnects (streaming or not, running or queued) cancels its job: the worker stops before the next
+token, or between 512-token chunks of a prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from cpumla.errors import CpumlaError
+from cpumla.server import protocol as P
+from cpumla.server.model import Job, ServedModel
+
+MAX_BODY = 4 << 20          # bytes of a request body
+log = logging.getLogger("cpumla.server")
+
+
+class ClientGone(Exception):
+    """The client went away before its request got the engine."""
+
+
+# ---- scheduling ----
+class Slot:
+    """The engine: one holder, a bounded FIFO of waiters."""
+
+    def __init__(self, max_queue: int):
+        self.max_queue = max_queue
+        self.busy = False
+        self.waiters: deque[asyncio.Future] = deque()
+
+    @property
+    def queued(self) -> int:
+        return sum(not f.done() for f in self.waiters)
+
+    async def acquire(self, gone: asyncio.Event) -> None:
+        if not self.busy:
+            self.busy = True
+            return
+        if self.queued >= self.max_queue:
+            raise P.ApiError(503, f"the server is busy: one request is running and {self.queued} are queued "
+                                  f"(at most {self.max_queue}); retry later", "server_busy", code="queue_full")
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters.append(fut)
+        watch = asyncio.ensure_future(gone.wait())
+        try:
+            await asyncio.wait({fut, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            self._give_up(fut)
+            raise
+        finally:
+            watch.cancel()
+        if not fut.done() or gone.is_set():
+            self._give_up(fut)
+            raise ClientGone()
+
+    def _give_up(self, fut: asyncio.Future) -> None:
+        if fut.done() and not fut.cancelled():
+            self.release()              # it was handed to us: pass it on
+        else:
+            fut.cancel()
+            with contextlib.suppress(ValueError):
+                self.waiters.remove(fut)
+
+    def release(self) -> None:
+        while self.waiters:
+            fut = self.waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)    # handed over: busy stays True
+                return
+        self.busy = False
+
+
+class Watch:
+    """Watches a request's connection; a disconnect sets `gone` and cancels the job."""
+
+    def __init__(self, receive):
+        self.gone = asyncio.Event()
+        self.job: Job | None = None
+        self._task = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone.set()
+        if self.job is not None:
+            self.job.cancel()
+
+    def close(self) -> None:
+        self._task.cancel()
+
+
+class Runner:
+    def __init__(self, served: ServedModel, max_queue: int, seed: int | None):
+        self.served = served
+        self.slot = Slot(max_queue)
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="cpumla-engine")
+        self.rng = np.random.default_rng(seed)
+        self.job: Job | None = None
+        self.closing = False
+
+    async def start(self, watch: Watch, prepare, sampling: P.Sampling, prompt_param: str, **job_kw):
+        """Wait for the engine, make the prompt on the worker, start generating; (job, events, done):
+        events gets (kind, text) reports and ("done", ""), done is set once the worker has finished.
+        Raises ApiError (refused; the engine is free again) or ClientGone."""
+        await self.slot.acquire(watch.gone)
+        loop = asyncio.get_running_loop()
+        try:
+            if self.closing:
+                raise P.ApiError(503, "the server is shutting down", "server_busy")
+            try:
+                prompt = await loop.run_in_executor(self.worker, prepare)
+            except CpumlaError as e:
+                raise P.bad(str(e)) from None
+            max_tokens = self.served.check(prompt, sampling.max_tokens, prompt_param)
+            if sampling.seed is None:
+                sampling.seed = int(self.rng.integers(1 << 63))
+            job = Job(prompt, sampling, max_tokens, **job_kw)
+            events: asyncio.Queue = asyncio.Queue()
+
+            def emit(kind: str, text: str) -> None:
+                loop.call_soon_threadsafe(events.put_nowait, (kind, text))
+
+            fut = loop.run_in_executor(self.worker, self.served.run, job, emit)
+        except BaseException:
+            self.slot.release()
+            raise
+        self.job = watch.job = job
+        if watch.gone.is_set():
+            job.cancel()
+        done = asyncio.Event()
+
+        def finished(f: asyncio.Future) -> None:
+            if not f.cancelled() and f.exception() is not None:      # a bug, not a user error
+                e = f.exception()
+                job.stats.finish = "error"
+                first = str(e).splitlines()[0] if str(e) else ""
+                events.put_nowait(("error", f"internal error: {type(e).__name__}: {first}".rstrip(": ")))
+            events.put_nowait(("done", ""))
+            self.job = None
+            self.slot.release()
+            done.set()
+
+        fut.add_done_callback(finished)
+        return job, events, done
+
+    def cancel_all(self) -> None:
+        """Shutting down: stop the running job; queued ones are refused when their turn comes."""
+        self.closing = True
+        job = self.job
+        if job is not None:
+            job.cancel()
+
+
+# ---- responses ----
+class JobStream(StreamingResponse):
+    """Server-sent events of one job; however the response ends (done, client gone, server stopping),
+    the job is cancelled and the connection watch closed."""
+
+    def __init__(self, content, job: Job, done: asyncio.Event, watch: Watch, on_end):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job, self.done, self.watch, self.on_end = job, done, watch, on_end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except OSError:                 # the client went away mid-write
+            pass
+        finally:
+            self.job.cancel()
+            self.watch.close()
+            await self.done.wait()      # the worker stops at its next token; then the log line is final
+            self.on_end()
+
+
+def error_response(e: P.ApiError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else ({"Retry-After": "1"} if e.status == 503 else None)
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def _note(request: Request, **kv) -> None:
+    request.scope.setdefault("cpumla.log", {}).update(kv)
+
+
+def _stats_note(request: Request, job: Job, stream: bool) -> None:
+    st = job.stats
+    _note(request, job=f"{'stream ' if stream else ''}prompt={st.prompt_tokens} cached={st.cached_tokens} "
+                       f"completion={st.completion_tokens} finish={st.finish}")
+
+
+async def read_json(request: Request) -> dict:
+    n = request.headers.get("content-length", "")
+    if n.isdigit() and int(n) > MAX_BODY:
+        raise P.ApiError(413, f"the request body is {int(n)} bytes; the server takes at most {MAX_BODY}")
+    chunks, size = [], 0
+    async for c in request.stream():
+        size += len(c)
+        if size > MAX_BODY:
+            raise P.ApiError(413, f"the request body is more than {MAX_BODY} bytes")
+        chunks.append(c)
+    return P.parse_json(b"".join(chunks))
+
+
+# ---- the app ----
+def create_app(served: ServedModel, *, api_key: str | None = None, max_queue: int = 8, seed: int | None = None,
+               runner_ref: list | None = None) -> Starlette:
+    """The server's ASGI app. runner_ref, when given, receives the Runner (for a shutdown hook)."""
+    runner = Runner(served, max_queue, seed)
+    if runner_ref is not None:
+        runner_ref.append(runner)
+    fmt = served.fmt
+    can_think = fmt.think_switch or fmt.always_thinks
+
+    async def generate(request: Request, prepare, sampling, stream, kind, include_usage=False, echo=False, **job_kw):
+        watch = Watch(request.receive)
+        try:
+            job, events, done = await runner.start(watch, prepare, sampling, "messages" if kind == "chat" else "prompt",
+                                                   **job_kw)
+        except ClientGone:
+            watch.close()
+            _note(request, error="the client went away while queued")
+            return Response(status_code=499)
+        except BaseException:
+            watch.close()
+            raise
+        rid = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
+        if stream:
+            return JobStream(_stream(job, events, rid, kind, include_usage, echo), job, done, watch,
+                             lambda: _stats_note(request, job, True))
+        try:
+            parts = {"content": [], "reasoning": []}
+            while True:
+                ev, text = await events.get()
+                if ev == "done":
+                    break
+                if ev == "error":
+                    raise P.ApiError(500, text, "server_error")
+                parts[ev].append(text)
+        finally:
+            job.cancel()
+            watch.close()
+            _stats_note(request, job, False)
+        st = job.stats
+        if st.finish == "cancelled":
+            return Response(status_code=499)
+        use = P.usage(st.prompt_tokens, st.completion_tokens, st.cached_tokens)
+        content = "".join(parts["content"])
+        if kind == "chat":
+            reasoning = "".join(parts["reasoning"]) if (job.prompt.thinks or parts["reasoning"]) else None
+            return JSONResponse(P.chat_response(rid, served.name, content, reasoning, st.finish, use))
+        if echo:
+            content = _echo(job) + content
+        return JSONResponse(P.completion_response(rid, served.name, content, st.finish, use))
+
+    async def _stream(job, events, rid, kind, include_usage, echo):
+        name = served.name
+        if kind == "chat":
+            yield P.sse(P.chat_chunk(rid, name, {"role": "assistant", "content": ""}))
+        elif echo:
+            yield P.sse(P.completion_chunk(rid, name, _echo(job)))
+        while True:
+            ev, text = await events.get()
+            if ev == "done":
+                break
+            if ev == "error":
+                yield P.sse(P.ApiError(500, text, "server_error").body())
+                return
+            if kind == "chat":
+                yield P.sse(P.chat_chunk(rid, name, {"reasoning_content" if ev == "reasoning" else "content": text}))
+            else:
+                yield P.sse(P.completion_chunk(rid, name, text))
+        st = job.stats
+        if st.finish == "cancelled":
+            return
+        use = P.usage(st.prompt_tokens, st.completion_tokens, st.cached_tokens)
+        chunk = P.chat_chunk if kind == "chat" else P.completion_chunk
+        yield P.sse(chunk(rid, name, {} if kind == "chat" else "", st.finish))
+        if include_usage:
+            yield P.sse(chunk(rid, name, {} if kind == "chat" else "", use=use))
+        yield P.SSE_DONE
+
+    def _echo(job: Job) -> str:
+        return served.tok.decode(job.prompt.ids, skip_special_tokens=True)
+
+    async def chat_completions(request: Request):
+        body = await read_json(request)
+        P.check_model(body, served.name)
+        req = P.parse_chat(body)
+        job_kw = dict(split_reasoning=can_think, strip_first_space=fmt.family == "deepseek-v2")
+        return await generate(request, lambda: served.chat_prompt(req.messages, req.think), req.sampling, req.stream,
+                              "chat", include_usage=req.include_usage, **job_kw)
+
+    async def completions(request: Request):
+        body = await read_json(request)
+        P.check_model(body, served.name)
+        req = P.parse_completion(body)
+        return await generate(request, lambda: served.completion_prompt(req.prompt), req.sampling, req.stream,
+                              "completion", include_usage=req.include_usage, echo=req.echo)
+
+    async def models(request: Request):
+        return JSONResponse({"object": "list", "data": [
+            {"id": served.name, "object": "model", "created": started, "owned_by": "cpumla",
+             "max_model_len": served.ctx}]})
+
+    async def health(request: Request):
+        return JSONResponse({"status": "ok", "model": served.name, "running": int(runner.slot.busy),
+                             "queued": runner.slot.queued})
+
+    async def on_api_error(request: Request, e: P.ApiError):
+        _note(request, error=e.message)
+        return error_response(e)
+
+    async def on_http_error(request: Request, e: HTTPException):
+        msg = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+        return await on_api_error(request, P.ApiError(e.status_code, msg.get(e.status_code, str(e.detail)),
+                                                      "not_found_error" if e.status_code == 404 else
+                                                      "invalid_request_error"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        runner.cancel_all()
+        await asyncio.get_running_loop().run_in_executor(None, runner.worker.shutdown)
+
+    started = int(time.time())
+    return Starlette(
+        routes=[Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+                Route("/v1/completions", completions, methods=["POST"]),
+                Route("/v1/models", models, methods=["GET"]),
+                Route("/health", health, methods=["GET"])],
+        middleware=[Middleware(Gate, api_key=api_key)],
+        exception_handlers={P.ApiError: on_api_error, HTTPException: on_http_error},
+        lifespan=lifespan,
+    )
+
+
+class Gate:
+    """Outermost of the app's own layers: the API key, one log line per request, and a one-line 500
+    for anything unexpected (never a traceback)."""
+
+    def __init__(self, app, api_key: str | None = None):
+        self.app = app
+        self.key = f"Bearer {api_key}".encode() if api_key else None
+
+    def _authorized(self, scope) -> bool:
+        got = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+        return hmac.compare_digest(got, self.key)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0, status = time.perf_counter(), [0]
+        note = scope.setdefault("cpumla.log", {})
+
+        async def send_(msg) -> None:
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            await send(msg)
+
+        try:
+            if self.key is not None and not self._authorized(scope):
+                e = P.ApiError(401, "a valid API key is needed (Authorization: Bearer KEY)",
+                               code="invalid_api_key")
+                note["error"] = e.message
+                await error_response(e)(scope, receive, send_)
+            else:
+                await self.app(scope, receive, send_)
+        except OSError:
+            note.setdefault("error", "the client went away")
+        except Exception as e:
+            msg = f"internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+            note["error"] = msg
+            if not status[0]:
+                with contextlib.suppress(Exception):
+                    await error_response(P.ApiError(500, msg, "server_error"))(scope, receive, send_)
+        finally:
+            client = scope.get("client") or ("-", 0)
+            parts = [f"{client[0]}:{client[1]}", scope.get("method", ""), scope.get("path", ""), str(status[0] or 499)]
+            parts += [v for v in (note.get("job"), note.get("error")) if v]
+            parts.append(f"{time.perf_counter() - t0:.3f}s")
+            log.info(" ".join(parts))
