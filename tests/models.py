@@ -104,3 +104,51 @@ def quantize_fp8(src_dir: Path, out: Path, block=(128, 128)):
 def reference_logits(model, ids) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+# ---- DeepSeek-V4 ------------------------------------------------------------------------------------
+# All three layer types and two hash layers; HCA at ratio 8 (transformers' compress_rates) so that a
+# few dozen tokens cross several of its windows, as they cross CSA's (4) and the sliding window (8).
+V4_BASE = dict(vocab_size=160, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=5, num_attention_heads=4,
+               head_dim=32, qk_rope_head_dim=8, q_lora_rank=24, o_groups=2, o_lora_rank=16, n_routed_experts=8,
+               num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=1.5, swiglu_limit=10.0,
+               compress_ratios=[0, 4, 128, 4, 128], num_hash_layers=2, sliding_window=8, index_n_heads=8,
+               index_head_dim=16, index_topk=3, hc_mult=4, hc_sinkhorn_iters=20, max_position_embeddings=4096,
+               compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+               rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 256,
+                             "beta_fast": 32, "beta_slow": 1})
+
+
+def build_v4(out: Path | None, seed: int = 0, **overrides):
+    """A tiny DeepseekV4ForCausalLM with every parameter and buffer given a real value (sinks, biases,
+    the hash table, mHC and compressor position biases included), saved with save_pretrained when
+    `out` is given; returns it (fp32, eval mode)."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    kw = {**V4_BASE, **overrides}
+    cfg = DeepseekV4Config(**kw)
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(cfg).to(torch.float32).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if "inv_freq" in name:
+                continue
+            if name.endswith("tid2eid"):
+                p.copy_(torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(p.shape[0])]))
+            elif name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            elif name.endswith(("hc.scale", "hc_scale")):
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            elif name.endswith(("hc.base", "hc_base", "position_bias", "e_score_correction_bias")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            elif name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith("gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif p.dtype.is_floating_point:
+                p.copy_(torch.randn(p.shape, generator=g) / max(1, p.shape[-1]) ** 0.5)
+    if out is not None:
+        model.save_pretrained(out)
+    return model

@@ -1,0 +1,113 @@
+"""DeepSeek-V4 against transformers' deepseek_v4 (eager) on tiny random models that hold all three layer
+types (sliding window, CSA with its indexer, HCA) and hash-routed layers: full forward, prefill + decode,
+chunked prefill, truncate across compression boundaries; the official FP8 + FP4 release format; bad
+checkpoints and configs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import cpumla
+import models
+from cpumla.errors import CpumlaError
+from cpumla.models import deepseek_v4 as v4
+from cpumla.runtime import engine
+from test_parity import check_bf16_drift, check_fp32
+
+# 44 tokens: 11 CSA windows (ratio 4), 5 HCA windows (ratio 8), five times the sliding window (8), and
+# the indexer's top-3 a real selection from the 4th CSA entry on
+IDS = [int(t) for t in np.random.default_rng(1).integers(0, 160, 44)]
+
+
+def index_margins(model, ids, topk):
+    """The smallest gap, relative to the largest score, between the k-th and (k+1)-th visible index score
+    of any query in any CSA layer of transformers' forward: a selection that no rounding can flip."""
+    scores = []
+    hooks = [mod.register_forward_hook(lambda _m, _i, out: scores.append(out.detach()))
+             for name, mod in model.named_modules() if type(mod).__name__ == "DeepseekV4IndexerScorer"]
+    try:
+        models.reference_logits(model, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    gaps = []
+    for s in scores:
+        s = s[0].double().numpy()
+        for t in range(s.shape[0]):
+            vis = (t + 1) // 4
+            if vis > topk:
+                v = np.sort(s[t, :vis])[::-1]
+                gaps.append((v[topk - 1] - v[topk]) / max(np.abs(v).max(), 1e-30))
+    return min(gaps) if gaps else np.inf, len(scores)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(directory saved by save_pretrained, transformers model, reference logits of IDS)."""
+    d = tmp_path_factory.mktemp("v4")
+    m = models.build_v4(d)
+    return d, m, models.reference_logits(m, IDS)
+
+
+def test_no_index_ties(tiny):
+    """The fixture's indexer selections are decided by a clear margin (ReLU makes exact ties easy)."""
+    _, m, _ = tiny
+    gap, layers = index_margins(m, IDS, models.V4_BASE["index_topk"])
+    assert layers == 2 and gap > 1e-3, gap
+
+
+def test_config_schedule_and_rope(tiny):
+    """The layer schedule and both RoPEs (plain on sliding layers, YaRN at compress_rope_theta on
+    compressed ones) as transformers derives them, from the config transformers saved."""
+    d, m, _ = tiny
+    cfg = cpumla.load(str(d)).config
+    assert cfg.layer_kinds == m.config.layer_types and cfg.ratios == [0, 4, 8, 4, 8]
+    assert cfg.hash == [t == "hash_moe" for t in m.config.mlp_layer_types] == [True, True, False, False, False]
+    rot = m.model.rotary_emb
+    np.testing.assert_allclose(cfg.main_inv_freq, rot.main_inv_freq.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(cfg.compress_inv_freq, rot.compress_inv_freq.numpy(), rtol=1e-6)
+    assert cfg.compress_scale == rot.compress_attention_scaling == 1.0
+
+
+def test_parity_fp32(tiny):
+    d, _, ref = tiny
+    check_fp32(cpumla.load(str(d)).forward(IDS), ref)
+
+
+@pytest.mark.parametrize("split", [1, 5, 16, 31, 43])
+def test_prefill_then_decode(tiny, split):
+    """Prefill of `split` tokens, then one-token decodes: the compressor state (open windows, CSA's
+    overlap half) carries across calls; entries emitted by a decode are visible to that same query."""
+    d, _, ref = tiny
+    eng = cpumla.load(str(d))
+    got = np.concatenate([eng.forward(IDS[:split])] + [eng.forward([t]) for t in IDS[split:]])
+    check_fp32(got, ref)
+
+
+def test_chunked_prefill(tiny, monkeypatch):
+    """Chunks of 5 and 3 tokens: windows and the ring buffers straddle every chunk boundary."""
+    d, _, ref = tiny
+    for chunk in (5, 3):
+        monkeypatch.setattr(engine, "PREFILL_CHUNK", chunk)
+        eng = cpumla.load(str(d))
+        check_fp32(eng.forward(IDS), ref)
+        eng.reset()
+        check_fp32(eng.forward(IDS, last_only=True), ref[-1:])
+
+
+def test_hf_prefill_decode_agrees(tiny):
+    """transformers' own cache path (prefill, then one-token decodes) against its full forward on this
+    fixture, so that the decode tests above compare against a reference that is itself consistent."""
+    _, m, ref = tiny
+    with torch.no_grad():
+        out = m(torch.tensor([IDS[:20]]), use_cache=True)
+        cache, steps = out.past_key_values if hasattr(out, "past_key_values") else out.cache, [out.logits[0]]
+        for t in IDS[20:]:
+            out = m(torch.tensor([[t]]), cache=cache, use_cache=True)
+            steps.append(out.logits[0])
+    check_fp32(torch.cat(steps).numpy(), ref)
