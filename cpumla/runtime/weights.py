@@ -117,7 +117,7 @@ class DummySource:
         if name in self.e8m0:
             (r, c), kind = self.table[self.e8m0[name]]
             return "F8_E8M0", ((-(-r // self.block[0]), -(-c // self.block[1])) if kind == "e4m3" else (r, -(-c // 32)))
-        if self._kind_dtype(name) == "I8":
+        if name in self.table and self._kind_dtype(name) == "I8":
             r, c = self.table[name][0]
             return "I8", (r, c // 2)
         if name in self.scales:
@@ -141,7 +141,7 @@ class DummySource:
             return self._rng(name).integers(0, int(kind[4:]), size=shape, dtype=np.int64)
         if kind == "f32":
             return (self._rng(name).standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[-1]))).astype(np.float32)
-        if self._kind_dtype(name) == "I8":
+        if name in self.table and self._kind_dtype(name) == "I8":
             return self._rng(name).integers(0, 256, size=self.info(name)[1], dtype=np.uint8)
         if name in self.scales:
             shape = self.info(name)[1]
