@@ -152,3 +152,63 @@ def build_v4(out: Path | None, seed: int = 0, **overrides):
     if out is not None:
         model.save_pretrained(out)
     return model
+
+
+E2M1 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6])
+
+
+def _e8m0(amax: torch.Tensor, top: float) -> torch.Tensor:
+    """Power-of-two exponents e (scale 2^e) that bring amax within the format's largest value `top`."""
+    return torch.ceil(torch.log2(amax.clamp(min=1e-30) / top)).clamp(-127, 127)
+
+
+def quantize_v4(saved: Path, out: Path, cfg_extra: dict | None = None):
+    """The official release format of a V4 model saved by save_pretrained: official names, FP8 e4m3
+    linears with E8M0 `.scale` per 128x128 block, FP4 e2m1 experts (two per byte, low nibble first,
+    I8 on disk) with E8M0 `.scale` per 1x32, bf16 compressor / indexer / router projections, embeddings
+    and norms, fp32 mHC / sink / ape / bias, I64 tid2eid. Writes it to `out` and returns the dequantised
+    weights under the saved names (the reference's weights)."""
+    from safetensors.torch import load_file, save_file
+
+    from cpumla.models import deepseek_v4 as v4
+
+    sd = load_file(saved / "model.safetensors")
+    cfg_json = json.loads((saved / "config.json").read_text())
+    kinds = v4.tensors(v4.Config.from_dict(cfg_json))
+    new, deq = {}, {}
+    for name, (shape, kind) in kinds.items():
+        hf = v4.hf_name(name)
+        t = sd[hf]
+        if kind == "e4m3":
+            r, c = t.shape
+            gr, gc = -(-r // 128), -(-c // 128)
+            e = torch.empty(gr, gc)
+            for i in range(gr):
+                for j in range(gc):
+                    e[i, j] = _e8m0(t[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].abs().max(), 448.0)
+            full = torch.exp2(e).repeat_interleave(128, 0).repeat_interleave(128, 1)[:r, :c]
+            q = (t / full).to(torch.float8_e4m3fn)
+            new[name] = q
+            new[name[:-len("weight")] + "scale"] = (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+            deq[hf] = q.to(torch.float32) * full
+        elif kind == "e2m1":
+            r, c = t.shape
+            e = _e8m0(t.view(r, c // 32, 32).abs().amax(-1), 6.0)                      # [r, c/32]
+            v = t / torch.exp2(e).repeat_interleave(32, 1)
+            mag = (v.abs().unsqueeze(-1) - E2M1).abs().argmin(-1)                     # nearest magnitude
+            nib = (mag | ((v < 0) & (mag > 0)).to(torch.long) << 3).to(torch.uint8)
+            new[name] = (nib[:, 0::2] | (nib[:, 1::2] << 4)).view(torch.int8)
+            new[name[:-len("weight")] + "scale"] = (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+            deq[hf] = E2M1[mag] * torch.where(v < 0, -1.0, 1.0) * torch.exp2(e).repeat_interleave(32, 1)
+        elif kind in ("plain", "norm", "embed"):
+            new[name] = t.to(torch.bfloat16)
+            deq[hf] = new[name].to(torch.float32)
+        else:
+            new[name], deq[hf] = t, t
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(new, out / "model.safetensors", metadata={"format": "pt"})
+    cfg_json.update({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                             "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+                     "expert_dtype": "fp4", **(cfg_extra or {})})
+    (out / "config.json").write_text(json.dumps(cfg_json))
+    return deq

@@ -111,3 +111,35 @@ def test_hf_prefill_decode_agrees(tiny):
             out = m(torch.tensor([[t]]), cache=cache, use_cache=True)
             steps.append(out.logits[0])
     check_fp32(torch.cat(steps).numpy(), ref)
+
+
+def test_official_fp8_fp4(tmp_path):
+    """The release format read in place (FP8 + E8M0 scales on partial 128x128 blocks, FP4 experts, bf16
+    projections and norms) against transformers on the dequantised weights: no further from the fp32
+    reference than transformers' own bf16 forward of them (loaded as transformers loads V4, its mHC,
+    sinks, norms and biases kept fp32). Every decision here is one that bf16 rounding cannot flip: the
+    layers are hash-routed (a biased top-2 of 8 experts has near-ties that bf16's ~1% moves across, in
+    transformers' bf16 forward as in ours) and the indexer keeps every entry (index_topk 16 >= 11); the
+    biased routing and the sparse selection are checked in fp32 above."""
+    from safetensors.torch import save_file
+    from transformers import DeepseekV4ForCausalLM
+
+    models.build_v4(tmp_path / "f32", num_hash_layers=5, index_topk=16)
+    deq = models.quantize_v4(tmp_path / "f32", tmp_path / "official")
+    (tmp_path / "deq").mkdir()
+    shutil.copy(tmp_path / "f32" / "config.json", tmp_path / "deq" / "config.json")
+    save_file({k: v.contiguous() for k, v in deq.items()}, tmp_path / "deq" / "model.safetensors",
+              metadata={"format": "pt"})
+    ref = models.reference_logits(DeepseekV4ForCausalLM.from_pretrained(tmp_path / "deq", dtype=torch.float32).eval(), IDS)
+    hf_bf16 = models.reference_logits(
+        DeepseekV4ForCausalLM.from_pretrained(tmp_path / "deq", dtype=torch.bfloat16).eval(), IDS)
+    eng = cpumla.load(str(tmp_path / "official"))
+    L = eng.model.layers[1]
+    assert (eng.matmul_format, L["experts"]._keep[0][0].dtype, L["attn"][5].dtype) == ("e4m3", "e2m1", "bf16")
+    got = eng.forward(IDS)
+    check_bf16_drift(got, ref, hf_bf16)
+    eng.reset()                        # and cached decode stays as close
+    inc = np.concatenate([eng.forward(IDS[:30])] + [eng.forward([t]) for t in IDS[30:]])
+    check_bf16_drift(inc, ref, hf_bf16)
+    # the dequantised weights under transformers' names, read by cpumla in fp32: the fp32 reference
+    check_fp32(cpumla.load(str(tmp_path / "deq")).forward(IDS), ref)
