@@ -143,3 +143,116 @@ def test_official_fp8_fp4(tmp_path):
     check_bf16_drift(inc, ref, hf_bf16)
     # the dequantised weights under transformers' names, read by cpumla in fp32: the fp32 reference
     check_fp32(cpumla.load(str(tmp_path / "deq")).forward(IDS), ref)
+
+
+@pytest.mark.parametrize("keep", [13, 24, 32])
+def test_truncate_across_compression_boundaries(tiny, keep):
+    """Multi-turn reuse: a first turn runs to 40 tokens; truncating to `keep` (inside an open CSA window,
+    on an HCA boundary, past several emitted entries) and appending a different continuation gives the
+    logits of a fresh run of the new sequence. The state continues in place (within the rings' reach)."""
+    d, _, _ = tiny
+    eng = cpumla.load(str(d))
+    eng.forward(IDS[:30])
+    for t in IDS[30:40]:
+        eng.forward([t])
+    assert native_resumable(eng, keep)
+    eng.truncate(keep)
+    new = IDS[keep:] [::-1][:12]
+    got = np.concatenate([eng.forward(new[:5])] + [eng.forward([t]) for t in new[5:]])
+    fresh = cpumla.load(str(d)).forward(IDS[:keep] + new)[keep:]
+    check_fp32(got, fresh)
+
+
+def native_resumable(eng, pos0):
+    from cpumla import native
+    return bool(native.lib.cpumla_dsv4_resumable(eng.model._state, pos0))
+
+
+def test_truncate_beyond_the_rings_replays(tiny, monkeypatch):
+    """With 4-token calls the rings reach back only a few positions: a truncate deeper than that replays
+    the kept tokens from position 0, and the logits are still those of a fresh run."""
+    monkeypatch.setattr(engine, "PREFILL_CHUNK", 4)
+    d, _, ref = tiny
+    eng = cpumla.load(str(d), max_seq_len=64)
+    eng.forward(IDS)
+    assert not native_resumable(eng, 9)
+    eng.truncate(9)
+    check_fp32(eng.forward(IDS[9:]), ref[9:])
+
+
+def test_hca_at_ratio_128(tmp_path):
+    """The released HCA ratio (128, from compress_ratios): 140 tokens cross its first window; prefill to
+    the boundary and decode across it."""
+    ids = [int(t) for t in np.random.default_rng(2).integers(0, 160, 140)]
+    m = models.build_v4(tmp_path, compress_rates=None, num_hidden_layers=3, compress_ratios=[128, 4, 0],
+                        index_topk=64)
+    ref = models.reference_logits(m, ids)
+    eng = cpumla.load(str(tmp_path))
+    assert eng.config.ratios == [128, 4, 0]
+    check_fp32(eng.forward(ids), ref)
+    eng.reset()
+    check_fp32(np.concatenate([eng.forward(ids[:126])] + [eng.forward([t]) for t in ids[126:]]), ref)
+
+
+def _edit(src, dst, drop=None, cfg=None, tensor=None):
+    """A copy of checkpoint `src` without tensor `drop`, with config fields `cfg`, tensors `tensor` set."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    sd = load_file(dst / "model.safetensors")
+    sd.pop(drop, None)
+    sd.update(tensor or {})
+    save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    c = json.loads((dst / "config.json").read_text())
+    c.update(cfg or {})
+    (dst / "config.json").write_text(json.dumps(c))
+    return dst
+
+
+@pytest.mark.parametrize("drop,word", [("model.layers.1.hc_attn_fn", "layers.1.hc_attn_fn"),
+                                        ("model.hc_head.hc_base", "hc_head_base"),
+                                        ("model.layers.2.attn.attn_sink", "layers.2.attn.attn_sink"),
+                                        ("model.layers.1.attn.compressor.wgate.weight", "compressor.wgate"),
+                                        ("model.layers.3.attn.indexer.compressor.ape", "indexer.compressor.ape")])
+def test_missing_v4_tensor(tiny, tmp_path, drop, word):
+    d, _, _ = tiny
+    bad = _edit(d, tmp_path / "m", drop=drop)
+    with pytest.raises(CpumlaError, match=f"{bad}.*missing tensor '.*{word}"):
+        cpumla.load(str(bad))
+
+
+def test_bad_compress_ratio(tiny, tmp_path):
+    d, _, _ = tiny
+    c = json.loads((d / "config.json").read_text())
+    for k in ("layer_types", "compress_rates"):
+        c.pop(k)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**c, "compress_ratios": [0, 4, 64, 4, 128]}))
+    with pytest.raises(CpumlaError, match=r"config.json: 'compress_ratios' value 64 is not 0, 4 or 128"):
+        cpumla.load(str(tmp_path / "m"))
+
+
+def test_tid2eid_out_of_range(tiny, tmp_path):
+    from safetensors.torch import load_file
+    d, _, _ = tiny
+    t = load_file(d / "model.safetensors")["model.layers.1.ffn.gate.tid2eid"].clone()
+    t[7, 1] = 8
+    bad = _edit(d, tmp_path / "m", tensor={"model.layers.1.ffn.gate.tid2eid": t})
+    with pytest.raises(CpumlaError, match=r"model.safetensors: tensor 'model.layers.1.ffn.gate.tid2eid' names expert 8"):
+        cpumla.load(str(bad))
+
+
+@pytest.mark.parametrize("argv,word", [
+    (["smoke", "--model", "{bad}"], "names expert 8"),
+])
+def test_cli_bad_v4_checkpoint(tiny, tmp_path, argv, word):
+    """The CLI prints the one line and exits non-zero."""
+    import subprocess
+    import sys
+    from safetensors.torch import load_file
+    d, _, _ = tiny
+    t = load_file(d / "model.safetensors")["model.layers.0.ffn.gate.tid2eid"].clone()
+    t[0, 0] = 8
+    bad = _edit(d, tmp_path / "m", tensor={"model.layers.0.ffn.gate.tid2eid": t})
+    r = subprocess.run([sys.executable, "-m", "cpumla"] + [a.format(bad=bad) for a in argv], capture_output=True,
+                       text=True)
+    assert r.returncode != 0 and word in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

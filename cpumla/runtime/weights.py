@@ -78,7 +78,10 @@ class DummySource:
 
     def __init__(self, table: dict, block: tuple[int, int] = (128, 128), seed: int = 0, dtype: str = "bf16"):
         """table: name -> (shape, kind), the family's tensors(); kind "linear" is FP8 in an FP8 model,
-        "plain" a matrix that stays bf16, "embed", "norm" and "bias" as their names say."""
+        "plain" a matrix that stays bf16, "embed", "norm" and "bias" as their names say. V4's kinds keep
+        its release formats in any dtype but "f32": "e4m3" (FP8 with an E8M0 `.scale` per 128x128),
+        "e2m1" (FP4 packed two per byte as I8, E8M0 `.scale` per 1x32), "f32" (always F32) and "ids:E"
+        (an I64 token-id table of experts below E)."""
         if dtype not in ("bf16", "fp8", "f32"):
             raise CpumlaError(f"dummy weight dtype must be bf16, fp8 or f32, got '{dtype}'")
         self.block, self.seed, self.dtype = tuple(block), seed, dtype
