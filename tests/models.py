@@ -133,3 +133,111 @@ def quantize_fp8(src_dir: Path, out: Path, block=(128, 128)):
 def reference_logits(model, ids) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+# ---- DeepSeek-V4 ------------------------------------------------------------------------------------
+# All three layer types and two hash layers; HCA at ratio 8 (transformers' compress_rates) so that a
+# few dozen tokens cross several of its windows, as they cross CSA's (4) and the sliding window (8).
+V4_BASE = dict(vocab_size=160, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=5, num_attention_heads=4,
+               head_dim=32, qk_rope_head_dim=8, q_lora_rank=24, o_groups=2, o_lora_rank=16, n_routed_experts=8,
+               num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=1.5, swiglu_limit=10.0,
+               compress_ratios=[0, 4, 128, 4, 128], num_hash_layers=2, sliding_window=8, index_n_heads=8,
+               index_head_dim=16, index_topk=3, hc_mult=4, hc_sinkhorn_iters=20, max_position_embeddings=4096,
+               compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+               rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 256,
+                             "beta_fast": 32, "beta_slow": 1})
+
+
+def build_v4(out: Path | None, seed: int = 0, **overrides):
+    """A tiny DeepseekV4ForCausalLM with every parameter and buffer given a real value (sinks, biases,
+    the hash table, mHC and compressor position biases included), saved with save_pretrained when
+    `out` is given; returns it (fp32, eval mode)."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    kw = {**V4_BASE, **overrides}
+    cfg = DeepseekV4Config(**kw)
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(cfg).to(torch.float32).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if "inv_freq" in name:
+                continue
+            if name.endswith("tid2eid"):
+                p.copy_(torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(p.shape[0])]))
+            elif name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            elif name.endswith(("hc.scale", "hc_scale")):
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            elif name.endswith(("hc.base", "hc_base", "position_bias", "e_score_correction_bias")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            elif name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith("gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif p.dtype.is_floating_point:
+                p.copy_(torch.randn(p.shape, generator=g) / max(1, p.shape[-1]) ** 0.5)
+    if out is not None:
+        model.save_pretrained(out)
+    return model
+
+
+E2M1 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6])
+
+
+def _e8m0(amax: torch.Tensor, top: float) -> torch.Tensor:
+    """Power-of-two exponents e (scale 2^e) that bring amax within the format's largest value `top`."""
+    return torch.ceil(torch.log2(amax.clamp(min=1e-30) / top)).clamp(-127, 127)
+
+
+def quantize_v4(saved: Path, out: Path, cfg_extra: dict | None = None):
+    """The official release format of a V4 model saved by save_pretrained: official names, FP8 e4m3
+    linears with E8M0 `.scale` per 128x128 block, FP4 e2m1 experts (two per byte, low nibble first,
+    I8 on disk) with E8M0 `.scale` per 1x32, bf16 compressor / indexer / router projections, embeddings
+    and norms, fp32 mHC / sink / ape / bias, I64 tid2eid. Writes it to `out` and returns the dequantised
+    weights under the saved names (the reference's weights)."""
+    from safetensors.torch import load_file, save_file
+
+    from cpumla.models import deepseek_v4 as v4
+
+    sd = load_file(saved / "model.safetensors")
+    cfg_json = json.loads((saved / "config.json").read_text())
+    kinds = v4.tensors(v4.Config.from_dict(cfg_json))
+    new, deq = {}, {}
+    for name, (shape, kind) in kinds.items():
+        hf = v4.hf_name(name)
+        t = sd[hf]
+        if kind == "e4m3":
+            r, c = t.shape
+            gr, gc = -(-r // 128), -(-c // 128)
+            e = torch.empty(gr, gc)
+            for i in range(gr):
+                for j in range(gc):
+                    e[i, j] = _e8m0(t[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].abs().max(), 448.0)
+            full = torch.exp2(e).repeat_interleave(128, 0).repeat_interleave(128, 1)[:r, :c]
+            q = (t / full).to(torch.float8_e4m3fn)
+            new[name] = q
+            new[name[:-len("weight")] + "scale"] = (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+            deq[hf] = q.to(torch.float32) * full
+        elif kind == "e2m1":
+            r, c = t.shape
+            e = _e8m0(t.view(r, c // 32, 32).abs().amax(-1), 6.0)                      # [r, c/32]
+            v = t / torch.exp2(e).repeat_interleave(32, 1)
+            mag = (v.abs().unsqueeze(-1) - E2M1).abs().argmin(-1)                     # nearest magnitude
+            nib = (mag | ((v < 0) & (mag > 0)).to(torch.long) << 3).to(torch.uint8)
+            new[name] = (nib[:, 0::2] | (nib[:, 1::2] << 4)).view(torch.int8)
+            new[name[:-len("weight")] + "scale"] = (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+            deq[hf] = E2M1[mag] * torch.where(v < 0, -1.0, 1.0) * torch.exp2(e).repeat_interleave(32, 1)
+        elif kind in ("plain", "norm", "embed"):
+            new[name] = t.to(torch.bfloat16)
+            deq[hf] = new[name].to(torch.float32)
+        else:
+            new[name], deq[hf] = t, t
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(new, out / "model.safetensors", metadata={"format": "pt"})
+    cfg_json.update({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                             "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+                     "expert_dtype": "fp4", **(cfg_extra or {})})
+    (out / "config.json").write_text(json.dumps(cfg_json))
+    return deq

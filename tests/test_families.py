@@ -31,10 +31,11 @@ def run(eng, ids=IDS, split=6):
 
 
 def test_registry():
-    assert {"deepseek_v2", "deepseek_v3", "deepseek_v32"} <= set(FAMILIES)
+    assert {"deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4"} <= set(FAMILIES)
+    assert family("deepseek_v4").__name__.endswith("deepseek_v4")
     assert family("deepseek_v3") is family("deepseek_v2")
     assert family("deepseek_v32").__name__.endswith("deepseek_v32")
-    for bad, word in [("deepseek_v9", "unsupported model_type"), ("deepseek_v4", "not supported yet"),
+    for bad, word in [("deepseek_v9", "unsupported model_type"), ("deepseek_v4", "missing field"),
                       (None, "unsupported model_type")]:
         with pytest.raises(CpumlaError, match=word):
             config_from_dict({"model_type": bad}, "x/config.json")

@@ -74,9 +74,9 @@ def corrupt(tiny, tmp_path, how):
         cfg = json.loads((d / "config.json").read_text())
         cfg["model_type"] = "llama"
         (d / "config.json").write_text(json.dumps(cfg))
-    elif how == "v4-not-yet":
+    elif how == "v4-config-v3-weights":
         cfg = json.loads((d / "config.json").read_text())
-        cfg["model_type"] = "deepseek_v4"
+        cfg.update(model_type="deepseek_v4", num_attention_heads=4, o_groups=2, q_lora_rank=24)
         (d / "config.json").write_text(json.dumps(cfg))
     elif how == "invalid-config":
         (d / "config.json").write_text("{ not json")
@@ -92,7 +92,7 @@ def corrupt(tiny, tmp_path, how):
 
 BAD = [("truncated", "truncated"), ("offsets-past-end", "model.safetensors"), ("absurd-header", "header"),
        ("missing-tensor", "kv_b_proj"), ("wrong-shape", "o_proj"), ("bad-model-type", "llama"),
-       ("v4-not-yet", "not supported yet"), ("invalid-config", "config.json"),
+       ("v4-config-v3-weights", "missing tensor 'head.weight'"), ("invalid-config", "config.json"),
        ("pickle-only", "pickle"), ("missing-shard", "model-00002-of-00002")]
 
 

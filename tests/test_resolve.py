@@ -16,6 +16,7 @@ EXPECTED_PRESETS = [
     "deepseek-ai/DeepSeek-V3.1", "deepseek-ai/DeepSeek-V3.2-Exp", "deepseek-ai/DeepSeek-V3.2",
     "moonshotai/Moonlight-16B-A3B", "moonshotai/Moonlight-16B-A3B-Instruct",
 ]
+V4_PRESETS = ["deepseek-ai/DeepSeek-V4-Flash", "deepseek-ai/DeepSeek-V4-Pro"]
 MLA_FIELDS = [
     "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
     "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank",
@@ -56,7 +57,7 @@ def fake_cached_repo(hub, repo_id, config, rev="0123456789abcdef0123456789abcdef
 
 
 def test_every_preset_is_present_and_complete():
-    assert sorted(PRESETS) == sorted(EXPECTED_PRESETS)
+    assert sorted(PRESETS) == sorted(EXPECTED_PRESETS + V4_PRESETS)
     for repo_id in EXPECTED_PRESETS:
         cfg = preset_config(repo_id)
         missing = [f for f in MLA_FIELDS if f not in cfg]
@@ -66,6 +67,26 @@ def test_every_preset_is_present_and_complete():
         if cfg["rope_scaling"] is not None:
             assert set(cfg["rope_scaling"]) == {"type", "factor", "original_max_position_embeddings",
                                                 "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}
+
+
+def test_v4_values():
+    """V4's presets: the published sizes, the layer schedule (the MTP layer's ratio last) and formats."""
+    from cpumla.models import deepseek_v4 as v4
+
+    want = {"deepseek-ai/DeepSeek-V4-Flash": (4096, 43, 64, 1024, 8, 256, 2048, 512, 1.5, [0, 0] + [4, 128] * 20 + [4, 0]),
+            "deepseek-ai/DeepSeek-V4-Pro": (7168, 61, 128, 1536, 16, 384, 3072, 1024, 2.5,
+                                            [128, 128] + [4, 128] * 29 + [4, 0])}
+    for repo, w in want.items():
+        c = preset_config(repo)
+        assert c["model_type"] == "deepseek_v4" and c["architectures"] == ["DeepseekV4ForCausalLM"]
+        got = (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["q_lora_rank"], c["o_groups"],
+               c["n_routed_experts"], c["moe_intermediate_size"], c["index_topk"], c["routed_scaling_factor"],
+               c["compress_ratios"])
+        assert got == w
+        assert (c["head_dim"], c["qk_rope_head_dim"], c["o_lora_rank"], c["sliding_window"], c["num_hash_layers"],
+                c["hc_mult"], c["expert_dtype"], c["quantization_config"]["scale_fmt"]) == (512, 64, 1024, 128, 3, 4, "fp4", "ue8m0")
+        cfg = v4.Config.from_dict(c)
+        assert cfg.ratios == c["compress_ratios"][:-1] and cfg.hash == [True] * 3 + [False] * (cfg.num_hidden_layers - 3)
 
 
 def test_v32_values():

@@ -28,7 +28,7 @@ def smoke(
         raise CpumlaError("without --model, smoke runs the bundled configs and needs --dummy-weights")
     extra = parse_hf_overrides(hf_overrides)      # each key is checked against each config on load
     if model is None:
-        runs = [(m, {**sm.SHRINK, **o, **extra}) for m, o in sm.DEFAULT_MODELS.items()]
+        runs = [(m, sm.default_overrides(m, extra)) for m in sm.DEFAULT_MODELS]
     else:
         runs = [(model, extra)]
     results = []

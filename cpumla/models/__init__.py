@@ -18,8 +18,9 @@ FAMILIES = {
     "deepseek_v2": "deepseek_v2",      # V2, V2-Lite, V2.5, Coder-V2
     "deepseek_v3": "deepseek_v2",      # V3, R1, V3.1, Moonlight
     "deepseek_v32": "deepseek_v32",    # V3.2-Exp, V3.2
+    "deepseek_v4": "deepseek_v4",      # V4-Flash, V4-Pro
 }
-NOT_YET = {"deepseek_v4": "DeepSeek-V4"}
+NOT_YET: dict[str, str] = {}
 
 
 def family(model_type, source: str = "config.json"):

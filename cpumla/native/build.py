@@ -79,7 +79,7 @@ def package_version() -> str:
 
 
 # The public headers, in dependency order: the core kernels, then one per model family.
-PUBLIC_HEADERS = ("cpumla.h", "deepseek_v2.h", "deepseek_v32.h")
+PUBLIC_HEADERS = ("cpumla.h", "deepseek_v2.h", "deepseek_v32.h", "deepseek_v4.h")
 
 
 def cdef_text() -> str:

@@ -17,10 +17,25 @@ DEFAULT_MODELS = {
     "deepseek-ai/DeepSeek-V3": {"q_lora_rank": 192},
     "deepseek-ai/DeepSeek-V3.2": {"q_lora_rank": 192, "index_topk": 16},   # below the prompt: sparse
     "moonshotai/Moonlight-16B-A3B": {},
+    # all three layer types (SWA, CSA, HCA) and hash layers; 8 heads for its 8 output groups. The indexer
+    # keeps every entry: with bf16-rounded activations a near-tie in its top-k may flip between cached
+    # decode and the full forward (the sparse selection is checked against transformers in fp32)
+    "deepseek-ai/DeepSeek-V4-Flash": {"num_hidden_layers": 4, "num_attention_heads": 8, "sliding_window": 16,
+                                      "compress_ratios": [0, 4, 128, 4, 0], "index_topk": 16},
 }
 SHRINK = {"num_hidden_layers": 2, "first_k_dense_replace": 1, "hidden_size": 256, "intermediate_size": 512,
           "moe_intermediate_size": 128, "n_routed_experts": 16, "num_attention_heads": 4,
           "num_key_value_heads": 4}
+# SHRINK keys a family's config does not have (V4: no dense layers or dense MLP width; one KV head)
+NOT_IN_CONFIG = {"deepseek-ai/DeepSeek-V4-Flash": ("first_k_dense_replace", "intermediate_size",
+                                                   "num_key_value_heads")}
+
+
+def default_overrides(model: str, extra: dict) -> dict:
+    """The overrides of one default smoke run: SHRINK (less the keys its config lacks), the model's own
+    entry, then the user's."""
+    shrink = {k: v for k, v in SHRINK.items() if k not in NOT_IN_CONFIG.get(model, ())}
+    return {**shrink, **DEFAULT_MODELS[model], **extra}
 
 
 def decode_tolerance(eng) -> float:

@@ -78,7 +78,10 @@ class DummySource:
 
     def __init__(self, table: dict, block: tuple[int, int] = (128, 128), seed: int = 0, dtype: str = "bf16"):
         """table: name -> (shape, kind), the family's tensors(); kind "linear" is FP8 in an FP8 model,
-        "plain" a matrix that stays bf16, "embed", "norm" and "bias" as their names say."""
+        "plain" a matrix that stays bf16, "embed", "norm" and "bias" as their names say. V4's kinds keep
+        its release formats in any dtype but "f32": "e4m3" (FP8 with an E8M0 `.scale` per 128x128),
+        "e2m1" (FP4 packed two per byte as I8, E8M0 `.scale` per 1x32), "f32" (always F32) and "ids:E"
+        (an I64 token-id table of experts below E)."""
         if dtype not in ("bf16", "fp8", "f32"):
             raise CpumlaError(f"dummy weight dtype must be bf16, fp8 or f32, got '{dtype}'")
         self.block, self.seed, self.dtype = tuple(block), seed, dtype
@@ -88,14 +91,25 @@ class DummySource:
             for name, (shape, kind) in list(self.table.items()):
                 if kind == "linear":
                     self.scales[name + "_scale_inv"] = name
+        # kinds "e4m3" / "e2m1": shipped in that format whatever the dtype (V4), except in an f32 model;
+        # their E8M0 scale grids are named as V4's release names them (`X.weight` -> `X.scale`)
+        self.e8m0: dict[str, str] = {}
+        if dtype != "f32":
+            for name, (shape, kind) in self.table.items():
+                if kind in ("e4m3", "e2m1"):
+                    self.e8m0[(name[:-len("weight")] if name.endswith(".weight") else name + ".") + "scale"] = name
 
     def has(self, name: str) -> bool:
-        return name in self.table or name in self.scales
+        return name in self.table or name in self.scales or name in self.e8m0
 
     def _kind_dtype(self, name: str) -> str:
         shape, kind = self.table[name]
-        if kind == "bias":
+        if kind in ("bias", "f32"):
             return "F32"
+        if kind.startswith("ids:"):
+            return "I64"
+        if kind in ("e4m3", "e2m1") and self.dtype != "f32":
+            return "F8_E4M3" if kind == "e4m3" else "I8"
         if self.dtype == "f32":
             return "F32"
         if self.dtype == "fp8" and name + "_scale_inv" in self.scales:
@@ -103,6 +117,12 @@ class DummySource:
         return "BF16"
 
     def info(self, name: str):
+        if name in self.e8m0:
+            (r, c), kind = self.table[self.e8m0[name]]
+            return "F8_E8M0", ((-(-r // self.block[0]), -(-c // self.block[1])) if kind == "e4m3" else (r, -(-c // 32)))
+        if name in self.table and self._kind_dtype(name) == "I8":
+            r, c = self.table[name][0]
+            return "I8", (r, c // 2)
         if name in self.scales:
             r, c = self.table[self.scales[name]][0]
             b = self.block
@@ -113,6 +133,19 @@ class DummySource:
         return np.random.default_rng([self.seed, zlib.crc32(name.encode())])
 
     def tensor(self, name: str) -> np.ndarray:
+        if name in self.e8m0:
+            (r, c), kind = self.table[self.e8m0[name]]
+            mean_square = E4M3_MEAN_SQUARE if kind == "e4m3" else E2M1_MEAN_SQUARE
+            # the power of two nearest to a scale giving a row of random codes variance ~1/in
+            code = 127 + int(round(-0.5 * np.log2(mean_square * c)))
+            return np.full(self.info(name)[1], code, np.uint8)
+        shape, kind = self.table.get(name, (None, ""))
+        if kind.startswith("ids:"):
+            return self._rng(name).integers(0, int(kind[4:]), size=shape, dtype=np.int64)
+        if kind == "f32":
+            return (self._rng(name).standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[-1]))).astype(np.float32)
+        if name in self.table and self._kind_dtype(name) == "I8":
+            return self._rng(name).integers(0, 256, size=self.info(name)[1], dtype=np.uint8)
         if name in self.scales:
             shape = self.info(name)[1]
             cols = self.table[self.scales[name]][0][1]
@@ -199,6 +232,9 @@ def random_normal(shape, std: float, rng: np.random.Generator, bf16: bool) -> np
 
 
 E4M3_MEAN_SQUARE = float(np.mean([(2.0 ** (e - 7) * (1 + m / 8)) ** 2 for e in range(5, 10) for m in range(8)]))
+
+
+E2M1_MEAN_SQUARE = float(np.mean(np.square([0, .5, 1, 1.5, 2, 3, 4, 6])))
 
 
 def random_e4m3(shape, rng: np.random.Generator) -> np.ndarray:

@@ -5,7 +5,10 @@ cache's spelling). Deviations: Moonlight's files carry an explicit `"rope_scalin
 published files omit the key), so that `--hf-overrides '{"rope_scaling": {...}}'` is accepted. The
 two V3.2 files (V3.2-Exp and V3.2 share one architecture) carry the published values (V3.1's config
 with model_type deepseek_v32, index_n_heads 64, index_head_dim 128, index_topk 2048) in the same
-layout, without the remote-code `auto_map`.
+layout, without the remote-code `auto_map`. The two V4 files (Flash, Pro) carry the published V4
+values (official keys: `compress_ratios` with the MTP layer's entry, `num_hash_layers`,
+`qk_rope_head_dim`, YaRN `rope_scaling` for the compressed layers, FP8 `quantization_config` with
+`expert_dtype` fp4) in the same layout.
 """
 
 from pathlib import Path

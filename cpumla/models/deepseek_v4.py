@@ -1,0 +1,564 @@
+"""DeepSeek-V4 Flash / Pro (`deepseek_v4`): mHC residual streams, shared-KV attention with sinks over a
+sliding window plus compressed entries (CSA: ratio 4 with overlap and a lightning indexer; HCA: ratio
+128), MoE on every layer (sqrt-softplus + bias, or token-id hash routing on the first layers). The
+native forward is deepseek_v4.c / deepseek_v4_attn.c; deepseek_v4.h has the math.
+
+Cross-read with transformers/models/deepseek_v4 (modeling and configuration).
+
+Checkpoints: the official release names (`layers.N.attn.wq_a.weight`, no `model.` prefix) with FP8
+e4m3 linears (E8M0 `.scale` per 128x128 block), FP4 e2m1 routed experts (two per byte, stored as I8,
+E8M0 `.scale` per 1x32), bf16 compressor / indexer projections, fp32 mHC / sink / `ape` / bias tensors
+and an I64 `tid2eid`; `mtp.*` is never read. A checkpoint written by transformers' save_pretrained uses
+the same names under `model.` (except `head.weight`), `model.embed_tokens`, `model.hc_head.hc_*` and
+`attn.norm` for the attention's `attn.kv_norm`; both spellings are accepted, tensor by tensor.
+
+Config: both the official keys (`compress_ratios` per layer with 0 / 4 / 128, `num_hash_layers`,
+`qk_rope_head_dim`, `rope_scaling`) and transformers' (`layer_types`, `compress_rates`,
+`mlp_layer_types`, `partial_rotary_factor`, nested `rope_parameters`). Sliding-window layers use RoPE at
+`rope_theta` without scaling; compressed layers use `compress_rope_theta` with YaRN (cos/sin unscaled).
+
+State across calls: the window ring and the compressor input rings keep about one prefill chunk more
+than a query needs, so a truncate that rolls back at most that far continues in place (entries whose
+window the rollback reopens are emitted again); a deeper truncate replays the kept token ids from
+position 0 (cpumla_dsv4_resumable says which).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cpumla import native
+from cpumla.errors import CpumlaError
+from cpumla.models import deepseek_v2 as v2
+from cpumla.runtime import weights as W
+
+MODEL_TYPES = ("deepseek_v4",)
+LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+
+
+@dataclass
+class Config:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    head_dim: int = 512
+    qk_rope_head_dim: int | None = None
+    partial_rotary_factor: float | None = None
+    q_lora_rank: int = 1024
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    n_shared_experts: int = 1
+    scoring_func: str = "sqrtsoftplus"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.5
+    swiglu_limit: float = 10.0
+    num_hash_layers: int | None = None
+    mlp_layer_types: list | None = None
+    compress_ratios: list | None = None
+    layer_types: list | None = None
+    compress_rates: dict | None = None
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    sliding_window: int = 128
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    max_position_embeddings: int = 1048576
+    rms_norm_eps: float = 1e-6
+    bos_token_id: int | None = None
+    eos_token_id: int | list | None = None
+    tie_word_embeddings: bool = False
+    quantization_config: dict | None = None
+    expert_dtype: str | None = None
+    num_nextn_predict_layers: int = 0
+    extra: dict = field(default_factory=dict, repr=False)
+
+    MODEL_TYPES = MODEL_TYPES
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config.json") -> "Config":
+        if not isinstance(d, dict):
+            raise CpumlaError(f"{source}: expected a JSON object")
+        if d.get("model_type") not in cls.MODEL_TYPES:
+            raise CpumlaError(f"{source}: model_type {d.get('model_type')!r} is not deepseek_v4")
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        for f in dataclasses.fields(cls):
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in kwargs:
+                raise CpumlaError(f"{source}: missing field '{f.name}'")
+        cfg = cls(**kwargs, extra={k: v for k, v in d.items() if k not in names})
+        cfg.derive(source)
+        return cfg
+
+    def derive(self, source: str) -> None:
+        """Checks the fields and computes the per-layer schedule and the two RoPEs."""
+        def need(ok, msg):
+            if not ok:
+                raise CpumlaError(f"{source}: {msg}")
+
+        def posint(name):
+            v = getattr(self, name)
+            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"'{name}' must be a positive integer, got {v!r}")
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "moe_intermediate_size",
+                     "n_routed_experts", "num_experts_per_tok", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
+                     "hc_mult", "hc_sinkhorn_iters", "sliding_window", "index_n_heads", "index_head_dim", "index_topk"):
+            posint(name)
+        n = self.num_hidden_layers
+        need(self.num_experts_per_tok <= self.n_routed_experts, "'num_experts_per_tok' must not exceed n_routed_experts")
+        need(self.num_attention_heads % self.o_groups == 0,
+             f"'o_groups' {self.o_groups} does not divide num_attention_heads {self.num_attention_heads}")
+        need(self.scoring_func == "sqrtsoftplus", f"'scoring_func' {self.scoring_func!r} is not supported (sqrtsoftplus)")
+        if self.qk_rope_head_dim is not None:
+            self.rope_dim = self.qk_rope_head_dim
+        elif self.partial_rotary_factor is not None:
+            self.rope_dim = int(self.head_dim * self.partial_rotary_factor)
+        else:
+            self.rope_dim = self.head_dim * 64 // 512
+        need(isinstance(self.rope_dim, int) and 2 <= self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0,
+             f"the rope dims ({self.rope_dim!r}) must be even and within head_dim {self.head_dim}")
+        need(self.index_head_dim >= self.rope_dim, f"'index_head_dim' {self.index_head_dim} is below the rope dims {self.rope_dim}")
+        rates = dict(DEFAULT_RATES)
+        if self.compress_rates is not None:
+            need(isinstance(self.compress_rates, dict), "'compress_rates' must be an object")
+            rates.update(self.compress_rates)
+        for k, v in rates.items():
+            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"'compress_rates' {k!r} must be a positive integer, got {v!r}")
+        if self.layer_types is not None:
+            lt = self.layer_types
+            need(isinstance(lt, list) and len(lt) >= n and all(t in LAYER_TYPES.values() for t in lt[:n]),
+                 f"'layer_types' must name one of {', '.join(LAYER_TYPES.values())} for each of the {n} layers")
+            lt = lt[:n]
+        elif self.compress_ratios is not None:
+            cr = self.compress_ratios
+            need(isinstance(cr, list) and len(cr) >= n, f"'compress_ratios' must list a ratio for each of the {n} layers")
+            bad = [r for r in cr[:n] if r not in LAYER_TYPES or isinstance(r, bool)]
+            need(not bad, f"'compress_ratios' value {bad[0] if bad else None!r} is not 0, 4 or 128")
+            lt = [LAYER_TYPES[r] for r in cr[:n]]
+        else:                      # transformers' default: the Pro pattern
+            lt = (["heavily_compressed_attention"] * min(n, 2) +
+                  ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))])
+        self.layer_kinds = lt
+        self.ratios = [0 if t == "sliding_attention" else rates[t] for t in lt]
+        self.csa = [t == "compressed_sparse_attention" for t in lt]
+        if self.mlp_layer_types is not None:
+            mt = self.mlp_layer_types
+            need(isinstance(mt, list) and len(mt) >= n and all(t in ("hash_moe", "moe") for t in mt[:n]),
+                 f"'mlp_layer_types' must be 'hash_moe' or 'moe' for each of the {n} layers")
+            self.hash = [t == "hash_moe" for t in mt[:n]]
+        else:
+            nh = 3 if self.num_hash_layers is None else self.num_hash_layers
+            need(isinstance(nh, int) and not isinstance(nh, bool) and nh >= 0, f"'num_hash_layers' must be >= 0, got {nh!r}")
+            self.hash = [i < nh for i in range(n)]
+        qc = self.quantization_config
+        need(not qc or qc.get("quant_method") in (None, "fp8"), f"quantization '{(qc or {}).get('quant_method')}' is not supported")
+        self.block = tuple((qc or {}).get("weight_block_size") or (128, 128))
+        self.main_inv_freq, self.main_scale = self._rope(self.rope_theta, None, source)
+        rp = self.rope_parameters if isinstance(self.rope_parameters, dict) else {}
+        comp = rp.get("compress") if isinstance(rp.get("compress"), dict) else None
+        if comp is None:
+            comp = self.rope_scaling if isinstance(self.rope_scaling, dict) else (
+                {k: v for k, v in rp.items() if k not in ("main", "compress")} or None)
+        theta = (comp or {}).get("rope_theta", self.compress_rope_theta)
+        self.compress_inv_freq, self.compress_scale = self._rope(theta, comp, source)
+
+    def _rope(self, theta, scaling, source):
+        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        if kind not in ("default", "yarn"):
+            raise CpumlaError(f"{source}: rope type '{kind}' is not supported (yarn only)")
+        shim = types.SimpleNamespace(qk_rope_head_dim=self.rope_dim, rope_theta=float(theta),
+                                     rope_scaling=scaling if kind == "yarn" else None,
+                                     max_position_embeddings=self.max_position_embeddings)
+        try:
+            inv_freq, _ = v2.rope_frequencies(shim)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CpumlaError(f"{source}: bad rope scaling {scaling!r} ({e})") from None
+        # V4 never scales cos/sin by YaRN's mscale (transformers pins attention_factor to 1)
+        return np.ascontiguousarray(inv_freq, np.float32), float((scaling or {}).get("attention_factor", 1.0)) \
+            if kind == "yarn" else 1.0
+
+    @property
+    def eos_ids(self) -> list[int]:
+        e = self.eos_token_id
+        return [] if e is None else (list(e) if isinstance(e, list) else [e])
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        return {**self.extra, **d}
+
+
+def fit_overrides(cfg: dict, overrides: dict) -> dict:
+    """Shrinking the experts keeps top-k within them (as the V2/V3 family does)."""
+    if "n_routed_experts" in overrides and "num_experts_per_tok" not in overrides and cfg.get("num_experts_per_tok"):
+        cfg["num_experts_per_tok"] = min(int(cfg["num_experts_per_tok"]), int(cfg["n_routed_experts"]))
+    return cfg
+
+
+# ---- tensor names ---------------------------------------------------------------------------------
+def hf_name(name: str) -> str:
+    """The name transformers' save_pretrained writes for an official V4 tensor name."""
+    if name == "head.weight":
+        return name
+    if name == "embed.weight":
+        return "model.embed_tokens.weight"
+    if name.startswith("hc_head_"):
+        return "model.hc_head.hc_" + name[len("hc_head_"):]
+    return "model." + name.replace(".attn.kv_norm.", ".attn.norm.")
+
+
+def layer_tensors(cfg: Config, l: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The official names of layer l's tensors: name -> (shape [out, in], kind for dummy weights)."""
+    D, H, hd, QL, N = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank, cfg.hc_mult
+    G, OL, E, I = cfg.o_groups, cfg.o_lora_rank, cfg.n_routed_experts, cfg.moe_intermediate_size
+    p, a = f"layers.{l}.", f"layers.{l}.attn."
+    NM = (2 + N) * N
+    out = {p + "attn_norm.weight": ((D,), "norm"), p + "ffn_norm.weight": ((D,), "norm")}
+    for sub in ("attn", "ffn"):
+        out[f"{p}hc_{sub}_fn"] = ((NM, N * D), "f32")
+        out[f"{p}hc_{sub}_base"] = ((NM,), "f32")
+        out[f"{p}hc_{sub}_scale"] = ((3,), "f32")
+    out.update({a + "wq_a.weight": ((QL, D), "e4m3"), a + "q_norm.weight": ((QL,), "norm"),
+                a + "wq_b.weight": ((H * hd, QL), "e4m3"), a + "wkv.weight": ((hd, D), "e4m3"),
+                a + "kv_norm.weight": ((hd,), "norm"), a + "wo_a.weight": ((G * OL, H * hd // G), "e4m3"),
+                a + "wo_b.weight": ((D, G * OL), "e4m3"), a + "attn_sink": ((H,), "f32")})
+    r = cfg.ratios[l]
+    if r:
+        coff = 2 if cfg.csa[l] else 1
+        c = a + "compressor."
+        out.update({c + "wkv.weight": ((coff * hd, D), "plain"), c + "wgate.weight": ((coff * hd, D), "plain"),
+                    c + "ape": ((r, coff * hd), "f32"), c + "norm.weight": ((hd,), "norm")})
+    if cfg.csa[l]:
+        IH, ID = cfg.index_n_heads, cfg.index_head_dim
+        x = a + "indexer."
+        out.update({x + "wq_b.weight": ((IH * ID, QL), "e4m3"), x + "weights_proj.weight": ((IH, D), "plain"),
+                    x + "compressor.wkv.weight": ((2 * ID, D), "plain"),
+                    x + "compressor.wgate.weight": ((2 * ID, D), "plain"),
+                    x + "compressor.ape": ((r, 2 * ID), "f32"), x + "compressor.norm.weight": ((ID,), "norm")})
+    f = p + "ffn."
+    out[f + "gate.weight"] = ((E, D), "plain")
+    if cfg.hash[l]:
+        out[f + "gate.tid2eid"] = ((cfg.vocab_size, cfg.num_experts_per_tok), f"ids:{E}")
+    else:
+        out[f + "gate.bias"] = ((E,), "bias")
+    for e in range(E):
+        out[f"{f}experts.{e}.w1.weight"] = ((I, D), "e2m1")
+        out[f"{f}experts.{e}.w3.weight"] = ((I, D), "e2m1")
+        out[f"{f}experts.{e}.w2.weight"] = ((D, I), "e2m1")
+    SI = I * cfg.n_shared_experts
+    if SI:
+        out.update({f + "shared_experts.w1.weight": ((SI, D), "e4m3"), f + "shared_experts.w3.weight": ((SI, D), "e4m3"),
+                    f + "shared_experts.w2.weight": ((D, SI), "e4m3")})
+    return out
+
+
+def tensors(cfg: Config) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor the model reads, by official name: name -> (shape, kind). Kinds for dummy weights:
+    "e4m3" (FP8 with E8M0 `.scale`), "e2m1" (FP4 experts, I8 with E8M0 `.scale`), "plain" (bf16),
+    "f32", "ids:E" (a token-id hash table over E experts), "embed", "norm", "bias"."""
+    D, V, N = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
+    out = {"embed.weight": ((V, D), "embed"), "head.weight": ((V, D), "plain"), "norm.weight": ((D,), "norm"),
+           "hc_head_fn": ((N, N * D), "f32"), "hc_head_base": ((N,), "f32"), "hc_head_scale": ((1,), "f32")}
+    for layer in range(cfg.num_hidden_layers):
+        out.update(layer_tensors(cfg, layer))
+    return out
+
+
+# ---- reading tensors in their formats --------------------------------------------------------------
+class Names:
+    """Resolves an official name to the one a checkpoint holds (official or transformers' spelling)."""
+
+    def __init__(self, src):
+        self.src = src
+
+    def __call__(self, name: str) -> str:
+        if self.src.has(name):
+            return name
+        alt = hf_name(name)
+        if self.src.has(alt):
+            return alt
+        raise CpumlaError(f"{W.where(self.src)}: checkpoint is missing tensor '{name}'")
+
+
+def _scale(src, name: str) -> tuple[str | None, np.ndarray | None]:
+    base = name[:-len(".weight")] if name.endswith(".weight") else name
+    for s in (base + ".scale", name + "_scale_inv", base + ".weight_scale_inv"):
+        if src.has(s):
+            return s, src.tensor(s)
+    return None, None
+
+
+def linear(src, names: Names, name: str, shape: tuple[int, int], block=(128, 128)) -> native.Weight:
+    """A [out, in] weight as stored: f32 / bf16 / f16, FP8 e4m3 with a 128x128 `.scale` grid (E8M0 or
+    f32), or FP4 e2m1 packed two per byte (I8 [out, in/2]) with an E8M0 `.scale` per 1x32."""
+    real = names(name)
+    dtype, got = src.info(real)
+    if dtype == "I8":
+        if tuple(got) != (shape[0], shape[1] // 2) or shape[1] % 2:
+            raise CpumlaError(f"{W.where(src, real)}: FP4 tensor '{real}' has shape {list(got)}, config wants "
+                              f"{[shape[0], shape[1] // 2]} (two values per byte)")
+        sname, scale = _scale(src, real)
+        if scale is None or scale.dtype != np.uint8:
+            raise CpumlaError(f"{W.where(src, real)}: FP4 tensor '{real}' has no F8_E8M0 '.scale'")
+        try:
+            return native.Weight(src.tensor(real).view(np.uint8), "e2m1", scale, (1, 32))
+        except CpumlaError as e:
+            raise CpumlaError(f"{W.where(src, sname)}: '{sname}': {e}") from None
+    if tuple(got) != tuple(shape):
+        raise CpumlaError(f"{W.where(src, real)}: tensor '{real}' has shape {list(got)}, config wants {list(shape)}")
+    if dtype == "F8_E4M3":
+        sname, scale = _scale(src, real)
+        if scale is None:
+            raise CpumlaError(f"{W.where(src, real)}: FP8 tensor '{real}' has no '.scale'")
+        try:
+            return native.Weight(src.tensor(real), "e4m3", scale, tuple(block))
+        except CpumlaError as e:
+            raise CpumlaError(f"{W.where(src, sname)}: '{sname}': {e}") from None
+    fmt = W.FORMAT_OF.get(dtype)
+    if fmt is None:
+        raise CpumlaError(f"{W.where(src, real)}: tensor '{real}' has dtype {dtype}, which cpumla cannot use for a weight")
+    return native.Weight(src.tensor(real), fmt)
+
+
+def vector(src, names: Names, name: str, shape) -> np.ndarray:
+    return W.vector(src, names(name), shape)
+
+
+# ---- the model ---------------------------------------------------------------------------------------
+class Model:
+    """A V4 model: weights in place, their native description, and the native state (window rings,
+    compressed caches, compressor rings, scratch). The runtime's interface is deepseek_v2.Model's."""
+
+    STATE = ("cpumla_dsv4_new", "cpumla_dsv4_free", "cpumla_dsv4_forward")
+
+    def __init__(self, cfg: Config, src, ctx: int, max_tokens: int):
+        self.config = cfg
+        names = Names(src)
+        D, V, N = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
+        self._keep: list = []
+        self.embed = vector(src, names, "embed.weight", (V, D))
+        self.lm_head = linear(src, names, "head.weight", (V, D), cfg.block)
+        self.norm = vector(src, names, "norm.weight", (D,))
+        ffi = native.ffi
+        m = ffi.new("cpumla_dsv4_model *")
+        self._m = m
+        self._embed_w = native.Weight(self.embed, native.format_of(self.embed))
+        m.embed, m.lm_head = self._embed_w.c, self.lm_head.c
+        native.set_vec(m.norm, self.norm)
+        self._hc(m.hc_head, src, names, "hc_head_fn", "hc_head_base", "hc_head_scale", N, 1)
+        self.layers = []
+        layers = ffi.new("cpumla_dsv4_layer[]", cfg.num_hidden_layers)
+        for i in range(cfg.num_hidden_layers):
+            self.layers.append(self._layer(layers[i], src, names, i))
+        self._layers_c = layers
+        m.layers = layers
+        m.n_layers, m.hidden, m.vocab, m.hc_mult = cfg.num_hidden_layers, D, V, N
+        m.hc_sinkhorn_iters, m.n_heads, m.head_dim, m.rope_dim = cfg.hc_sinkhorn_iters, cfg.num_attention_heads, \
+            cfg.head_dim, cfg.rope_dim
+        m.q_lora_rank, m.o_groups, m.o_lora_rank = cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
+        m.sliding_window, m.index_n_heads, m.index_head_dim = cfg.sliding_window, cfg.index_n_heads, cfg.index_head_dim
+        m.index_topk = cfg.index_topk
+        m.rms_norm_eps, m.hc_eps, m.swiglu_limit = cfg.rms_norm_eps, cfg.hc_eps, float(cfg.swiglu_limit or 0.0)
+        self.ctx, self.max_tokens = ctx, max_tokens
+        self._hist = np.zeros(ctx, np.int64)          # token ids by position, for replays after a deep truncate
+        new, free, fwd = (getattr(native.lib, f) for f in self.STATE)
+        state = new(m, ctx, max_tokens)
+        if state == ffi.NULL:
+            raise CpumlaError(native.last_error())
+        self._state = ffi.gc(state, free)
+        self._forward = fwd
+
+    # ---- building ----
+    def _hc(self, c, src, names, fn, base, scale, rows, n_scale):
+        cfg = self.config
+        N, D = cfg.hc_mult, cfg.hidden_size
+        w = linear(src, names, fn, (rows, N * D), cfg.block)
+        b, s = vector(src, names, base, (rows,)), vector(src, names, scale, (n_scale,))
+        self._keep += [w, b, s]
+        c.fn = w.c
+        native.set_vec(c.base, b)
+        native.set_vec(c.scale, s)
+        return w
+
+    def _vec(self, c, src, names, name, shape):
+        v = vector(src, names, name, shape)
+        self._keep.append(v)
+        native.set_vec(c, v)
+        return v
+
+    def _layer(self, c, src, names, l: int) -> dict:
+        cfg = self.config
+        t = layer_tensors(cfg, l)
+        N = cfg.hc_mult
+        p, a, f = f"layers.{l}.", f"layers.{l}.attn.", f"layers.{l}.ffn."
+
+        def lin(name):
+            return linear(src, names, name, t[name][0], cfg.block)
+
+        L: dict = {}
+        c.ratio, c.csa = cfg.ratios[l], int(cfg.csa[l])
+        L["hc"] = [self._hc(c.hc_attn, src, names, p + "hc_attn_fn", p + "hc_attn_base", p + "hc_attn_scale", (2 + N) * N, 3),
+                   self._hc(c.hc_ffn, src, names, p + "hc_ffn_fn", p + "hc_ffn_base", p + "hc_ffn_scale", (2 + N) * N, 3)]
+        self._vec(c.attn_norm, src, names, p + "attn_norm.weight", t[p + "attn_norm.weight"][0])
+        self._vec(c.ffn_norm, src, names, p + "ffn_norm.weight", t[p + "ffn_norm.weight"][0])
+        for role in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
+            L[role] = lin(a + role + ".weight")
+            setattr(c, role, L[role].c)
+        for role in ("q_norm", "kv_norm"):
+            self._vec(getattr(c, role), src, names, a + role + ".weight", t[a + role + ".weight"][0])
+        sinks = W.as_f32(vector(src, names, a + "attn_sink", t[a + "attn_sink"][0]))
+        self._keep.append(sinks)
+        native.set_vec(c.sinks, np.ascontiguousarray(sinks))
+        freq = cfg.compress_inv_freq if cfg.ratios[l] else cfg.main_inv_freq
+        self._keep.append(freq)
+        c.inv_freq, c.rope_scale = native.fptr(freq), cfg.compress_scale if cfg.ratios[l] else cfg.main_scale
+        L["attn"] = [L[r] for r in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")]
+        if cfg.ratios[l]:
+            L["attn"] += self._comp(c.comp, src, names, a + "compressor.", t, lin)
+        if cfg.csa[l]:
+            L["attn"] += self._comp(c.icomp, src, names, a + "indexer.compressor.", t, lin)
+            iq, ip = lin(a + "indexer.wq_b.weight"), lin(a + "indexer.weights_proj.weight")
+            c.index_wq_b, c.index_proj = iq.c, ip.c
+            L["attn"] += [iq, ip]
+        gate = lin(f + "gate.weight")
+        E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
+        if cfg.hash[l]:
+            name = names(f + "gate.tid2eid")
+            dtype, shape = src.info(name)
+            if dtype not in ("I64", "I32") or tuple(shape) != (cfg.vocab_size, K):
+                raise CpumlaError(f"{W.where(src, name)}: tensor '{name}' must be I64 [{cfg.vocab_size}, {K}], "
+                                  f"got {dtype} {list(shape)}")
+            table = src.tensor(name)
+            lo, hi = int(table.min()), int(table.max())
+            if lo < 0 or hi >= E:
+                raise CpumlaError(f"{W.where(src, name)}: tensor '{name}' names expert {lo if lo < 0 else hi}, "
+                                  f"outside the {E} routed experts")
+            router = native.Router("hash", E, K, norm_topk_prob=bool(cfg.norm_topk_prob),
+                                   routed_scaling_factor=float(cfg.routed_scaling_factor), tid2eid=table)
+        else:
+            bias = W.as_f32(vector(src, names, f + "gate.bias", (E,)))
+            router = native.Router("sqrtsoftplus", E, K, norm_topk_prob=bool(cfg.norm_topk_prob),
+                                   routed_scaling_factor=float(cfg.routed_scaling_factor), bias=bias)
+        experts = native.Experts([(lin(f"{f}experts.{e}.w1.weight"), lin(f"{f}experts.{e}.w3.weight"),
+                                   lin(f"{f}experts.{e}.w2.weight")) for e in range(E)])
+        shared = None
+        if cfg.n_shared_experts:
+            shared = native.Experts([(lin(f + "shared_experts.w1.weight"), lin(f + "shared_experts.w3.weight"),
+                                      lin(f + "shared_experts.w2.weight"))])
+        c.gate, c.router, c.experts = gate.c, router.c, experts.c
+        c.shared = shared.c if shared is not None else native.ffi.NULL
+        L.update(gate=gate, router=router, experts=experts, shared=shared)
+        return L
+
+    def _comp(self, c, src, names, prefix, t, lin):
+        wkv, wgate = lin(prefix + "wkv.weight"), lin(prefix + "wgate.weight")
+        c.wkv, c.wgate = wkv.c, wgate.c
+        self._vec(c.ape, src, names, prefix + "ape", t[prefix + "ape"][0])
+        self._vec(c.norm, src, names, prefix + "norm.weight", t[prefix + "norm.weight"][0])
+        return [wkv, wgate]
+
+    # ---- running ----
+    def forward(self, ids: np.ndarray, pos0: int, out: np.ndarray, last_only: bool) -> None:
+        """Appends ids at pos0 and writes their logits into out. A pos0 the state cannot continue from
+        (a truncate deeper than its rings) first replays the kept token ids before pos0."""
+        if self._state is None:
+            raise CpumlaError("this model has been closed")
+        if not native.lib.cpumla_dsv4_resumable(self._state, pos0):
+            scratch = np.empty((1, self.config.vocab_size), np.float32)
+            for c0 in range(0, pos0, self.max_tokens):
+                part = np.ascontiguousarray(self._hist[c0:min(pos0, c0 + self.max_tokens)])
+                self._call(part, c0, scratch, True)
+        self._call(ids, pos0, out, last_only)
+        self._hist[pos0:pos0 + ids.size] = ids
+
+    def _call(self, ids, pos0, out, last_only):
+        rc = self._forward(self._state, native.vptr(ids, "int64_t *"), ids.size, pos0, native.fptr(out),
+                           int(last_only))
+        if rc != 0:
+            raise CpumlaError(native.last_error())
+
+    def close(self) -> None:
+        if self._state is not None:
+            native.ffi.release(self._state)
+            self._state = None
+
+    # ---- what the model is made of (cpumla bench) ----
+    @property
+    def matmul_format(self) -> str:
+        """The format of the attention's linears (e4m3 in the official release)."""
+        return self.layers[0]["wq_a"].dtype
+
+    def probe_arrays(self) -> list[np.ndarray]:
+        return [self.lm_head.data, self.embed]
+
+    def _cache_rows(self, l: int, depth: int) -> tuple[int, int]:
+        """(compressed KV rows, index-key rows) that a query at cache depth `depth` reads in layer l."""
+        cfg = self.config
+        r = cfg.ratios[l]
+        if not r:
+            return 0, 0
+        vis = (depth + 1) // r
+        return (min(vis, cfg.index_topk), vis) if cfg.csa[l] else (vis, 0)
+
+    def cache_bytes_per_token(self) -> int:
+        """Compressed cache bytes per token (fp32 rows), amortised: hd per r tokens, plus ID per 4 for CSA.
+        The window rings and compressor rings are a fixed cost on top (state_bytes)."""
+        cfg = self.config
+        total = 0.0
+        for l, r in enumerate(cfg.ratios):
+            if r:
+                total += 4.0 * (cfg.head_dim + (cfg.index_head_dim if cfg.csa[l] else 0)) / r
+        return int(math.ceil(total))
+
+    def decode_bytes(self, depth: int) -> float:
+        """Bytes one decode token reads at depth `depth`: every attention-side weight (compressors,
+        indexer, mHC included), the router, top_k routed and the shared experts of every layer, one
+        embedding row, the head, the window rows, the compressed rows attended and every visible index key."""
+        cfg = self.config
+        total = self.lm_head.nbytes + self.embed.nbytes / cfg.vocab_size + sum(w.nbytes for w in self._keep
+                                                                               if isinstance(w, native.Weight))
+        hd, ID = cfg.head_dim, cfg.index_head_dim
+        for l, L in enumerate(self.layers):
+            total += sum(w.nbytes for w in L["attn"]) + L["gate"].nbytes
+            g, u, d = L["experts"]._keep[0]
+            total += (g.nbytes + u.nbytes + d.nbytes) * cfg.num_experts_per_tok
+            if L["shared"] is not None:
+                total += sum(w.nbytes for w in L["shared"]._keep[0])
+            rows, keys = self._cache_rows(l, depth)
+            total += 4.0 * hd * (min(depth + 1, cfg.sliding_window) + rows) + 4.0 * ID * keys
+        return total
+
+    def prefill_flops(self, n: int, depth: int) -> float:
+        """2 x multiply-adds of a prefill of n tokens after `depth`: every weight product per token
+        (routed experts at top_k, the head on the last token), attention over the window and the
+        attended compressed rows (2*hd per head and row), index scores over the visible keys."""
+        cfg = self.config
+        macs = self.lm_head.rows * self.lm_head.cols / n
+        macs += sum(w.rows * w.cols for w in self._keep if isinstance(w, native.Weight))
+        H, hd, IH, ID = cfg.num_attention_heads, cfg.head_dim, cfg.index_n_heads, cfg.index_head_dim
+        attn = 0.0
+        for l, L in enumerate(self.layers):
+            macs += sum(w.rows * w.cols for w in L["attn"]) + L["gate"].rows * L["gate"].cols
+            ex = L["experts"]
+            macs += 3 * ex.hidden * ex.intermediate * cfg.num_experts_per_tok
+            if L["shared"] is not None:
+                macs += 3 * L["shared"].hidden * L["shared"].intermediate
+            for i in range(n):
+                rows, keys = self._cache_rows(l, depth + i)
+                attn += 2.0 * H * 2 * hd * (min(depth + i + 1, cfg.sliding_window) + rows) + 2.0 * IH * ID * keys
+        return 2.0 * macs * n + attn
