@@ -17,6 +17,7 @@ import numpy as np
 from cpumla import native
 from cpumla.errors import CpumlaError
 
+DUMMY_DTYPES = ("bf16", "fp8", "f32")     # --dummy-dtype: bf16 as V2 ships, FP8 block-scaled as V3, fp32
 FORMAT_OF = {"F32": "f32", "BF16": "bf16", "F16": "f16", "F8_E4M3": "e4m3"}
 
 
@@ -79,8 +80,8 @@ class DummySource:
     def __init__(self, table: dict, block: tuple[int, int] = (128, 128), seed: int = 0, dtype: str = "bf16"):
         """table: name -> (shape, kind), the family's tensors(); kind "linear" is FP8 in an FP8 model,
         "plain" a matrix that stays bf16, "embed", "norm" and "bias" as their names say."""
-        if dtype not in ("bf16", "fp8", "f32"):
-            raise CpumlaError(f"dummy weight dtype must be bf16, fp8 or f32, got '{dtype}'")
+        if dtype not in DUMMY_DTYPES:
+            raise CpumlaError(f"dummy weight dtype must be one of {', '.join(DUMMY_DTYPES)}, got '{dtype}'")
         self.block, self.seed, self.dtype = tuple(block), seed, dtype
         self.table = table
         self.scales: dict[str, str] = {}
