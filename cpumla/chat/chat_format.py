@@ -6,8 +6,8 @@ Special tokens are written as their strings and looked up by string by the token
   V3.1           ...<｜User｜>{u}<｜Assistant｜></think>{a}{eos}<｜User｜>{u2}<｜Assistant｜>{<think> | </think>}
   V3.2 / V4      the same shape as V3.1 (encoding_dsv32.py / encoding_dsv4.py, chat and thinking modes;
                  reasoning of turns before the last user message is dropped, those turns get </think>)
-A model directory whose tokenizer_config.json has a `chat_template` is rendered through it (transformers'
-jinja environment); the built-in formats are its equivalent for the bundled tokenizer and presets.
+A model directory whose tokenizer_config.json has a `chat_template` is rendered through it (a bounded jinja
+sandbox with transformers' settings, cpumla/chat/template.py); the built-in formats are its equivalent for the bundled tokenizer and presets.
 Assistant history keeps only the answer: every format drops the reasoning of earlier turns.
 See shared/docs/deepseek-architectures.md section 9.
 """
@@ -165,39 +165,10 @@ class ChatFormat:
         return render_v4(messages, think, **kw)
 
     def _render_jinja(self, messages, think, add_generation_prompt) -> str:
+        from cpumla.chat.template import compile_template
+
         msgs = [{"role": m.role, "content": _answer(m) if m.role == "assistant" else m.content} for m in messages]
         if self._jinja is None:
-            self._jinja = _compile(self.chat_template)
-        try:
-            return self._jinja.render(messages=msgs, add_generation_prompt=add_generation_prompt, bos_token=self.bos,
-                                      eos_token=self.eos, thinking=think, enable_thinking=think)
-        except Exception as e:  # a template's raise_exception or a jinja runtime error
-            raise CpumlaError(f"chat_template: {type(e).__name__}: {e}") from None
-
-
-def _compile(template: str):
-    """The template in transformers' jinja environment (sandboxed, trim_blocks, raise_exception,
-    tojson); plain jinja2 with the same settings when transformers is not installed."""
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
-        return _compile_jinja_template(template)
-    except ImportError:
-        pass
-    try:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        raise CpumlaError("this model's chat_template needs jinja2 (pip install jinja2)") from None
-
-    def raise_exception(message):
-        raise CpumlaError(f"chat_template: {message}")
-
-    import json
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-    try:
-        return env.from_string(template)
-    except Exception as e:
-        raise CpumlaError(f"chat_template does not compile: {e}") from None
+            self._jinja = compile_template(self.chat_template)
+        return self._jinja(messages=msgs, add_generation_prompt=add_generation_prompt, bos_token=self.bos,
+                           eos_token=self.eos, thinking=think, enable_thinking=think)
