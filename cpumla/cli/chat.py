@@ -130,7 +130,9 @@ def _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, sys
     notices += ctx_notes
     name = resolved.repo_id or (resolved.directory.name if resolved.directory else model)
     own_template = None if tok.bundled else tok.chat_template
-    family = detect_family(cfg.model_type, name, own_template)
+    from cpumla.chat.tiktoken_tokenizer import TiktokenTokenizer
+
+    family = "moonlight" if isinstance(tok, TiktokenTokenizer) else detect_family(cfg.model_type, name, own_template)
     fmt = ChatFormat(family, chat_template=own_template, bos=tok.bos_token or "", eos=tok.eos_token or "")
     if fmt.always_thinks:
         if think is False:
