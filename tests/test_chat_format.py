@@ -213,3 +213,26 @@ def test_set_validates(tok):
         c.set("bogus", "1")
     with pytest.raises(CpumlaError, match="empty prompt"):
         _run(c.send("   "))
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{% for m in messages %}{{ m.content }", "does not compile"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "stopped"),
+    ("{{ 'x' * 100000000 }}", "stopped"),
+    ("{% for i in range(20) %}{% set s = 'ab' * 40000 %}{{ s }}{% endfor %}", "stopped"),
+    ("{{ 7 ** 100000000 }}", "stopped"),
+    ("{{ messages.__class__ }}{{ ().__class__.__bases__[0].__subclasses__() }}", "chat_template"),
+])
+def test_hostile_templates_are_bounded_one_line_errors(template, message):
+    import time
+
+    fmt = ChatFormat("deepseek-v3", chat_template=template)
+    t0 = time.perf_counter()
+    with pytest.raises(CpumlaError, match=message) as e:
+        fmt.render([Message("user", "hi")])
+    assert time.perf_counter() - t0 < 10 and "\n" not in str(e.value)
+
+
+def test_a_template_that_loops_moderately_still_renders():
+    tpl = "{% for i in range(1000) %}{% endfor %}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    assert ChatFormat("deepseek-v3", chat_template=tpl).render([Message("user", "hi")]) == "<user>hi"

@@ -6,8 +6,11 @@ Special tokens are written as their strings and looked up by string by the token
   V3.1           ...<｜User｜>{u}<｜Assistant｜></think>{a}{eos}<｜User｜>{u2}<｜Assistant｜>{<think> | </think>}
   V3.2 / V4      the same shape as V3.1 (encoding_dsv32.py / encoding_dsv4.py, chat and thinking modes;
                  reasoning of turns before the last user message is dropped, those turns get </think>)
-A model directory whose tokenizer_config.json has a `chat_template` is rendered through it (transformers'
-jinja environment); the built-in formats are its equivalent for the bundled tokenizer and presets.
+  Moonlight      <|im_system|>system<|im_middle|>{system}<|im_end|><|im_user|>user<|im_middle|>{u}<|im_end|>
+                 <|im_assistant|>assistant<|im_middle|>{a}<|im_end|>...<|im_assistant|>assistant<|im_middle|>
+                 (no system message: "You are a helpful assistant", as its chat_template writes)
+A model directory whose tokenizer_config.json has a `chat_template` is rendered through it (a bounded jinja
+sandbox with transformers' settings, cpumla/chat/template.py); the built-in formats are its equivalent for the bundled tokenizer and presets.
 Assistant history keeps only the answer: every format drops the reasoning of earlier turns.
 See shared/docs/deepseek-architectures.md section 9.
 """
@@ -26,7 +29,9 @@ ASSISTANT = "<｜Assistant｜>"
 THINK = "<think>"
 END_THINK = "</think>"
 
-FAMILIES = ("deepseek-v2", "deepseek-v3", "deepseek-r1", "deepseek-v3.1", "deepseek-v3.2", "deepseek-v4")
+FAMILIES = ("deepseek-v2", "deepseek-v3", "deepseek-r1", "deepseek-v3.1", "deepseek-v3.2", "deepseek-v4", "moonlight")
+IM_END = "<|im_end|>"
+MOONLIGHT_SYSTEM = "You are a helpful assistant"
 
 
 @dataclass
@@ -39,6 +44,8 @@ class Message:
 def detect_family(model_type: str, name: str = "", chat_template: str | None = None) -> str:
     """The chat family from config.json's model_type and the model's name (repo id or directory)."""
     n = name.lower()
+    if "moonlight" in n or (chat_template and "<|im_middle|>" in chat_template):
+        return "moonlight"
     if model_type == "deepseek_v2":
         return "deepseek-v2"
     if model_type == "deepseek_v32":
@@ -125,6 +132,21 @@ def render_v4(messages: list[Message], think: bool, add_generation_prompt: bool 
     return "".join(out)
 
 
+def render_moonlight(messages: list[Message], add_generation_prompt: bool = True) -> str:
+    """Moonlight-16B-A3B-Instruct's chat_template: every message as <|im_{role}|>{role}<|im_middle|>
+    {content}<|im_end|>, a default system message when the first is not one."""
+    tags = {"system": "<|im_system|>", "user": "<|im_user|>", "assistant": "<|im_assistant|>"}
+    out = []
+    if messages and messages[0].role != "system":
+        out.append(f"<|im_system|>system<|im_middle|>{MOONLIGHT_SYSTEM}{IM_END}")
+    for m in messages:
+        content = _answer(m) if m.role == "assistant" else m.content
+        out.append(f"{tags[m.role]}{m.role}<|im_middle|>{content}{IM_END}")
+    if add_generation_prompt:
+        out.append("<|im_assistant|>assistant<|im_middle|>")
+    return "".join(out)
+
+
 class ChatFormat:
     """One family's format: render(messages, think) -> prompt string, stop strings, the think switch."""
 
@@ -135,7 +157,7 @@ class ChatFormat:
         self.bos, self.eos = bos or "", eos or EOS
         self.chat_template = chat_template
         self._jinja = None
-        self.stop_strings = (self.eos,)
+        self.stop_strings = (IM_END, self.eos) if family == "moonlight" else (self.eos,)
 
     @property
     def source(self) -> str:
@@ -154,6 +176,8 @@ class ChatFormat:
         if self.chat_template:
             return self._render_jinja(messages, think, add_generation_prompt)
         f, kw = self.family, dict(add_generation_prompt=add_generation_prompt, bos=self.bos, eos=self.eos)
+        if f == "moonlight":
+            return render_moonlight(messages, add_generation_prompt)
         if f == "deepseek-v2":
             return render_v2(messages, **kw)
         if f == "deepseek-v3":
@@ -165,39 +189,10 @@ class ChatFormat:
         return render_v4(messages, think, **kw)
 
     def _render_jinja(self, messages, think, add_generation_prompt) -> str:
+        from cpumla.chat.template import compile_template
+
         msgs = [{"role": m.role, "content": _answer(m) if m.role == "assistant" else m.content} for m in messages]
         if self._jinja is None:
-            self._jinja = _compile(self.chat_template)
-        try:
-            return self._jinja.render(messages=msgs, add_generation_prompt=add_generation_prompt, bos_token=self.bos,
-                                      eos_token=self.eos, thinking=think, enable_thinking=think)
-        except Exception as e:  # a template's raise_exception or a jinja runtime error
-            raise CpumlaError(f"chat_template: {type(e).__name__}: {e}") from None
-
-
-def _compile(template: str):
-    """The template in transformers' jinja environment (sandboxed, trim_blocks, raise_exception,
-    tojson); plain jinja2 with the same settings when transformers is not installed."""
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
-        return _compile_jinja_template(template)
-    except ImportError:
-        pass
-    try:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        raise CpumlaError("this model's chat_template needs jinja2 (pip install jinja2)") from None
-
-    def raise_exception(message):
-        raise CpumlaError(f"chat_template: {message}")
-
-    import json
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-    try:
-        return env.from_string(template)
-    except Exception as e:
-        raise CpumlaError(f"chat_template does not compile: {e}") from None
+            self._jinja = compile_template(self.chat_template)
+        return self._jinja(messages=msgs, add_generation_prompt=add_generation_prompt, bos_token=self.bos,
+                           eos_token=self.eos, thinking=think, enable_thinking=think)

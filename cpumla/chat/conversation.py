@@ -18,7 +18,10 @@ from typing import Iterator
 from cpumla.errors import CpumlaError
 from cpumla.chat.chat_format import ChatFormat, Message
 from cpumla.chat.sampling import Sampler
+from cpumla.chat.stops import StopText, parse_stop
 from cpumla.chat.tokenizer import IncrementalDecoder, Tokenizer
+
+PREFILL_CHUNK = 256     # tokens per prefill step: the granularity of progress and of stopping
 
 
 @dataclass
@@ -30,19 +33,42 @@ class Settings:
     max_tokens: int = 1024
     think: bool = False
     seed: int | None = None
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+
+    def sampling(self) -> dict:
+        """The Sampler's arguments (as Engine.generate takes them)."""
+        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                    seed=self.seed, repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n,
+                    presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
 
     def sampler(self) -> Sampler:
-        return Sampler(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                       seed=self.seed)
+        return Sampler(**self.sampling())
 
 
-SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "max_tokens": int, "think": bool}
+def _seed(v) -> int | None:
+    if isinstance(v, str) and v.strip().lower() in ("none", "off", "random"):
+        return None
+    return int(v)
+
+
+SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "max_tokens": int, "think": bool,
+            "seed": _seed, "repeat_penalty": float, "repeat_last_n": int, "presence_penalty": float,
+            "frequency_penalty": float, "stop": parse_stop}
+SHOWN = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "think", "seed", "repeat_penalty",
+         "repeat_last_n", "presence_penalty", "frequency_penalty", "stop")
 
 
 @dataclass
 class Event:
-    kind: str     # "text" | "reasoning" | "notice"
+    kind: str     # "text" | "reasoning" | "notice" | "progress" (prefill: done of total tokens, seconds)
     text: str
+    done: int = 0
+    total: int = 0
+    seconds: float = 0.0
 
 
 @dataclass
@@ -52,7 +78,7 @@ class TurnStats:
     prompt_s: float = 0.0
     gen_tokens: int = 0
     gen_s: float = 0.0
-    stop: str = ""              # "eos" | "max_tokens" | "interrupted" | "context"
+    stop: str = ""              # "eos" | "stop" (a stop string) | "max_tokens" | "interrupted" | "context"
 
     @property
     def prompt_tps(self) -> float:
@@ -106,7 +132,9 @@ class Conversation:
             try:
                 value = SETTABLE[key](value)
             except (TypeError, ValueError):
-                raise CpumlaError(f"{key} wants a {SETTABLE[key].__name__}, not {value!r}") from None
+                kind = {"_seed": "integer or none", "parse_stop": "text"}.get(SETTABLE[key].__name__,
+                                                                               SETTABLE[key].__name__)
+                raise CpumlaError(f"{key} wants a {kind}, not {value!r}") from None
         if key == "max_tokens" and value < 1:
             raise CpumlaError("max_tokens must be at least 1")
         old = getattr(self.settings, key)
@@ -133,12 +161,15 @@ class Conversation:
         self._known = _Chunks()
         self.engine.reset()
         self.last = TurnStats()
+        self.turns = 0
+        self.dropped_turns = 0
 
     def send(self, text: str) -> Iterator[Event]:
         """Add a user turn and stream the answer. Raises CpumlaError (history unchanged) when the
         prompt cannot be sent: empty, or longer than the context."""
         if not text.strip():
             raise CpumlaError("empty prompt")
+        saved = (list(self.history), self.dropped_turns)
         self.history.append(Message("user", text))
         try:
             ids, notices = self._fit()
@@ -146,17 +177,18 @@ class Conversation:
             self.history.pop()
             raise
         yield from notices
-        yield from self._answer(ids)
+        yield from self._answer(ids, saved, new_turn=True)
 
     def regenerate(self) -> Iterator[Event]:
-        """Drop the last answer and answer the last user turn again."""
+        """Drop the last answer and answer the last user turn again (not a new turn)."""
+        saved = (list(self.history), self.dropped_turns)
         if self.history and self.history[-1].role == "assistant":
             self.history.pop()
         if not self.history:
             raise CpumlaError("nothing to regenerate")
         ids, notices = self._fit()
         yield from notices
-        yield from self._answer(ids)
+        yield from self._answer(ids, saved, new_turn=False)
 
     # ---- internals ----
     def _prompt_ids(self) -> list[int]:
@@ -216,18 +248,40 @@ class Conversation:
         eng.truncate(n)
         return n
 
-    def _answer(self, ids: list[int]) -> Iterator[Event]:
+    def _prefill(self, ids: list[int], cached: int, st: TurnStats) -> Iterator[Event]:
+        """Runs ids[cached:] through the model in chunks, a progress event after each; returns the last
+        logits, or None when stopped (the cache then holds only the first `cached` tokens)."""
+        eng, total = self.engine, len(ids) - cached
+        t0 = time.perf_counter()
+        logits = None
+        for c0 in range(cached, len(ids), PREFILL_CHUNK):
+            if self._stop_requested:
+                eng.truncate(cached)
+                return None
+            logits = eng.forward(ids[c0:c0 + PREFILL_CHUNK], last_only=True)
+            done = min(len(ids), c0 + PREFILL_CHUNK) - cached
+            st.prompt_s = time.perf_counter() - t0
+            if total > PREFILL_CHUNK:
+                yield Event("progress", "", done=done, total=total, seconds=st.prompt_s)
+        return logits
+
+    def _answer(self, ids: list[int], saved, new_turn: bool) -> Iterator[Event]:
         eng, st = self.engine, TurnStats()
         self.last = st
         self._stop_requested = False
         reasoning = self._prompt_thinks
         cached = self._sync_cache(ids)
         st.cached_tokens, st.prompt_tokens = cached, len(ids) - cached
-        t0 = time.perf_counter()
-        logits = eng.forward(ids[cached:], last_only=True)
-        st.prompt_s = time.perf_counter() - t0
+        logits = yield from self._prefill(ids, cached, st)
+        if logits is None:          # stopped while reading the prompt: as if the message was never sent
+            self.history[:], self.dropped_turns = saved
+            st.stop = "interrupted"
+            yield Event("notice", "stopped while reading the prompt; the message was not sent")
+            return
+        self._sampler.start(ids)
         gen: list[int] = []
         dec = IncrementalDecoder(self.tok)
+        stops = StopText(self.settings.stop)
         t1 = time.perf_counter()
         try:
             while True:
@@ -240,14 +294,17 @@ class Conversation:
                     break
                 gen.append(tok)
                 if tok in (self.think_start, self.think_end):
-                    tail = dec.flush()
+                    tail = stops.push(dec.flush()) + stops.flush()
                     if tail:
                         yield Event("reasoning" if reasoning else "text", tail)
                     reasoning = tok == self.think_start
                 else:
-                    piece = dec.push(tok)
+                    piece = stops.push(dec.push(tok))
                     if piece:
                         yield Event("reasoning" if reasoning else "text", piece)
+                if stops.hit is not None:
+                    st.stop = "stop"
+                    break
                 if len(gen) >= self.settings.max_tokens:
                     st.stop = "max_tokens"
                     break
@@ -262,17 +319,18 @@ class Conversation:
             # runs on normal end, on an interrupt and on an exception alike: history and the known
             # tokenization always describe what was generated, so the next turn stays consistent
             st.gen_tokens, st.gen_s = len(gen), time.perf_counter() - t1
-            tail = dec.flush()
-            self._finish(gen)
-            self.turns += 1
+            tail = "" if stops.hit is not None else stops.push(dec.flush()) + stops.flush()
+            self._finish(gen, stops.hit)
+            if new_turn:
+                self.turns += 1
         if tail:
             yield Event("reasoning" if reasoning else "text", tail)
         if st.stop == "context":
-            yield Event("notice", f"context full ({eng.max_seq_len} tokens): the answer was cut; "
-                                  f"the next turn drops the oldest turns")
+            yield Event("notice", f"context full ({eng.max_seq_len} tokens): the answer was cut")
 
-    def _finish(self, gen: list[int]) -> None:
-        """Record the answer in history and its tokens as known pieces."""
+    def _finish(self, gen: list[int], stop_hit: str | None = None) -> None:
+        """Record the answer in history (cut before a stop string that ended it) and its tokens as
+        known pieces."""
         pieces, run = [], []
         for t in gen:
             if t in self.tok.added_ids:
@@ -295,6 +353,11 @@ class Conversation:
             else:
                 parts[thinking].append(t)
         reasoning, answer = self.tok.decode(parts[True]), self.tok.decode(parts[False])
+        if stop_hit is not None:
+            if thinking:
+                reasoning = reasoning.split(stop_hit, 1)[0]
+            else:
+                answer = answer.split(stop_hit, 1)[0]
         if self.fmt.family == "deepseek-v2" and answer.startswith(" "):
             answer = answer[1:]           # "Assistant:" then " answer"; history writes "Assistant: " + answer
         self.history.append(Message("assistant", answer, reasoning))

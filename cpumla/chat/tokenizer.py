@@ -44,7 +44,7 @@ class Tokenizer:
         directory = Path(directory)
         path = directory / "tokenizer.json"
         if not path.is_file():
-            raise CpumlaError(f"{directory}: has no tokenizer.json (pass --tokenizer DIR, or --tokenizer bundled "
+            raise CpumlaError(f"{directory}: has no tokenizer.json or tiktoken.model (pass --tokenizer DIR, or --tokenizer bundled "
                               f"for DeepSeek's V3/V4 tokenizer)")
         return cls(_load_json_tokenizer(path), _read_config(directory / "tokenizer_config.json"), str(directory))
 
@@ -83,20 +83,38 @@ def load_tokenizer(resolved, tokenizer: str | None = None, dummy_weights: bool =
     """(Tokenizer, notices) for a resolved model (cpumla.runtime.resolve.Resolved).
 
     tokenizer: None (the model's own, or the bundled one for a preset), "bundled", or a directory.
-    A model directory without tokenizer.json is an error with real weights, and uses the bundled
-    tokenizer (with a notice) on dummy weights."""
+    A directory's own is tokenizer.json, or Moonlight's tiktoken.model. A model directory without
+    either is an error with real weights, and uses the bundled tokenizer (with a notice) on dummy
+    weights; a Moonlight preset on dummy weights gets a synthetic Moonlight stand-in."""
+    from cpumla.chat.tiktoken_tokenizer import TiktokenTokenizer
+
     if tokenizer == "bundled":
         return Tokenizer.bundled(), []
     if tokenizer:
         path = Path(tokenizer).expanduser()
         if not path.is_dir():
             raise CpumlaError(f"--tokenizer {tokenizer}: no such directory (or use --tokenizer bundled)")
-        return Tokenizer.from_dir(path), []
+        return _from_dir(path), []
+    moonlight = "moonlight" in (resolved.repo_id or "").lower() or (
+        resolved.directory is not None and "moonlight" in resolved.directory.name.lower())
     if resolved.directory is None:
-        return Tokenizer.bundled(), []
-    if not (resolved.directory / "tokenizer.json").is_file() and dummy_weights:
+        return (TiktokenTokenizer.synthetic() if moonlight else Tokenizer.bundled()), []
+    has_own = any((resolved.directory / f).is_file() for f in ("tokenizer.json", "tiktoken.model"))
+    if not has_own and dummy_weights:
+        if moonlight:
+            return TiktokenTokenizer.synthetic(), [f"{resolved.directory} has no tokenizer file; using a "
+                                                   f"synthetic Moonlight stand-in"]
         return Tokenizer.bundled(), [f"{resolved.directory} has no tokenizer.json; using the bundled DeepSeek tokenizer"]
-    return Tokenizer.from_dir(resolved.directory), []
+    return _from_dir(resolved.directory), []
+
+
+def _from_dir(directory: Path):
+    """tokenizer.json through HF tokenizers, else a tiktoken.model (Moonlight)."""
+    if not (directory / "tokenizer.json").is_file() and (directory / "tiktoken.model").is_file():
+        from cpumla.chat.tiktoken_tokenizer import TiktokenTokenizer
+
+        return TiktokenTokenizer.from_dir(directory)
+    return Tokenizer.from_dir(directory)
 
 
 class IncrementalDecoder:

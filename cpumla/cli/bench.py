@@ -12,6 +12,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from cpumla import native
 from cpumla.cli import render
+from cpumla.cli.options import check_threads, dummy_dtypes_help
 from cpumla.cli.overrides import parse_hf_overrides
 from cpumla.errors import CpumlaError
 
@@ -30,11 +31,11 @@ def _ints(text: str, flag: str) -> list[int]:
 
 def bench(
     model: str = typer.Argument(None, help="Model dir, cached repo id or preset (with --dummy-weights)."),
-    kernels: bool = typer.Option(False, "--kernels", help="Kernel micro-benchmark: GEMV GB/s per weight format "
+    kernels: bool = typer.Option(False, "--kernels", metavar="", help="Kernel micro-benchmark: GEMV GB/s per weight format "
                                  "vs a read-bandwidth probe."),
-    dummy_weights: bool = typer.Option(False, "--dummy-weights", help="Deterministic random weights."),
+    dummy_weights: bool = typer.Option(False, "--dummy-weights", metavar="", help="Deterministic random weights."),
     hf_overrides: str = typer.Option(None, "--hf-overrides", help="JSON merged into the config (as vLLM)."),
-    dummy_dtype: str = typer.Option("bf16", "--dummy-dtype", help="bf16 or fp8."),
+    dummy_dtype: str = typer.Option("bf16", "--dummy-dtype", help=f"Dummy weight format: {dummy_dtypes_help()}."),
     n_prompt: int = typer.Option(512, "--n-prompt", "-p", help="Prompt tokens of the prefill test (0: none)."),
     n_gen: int = typer.Option(128, "--n-gen", "-n", help="Tokens of the decode test (0: none)."),
     reps: int = typer.Option(5, "--repetitions", "-r", help="Measured runs of each test (after a warm-up)."),
@@ -53,6 +54,9 @@ def bench(
     if output not in OUTPUTS:
         raise CpumlaError(f"unknown output format '{output}' (choose from: {', '.join(OUTPUTS)})")
     if kernels:
+        if model is not None:
+            raise CpumlaError(f"--kernels measures the kernels alone and takes no model ('{model}'); "
+                              f"leave one of them out")
         if output in ("jsonl", "csv"):
             raise CpumlaError("--kernels prints md or json")
         thr = _ints(threads, "--threads")[0] if threads else None
@@ -69,6 +73,7 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
 
     native.init()
     thr = _ints(threads, "--threads") if threads else [native.get_threads()]
+    check_threads(thr)        # the one rule of every command (runtime.bench warns about counts above the cores)
     dep = _ints(depths, "--n-depth")
     need = max(dep) + max(n_prompt, n_gen, 0) + 1
     from cpumla.runtime.loader import load_config
@@ -147,9 +152,9 @@ def _kernels(output, threads, formats, rows, cols, seconds, stream_mb):
     if rows < 1 or cols < 32 or cols % 32:
         raise CpumlaError("--rows must be >= 1 and --cols a positive multiple of 32")
     native.init()
+    for w in check_threads(threads):
+        render.err.print(f"[yellow]warning:[/] {w}")
     if threads is not None:
-        if threads < 1:
-            raise CpumlaError("--threads must be >= 1")
         native.set_threads(threads)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=render.err, transient=True) as prog:

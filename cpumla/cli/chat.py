@@ -6,24 +6,31 @@ this module reads input, handles commands and Ctrl-C, and renders through cpumla
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
+import time
 
 import typer
 
 from cpumla.cli import render
 from cpumla.errors import CpumlaError
 
+PROGRESS_AFTER_S = 1.0    # a prefill running longer than this shows its progress on stderr
+
 HELP = """\
 /help                      this list
 /exit                      leave (also Ctrl-D, or Ctrl-C twice at the prompt)
 /clear                     forget the conversation (and the cache); the system prompt stays
 /system [TEXT|off]         show, set or remove the system prompt
-/set [KEY VALUE]           show settings, or set temperature, top_p, top_k, min_p, max_tokens, think (on/off)
+/set [KEY VALUE]           show settings, or set one: temperature, top_p, top_k, min_p, max_tokens,
+                           think (on/off), seed (none: random), repeat_penalty, repeat_last_n,
+                           presence_penalty, frequency_penalty, stop (text, or off)
 /stats                     cache use and the last turn's speeds
 /regen                     answer the last message again
 \"\"\"                        start and end a multi-line message
-Ctrl-C                     stop the answer being written (the conversation keeps what was written)"""
+Ctrl-C                     stop the answer being written (the conversation keeps what was written);
+                           while the prompt is read, drop the message"""
 
 
 def chat(
@@ -34,27 +41,53 @@ def chat(
     top_p: float = typer.Option(0.95, "--top-p"),
     top_k: int = typer.Option(0, "--top-k", help="0: no top-k."),
     min_p: float = typer.Option(0.0, "--min-p"),
+    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="Penalise the last --repeat-last-n "
+                                         "tokens (llama.cpp's; 1: off)."),
+    repeat_last_n: int = typer.Option(64, "--repeat-last-n", help="Tokens the repeat penalty looks back at."),
+    presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="OpenAI's, -2..2: tokens already "
+                                           "in the answer."),
+    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="OpenAI's, -2..2: by how often "
+                                            "a token came in the answer."),
+    stop: list[str] = typer.Option(None, "--stop", help="End the answer before this text (repeatable; "
+                                   "\\n for a newline)."),
     seed: int = typer.Option(None, "--seed", help="Sampling seed (same seed and prompt, same answer)."),
     max_tokens: int = typer.Option(1024, "--max-tokens", "-n", help="Most tokens per answer."),
-    think: bool = typer.Option(None, "--think/--no-think", help="Thinking mode (V3.1, V3.2, V4)."),
+    think: bool = typer.Option(None, "--think/--no-think", metavar="",
+                               help="Thinking mode (V3.1, V3.2, V4; R1 always thinks)."),
     ctx: int = typer.Option(None, "--ctx", "-c", help="Context size in tokens. Default: min(model's, 4096)."),
     tokenizer: str = typer.Option(None, "--tokenizer", help="A directory with tokenizer.json, or 'bundled'."),
-    dummy_weights: bool = typer.Option(False, "--dummy-weights", help="Deterministic random weights."),
+    dummy_weights: bool = typer.Option(False, "--dummy-weights", metavar="", help="Deterministic random weights."),
     hf_overrides: str = typer.Option(None, "--hf-overrides", help="JSON merged into the config (as vLLM)."),
-    threads: int = typer.Option(None, "--threads", "-t"),
+    threads: int = typer.Option(None, "--threads", "-t", help="Threads (default: one per core)."),
 ) -> None:
+    from cpumla.chat.sampling import check
+    from cpumla.chat.stops import parse_stop
+    from cpumla.cli.options import check_seed, check_threads
+
     interactive = prompt is None and sys.stdin.isatty()
+    if max_tokens < 1:
+        raise CpumlaError("--max-tokens must be at least 1")
+    check_seed(seed)
+    warnings = check_threads(threads)
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
+                    repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
+                    frequency_penalty=frequency_penalty, seed=seed)
+    try:
+        check(**sampling)
+    except CpumlaError as e:     # the library names settings; the user typed flags
+        raise CpumlaError(re.sub(r"\b(" + "|".join(sampling) + r")\b",
+                                 lambda m: "--" + m.group(1).replace("_", "-"), str(e))) from None
+    sampling.update(max_tokens=max_tokens, stop=parse_stop(list(stop or ())))
     if not interactive:
         prompt = prompt if prompt is not None else _read_stdin()
         if not prompt.strip():
             raise CpumlaError("empty prompt (pass -p TEXT or pipe a prompt on stdin)")
-    if max_tokens < 1:
-        raise CpumlaError("--max-tokens must be at least 1")
     conv, info, notices = _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, system,
-                                dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                     max_tokens=max_tokens, seed=seed), think, interactive)
-    for n in notices:
+                                sampling, think, interactive)
+    for n in warnings + notices:
         render.err.print(f"note: {n}", style="yellow", markup=False, highlight=False, soft_wrap=True)
+    render.err.print(f"ready: {info['model']} loaded in {info['load_s']:.1f} s", style="dim", markup=False,
+                     highlight=False, soft_wrap=True)
     if not interactive:
         stopped = _turn(conv, conv.send(prompt.strip()), interactive=False)
         sys.exit(130 if stopped else 0)
@@ -72,43 +105,51 @@ def _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, sys
     from cpumla.cli.overrides import parse_hf_overrides
     from cpumla.runtime.loader import load_config
 
+    from cpumla.cli.options import check_ctx
+
     overrides = parse_hf_overrides(hf_overrides)
     cfg, resolved = load_config(model, overrides)
+    ctx_notes = check_ctx(ctx, cfg.max_position_embeddings)
     tok, notices = load_tokenizer(resolved, tokenizer, dummy_weights)
     if tok.vocab_size > cfg.vocab_size and "vocab_size" not in overrides:
-        if dummy_weights:
-            notices.append(f"vocab_size raised from {cfg.vocab_size} to {tok.vocab_size} to fit the tokenizer "
-                           f"({tok.source})")
+        if dummy_weights:      # random weights fit any tokenizer: silently, as there is nothing to fix
             overrides = {**overrides, "vocab_size": tok.vocab_size}
         elif not tok.bundled:
             notices.append(f"the tokenizer has {tok.vocab_size} ids, the model {cfg.vocab_size}")
     status = render.err.status(f"loading {model}") if interactive else None
     if status:
         status.start()
+    t0 = time.perf_counter()
     try:
         engine = cpumla.load(model, dummy_weights=dummy_weights, hf_overrides=overrides, seed=seed or 0,
                              threads=threads, max_seq_len=ctx)
     finally:
         if status:
             status.stop()
+    load_s = time.perf_counter() - t0
+    notices += ctx_notes
     name = resolved.repo_id or (resolved.directory.name if resolved.directory else model)
     own_template = None if tok.bundled else tok.chat_template
-    family = detect_family(cfg.model_type, name, own_template)
+    from cpumla.chat.tiktoken_tokenizer import TiktokenTokenizer
+
+    family = "moonlight" if isinstance(tok, TiktokenTokenizer) else detect_family(cfg.model_type, name, own_template)
     fmt = ChatFormat(family, chat_template=own_template, bos=tok.bos_token or "", eos=tok.eos_token or "")
     if fmt.always_thinks:
+        if think is False:
+            notices.append(f"{family} always thinks; --no-think ignored")
         think_on = True
     elif fmt.think_switch:
         think_on = bool(think)
     else:
-        if think:
-            notices.append(f"{family} has no thinking mode; --think ignored")
+        if think is not None:
+            notices.append(f"{family} has no thinking mode; --{'' if think else 'no-'}think ignored")
         think_on = False
     settings = Settings(think=think_on, **sampling)
     conv = Conversation(engine, tok, fmt, settings, system=system,
                         stop_ids=[] if tok.bundled else cfg.eos_ids)
     info = dict(model=model + (" (dummy weights)" if dummy_weights else ""), family=family,
                 format=fmt.source, tokenizer=tok.source, isa=native.isa(), threads=native.get_threads(),
-                ctx=engine.max_seq_len)
+                ctx=engine.max_seq_len, load_s=load_s)
     return conv, info, notices
 
 
@@ -139,20 +180,37 @@ def _stats_line(st) -> str:
     cached = f", {st.cached_tokens} cached" if st.cached_tokens else ""
     s = (f"prompt {st.prompt_tokens} tok{cached}, {st.prompt_tps:.1f} tok/s · "
          f"answer {st.gen_tokens} tok, {st.gen_tps:.1f} tok/s")
-    return s + {"interrupted": " · stopped", "max_tokens": " · max tokens", "context": " · context full"}.get(st.stop, "")
+    return s + {"interrupted": " · stopped", "max_tokens": " · max tokens", "context": " · context full",
+                "stop": " · stop string"}.get(st.stop, "")
 
 
 def _turn(conv, events, interactive: bool) -> bool:
     """Stream one answer; Ctrl-C stops it. True when it was stopped by Ctrl-C."""
     previous = signal.signal(signal.SIGINT, lambda *_: conv.request_stop())
-    mode, wrote = None, False
+    mode, wrote, progress = None, False, False
     reasoning_console = render.out if interactive else render.err
     try:
         for ev in events:
+            if ev.kind == "progress":
+                if ev.seconds >= PROGRESS_AFTER_S or progress:
+                    progress = True
+                    rate = ev.done / ev.seconds if ev.seconds > 0 else 0.0
+                    render.err.print(f"\rreading the prompt: {ev.done} / {ev.total} tokens, {rate:.0f} tok/s "
+                                     f"(Ctrl-C stops)", style="dim", end="", markup=False, highlight=False,
+                                     soft_wrap=True)
+                continue
+            if progress:
+                render.err.print("\r\x1b[2K" if render.err.is_terminal else "", end="", markup=False)
+                if not render.err.is_terminal:
+                    render.err.print()
+                progress = False
             if ev.kind == "notice":
                 if wrote:
                     _write("\n")
-                render.err.print(f"note: {ev.text}", style="yellow", markup=False, highlight=False, soft_wrap=True)
+                text = ev.text
+                if interactive and conv.last.stop == "context":
+                    text += "; the next turn drops the oldest turns"
+                render.err.print(f"note: {text}", style="yellow", markup=False, highlight=False, soft_wrap=True)
                 continue
             if ev.kind != mode and mode is not None:
                 _write("\n\n", console=reasoning_console if mode == "reasoning" else None)
@@ -249,18 +307,21 @@ def _command(conv, text: str):
     elif cmd == "/set":
         if not arg:
             s = conv.settings
-            render.out.print("  ".join(f"{k}={getattr(s, k)}" for k in
-                                       ("temperature", "top_p", "top_k", "min_p", "max_tokens", "think", "seed")),
-                             markup=False, highlight=False)
+            from cpumla.chat.conversation import SHOWN
+
+            render.out.print("  ".join(f"{k}={getattr(s, k)!r}" if k == "stop" else f"{k}={getattr(s, k)}"
+                                       for k in SHOWN), markup=False, highlight=False)
         else:
             key, _, value = arg.partition(" ")
             if not value.strip():
                 raise CpumlaError(f"/set {key} needs a value")
-            conv.set(key, value.strip())
-            render.err.print(f"{key} = {getattr(conv.settings, key)}", style="dim", markup=False)
+            conv.set(key, value.strip() if key != "stop" else value.lstrip(" "))
+            render.err.print(f"{key} = {getattr(conv.settings, key)!r}" if key == "stop" else
+                             f"{key} = {getattr(conv.settings, key)}", style="dim", markup=False)
     elif cmd == "/stats":
         e, st = conv.engine, conv.last
-        render.out.print(f"cache {len(e.tokens)} / {e.max_seq_len} tokens · {conv.turns} turns · "
+        render.out.print(f"cache {len(e.tokens)} / {e.max_seq_len} tokens · {conv.turns} turn"
+                         f"{'' if conv.turns == 1 else 's'} · "
                          f"{len(conv.history)} messages in history · {conv.dropped_turns} turns dropped", markup=False,
                          highlight=False)
         render.out.print(f"last turn: {_stats_line(st)}", markup=False, highlight=False)

@@ -18,6 +18,32 @@ app = typer.Typer(
 )
 
 
+def _version(value: bool) -> None:
+    """--version: the package's version, checked against the kernel library built into it (a stale
+    in-place build would run other C code than the Python expects)."""
+    if not value:
+        return
+    from cpumla import __version__
+    from cpumla.cli.render import out
+
+    try:
+        from cpumla.native import ffi, lib
+    except Exception:  # the library is missing or does not load: say so in one line
+        raise CpumlaError(f"cpumla {__version__}: its kernel library is not built (pip install .)") from None
+    built = ffi.string(lib.cpumla_version()).decode()
+    if built != __version__:
+        raise CpumlaError(f"cpumla {__version__}, but its kernel library was built from {built}: rebuild it "
+                          f"(pip install ., or python3 setup.py build_ext --inplace)")
+    out.print(f"cpumla {__version__}", markup=False, highlight=False)
+    raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", metavar="", is_eager=True, callback=_version,
+                                       help="Print the version (checked against the kernel library) and exit.")):
+    pass
+
+
 def _register() -> None:
     from cpumla.cli import bench, chat, download, info, serve, smoke
 

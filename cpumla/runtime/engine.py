@@ -83,10 +83,13 @@ class Engine:
         return logits
 
     def generate(self, prompt_ids, max_new_tokens: int, stop_ids=None, **sampling):
-        """Yields generated token ids; the prompt is appended to the cache first."""
+        """Yields generated token ids; the prompt is appended to the cache first. sampling: the
+        arguments of cpumla.chat.sampling.Sampler (temperature, top_k, top_p, min_p, seed,
+        repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty)."""
         from cpumla.chat.sampling import Sampler
 
         sampler = Sampler(**sampling)
+        sampler.start(prompt_ids)
         stops = set(self.config.eos_ids if stop_ids is None else stop_ids)
         logits = self.forward(prompt_ids, last_only=True)
         for _ in range(max_new_tokens):

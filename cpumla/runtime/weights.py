@@ -17,6 +17,7 @@ import numpy as np
 from cpumla import native
 from cpumla.errors import CpumlaError
 
+DUMMY_DTYPES = ("bf16", "fp8", "f32")     # --dummy-dtype: bf16 as V2 ships, FP8 block-scaled as V3, fp32
 FORMAT_OF = {"F32": "f32", "BF16": "bf16", "F16": "f16", "F8_E4M3": "e4m3"}
 
 
@@ -82,8 +83,8 @@ class DummySource:
         its release formats in any dtype but "f32": "e4m3" (FP8 with an E8M0 `.scale` per 128x128),
         "e2m1" (FP4 packed two per byte as I8, E8M0 `.scale` per 1x32), "f32" (always F32) and "ids:E"
         (an I64 token-id table of experts below E)."""
-        if dtype not in ("bf16", "fp8", "f32"):
-            raise CpumlaError(f"dummy weight dtype must be bf16, fp8 or f32, got '{dtype}'")
+        if dtype not in DUMMY_DTYPES:
+            raise CpumlaError(f"dummy weight dtype must be one of {', '.join(DUMMY_DTYPES)}, got '{dtype}'")
         self.block, self.seed, self.dtype = tuple(block), seed, dtype
         self.table = table
         self.scales: dict[str, str] = {}

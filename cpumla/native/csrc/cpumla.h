@@ -94,6 +94,10 @@ int cpumla_init(const char *isa);
 const char *cpumla_last_error(void);          /* the calling thread's last error */
 const char *cpumla_isa(void);                  /* the implementation in use */
 int cpumla_isa_available(const char *isa);     /* 1: built and runnable here; 0: not */
+/* What this CPU or OS lacks to run an implementation, by name ("AVX512_BF16, OS support for AVX-512
+ * state"): "" when it runs here, NULL when the name is unknown or not built for this architecture.
+ * The string lives until the calling thread's next call. */
+const char *cpumla_isa_missing(const char *isa);
 const char *cpumla_isa_list(void);             /* all implementations built in, space-separated */
 uint64_t cpumla_cpu_features(void);
 const char *cpumla_cpu_name(void);

@@ -176,6 +176,35 @@ const char *cpumla_isa_list(void) {
     return buf;
 }
 
+/* Feature bits by the names Intel and Arm document them under; OS-state bits said in words. */
+static const struct { uint64_t bit; const char *name; } feature_names[] = {
+    {CPUMLA_FEAT_SSE42, "SSE4_2"}, {CPUMLA_FEAT_AVX, "AVX"}, {CPUMLA_FEAT_AVX2, "AVX2"}, {CPUMLA_FEAT_FMA, "FMA"},
+    {CPUMLA_FEAT_F16C, "F16C"}, {CPUMLA_FEAT_AVX512F, "AVX512F"}, {CPUMLA_FEAT_AVX512BW, "AVX512BW"},
+    {CPUMLA_FEAT_AVX512VL, "AVX512VL"}, {CPUMLA_FEAT_AVX512DQ, "AVX512DQ"},
+    {CPUMLA_FEAT_AVX512BF16, "AVX512_BF16"}, {CPUMLA_FEAT_AVX512VNNI, "AVX512_VNNI"},
+    {CPUMLA_FEAT_AVX512VBMI, "AVX512_VBMI"}, {CPUMLA_FEAT_AMX_TILE, "AMX_TILE"},
+    {CPUMLA_FEAT_AMX_BF16, "AMX_BF16"}, {CPUMLA_FEAT_AMX_INT8, "AMX_INT8"},
+    {CPUMLA_FEAT_OS_AVX, "OS support for AVX state"}, {CPUMLA_FEAT_OS_AVX512, "OS support for AVX-512 state"},
+    {CPUMLA_FEAT_OS_AMX, "OS support for AMX tile state (XCR0 and arch_prctl permission)"},
+    {CPUMLA_FEAT_NEON, "ASIMD (NEON)"},
+};
+
+const char *cpumla_isa_missing(const char *isa) {
+    static __thread char buf[512];
+    int i = isa ? isa_index(isa) : -1;
+    if (i < 0) return NULL;
+    uint64_t lack = 0;
+    for (int j = 0; j <= i; j++) lack |= isas[j].needs & ~cpumla_cpu_features();   /* the whole chain */
+    buf[0] = 0;
+    size_t n = 0;
+    for (size_t f = 0; f < sizeof feature_names / sizeof feature_names[0]; f++) {
+        if (!(lack & feature_names[f].bit)) continue;
+        n += (size_t)snprintf(buf + n, n < sizeof buf ? sizeof buf - n : 0, "%s%s", n ? ", " : "", feature_names[f].name);
+        if (n >= sizeof buf) break;
+    }
+    return buf;
+}
+
 static const char *known_isas[] = {"scalar", "avx2", "avx512", "amx", "neon"};
 
 static int is_known_isa(const char *name) {
@@ -205,9 +234,9 @@ static int init(const char *isa) {
         for (int i = 0; i <= target; i++) {
             /* every layer up to the target must run here (x86's chain; arm's scalar -> neon) */
             if (!runnable(i)) {
-                char msg[200];
-                snprintf(msg, sizeof msg, "this CPU or OS cannot run the '%s' implementation (%s support missing)",
-                         isa, isas[i].name);
+                char msg[256];
+                snprintf(msg, sizeof msg, "this CPU or OS cannot run the '%s' implementation (missing: %s)",
+                         isa, cpumla_isa_missing(isa));
                 cpumla_set_error(msg);
                 return -1;
             }

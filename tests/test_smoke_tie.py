@@ -1,0 +1,41 @@
+"""`cpumla smoke` tells an expert-routing near-tie (bf16 rounding flipping one token's expert choice)
+from a cache bug: the config below fails the plain check at one decode step at seed 0."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cpumla.runtime import smoke as sm
+
+TIE = {"num_hidden_layers": 2, "hidden_size": 1024, "intermediate_size": 2048, "num_attention_heads": 16,
+       "num_key_value_heads": 16, "moe_intermediate_size": 256, "n_routed_experts": 16, "first_k_dense_replace": 1}
+
+
+def test_near_tie_is_reported_as_one():
+    r = sm.run("deepseek-ai/DeepSeek-V3", dummy_weights=True, hf_overrides=TIE, seed=0, dummy_dtype="fp8")
+    assert r.max_decode_err > 0.05                       # the plain check does fail here
+    assert r.status.startswith("ok: expert-routing near-tie") and "step 15" in r.status and r.passed
+
+
+def test_a_cache_bug_is_not_called_a_tie(monkeypatch):
+    from cpumla.runtime.engine import Engine
+
+    real = Engine.forward
+
+    def stale(self, token_ids, last_only=False):       # decode steps past the prompt see a wrong position
+        out = real(self, token_ids, last_only)
+        if len(np.atleast_1d(token_ids)) == 1 and self.pos > 40:
+            out = out + np.float32(0.5) * np.abs(out).max()
+        return out
+
+    monkeypatch.setattr(Engine, "forward", stale)
+    r = sm.run("deepseek-ai/DeepSeek-V3", dummy_weights=True, hf_overrides={**sm.SHRINK, "q_lora_rank": 192}, seed=1)
+    assert "not a routing tie" in r.status and not r.passed
+
+
+def test_continuous_routing_removes_every_choice():
+    from cpumla.runtime.loader import load_config
+
+    cfg, _ = load_config("deepseek-ai/DeepSeek-V3.2", {**sm.SHRINK, "index_topk": 16})
+    ov = sm.continuous_routing(cfg)
+    assert ov["num_experts_per_tok"] == 16 and ov["n_group"] == 1 and ov["index_topk"] >= 1 << 20
