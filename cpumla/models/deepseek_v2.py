@@ -65,8 +65,8 @@ class Config:
 
     MODEL_TYPES = MODEL_TYPES
 
-    # ---- derived, set in __post_init__ ----
-    def __post_init__(self):
+    # ---- derived, set by from_dict once the fields are valid ----
+    def derive(self) -> None:
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         self.inv_freq, self.rope_attn_scale = rope_frequencies(self)
         self.softmax_scale = softmax_scale(self)
@@ -92,32 +92,62 @@ class Config:
                    and f.name not in kwargs]
         if missing:
             raise CpumlaError(f"{source}: missing field '{missing[0]}'")
-        for f in dataclasses.fields(cls):
-            if f.name in kwargs and f.type in ("int", "float") and not isinstance(kwargs[f.name], (int, float)):
-                raise CpumlaError(f"{source}: field '{f.name}' must be a number, got {kwargs[f.name]!r}")
         cfg = cls(**kwargs, extra={k: v for k, v in d.items() if k not in names})
         cfg.validate(source)
+        cfg.derive()
         return cfg
 
+    # field -> (lowest value, None allowed): sizes are integers (never booleans) up to MAX_SIZE
+    SIZES = {"vocab_size": (1, False), "hidden_size": (1, False), "intermediate_size": (1, False),
+             "num_hidden_layers": (1, False), "num_attention_heads": (1, False), "kv_lora_rank": (1, False),
+             "qk_nope_head_dim": (0, False), "qk_rope_head_dim": (2, False), "v_head_dim": (1, False),
+             "q_lora_rank": (0, True), "moe_intermediate_size": (0, True), "n_routed_experts": (0, True),
+             "n_shared_experts": (0, True), "num_experts_per_tok": (0, True), "first_k_dense_replace": (0, True),
+             "moe_layer_freq": (0, True), "n_group": (0, True), "topk_group": (0, True),
+             "max_position_embeddings": (1, False), "num_nextn_predict_layers": (0, True)}
+    # field -> (lowest value, lowest included): finite numbers
+    REALS = {"routed_scaling_factor": (0.0, False), "rope_theta": (0.0, False), "rms_norm_eps": (0.0, True)}
+    BOOLS = ("norm_topk_prob", "tie_word_embeddings")
+
     def validate(self, source: str) -> None:
+        """Every field's type and range, then the cross-field rules: one CpumlaError line naming the
+        field, before anything is derived from them or allocated."""
         def need(ok, msg):
             if not ok:
                 raise CpumlaError(f"{source}: {msg}")
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
-                     "qk_rope_head_dim", "v_head_dim"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) > 0, f"'{name}' must be a positive integer")
+        for name, (lo, optional) in self.SIZES.items():
+            v = getattr(self, name)
+            if v is None and optional:
+                continue
+            need(is_int(v) and lo <= v <= MAX_SIZE,
+                 f"'{name}' must be an integer from {lo} to {MAX_SIZE}, got {short(v)}")
+        for name, (lo, closed) in self.REALS.items():
+            v = getattr(self, name)
+            need(is_real(v) and math.isfinite(v) and (v >= lo if closed else v > lo),
+                 f"'{name}' must be a finite number {'>=' if closed else '>'} {lo:g}, got {short(v)}")
+        for name in self.BOOLS:
+            need(isinstance(getattr(self, name), bool), f"'{name}' must be true or false, got {short(getattr(self, name))}")
+        for name in ("topk_method", "scoring_func"):
+            need(isinstance(getattr(self, name), str), f"'{name}' must be a string, got {short(getattr(self, name))}")
+        need(self.bos_token_id is None or is_int(self.bos_token_id), f"'bos_token_id' must be an integer, got {short(self.bos_token_id)}")
+        e = self.eos_token_id
+        need(e is None or is_int(e) or (isinstance(e, list) and all(is_int(x) for x in e)),
+             f"'eos_token_id' must be an integer or a list of integers, got {short(e)}")
         need(self.qk_rope_head_dim % 2 == 0, "'qk_rope_head_dim' must be even")
+        validate_rope_scaling(self, need)
+        validate_quantization(self.quantization_config, need)
         if self.has_moe:
+            try:
+                method = self.router_method
+            except CpumlaError as e:
+                raise CpumlaError(f"{source}: {str(e).removeprefix('config: ')}") from None
             need(self.num_experts_per_tok and 0 < self.num_experts_per_tok <= self.n_routed_experts,
                  "'num_experts_per_tok' must be between 1 and n_routed_experts")
-            need(self.moe_intermediate_size > 0, "'moe_intermediate_size' must be positive")
-            if self.router_method in ("group_limited", "noaux_tc") and (self.n_group or 1) > 1:
+            need(bool(self.moe_intermediate_size), "'moe_intermediate_size' must be positive")
+            if method in ("group_limited", "noaux_tc") and (self.n_group or 1) > 1:
                 g = self.n_group
                 need(self.n_routed_experts % g == 0, f"n_routed_experts {self.n_routed_experts} is not divisible by n_group {g}")
                 need(self.topk_group and 1 <= self.topk_group <= g, "'topk_group' must be between 1 and n_group")
-        qc = self.quantization_config
-        if qc and qc.get("quant_method") not in (None, "fp8"):
-            raise CpumlaError(f"{source}: quantization '{qc.get('quant_method')}' is not supported (fp8 block only)")
 
     # ---- structure ----
     @property
@@ -146,6 +176,64 @@ class Config:
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
         return {**self.extra, **d}
+
+
+MAX_SIZE = 2**31 - 1       # the kernels index rows, experts and tokens with int32
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def short(v) -> str:
+    """A config value for a one-line message: repr, cut to 40 characters."""
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+def validate_rope_scaling(cfg, need) -> None:
+    """rope_scaling: absent, or an object; YaRN needs original_max_position_embeddings >= 1 and finite
+    positive factor / betas (everything rope_frequencies and softmax_scale read)."""
+    rs = cfg.rope_scaling
+    if rs is None:
+        return
+    need(isinstance(rs, dict), f"'rope_scaling' must be an object, got {short(rs)}")
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    need(isinstance(kind, str), f"'rope_scaling.rope_type' must be a string, got {short(kind)}")
+    if not rs or kind == "default":
+        return
+    need(kind == "yarn", f"rope_scaling type '{kind}' is not supported (yarn only)")
+    l0 = rs.get("original_max_position_embeddings")
+    need(is_int(l0) and 1 <= l0 <= MAX_SIZE,
+         f"'rope_scaling.original_max_position_embeddings' must be a positive integer for YaRN, got {short(l0)}")
+    need(cfg.rope_theta > 1, f"'rope_theta' must be above 1 for YaRN, got {cfg.rope_theta!r}")
+    for key, optional, lo in (("factor", True, 0.0), ("beta_fast", True, 0.0), ("beta_slow", True, 0.0),
+                              ("mscale", True, None), ("mscale_all_dim", True, None), ("attention_factor", True, 0.0)):
+        v = rs.get(key)
+        if v is None and optional:
+            continue
+        need(is_real(v) and math.isfinite(v) and (lo is None or v > lo),
+             f"'rope_scaling.{key}' must be a finite number{'' if lo is None else ' > 0'}, got {short(v)}")
+    if rs.get("mscale_all_dim"):
+        need(rs.get("factor") is not None, "'rope_scaling.factor' is required with mscale_all_dim")
+
+
+def validate_quantization(qc, need) -> None:
+    """quantization_config: absent, or an FP8 block-scaled description with a [rows, cols] block."""
+    if qc is None:
+        return
+    need(isinstance(qc, dict), f"'quantization_config' must be an object, got {short(qc)}")
+    method = qc.get("quant_method")
+    need(method in (None, "fp8"), f"quantization {short(method)} is not supported (fp8 block only)")
+    b = qc.get("weight_block_size")
+    if b is None:
+        return
+    need(isinstance(b, list) and len(b) == 2 and all(is_int(x) and 1 <= x <= 65536 for x in b),
+         f"'quantization_config.weight_block_size' must be two integers from 1 to 65536, got {short(b)}")
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

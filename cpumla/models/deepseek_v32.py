@@ -37,6 +37,7 @@ class Config(v2.Config):
     mlp_layer_types: list | None = None     # "dense" / "sparse" per layer (transformers derives it)
 
     MODEL_TYPES = MODEL_TYPES
+    SIZES = {**v2.Config.SIZES, "index_n_heads": (1, False), "index_head_dim": (1, False), "index_topk": (1, False)}
 
     def validate(self, source: str) -> None:
         super().validate(source)
@@ -44,9 +45,6 @@ class Config(v2.Config):
         def need(ok, msg):
             if not ok:
                 raise CpumlaError(f"{source}: {msg}")
-        for name in ("index_n_heads", "index_head_dim", "index_topk"):
-            v = getattr(self, name)
-            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"'{name}' must be a positive integer, got {v!r}")
         need(self.index_head_dim >= self.qk_rope_head_dim,
              f"'index_head_dim' {self.index_head_dim} is smaller than qk_rope_head_dim {self.qk_rope_head_dim}")
         need(bool(self.q_lora_rank), "'q_lora_rank' is required: the indexer reads the q LoRA latent")
