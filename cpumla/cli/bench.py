@@ -146,6 +146,14 @@ def _kernels(output, threads, formats, rows, cols, seconds, stream_mb):
         raise CpumlaError(f"unknown weight format '{bad[0]}' (choose from: {', '.join(kb.FORMATS)})")
     if rows < 1 or cols < 32 or cols % 32:
         raise CpumlaError("--rows must be >= 1 and --cols a positive multiple of 32")
+    from cpumla.runtime.loader import available_memory, gib
+
+    stream = max(1, stream_mb) << 20
+    need = 3 * stream + 2 * 4 * rows * cols + 4 * 4 * 2048 * 2048   # probe buffer, weight copies, gemm
+    avail, what = available_memory()
+    if need > avail:
+        raise CpumlaError(f"--rows {rows} --cols {cols} --stream-mb {stream_mb} need {gib(need)} of memory but "
+                          f"{gib(avail)} is available ({what})")
     native.init()
     if threads is not None:
         if threads < 1:
@@ -154,7 +162,7 @@ def _kernels(output, threads, formats, rows, cols, seconds, stream_mb):
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=render.err, transient=True) as prog:
         task = prog.add_task("starting", total=None)
-        probe, results = kb.run(fmts, rows, cols, min_seconds=seconds, stream_bytes=max(1, stream_mb) << 20,
+        probe, results = kb.run(fmts, rows, cols, min_seconds=seconds, stream_bytes=stream,
                                 progress=lambda label: prog.update(task, description=f"measuring {label}"))
     if output == "json":
         render.print_json({"read_probe_gbs": probe, "threads": native.get_threads(),

@@ -158,6 +158,20 @@ class Config:
         return (self.has_moe and layer >= self.first_k_dense_replace
                 and layer % max(1, self.moe_layer_freq or 1) == 0)
 
+    def layer_groups(self) -> list[tuple[int, int]]:
+        """[(a layer, how many layers share its tensor shapes)]: one dense and one MoE entry at most,
+        counted without walking the layers (a config may claim millions of them)."""
+        L = self.num_hidden_layers
+        n_moe = 0
+        if self.has_moe:
+            freq, fk = max(1, self.moe_layer_freq or 1), self.first_k_dense_replace or 0
+            first = -(-fk // freq) * freq                   # the first multiple of freq at or after fk
+            n_moe = 0 if first >= L else (L - 1 - first) // freq + 1
+        groups = [(first, n_moe)] if n_moe else []
+        if L - n_moe:
+            groups.append((0 if not self.is_moe_layer(0) else 1, L - n_moe))
+        return groups
+
     @property
     def router_method(self) -> str:
         if self.model_type != "deepseek_v2":
@@ -309,6 +323,16 @@ def checkpoint_name_map(cfg: Config, layer: int) -> dict[str, tuple[str, tuple[i
     return m
 
 
+def mlp_shapes(cfg: Config, layer: int) -> dict[str, tuple[int, int]]:
+    """{group: (intermediate size, number of (gate, up, down) trios)} of a layer's MLPs."""
+    if not cfg.is_moe_layer(layer):
+        return {"dense": (cfg.intermediate_size, 1)}
+    out = {"experts": (cfg.moe_intermediate_size, cfg.n_routed_experts)}
+    if cfg.n_shared_experts:
+        out["shared"] = (cfg.moe_intermediate_size * cfg.n_shared_experts, 1)
+    return out
+
+
 def mlp_names(cfg: Config, layer: int) -> dict[str, list[tuple[str, str, str]]]:
     """{"experts": [(gate, up, down) names per routed expert], "shared": [...], "dense": [...]}"""
     p = f"model.layers.{layer}.mlp."
@@ -335,14 +359,61 @@ def tensors(cfg: Config) -> dict[str, tuple[tuple[int, ...], str]]:
             kind = "norm" if role.endswith("_ln") else "bias" if role == "gate_bias" else \
                 "plain" if role == "gate" else "linear"
             out[name] = (shape, kind)
+        shapes = mlp_shapes(cfg, layer)
         for group, trios in mlp_names(cfg, layer).items():
-            inter = cfg.intermediate_size if group == "dense" else \
-                cfg.moe_intermediate_size * (cfg.n_shared_experts if group == "shared" else 1)
+            inter = shapes[group][0]
             for g, u, d in trios:
                 out[g] = ((inter, D), "linear")
                 out[u] = ((inter, D), "linear")
                 out[d] = ((D, inter), "linear")
     return out
+
+
+def layer_shapes(cfg: Config, layer: int) -> list[tuple[tuple[int, ...], str, int]]:
+    """[(shape, kind, count)] of the tensors of layer `layer` (kinds as in tensors()), experts counted
+    rather than listed."""
+    out = []
+    for role, (_, shape) in checkpoint_name_map(cfg, layer).items():
+        kind = "norm" if role.endswith("_ln") else "bias" if role == "gate_bias" else \
+            "plain" if role == "gate" else "linear"
+        out.append((shape, kind, 1))
+    D = cfg.hidden_size
+    for inter, count in mlp_shapes(cfg, layer).values():
+        out += [((inter, D), "linear", 2 * count), ((D, inter), "linear", count)]
+    return out
+
+
+def tensor_bytes(shape, kind: str, dtype: str, block=(128, 128)) -> int:
+    """Bytes of one tensor as dummy weights of `dtype` (bf16, fp8, f32) store it (weights.DummySource):
+    biases f32; FP8 linears one byte per value plus an f32 scale per block; the rest bf16 or f32."""
+    n = math.prod(shape)
+    if kind == "bias" or dtype == "f32":
+        return 4 * n
+    if dtype == "fp8" and kind == "linear":
+        return n + 4 * -(-shape[0] // block[0]) * -(-shape[1] // block[1])
+    return 2 * n
+
+
+def memory_bytes(cfg: Config, ctx: int, dtype: str, chunk: int = 512, shapes=layer_shapes) -> dict[str, int]:
+    """What a model of this config takes, from the config alone (nothing is built): "weights" as dummy
+    weights of `dtype` store them (a checkpoint's are its files, mapped), "cache" (the latent cache of
+    ctx tokens per layer, fp32) and "scratch" (the state's buffers for a prefill chunk, the kernels'
+    attention and expert scratch and one chunk of logits; approximate from above)."""
+    D, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    H, R, P = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    weights = tensor_bytes((V, D), "embed", dtype) + tensor_bytes((D,), "norm", dtype) + \
+        tensor_bytes((V, D), "plain", dtype, cfg.block)
+    for layer, count in cfg.layer_groups():
+        weights += count * sum(n * tensor_bytes(shape, kind, dtype, cfg.block) for shape, kind, n in shapes(cfg, layer))
+    n = min(chunk, ctx)
+    E, K = (cfg.n_routed_experts or 0), (cfg.num_experts_per_tok or 0) + 1
+    inter = max(cfg.intermediate_size, cfg.moe_intermediate_size * max(1, cfg.n_shared_experts or 1))
+    state = n * (3 * D + (cfg.q_lora_rank or 0) + H * cfg.qk_head_dim + (R + P) * (H + 1) + H * R
+                 + H * cfg.v_head_dim + E + 2 * K + 8)
+    attention = n * H * (R + 2) + H * -(-ctx // 64) * (R + 2)
+    experts = n * K * (2 * D + 2 * inter)
+    return {"weights": weights, "cache": 4 * (R + P) * ctx * L,
+            "scratch": 4 * (state + attention + experts + n * V)}
 
 
 def fit_overrides(cfg: dict, overrides: dict) -> dict:

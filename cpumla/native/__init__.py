@@ -72,9 +72,15 @@ def available_isas() -> list[str]:
     return [i for i in built_isas() if lib.cpumla_isa_available(i.encode())]
 
 
+MAX_THREADS = 256      # the pool's size, CPUMLA_MAX_THREADS in csrc/threadpool.h
+
+
 def set_threads(n: int | None) -> int:
+    """n threads (None or 0: one per online core); more than MAX_THREADS is a CpumlaError, never a
+    silent cap. Returns the count now running."""
     ensure_init()
-    return lib.cpumla_set_threads(0 if n is None else int(n))
+    n = 0 if n is None else checks.integer(n, "threads", 0, MAX_THREADS)
+    return lib.cpumla_set_threads(n)
 
 
 def get_threads() -> int:
