@@ -149,7 +149,7 @@ def _kernels(output, threads, formats, rows, cols, seconds, stream_mb):
     from cpumla.runtime.loader import available_memory, gib
 
     stream = max(1, stream_mb) << 20
-    need = 3 * stream + 2 * 4 * rows * cols + 4 * 4 * 2048 * 2048   # probe buffer, weight copies, gemm
+    need = 5 * stream + 2 * 4 * rows * cols + 4 * 4 * 2048 * 2048   # probe buffers, weight copies, gemm
     avail, what = available_memory()
     if need > avail:
         raise CpumlaError(f"--rows {rows} --cols {cols} --stream-mb {stream_mb} need {gib(need)} of memory but "

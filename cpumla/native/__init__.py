@@ -498,9 +498,18 @@ def read_probe(buf: np.ndarray) -> float:
     ensure_init()
     if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
         raise CpumlaError("read_probe needs a contiguous numpy array")
-    if buf.ctypes.data % 64:
-        raise CpumlaError("read_probe needs a 64-byte aligned buffer")
+    if buf.ctypes.data % 64:                 # the kernels' aligned loads: probe an aligned copy
+        buf = aligned_copy(buf)
     return lib.cpumla_read_probe(vptr(buf), buf.nbytes)
+
+
+def aligned_copy(a: np.ndarray, align: int = 64) -> np.ndarray:
+    """A copy of a whose data starts at a multiple of `align` bytes."""
+    raw = np.empty(a.nbytes + align, np.uint8)
+    off = (-raw.ctypes.data) % align
+    out = raw[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
 
 
 class Experts:
