@@ -13,7 +13,6 @@ opening a checkpoint costs O(header size), not O(model size). Nothing is ever un
 
 from __future__ import annotations
 
-import json
 import math
 import mmap
 import os
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from cpumla.errors import CpumlaError
+from cpumla.runtime.resolve import parse_json
 
 MAX_HEADER_BYTES = 100_000_000  # same limit as the safetensors package
 
@@ -100,9 +100,10 @@ class SafetensorsFile:
         if hlen > size - 8:
             raise CpumlaError(f"{where}: header length {hlen} is past the end of the file ({size} bytes)")
         try:
-            header = json.loads(self._mm[8:8 + hlen].decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
-        except (UnicodeDecodeError, ValueError) as e:
+            text = self._mm[8:8 + hlen].decode("utf-8")
+        except UnicodeDecodeError as e:
             raise CpumlaError(f"{where}: header is not valid JSON: {e}") from None
+        header = parse_json(text, str(where), "header is not valid JSON", object_pairs_hook=_no_duplicate_keys)
         if not isinstance(header, dict):
             raise CpumlaError(f"{where}: header is a JSON {type(header).__name__}, not an object")
 
@@ -232,9 +233,10 @@ class Checkpoint:
 
     def _open_index(self, index: Path) -> None:
         try:
-            doc = json.loads(index.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError) as e:
+            text = index.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
             raise CpumlaError(f"{index}: cannot read the index: {e}") from None
+        doc = parse_json(text, f"{index}")
         weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(weight_map, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
