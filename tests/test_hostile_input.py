@@ -152,3 +152,35 @@ def test_bad_token_ids(eng, ids, msg):
 def test_integer_token_ids(eng, ids):
     eng.reset()
     assert np.isfinite(eng.forward(ids)).all()
+
+
+def _pad_header(src, dst, pad):
+    raw = src.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = raw[8:8 + n].rstrip(b" ") + b" " * pad
+    dst.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + n:])
+
+
+@pytest.mark.parametrize("pad", [1, 2, 3])
+def test_misaligned_tensor_data_gives_the_same_logits(tmp_path, pad):
+    """A header padded to an odd length leaves every tensor misaligned: they are copied aligned at load
+    (run under UBSan by `make test-sanitize`, which reports any misaligned load)."""
+    pytest.importorskip("torch")
+    import shutil
+
+    import models
+    from cpumla.runtime.safetensors import SafetensorsFile
+
+    good = tmp_path / "good"
+    models.build("v3", good)
+    bad = tmp_path / "bad"
+    shutil.copytree(good, bad)
+    _pad_header(good / "model.safetensors", bad / "model.safetensors", pad)
+    with SafetensorsFile(bad / "model.safetensors") as f:
+        name = next(n for n in f.keys() if f.info(n)[0] == "F32")
+        assert f.tensor(name).flags.aligned
+        assert (f.tensor(name) == SafetensorsFile(good / "model.safetensors").tensor(name)).all()
+    ids = [1, 5, 7, 9]
+    want = cpumla.load(str(good)).forward(ids)
+    got = cpumla.load(str(bad)).forward(ids)
+    np.testing.assert_array_equal(got, want)

@@ -9,6 +9,9 @@ tensor. The format is simple (docs/deepseek-architectures.md 7.1):
 
 Offsets are relative to the start of the data section. Opening a file reads only its header, so
 opening a checkpoint costs O(header size), not O(model size). Nothing is ever unpickled or written.
+A tensor whose data is not aligned to its element size (a header of odd length) is the one
+exception to zero copy: it is copied once, aligned. A file truncated on disk while mapped ends the
+process with SIGBUS when a missing page is read (the kernel's doing; nothing in Python can catch it).
 """
 
 from __future__ import annotations
@@ -133,7 +136,7 @@ class SafetensorsFile:
         if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
             raise CpumlaError(f"{where}: header entry must have exactly dtype, shape and data_offsets")
         dtype, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise CpumlaError(f"{where}: unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise CpumlaError(f"{where}: shape {shape!r} is not a list of non-negative integers")
@@ -192,6 +195,11 @@ class SafetensorsFile:
         else:
             count = math.prod(shape)
         arr = np.frombuffer(self._mm, dtype=view_dtype, count=count, offset=self._data_start + begin)
+        if not arr.flags.aligned:
+            # The format does not promise aligned data (a header padded to an odd length shifts every
+            # tensor); the kernels read elements through typed pointers, so such a tensor is copied
+            # once, aligned, rather than read misaligned.
+            arr = arr.copy()
         return arr.reshape(shape)
 
     # ---- lifecycle -------------------------------------------------------------------------
