@@ -529,7 +529,8 @@ class Model:
         state = new(self._c, ctx, max_tokens)
         if state == native.ffi.NULL:
             raise CpumlaError(native.last_error())
-        self._state = native.ffi.gc(state, free)
+        desc = self._c      # the state's free reads the description: keep it alive until then
+        self._state = native.ffi.gc(state, lambda p: free(p) if desc is not None else None)
         self._forward = fwd
 
     def build_layer(self, src, i: int) -> Layer:
