@@ -2,7 +2,7 @@
 PY ?= python3
 PIP ?= $(PY) -m pip
 
-.PHONY: install dev test test-py test-native test-arm test-nehalem cross-deps bench info clean help
+.PHONY: install dev test test-py test-native test-arm test-nehalem test-sanitize cross-deps bench info clean help
 
 help:
 	@echo "make install      install cpumla (builds the kernel library for every ISA of this arch)"
@@ -10,6 +10,8 @@ help:
 	@echo "                  NEON under qemu-aarch64, and the x86 build on an emulated Nehalem (no AVX)"
 	@echo "make test-py      Python tests only (kernels over every runnable ISA, CLI)"
 	@echo "make test-native  C kernel runner on this CPU"
+	@echo "make test-sanitize C runner under ASan+UBSan and under TSan, then a Python smoke and parity"
+	@echo "                  subset on an ASan+UBSan build of the extension (libasan preloaded)"
 	@echo "make bench        kernel micro-benchmark (GEMV GB/s vs measured read bandwidth)"
 
 install:
@@ -19,13 +21,20 @@ install:
 dev:
 	$(PIP) install -q -e '.[test]'
 
-test: dev test-py test-native test-arm test-nehalem
+test: dev test-py test-native test-arm test-nehalem test-sanitize
 
 test-py:
 	$(PY) -m pytest -q tests
 
 test-native:
 	bash tests/native/run.sh host
+
+# ~4 minutes on 2 cores: part of `make test`. The Python half builds into build/sanitize/ and leaves
+# the in-place build alone (tests/sanitize_py.sh says how).
+test-sanitize:
+	SANITIZE=address bash tests/native/run.sh host
+	SANITIZE=thread bash tests/native/run.sh host
+	PY=$(PY) bash tests/sanitize_py.sh
 
 cross-deps:
 	bash tests/native/cross-deps.sh

@@ -79,7 +79,7 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
     from cpumla.runtime.loader import load_config
     cfg, _ = load_config(model, hf_overrides)
     for w in mb.check_args(cfg.max_position_embeddings, n_prompt, n_gen, reps, thr, dep):
-        render.err.print(f"[yellow]warning:[/] {w}")
+        render.print_warning(w)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=render.err, transient=True) as prog:
         # the machine's limits first, so the probe's buffer is gone before the model is in memory
@@ -90,7 +90,7 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
             prog.update(task, description=f"measuring FMA peaks, {t} threads")
             peaks[t] = mb.fma_peak_gflops()
             bf16_peaks[t] = mb.fma_peak_gflops(kind="bf16")
-        prog.update(task, description=f"loading {model}")
+        prog.update(task, description=f"loading {render.escape(model)}")
         t0 = time.perf_counter()
         eng = cpumla.load(model, dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed,
                           max_seq_len=need, dummy_dtype=dummy_dtype)
@@ -99,7 +99,7 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
         results = []
         for r in mb.run(eng, model_name=model, n_prompt=n_prompt, n_gen=n_gen, reps=reps, threads=thr, depths=dep,
                         load_s=load_s, probe=probe, peak_gflops=peaks, bf16_peak_gflops=bf16_peaks, seed=seed,
-                        progress=lambda label, done, total: prog.update(task, description=label, completed=done,
+                        progress=lambda label, done, total: prog.update(task, description=render.escape(label), completed=done,
                                                                          total=total)):
             results.append(r)
     _print(results, output, eng, peaks, bf16_peaks)
@@ -126,11 +126,11 @@ def _print(results, output, eng, peaks, bf16_peaks):
         return
     cfg = eng.config
     r0 = results[0]
-    render.out.print(f"model: {r0.model_filename} ({cfg.model_type}, {cfg.num_hidden_layers} layers); "
-                     f"implementation {r0.isa}; load {r0.load_s:.1f} s; peak RSS {max(r.peak_rss_mb for r in results):.0f} MB")
-    render.out.print("peaks: " + ", ".join(f"fp32 FMA {v:.0f} / bf16 dot {bf16_peaks[t]:.0f} GFLOP/s at {t} threads"
-                                           for t, v in peaks.items())
-                     + "; read bandwidth probed before and after each test")
+    render.print_line(f"model: {r0.model_filename} ({cfg.model_type}, {cfg.num_hidden_layers} layers); "
+                      f"implementation {r0.isa}; load {r0.load_s:.1f} s; peak RSS {max(r.peak_rss_mb for r in results):.0f} MB")
+    render.print_line("peaks: " + ", ".join(f"fp32 FMA {v:.0f} / bf16 dot {bf16_peaks[t]:.0f} GFLOP/s at {t} threads"
+                                             for t, v in peaks.items())
+                      + "; read bandwidth probed before and after each test")
     bf16 = eng.bf16_activations            # prefill is measured against its own arithmetic's peak
     rows = []
     for r in results:
@@ -151,6 +151,14 @@ def _kernels(output, threads, formats, rows, cols, seconds, stream_mb):
         raise CpumlaError(f"unknown weight format '{bad[0]}' (choose from: {', '.join(kb.FORMATS)})")
     if rows < 1 or cols < 32 or cols % 32:
         raise CpumlaError("--rows must be >= 1 and --cols a positive multiple of 32")
+    from cpumla.runtime.loader import available_memory, gib
+
+    stream = max(1, stream_mb) << 20
+    need = 5 * stream + 2 * 4 * rows * cols + 4 * 4 * 2048 * 2048   # probe buffers, weight copies, gemm
+    avail, what = available_memory()
+    if need > avail:
+        raise CpumlaError(f"--rows {rows} --cols {cols} --stream-mb {stream_mb} need {gib(need)} of memory but "
+                          f"{gib(avail)} is available ({what})")
     native.init()
     for w in check_threads(threads):
         render.err.print(f"[yellow]warning:[/] {w}")
@@ -159,7 +167,7 @@ def _kernels(output, threads, formats, rows, cols, seconds, stream_mb):
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=render.err, transient=True) as prog:
         task = prog.add_task("starting", total=None)
-        probe, results = kb.run(fmts, rows, cols, min_seconds=seconds, stream_bytes=max(1, stream_mb) << 20,
+        probe, results = kb.run(fmts, rows, cols, min_seconds=seconds, stream_bytes=stream,
                                 progress=lambda label: prog.update(task, description=f"measuring {label}"))
     if output == "json":
         render.print_json({"read_probe_gbs": probe, "threads": native.get_threads(),

@@ -164,7 +164,7 @@ def _read_stdin() -> str:
 # ---- rendering ----
 def _header(info) -> None:
     out = render.out
-    out.print(f"[bold]cpumla chat[/] · {info['model']}", highlight=False)
+    out.print(f"[bold]cpumla chat[/] · {render.escape(info['model'])}", highlight=False)
     out.print(f"[dim]family {info['family']} ({info['format']} format) · tokenizer {info['tokenizer']} · "
               f"{info['isa']} · {info['threads']} threads · context {info['ctx']}[/]", highlight=False)
     out.print('[dim]/help for commands · """ for multi-line · Ctrl-C stops an answer · Ctrl-D exits[/]',

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from cpumla.errors import CpumlaError
+from cpumla.runtime.resolve import MAX_JSON_DEPTH, check_depth
 
 
 def parse_hf_overrides(text: str | None) -> dict[str, Any]:
@@ -16,6 +17,11 @@ def parse_hf_overrides(text: str | None) -> dict[str, Any]:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise CpumlaError(f"--hf-overrides is not valid JSON: {e.msg} at column {e.colno}") from None
+    except RecursionError:
+        raise CpumlaError(f"--hf-overrides: nested more than {MAX_JSON_DEPTH} levels deep") from None
+    except ValueError as e:                      # an integer too long to convert, ...
+        raise CpumlaError(f"--hf-overrides is not valid JSON: {str(e).splitlines()[0]}") from None
+    check_depth(value, "--hf-overrides")
     if not isinstance(value, dict):
         raise CpumlaError(f"--hf-overrides must be a JSON object, not a {type(value).__name__}")
     return value

@@ -1,20 +1,69 @@
-"""All terminal rendering of the CLI (rich). Results go to stdout, messages and stats to stderr."""
+"""All terminal rendering of the CLI (rich). Results go to stdout, messages and stats to stderr.
+
+User-controlled text (paths, repo ids, override keys, tensor names: anything inside an error) is never
+parsed as Rich markup and always printed on one line: `one_line` escapes control characters (newlines,
+ESC sequences), and the helpers below hand rich Text objects, not markup strings. `escape` is for the
+rare caller that composes markup around such text."""
 
 from __future__ import annotations
 
 import json
 import sys
+import unicodedata
 
 from rich.console import Console
+from rich.markup import escape as _markup_escape
 from rich.table import Table
+from rich.text import Text
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream is not None and stream.isatty()
+    except (ValueError, OSError):          # a closed stream
+        return False
+
 
 # Wide enough for the tables when stdout is a pipe or a file (rich would assume 80 columns).
-out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+out = Console(highlight=False, width=None if _isatty(sys.stdout) else 160)
 err = Console(stderr=True, highlight=False)
 
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
-def print_error(msg: str) -> None:
-    err.print(f"[bold red]error:[/] {msg}", markup=True, soft_wrap=True)
+
+def one_line(text) -> str:
+    """str(text) with control characters (C0, DEL, C1, line and paragraph separators) as visible
+    escapes, so that nothing a file or a user named can move the cursor or start a new line."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    return "".join((_NAMED.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\u{ord(c):04x}"))
+                   if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") else c for c in s)
+
+
+def escape(text) -> str:
+    """User text made safe to embed in a markup string: one line, markup brackets escaped."""
+    return _markup_escape(one_line(text))
+
+
+def _print(console: Console, *parts) -> None:
+    try:
+        console.print(Text.assemble(*parts), soft_wrap=True, highlight=False)
+    except (OSError, ValueError):          # a closed or broken stream: nowhere left to say anything
+        pass
+
+
+def print_error(msg) -> None:
+    _print(err, ("error:", "bold red"), " ", one_line(msg))
+
+
+def print_warning(msg) -> None:
+    _print(err, ("warning:", "yellow"), " ", one_line(msg))
+
+
+def print_line(text, style: str | None = None) -> None:
+    """One result line on stdout, printed as given (no markup)."""
+    _print(out, (one_line(text), style or ""))
 
 
 def print_json(obj) -> None:
@@ -25,7 +74,7 @@ def table(title: str | None, columns: list[str], rows: list[list[str]], right: s
           header: bool = True) -> None:
     t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False, show_header=header)
     for i, c in enumerate(columns):
-        t.add_column(c, justify="right" if i in right else "left")
+        t.add_column(Text(one_line(c)), justify="right" if i in right else "left")
     for r in rows:
-        t.add_row(*[str(v) for v in r])
+        t.add_row(*[Text(one_line(v)) for v in r])
     out.print(t)

@@ -38,7 +38,7 @@ def smoke(
     results = []
     with render.err.status("") as status:
         for m, ov in runs:
-            status.update(f"smoke: {m}")
+            status.update(f"smoke: {render.escape(m)}")
             results.append(sm.run(m, dummy_weights=dummy_weights, hf_overrides=ov, seed=seed, threads=threads,
                                   prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
                                   dummy_dtype=dummy_dtype))

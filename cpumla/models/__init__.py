@@ -25,7 +25,7 @@ NOT_YET: dict[str, str] = {}
 
 def family(model_type, source: str = "config.json"):
     """The module serving model_type; CpumlaError (naming source) for anything else."""
-    if model_type in NOT_YET:
+    if isinstance(model_type, str) and model_type in NOT_YET:
         raise CpumlaError(f"{source}: model_type '{model_type}' ({NOT_YET[model_type]}) is not supported yet")
     if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise CpumlaError(f"{source}: unsupported model_type {model_type!r} (supported: {', '.join(FAMILIES)})")

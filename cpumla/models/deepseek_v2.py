@@ -22,6 +22,7 @@ import numpy as np
 
 from cpumla import native
 from cpumla.errors import CpumlaError
+from cpumla.models.checks import MAX_SIZE, is_int, is_real, short, validate_quantization, validate_rope_scaling
 from cpumla.runtime import weights as W
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
@@ -65,8 +66,8 @@ class Config:
 
     MODEL_TYPES = MODEL_TYPES
 
-    # ---- derived, set in __post_init__ ----
-    def __post_init__(self):
+    # ---- derived, set by from_dict once the fields are valid ----
+    def derive(self) -> None:
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         self.inv_freq, self.rope_attn_scale = rope_frequencies(self)
         self.softmax_scale = softmax_scale(self)
@@ -92,32 +93,62 @@ class Config:
                    and f.name not in kwargs]
         if missing:
             raise CpumlaError(f"{source}: missing field '{missing[0]}'")
-        for f in dataclasses.fields(cls):
-            if f.name in kwargs and f.type in ("int", "float") and not isinstance(kwargs[f.name], (int, float)):
-                raise CpumlaError(f"{source}: field '{f.name}' must be a number, got {kwargs[f.name]!r}")
         cfg = cls(**kwargs, extra={k: v for k, v in d.items() if k not in names})
         cfg.validate(source)
+        cfg.derive()
         return cfg
 
+    # field -> (lowest value, None allowed): sizes are integers (never booleans) up to MAX_SIZE
+    SIZES = {"vocab_size": (1, False), "hidden_size": (1, False), "intermediate_size": (1, False),
+             "num_hidden_layers": (1, False), "num_attention_heads": (1, False), "kv_lora_rank": (1, False),
+             "qk_nope_head_dim": (0, False), "qk_rope_head_dim": (2, False), "v_head_dim": (1, False),
+             "q_lora_rank": (0, True), "moe_intermediate_size": (0, True), "n_routed_experts": (0, True),
+             "n_shared_experts": (0, True), "num_experts_per_tok": (0, True), "first_k_dense_replace": (0, True),
+             "moe_layer_freq": (0, True), "n_group": (0, True), "topk_group": (0, True),
+             "max_position_embeddings": (1, False), "num_nextn_predict_layers": (0, True)}
+    # field -> (lowest value, lowest included): finite numbers
+    REALS = {"routed_scaling_factor": (0.0, False), "rope_theta": (0.0, False), "rms_norm_eps": (0.0, True)}
+    BOOLS = ("norm_topk_prob", "tie_word_embeddings")
+
     def validate(self, source: str) -> None:
+        """Every field's type and range, then the cross-field rules: one CpumlaError line naming the
+        field, before anything is derived from them or allocated."""
         def need(ok, msg):
             if not ok:
                 raise CpumlaError(f"{source}: {msg}")
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
-                     "qk_rope_head_dim", "v_head_dim"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) > 0, f"'{name}' must be a positive integer")
+        for name, (lo, optional) in self.SIZES.items():
+            v = getattr(self, name)
+            if v is None and optional:
+                continue
+            need(is_int(v) and lo <= v <= MAX_SIZE,
+                 f"'{name}' must be an integer from {lo} to {MAX_SIZE}, got {short(v)}")
+        for name, (lo, closed) in self.REALS.items():
+            v = getattr(self, name)
+            need(is_real(v) and math.isfinite(v) and (v >= lo if closed else v > lo),
+                 f"'{name}' must be a finite number {'>=' if closed else '>'} {lo:g}, got {short(v)}")
+        for name in self.BOOLS:
+            need(isinstance(getattr(self, name), bool), f"'{name}' must be true or false, got {short(getattr(self, name))}")
+        for name in ("topk_method", "scoring_func"):
+            need(isinstance(getattr(self, name), str), f"'{name}' must be a string, got {short(getattr(self, name))}")
+        need(self.bos_token_id is None or is_int(self.bos_token_id), f"'bos_token_id' must be an integer, got {short(self.bos_token_id)}")
+        e = self.eos_token_id
+        need(e is None or is_int(e) or (isinstance(e, list) and all(is_int(x) for x in e)),
+             f"'eos_token_id' must be an integer or a list of integers, got {short(e)}")
         need(self.qk_rope_head_dim % 2 == 0, "'qk_rope_head_dim' must be even")
+        validate_rope_scaling(self, need)
+        validate_quantization(self.quantization_config, need)
         if self.has_moe:
+            try:
+                method = self.router_method
+            except CpumlaError as e:
+                raise CpumlaError(f"{source}: {str(e).removeprefix('config: ')}") from None
             need(self.num_experts_per_tok and 0 < self.num_experts_per_tok <= self.n_routed_experts,
                  "'num_experts_per_tok' must be between 1 and n_routed_experts")
-            need(self.moe_intermediate_size > 0, "'moe_intermediate_size' must be positive")
-            if self.router_method in ("group_limited", "noaux_tc") and (self.n_group or 1) > 1:
+            need(bool(self.moe_intermediate_size), "'moe_intermediate_size' must be positive")
+            if method in ("group_limited", "noaux_tc") and (self.n_group or 1) > 1:
                 g = self.n_group
                 need(self.n_routed_experts % g == 0, f"n_routed_experts {self.n_routed_experts} is not divisible by n_group {g}")
                 need(self.topk_group and 1 <= self.topk_group <= g, "'topk_group' must be between 1 and n_group")
-        qc = self.quantization_config
-        if qc and qc.get("quant_method") not in (None, "fp8"):
-            raise CpumlaError(f"{source}: quantization '{qc.get('quant_method')}' is not supported (fp8 block only)")
 
     # ---- structure ----
     @property
@@ -127,6 +158,20 @@ class Config:
     def is_moe_layer(self, layer: int) -> bool:
         return (self.has_moe and layer >= self.first_k_dense_replace
                 and layer % max(1, self.moe_layer_freq or 1) == 0)
+
+    def layer_groups(self) -> list[tuple[int, int]]:
+        """[(a layer, how many layers share its tensor shapes)]: one dense and one MoE entry at most,
+        counted without walking the layers (a config may claim millions of them)."""
+        L = self.num_hidden_layers
+        n_moe = 0
+        if self.has_moe:
+            freq, fk = max(1, self.moe_layer_freq or 1), self.first_k_dense_replace or 0
+            first = -(-fk // freq) * freq                   # the first multiple of freq at or after fk
+            n_moe = 0 if first >= L else (L - 1 - first) // freq + 1
+        groups = [(first, n_moe)] if n_moe else []
+        if L - n_moe:
+            groups.append((0 if not self.is_moe_layer(0) else 1, L - n_moe))
+        return groups
 
     @property
     def router_method(self) -> str:
@@ -221,6 +266,16 @@ def checkpoint_name_map(cfg: Config, layer: int) -> dict[str, tuple[str, tuple[i
     return m
 
 
+def mlp_shapes(cfg: Config, layer: int) -> dict[str, tuple[int, int]]:
+    """{group: (intermediate size, number of (gate, up, down) trios)} of a layer's MLPs."""
+    if not cfg.is_moe_layer(layer):
+        return {"dense": (cfg.intermediate_size, 1)}
+    out = {"experts": (cfg.moe_intermediate_size, cfg.n_routed_experts)}
+    if cfg.n_shared_experts:
+        out["shared"] = (cfg.moe_intermediate_size * cfg.n_shared_experts, 1)
+    return out
+
+
 def mlp_names(cfg: Config, layer: int) -> dict[str, list[tuple[str, str, str]]]:
     """{"experts": [(gate, up, down) names per routed expert], "shared": [...], "dense": [...]}"""
     p = f"model.layers.{layer}.mlp."
@@ -247,14 +302,61 @@ def tensors(cfg: Config) -> dict[str, tuple[tuple[int, ...], str]]:
             kind = "norm" if role.endswith("_ln") else "bias" if role == "gate_bias" else \
                 "plain" if role == "gate" else "linear"
             out[name] = (shape, kind)
+        shapes = mlp_shapes(cfg, layer)
         for group, trios in mlp_names(cfg, layer).items():
-            inter = cfg.intermediate_size if group == "dense" else \
-                cfg.moe_intermediate_size * (cfg.n_shared_experts if group == "shared" else 1)
+            inter = shapes[group][0]
             for g, u, d in trios:
                 out[g] = ((inter, D), "linear")
                 out[u] = ((inter, D), "linear")
                 out[d] = ((D, inter), "linear")
     return out
+
+
+def layer_shapes(cfg: Config, layer: int) -> list[tuple[tuple[int, ...], str, int]]:
+    """[(shape, kind, count)] of the tensors of layer `layer` (kinds as in tensors()), experts counted
+    rather than listed."""
+    out = []
+    for role, (_, shape) in checkpoint_name_map(cfg, layer).items():
+        kind = "norm" if role.endswith("_ln") else "bias" if role == "gate_bias" else \
+            "plain" if role == "gate" else "linear"
+        out.append((shape, kind, 1))
+    D = cfg.hidden_size
+    for inter, count in mlp_shapes(cfg, layer).values():
+        out += [((inter, D), "linear", 2 * count), ((D, inter), "linear", count)]
+    return out
+
+
+def tensor_bytes(shape, kind: str, dtype: str, block=(128, 128)) -> int:
+    """Bytes of one tensor as dummy weights of `dtype` (bf16, fp8, f32) store it (weights.DummySource):
+    biases f32; FP8 linears one byte per value plus an f32 scale per block; the rest bf16 or f32."""
+    n = math.prod(shape)
+    if kind == "bias" or dtype == "f32":
+        return 4 * n
+    if dtype == "fp8" and kind == "linear":
+        return n + 4 * -(-shape[0] // block[0]) * -(-shape[1] // block[1])
+    return 2 * n
+
+
+def memory_bytes(cfg: Config, ctx: int, dtype: str, chunk: int = 512, shapes=layer_shapes) -> dict[str, int]:
+    """What a model of this config takes, from the config alone (nothing is built): "weights" as dummy
+    weights of `dtype` store them (a checkpoint's are its files, mapped), "cache" (the latent cache of
+    ctx tokens per layer, fp32) and "scratch" (the state's buffers for a prefill chunk, the kernels'
+    attention and expert scratch and one chunk of logits; approximate from above)."""
+    D, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    H, R, P = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    weights = tensor_bytes((V, D), "embed", dtype) + tensor_bytes((D,), "norm", dtype) + \
+        tensor_bytes((V, D), "plain", dtype, cfg.block)
+    for layer, count in cfg.layer_groups():
+        weights += count * sum(n * tensor_bytes(shape, kind, dtype, cfg.block) for shape, kind, n in shapes(cfg, layer))
+    n = min(chunk, ctx)
+    E, K = (cfg.n_routed_experts or 0), (cfg.num_experts_per_tok or 0) + 1
+    inter = max(cfg.intermediate_size, cfg.moe_intermediate_size * max(1, cfg.n_shared_experts or 1))
+    state = n * (3 * D + (cfg.q_lora_rank or 0) + H * cfg.qk_head_dim + (R + P) * (H + 1) + H * R
+                 + H * cfg.v_head_dim + E + 2 * K + 8)
+    attention = n * H * (R + 2) + H * -(-ctx // 64) * (R + 2)
+    experts = n * K * (2 * D + 2 * inter)
+    return {"weights": weights, "cache": 4 * (R + P) * ctx * L,
+            "scratch": 4 * (state + attention + experts + n * V)}
 
 
 def fit_overrides(cfg: dict, overrides: dict) -> dict:
@@ -370,7 +472,8 @@ class Model:
         state = new(self._c, ctx, max_tokens)
         if state == native.ffi.NULL:
             raise CpumlaError(native.last_error())
-        self._state = native.ffi.gc(state, free)
+        desc = self._c      # the state's free reads the description: keep it alive until then
+        self._state = native.ffi.gc(state, lambda p: free(p) if desc is not None else None)
         self._forward = fwd
 
     def build_layer(self, src, i: int) -> Layer:

@@ -37,6 +37,7 @@ class Config(v2.Config):
     mlp_layer_types: list | None = None     # "dense" / "sparse" per layer (transformers derives it)
 
     MODEL_TYPES = MODEL_TYPES
+    SIZES = {**v2.Config.SIZES, "index_n_heads": (1, False), "index_head_dim": (1, False), "index_topk": (1, False)}
 
     def validate(self, source: str) -> None:
         super().validate(source)
@@ -44,9 +45,6 @@ class Config(v2.Config):
         def need(ok, msg):
             if not ok:
                 raise CpumlaError(f"{source}: {msg}")
-        for name in ("index_n_heads", "index_head_dim", "index_topk"):
-            v = getattr(self, name)
-            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"'{name}' must be a positive integer, got {v!r}")
         need(self.index_head_dim >= self.qk_rope_head_dim,
              f"'index_head_dim' {self.index_head_dim} is smaller than qk_rope_head_dim {self.qk_rope_head_dim}")
         need(bool(self.q_lora_rank), "'q_lora_rank' is required: the indexer reads the q LoRA latent")
@@ -60,6 +58,14 @@ class Config(v2.Config):
             return self.has_moe and self.mlp_layer_types[layer] == "sparse"
         return super().is_moe_layer(layer)
 
+    def layer_groups(self) -> list[tuple[int, int]]:
+        if self.mlp_layer_types is None:
+            return super().layer_groups()
+        types = self.mlp_layer_types[:self.num_hidden_layers]
+        kinds = {self.is_moe_layer(i): i for i in reversed(range(len(types)))}
+        moe = sum(self.is_moe_layer(i) for i in range(len(types)))
+        return [(i, moe if is_moe else len(types) - moe) for is_moe, i in kinds.items()]
+
 
 def indexer_names(cfg: Config, layer: int) -> dict[str, tuple[str, tuple[int, ...]]]:
     """The indexer tensors of a layer, as V3.2 checkpoints (and transformers) name them."""
@@ -72,11 +78,28 @@ def indexer_names(cfg: Config, layer: int) -> dict[str, tuple[str, tuple[int, ..
 
 def tensors(cfg: Config) -> dict[str, tuple[tuple[int, ...], str]]:
     out = v2.tensors(cfg)
-    kinds = {"wq_b": "linear", "wk": "linear", "k_norm": "norm", "k_norm_bias": "bias", "weights_proj": "plain"}
     for layer in range(cfg.num_hidden_layers):
         for role, (name, shape) in indexer_names(cfg, layer).items():
-            out[name] = (shape, kinds[role])
+            out[name] = (shape, INDEXER_KINDS[role])
     return out
+
+
+INDEXER_KINDS = {"wq_b": "linear", "wk": "linear", "k_norm": "norm", "k_norm_bias": "bias", "weights_proj": "plain"}
+
+
+def layer_shapes(cfg: Config, layer: int) -> list[tuple[tuple[int, ...], str, int]]:
+    return v2.layer_shapes(cfg, layer) + [(shape, INDEXER_KINDS[role], 1)
+                                          for role, (_, shape) in indexer_names(cfg, layer).items()]
+
+
+def memory_bytes(cfg: Config, ctx: int, dtype: str, chunk: int = 512) -> dict[str, int]:
+    """V3's, plus the index-key cache ([ctx, index_head_dim] fp32 per layer) and the indexer's scratch
+    (index queries and keys of a chunk, one query chunk's scores, the selected rows)."""
+    b = v2.memory_bytes(cfg, ctx, dtype, chunk, shapes=layer_shapes)
+    n, IH, ID = min(chunk, ctx), cfg.index_n_heads, cfg.index_head_dim
+    b["cache"] += 4 * ID * ctx * cfg.num_hidden_layers
+    b["scratch"] += 4 * (n * IH * ID + n * ID + n * IH + max(IH * ctx, 8 << 20) + 2 * ctx + n * cfg.index_topk + 3 * n)
+    return b
 
 
 @dataclass

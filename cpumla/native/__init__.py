@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cpumla.errors import CpumlaError
+from cpumla.native import checks
 
 try:
     from cpumla.native._cpumla import ffi, lib
@@ -71,9 +72,15 @@ def available_isas() -> list[str]:
     return [i for i in built_isas() if lib.cpumla_isa_available(i.encode())]
 
 
+MAX_THREADS = 256      # the pool's size, CPUMLA_MAX_THREADS in csrc/threadpool.h
+
+
 def set_threads(n: int | None) -> int:
+    """n threads (None or 0: one per online core); more than MAX_THREADS is a CpumlaError, never a
+    silent cap. Returns the count now running."""
     ensure_init()
-    return lib.cpumla_set_threads(0 if n is None else int(n))
+    n = 0 if n is None else checks.integer(n, "threads", 0, MAX_THREADS)
+    return lib.cpumla_set_threads(n)
 
 
 def get_threads() -> int:
@@ -116,14 +123,15 @@ def build_info() -> str:
 
 
 # ---- buffers ---------------------------------------------------------------------------------------
-def _f32(a: np.ndarray, name: str, writable: bool = False) -> np.ndarray:
-    if a.dtype != np.float32:
-        raise CpumlaError(f"{name} must be float32, got {a.dtype}")
-    if not a.flags.c_contiguous and not (a.ndim >= 1 and a.strides[-1] == 4):
-        raise CpumlaError(f"{name} must have a contiguous last dimension")
-    if writable and not a.flags.writeable:
-        raise CpumlaError(f"{name} must be writable")
-    return a
+F32 = np.float32
+_KV = (np.float32, np.uint16)                # a cache: float32, or bf16 bits as uint16
+
+
+def _out(out, name: str, shape: tuple) -> np.ndarray:
+    """A result buffer: a new float32 array of `shape`, or `out` checked to be exactly that."""
+    if out is None:
+        return np.empty(shape, F32)
+    return checks.array(out, name, F32, len(shape), shape, writable=True)
 
 
 def fptr(a: np.ndarray):
@@ -134,9 +142,7 @@ def vptr(a: np.ndarray, ctype: str = "void *"):
     return ffi.cast(ctype, a.ctypes.data)
 
 
-def ld(a: np.ndarray, axis: int = 0) -> int:
-    """Stride of axis in elements."""
-    return a.strides[axis] // a.itemsize
+ld = checks.ld
 
 
 @dataclass
@@ -156,39 +162,43 @@ class Weight:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise CpumlaError(f"unknown weight dtype '{self.dtype}'")
+        if not isinstance(self.data, np.ndarray):
+            raise CpumlaError(f"a weight must be a numpy array, got {type(self.data).__name__}")
         d = self.data
-        if d.ndim != 2 or d.strides[1] != d.itemsize:
+        if d.ndim != 2 or (d.shape[1] > 1 and d.strides[1] != d.itemsize):
             raise CpumlaError("a weight must be 2-D with contiguous columns")
         want = {"f32": 4, "bf16": 2, "f16": 2, "e4m3": 1, "e2m1": 1}[self.dtype]
-        if d.itemsize != want:
+        if d.itemsize != want or d.dtype.kind not in "fui":
             raise CpumlaError(f"{self.dtype} weight needs {want}-byte elements, got {d.dtype}")
+        checks.array(d, "weight", d.dtype, 2)
         self.rows = d.shape[0]
         self.cols = d.shape[1] * (2 if self.dtype == "e2m1" else 1)
         quant = self.dtype in ("e4m3", "e2m1")
         if quant and self.scale is None:
             raise CpumlaError(f"{self.dtype} weight needs a scale grid")
+        if not quant and self.scale is not None:
+            raise CpumlaError(f"a {self.dtype} weight takes no scale grid")
         c = ffi.new("cpumla_weight *")
         c.data = ffi.cast("void *", d.ctypes.data)
-        c.rows, c.cols, c.row_bytes = self.rows, self.cols, d.strides[0]
+        c.rows, c.cols, c.row_bytes = self.rows, self.cols, ld(d) * d.itemsize
         c.dtype = DTYPES[self.dtype]
         c.block_rows, c.block_cols = 1, 1
         if quant:
-            s = self.scale
             block = self.block or ((128, 128) if self.dtype == "e4m3" else (1, 32))
+            if (not isinstance(block, (tuple, list)) or len(block) != 2
+                    or not all(isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= checks.I32_MAX
+                               for b in block)):
+                raise CpumlaError(f"block {block!r} is not two positive integers")
+            s = checks.array(self.scale, "scale", (np.float32, np.uint8), 2)
             grid = (-(-self.rows // block[0]), -(-self.cols // block[1]))
-            if s.ndim != 2 or tuple(s.shape) != grid or s.strides[1] != s.itemsize:
+            if tuple(s.shape) != grid:
                 raise CpumlaError(f"scale grid {tuple(s.shape)} does not fit a {self.rows}x{self.cols} "
                                   f"weight with {block[0]}x{block[1]} blocks (want {grid})")
-            if s.dtype == np.float32:
-                c.scale_dtype = lib.CPUMLA_F32
-            elif s.dtype == np.uint8:
-                c.scale_dtype = lib.CPUMLA_E8M0
-            else:
-                raise CpumlaError(f"scale must be float32 or uint8 (E8M0), got {s.dtype}")
+            c.scale_dtype = lib.CPUMLA_F32 if s.dtype == np.float32 else lib.CPUMLA_E8M0
             c.scale = ffi.cast("void *", s.ctypes.data)
-            c.scale_ld = s.strides[0] // s.itemsize
+            c.scale_ld = ld(s)
             c.block_rows, c.block_cols = block
-            self.block = block
+            self.block = tuple(block)
         self.c = c
 
     @property
@@ -197,13 +207,18 @@ class Weight:
         return n + (self.scale.nbytes if self.scale is not None else 0)
 
 
+def _weight(w) -> Weight:
+    if not isinstance(w, Weight):
+        raise CpumlaError(f"w must be a cpumla.native.Weight, got {type(w).__name__}")
+    return w
+
+
 # ---- kernels -----------------------------------------------------------------------------------
 def gemv(w: Weight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     ensure_init()
-    x = np.ascontiguousarray(_f32(x, "x"))
-    if x.shape != (w.cols,):
-        raise CpumlaError(f"x has shape {x.shape}, weight wants ({w.cols},)")
-    y = np.empty(w.rows, np.float32) if out is None else out
+    _weight(w)
+    x = np.ascontiguousarray(checks.array(x, "x", F32, 1, (w.cols,)))
+    y = _out(out, "out", (w.rows,))
     _check(lib.cpumla_gemv(w.c, fptr(x), fptr(y)))
     return y
 
@@ -211,15 +226,14 @@ def gemv(w: Weight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 def _tokens_x(w: Weight, x: np.ndarray) -> None:
     """Checks x [n, w.cols] float32 (rows may be strided), the activations of a gemm."""
     ensure_init()
-    _f32(x, "x")
-    if x.ndim != 2 or x.shape[1] != w.cols:
-        raise CpumlaError(f"x has shape {x.shape}, weight wants (n, {w.cols})")
+    _weight(w)
+    checks.array(x, "x", F32, 2, (None, w.cols))
 
 
 def gemm(w: Weight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """x [n, cols] (rows may be strided) -> [n, rows]."""
     _tokens_x(w, x)
-    y = np.empty((x.shape[0], w.rows), np.float32) if out is None else out
+    y = _out(out, "out", (x.shape[0], w.rows))
     _check(lib.cpumla_gemm(w.c, fptr(x), ld(x), x.shape[0], fptr(y), ld(y)))
     return y
 
@@ -227,18 +241,35 @@ def gemm(w: Weight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 def gemm_f32act(w: Weight, x: np.ndarray) -> np.ndarray:
     """gemm with x as given even for bf16 weights (cpumla_gemm_f32act: the MoE router)."""
     _tokens_x(w, x)
-    y = np.empty((x.shape[0], w.rows), np.float32)
+    y = np.empty((x.shape[0], w.rows), F32)
     _check(lib.cpumla_gemm_f32act(w.c, fptr(x), ld(x), x.shape[0], fptr(y), ld(y)))
     return y
+
+
+def _heads(w, row0, head_stride, head_rows, x, x_cols: int | None):
+    """Checks a per-head product: every head's rows inside the weight, x [n, H, x_cols] float32."""
+    ensure_init()
+    _weight(w)
+    row0 = checks.integer(row0, "row0")
+    head_stride = checks.integer(head_stride, "head_stride")
+    head_rows = checks.integer(head_rows, "head_rows")
+    checks.array(x, "x", F32, 3)
+    n, H, cols = x.shape
+    if x_cols is None:
+        x_cols = head_rows
+    if cols != x_cols:
+        raise CpumlaError(f"x has shape {x.shape}, want (n, H, {x_cols})")
+    if H and head_rows and row0 + (H - 1) * head_stride + head_rows > w.rows:
+        raise CpumlaError(f"heads reach weight row {row0 + (H - 1) * head_stride + head_rows}, "
+                          f"but the weight has {w.rows} rows")
+    return row0, head_stride, head_rows, n, H
 
 
 def head_gemv(w: Weight, row0: int, head_stride: int, head_rows: int, x: np.ndarray,
               out: np.ndarray | None = None) -> np.ndarray:
     """x [n, H, cols] -> [n, H, head_rows]: y_h = W_h x_h (MLA un-absorb)."""
-    ensure_init()
-    _f32(x, "x")
-    n, H, _ = x.shape
-    y = np.empty((n, H, head_rows), np.float32) if out is None else out
+    row0, head_stride, head_rows, n, H = _heads(w, row0, head_stride, head_rows, x, w.cols)
+    y = _out(out, "out", (n, H, head_rows))
     _check(lib.cpumla_head_gemv(w.c, row0, head_stride, head_rows, H, n, fptr(x), ld(x, 0), ld(x, 1),
                                 fptr(y), ld(y, 0), ld(y, 1)))
     return y
@@ -247,10 +278,8 @@ def head_gemv(w: Weight, row0: int, head_stride: int, head_rows: int, x: np.ndar
 def head_gemv_t(w: Weight, row0: int, head_stride: int, head_rows: int, x: np.ndarray,
                 out: np.ndarray | None = None) -> np.ndarray:
     """x [n, H, head_rows] -> [n, H, cols]: y_h = W_h^T x_h (MLA absorb)."""
-    ensure_init()
-    _f32(x, "x")
-    n, H, _ = x.shape
-    y = np.empty((n, H, w.cols), np.float32) if out is None else out
+    row0, head_stride, head_rows, n, H = _heads(w, row0, head_stride, head_rows, x, None)
+    y = _out(out, "out", (n, H, w.cols))
     _check(lib.cpumla_head_gemv_t(w.c, row0, head_stride, head_rows, H, n, fptr(x), ld(x, 0), ld(x, 1),
                                   fptr(y), ld(y, 0), ld(y, 1)))
     return y
@@ -258,28 +287,27 @@ def head_gemv_t(w: Weight, row0: int, head_stride: int, head_rows: int, x: np.nd
 
 def dequant(w: Weight) -> np.ndarray:
     ensure_init()
-    out = np.empty((w.rows, w.cols), np.float32)
+    _weight(w)
+    out = np.empty((w.rows, w.cols), F32)
     lib.cpumla_dequant(w.c, 0, w.rows, fptr(out), w.cols)
     return out
 
 
-def _vec(weight: np.ndarray | None):
-    if weight is None:
-        return ffi.NULL, lib.CPUMLA_F32
-    kind = {np.dtype(np.float32): lib.CPUMLA_F32, np.dtype(np.uint16): lib.CPUMLA_BF16,
-            np.dtype(np.float16): lib.CPUMLA_F16}.get(weight.dtype)
-    if kind is None:
-        raise CpumlaError(f"norm weight must be float32, bf16 (uint16) or float16, got {weight.dtype}")
-    return vptr(np.ascontiguousarray(weight)), kind
+_VEC_KINDS = {np.dtype(np.float32): "CPUMLA_F32", np.dtype(np.uint16): "CPUMLA_BF16",
+              np.dtype(np.float16): "CPUMLA_F16"}
 
 
 def rmsnorm(x: np.ndarray, weight: np.ndarray | None, eps: float, out: np.ndarray | None = None):
-    """Rows of x [n, dim] (strided rows allowed)."""
+    """Rows of x [n, dim] (strided rows allowed); weight [dim] float32, bf16 (uint16) or float16."""
     ensure_init()
-    _f32(x, "x")
-    y = np.empty(x.shape, np.float32) if out is None else out
-    keep = np.ascontiguousarray(weight) if weight is not None else None
-    wp, wd = _vec(keep)
+    checks.array(x, "x", F32, 2)
+    eps = checks.real(eps, "eps")
+    y = _out(out, "out", x.shape)
+    wp, wd, keep = ffi.NULL, lib.CPUMLA_F32, None
+    if weight is not None:
+        checks.array(weight, "weight", tuple(_VEC_KINDS), 1, (x.shape[1],))
+        keep = np.ascontiguousarray(weight)
+        wp, wd = vptr(keep), getattr(lib, _VEC_KINDS[keep.dtype])
     lib.cpumla_rmsnorm(fptr(x), ld(x), fptr(y), ld(y), x.shape[0], x.shape[1], wp, wd, eps)
     return y
 
@@ -288,9 +316,20 @@ def rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, offset: int, rope
          mode: int = 0, attn_scale: float = 1.0) -> np.ndarray:
     """In place on x [n, H, head_dim] (rows and heads may be strided)."""
     ensure_init()
-    _f32(x, "x", writable=True)
-    pos = np.ascontiguousarray(pos, dtype=np.int64)
-    inv_freq = np.ascontiguousarray(inv_freq, dtype=np.float32)
+    checks.array(x, "x", F32, 3, writable=True)
+    offset = checks.integer(offset, "offset")
+    rope_dim = checks.integer(rope_dim, "rope_dim")
+    mode = checks.integer(mode, "mode", 0, 3)
+    attn_scale = checks.real(attn_scale, "attn_scale")
+    if rope_dim % 2 or offset + rope_dim > x.shape[2]:
+        raise CpumlaError(f"rope slice [{offset}, {offset + rope_dim}) must have an even width and fit "
+                          f"the head dim {x.shape[2]}")
+    pos = np.ascontiguousarray(checks.array(np.asarray(pos), "pos", (np.int64, np.int32), 1, (x.shape[0],)),
+                               dtype=np.int64)
+    inv_freq = checks.array(np.asarray(inv_freq), "inv_freq", (np.float32, np.float64), 1)
+    if inv_freq.shape[0] < rope_dim // 2:
+        raise CpumlaError(f"inv_freq has {inv_freq.shape[0]} values, rope_dim {rope_dim} needs {rope_dim // 2}")
+    inv_freq = np.ascontiguousarray(inv_freq, dtype=F32)
     lib.cpumla_rope(fptr(x), x.shape[0], ld(x, 0), x.shape[1], ld(x, 1), offset, rope_dim,
                     vptr(pos, "int64_t *"), fptr(inv_freq), attn_scale, mode)
     return x
@@ -298,9 +337,12 @@ def rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, offset: int, rope
 
 def swiglu(gate: np.ndarray, up: np.ndarray, limit: float = 0.0, out: np.ndarray | None = None):
     ensure_init()
-    if gate.shape != up.shape or ld(gate) != ld(up):
+    checks.array(gate, "gate", F32, 2)
+    checks.array(up, "up", F32, 2, gate.shape)
+    if ld(gate) != ld(up):
         raise CpumlaError("gate and up must have the same shape and row stride")
-    y = np.empty(gate.shape, np.float32) if out is None else out
+    limit = checks.real(limit, "limit")
+    y = _out(out, "out", gate.shape)
     lib.cpumla_swiglu(fptr(gate), fptr(up), ld(gate), fptr(y), ld(y), gate.shape[0], gate.shape[1], limit)
     return y
 
@@ -308,15 +350,18 @@ def swiglu(gate: np.ndarray, up: np.ndarray, limit: float = 0.0, out: np.ndarray
 def softmax(x: np.ndarray) -> np.ndarray:
     """In place over the last axis of x [n, m]."""
     ensure_init()
-    _f32(x, "x", writable=True)
+    checks.array(x, "x", F32, 2, writable=True)
     lib.cpumla_softmax(fptr(x), x.shape[0], ld(x), x.shape[1])
     return x
 
 
 def topk(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    x = np.ascontiguousarray(_f32(x, "x"))
+    """The k largest of x [n] (k may exceed n: the rest are index -1, value -inf)."""
+    ensure_init()
+    x = np.ascontiguousarray(checks.array(x, "x", F32, 1))
+    k = checks.integer(k, "k", 0, max(x.shape[0], 1 << 20))
     idx = np.empty(k, np.int32)
-    val = np.empty(k, np.float32)
+    val = np.empty(k, F32)
     lib.cpumla_topk(fptr(x), x.shape[0], k, vptr(idx, "int32_t *"), fptr(val))
     return idx, val
 
@@ -327,36 +372,52 @@ ROUTE_METHODS = {"softmax": lib.CPUMLA_ROUTE_SOFTMAX, "group_limited": lib.CPUML
 
 
 class Router:
-    """A cpumla_router with the arrays it points at kept alive."""
+    """A cpumla_router with the arrays it points at kept alive. Inconsistent counts (top_k above the
+    experts, groups that do not divide them) are the C router's to refuse, at the call."""
 
     def __init__(self, method: str, n_experts: int, top_k: int, n_group: int = 1, topk_group: int = 1,
                  norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0,
                  bias: np.ndarray | None = None, tid2eid: np.ndarray | None = None):
         if method not in ROUTE_METHODS:
             raise CpumlaError(f"unknown routing method '{method}'")
+        i32 = (-checks.I32_MAX - 1, checks.I32_MAX)
+        n_experts = checks.integer(n_experts, "n_experts", *i32)
+        top_k = checks.integer(top_k, "top_k", *i32)
+        n_group = checks.integer(n_group, "n_group", *i32)
+        topk_group = checks.integer(topk_group, "topk_group", *i32)
         r = ffi.new("cpumla_router *")
         r.method = ROUTE_METHODS[method]
         r.n_experts, r.top_k, r.n_group, r.topk_group = n_experts, top_k, n_group, topk_group
-        r.norm_topk_prob, r.routed_scaling_factor = int(norm_topk_prob), routed_scaling_factor
-        self._bias = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
+        r.norm_topk_prob = int(bool(norm_topk_prob))
+        r.routed_scaling_factor = checks.real(routed_scaling_factor, "routed_scaling_factor")
+        self._bias = None
+        if bias is not None:
+            checks.array(np.asarray(bias), "bias", (np.float32, np.float64), 1, (max(n_experts, 0),))
+            self._bias = np.ascontiguousarray(bias, dtype=F32)
         r.bias = ffi.NULL if self._bias is None else fptr(self._bias)
         self._t = None
         if tid2eid is not None:
+            checks.array(tid2eid, "tid2eid", (np.int64, np.int32), 2, (None, max(top_k, 0)))
             self._t = np.ascontiguousarray(tid2eid)
-            if self._t.dtype not in (np.int64, np.int32):
-                raise CpumlaError("tid2eid must be int64 or int32")
             r.tid2eid = vptr(self._t)
             r.tid2eid_dtype = lib.CPUMLA_I64 if self._t.dtype == np.int64 else lib.CPUMLA_I32
             r.vocab = self._t.shape[0]
         self.c = r
+        self.n_experts = n_experts
         self.top_k = top_k
 
     def __call__(self, logits: np.ndarray, token_ids: np.ndarray | None = None):
-        _f32(logits, "logits")
+        ensure_init()
+        checks.array(logits, "logits", F32, 2)
         n = logits.shape[0]
-        idx = np.empty((n, self.top_k), np.int32)
-        w = np.empty((n, self.top_k), np.float32)
-        ids = None if token_ids is None else np.ascontiguousarray(token_ids, dtype=np.int64)
+        if logits.shape[1] < self.n_experts:
+            raise CpumlaError(f"logits have {logits.shape[1]} columns, the router has {self.n_experts} experts")
+        ids = None
+        if token_ids is not None:
+            checks.array(np.asarray(token_ids), "token_ids", (np.int64, np.int32), 1, (n,))
+            ids = np.ascontiguousarray(token_ids, dtype=np.int64)
+        idx = np.empty((n, max(self.top_k, 0)), np.int32)
+        w = np.empty((n, max(self.top_k, 0)), F32)
         rc = lib.cpumla_route(self.c, fptr(logits), ld(logits), n,
                               ffi.NULL if ids is None else vptr(ids, "int64_t *"),
                               vptr(idx, "int32_t *"), fptr(w))
@@ -365,11 +426,14 @@ class Router:
 
 
 def cache_store(cache: np.ndarray, src: np.ndarray, slots: np.ndarray) -> None:
-    """cache [T, ld] float32 or uint16 (bf16); src [n, width] float32; slot -1 skipped."""
+    """cache [T, ld] float32 or uint16 (bf16); src [n, width <= ld] float32; slot -1 skipped."""
     ensure_init()
+    checks.array(cache, "cache", _KV, 2, writable=True)
     dt = lib.CPUMLA_BF16 if cache.dtype == np.uint16 else lib.CPUMLA_F32
-    if cache.dtype not in (np.uint16, np.float32):
-        raise CpumlaError("cache must be float32 or bf16 (uint16)")
+    checks.array(src, "src", F32, 2)
+    if src.shape[1] > cache.shape[1]:
+        raise CpumlaError(f"src rows have {src.shape[1]} values, cache rows only {cache.shape[1]}")
+    slots = checks.array(np.asarray(slots), "slots", (np.int64, np.int32), 1, (src.shape[0],))
     slots = np.ascontiguousarray(slots, dtype=np.int64)
     if np.any(slots >= cache.shape[0]):
         raise CpumlaError("a slot is past the end of the cache")
@@ -380,40 +444,72 @@ def cache_store(cache: np.ndarray, src: np.ndarray, slots: np.ndarray) -> None:
 def mla_attention(q: np.ndarray, kv: np.ndarray, dk: int, dv: int, scale: float,
                   kv_len: np.ndarray | None = None, kv_idx: np.ndarray | None = None,
                   sinks: np.ndarray | None = None, want_lse: bool = False):
-    """q [n_q, H, >=dk] against kv [T, >=dk] (float32 or bf16 as uint16) -> out [n_q, H, dv] (, lse)."""
+    """q [n_q, H, >=dk] against kv [T, >=max(dk, dv)] (float32 or bf16 as uint16) -> out [n_q, H, dv]
+    (, lse). Query i sees rows [0, kv_len[i]) (all T without kv_len), or with kv_idx [n_q, m] the rows
+    kv_idx[i, :kv_len[i]] (all m without kv_len; entries < 0 or >= T skipped)."""
     ensure_init()
-    _f32(q, "q")
+    checks.array(q, "q", F32, 3)
+    checks.array(kv, "kv", _KV, 2)
+    dk = checks.integer(dk, "dk")
+    dv = checks.integer(dv, "dv")
+    scale = checks.real(scale, "scale")
     n_q, H = q.shape[0], q.shape[1]
+    if dk > q.shape[2]:
+        raise CpumlaError(f"dk {dk} is wider than the queries ({q.shape[2]})")
+    if max(dk, dv) > kv.shape[1]:
+        raise CpumlaError(f"dk {dk} / dv {dv} are wider than the kv rows ({kv.shape[1]})")
     a = ffi.new("cpumla_attn_args *")
     keep = []
     a.q, a.ldq_t, a.ldq_h, a.n_q, a.n_heads = fptr(q), ld(q, 0), ld(q, 1), n_q, H
     a.kv = vptr(kv)
     a.kv_dtype = lib.CPUMLA_BF16 if kv.dtype == np.uint16 else lib.CPUMLA_F32
     a.ld_kv, a.n_kv, a.dk, a.dv = ld(kv), kv.shape[0], dk, dv
+    if kv_idx is not None:
+        checks.array(np.asarray(kv_idx), "kv_idx", (np.int32, np.int64), 2, (n_q, None))
+        kv_idx = np.ascontiguousarray(kv_idx, dtype=np.int32)
+        if kv_len is None:
+            kv_len = np.full(n_q, kv_idx.shape[1], np.int64)
     if kv_len is not None:
+        checks.array(np.asarray(kv_len), "kv_len", (np.int64, np.int32), 1, (n_q,))
         kv_len = np.ascontiguousarray(kv_len, dtype=np.int64)
+        if kv_idx is not None and n_q and kv_len.max() > kv_idx.shape[1]:
+            raise CpumlaError(f"kv_len {int(kv_len.max())} is longer than the kv_idx rows ({kv_idx.shape[1]})")
         keep.append(kv_len)
         a.kv_len = vptr(kv_len, "int64_t *")
     if kv_idx is not None:
-        kv_idx = np.ascontiguousarray(kv_idx, dtype=np.int32)
         keep.append(kv_idx)
         a.kv_idx, a.ld_idx = vptr(kv_idx, "int32_t *"), kv_idx.shape[1]
     if sinks is not None:
-        sinks = np.ascontiguousarray(sinks, dtype=np.float32)
+        checks.array(np.asarray(sinks), "sinks", (np.float32, np.float64), 1, (H,))
+        sinks = np.ascontiguousarray(sinks, dtype=F32)
         keep.append(sinks)
         a.sinks = fptr(sinks)
     a.scale = scale
-    out = np.empty((n_q, H, dv), np.float32)
+    out = np.empty((n_q, H, dv), F32)
     a.out, a.ldo_t, a.ldo_h = fptr(out), ld(out, 0), ld(out, 1)
-    lse = np.empty((n_q, H), np.float32) if want_lse else None
+    lse = np.empty((n_q, H), F32) if want_lse else None
     a.lse = fptr(lse) if want_lse else ffi.NULL
     _check(lib.cpumla_mla_attention(a))
     return (out, lse) if want_lse else out
 
 
 def read_probe(buf: np.ndarray) -> float:
+    """Sum of buf's bytes read as float64 by every thread (the tail past a multiple of 64 is ignored)."""
     ensure_init()
+    if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
+        raise CpumlaError("read_probe needs a contiguous numpy array")
+    if buf.ctypes.data % 64:                 # the kernels' aligned loads: probe an aligned copy
+        buf = aligned_copy(buf)
     return lib.cpumla_read_probe(vptr(buf), buf.nbytes)
+
+
+def aligned_copy(a: np.ndarray, align: int = 64) -> np.ndarray:
+    """A copy of a whose data starts at a multiple of `align` bytes."""
+    raw = np.empty(a.nbytes + align, np.uint8)
+    off = (-raw.ctypes.data) % align
+    out = raw[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
 
 
 class Experts:
@@ -424,8 +520,11 @@ class Experts:
             raise CpumlaError("an expert table needs at least one expert")
         self._keep = experts
         self.c = ffi.new("cpumla_expert[]", len(experts))
-        I, D = experts[0][0].rows, experts[0][0].cols
-        for i, (g, u, d) in enumerate(experts):
+        I, D = _weight(experts[0][0]).rows, experts[0][0].cols
+        for i, trio in enumerate(experts):
+            if len(trio) != 3:
+                raise CpumlaError(f"expert {i} is not a (gate, up, down) trio")
+            g, u, d = (_weight(t) for t in trio)
             if (g.rows, g.cols, u.rows, u.cols, d.rows, d.cols) != (I, D, I, D, D, I):
                 raise CpumlaError(f"expert {i} has shapes {g.rows}x{g.cols}/{u.rows}x{u.cols}/{d.rows}x{d.cols}, "
                                   f"want {I}x{D}/{I}x{D}/{D}x{I}")
@@ -435,9 +534,15 @@ class Experts:
     def __call__(self, x: np.ndarray, idx: np.ndarray, w: np.ndarray, out: np.ndarray, limit: float = 0.0):
         """out[t] += sum_j w[t, j] * Expert_{idx[t, j]}(x[t]); x, out [n, D]; idx, w [n, k]."""
         ensure_init()
+        checks.array(x, "x", F32, 2, (None, self.hidden))
+        n = x.shape[0]
+        checks.array(np.asarray(idx), "idx", (np.int32, np.int64), 2, (n, None))
         idx = np.ascontiguousarray(idx, dtype=np.int32)
-        w = np.ascontiguousarray(w, dtype=np.float32)
-        rc = lib.cpumla_moe(self.c, self.n, fptr(x), ld(x), x.shape[0], vptr(idx, "int32_t *"), fptr(w),
+        checks.array(np.asarray(w), "w", (np.float32, np.float64), 2, idx.shape)
+        w = np.ascontiguousarray(w, dtype=F32)
+        checks.array(out, "out", F32, 2, (n, self.hidden), writable=True)
+        limit = checks.real(limit, "limit")
+        rc = lib.cpumla_moe(self.c, self.n, fptr(x), ld(x), n, vptr(idx, "int32_t *"), fptr(w),
                             idx.shape[1], fptr(out), ld(out), limit)
         _check(rc)
         return out

@@ -69,7 +69,7 @@ def _time_passes(fn, min_seconds: float) -> float:
 
 def read_bandwidth(min_seconds: float = 1.0, nbytes: int = STREAM_BYTES * 2) -> float:
     """GB/s of the read probe over a buffer far larger than any cache."""
-    buf = np.ones(nbytes // 8, np.float64)
+    buf = native.aligned_copy(np.ones(nbytes // 8, np.float64))   # the probe's loads are 64-byte aligned
     sec = _time_passes(lambda: native.read_probe(buf), min_seconds)
     return buf.nbytes / sec / 1e9
 

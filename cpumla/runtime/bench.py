@@ -204,6 +204,8 @@ def check_args(eng_ctx: int, n_prompt: int, n_gen: int, reps: int, threads: list
         raise CpumlaError("-r must be at least 1")
     if not threads or min(threads) < 1:
         raise CpumlaError("-t needs thread counts >= 1")
+    if max(threads) > native.MAX_THREADS:
+        raise CpumlaError(f"-t {max(threads)}: the thread pool runs at most {native.MAX_THREADS} threads")
     if not depths or min(depths) < 0:
         raise CpumlaError("-d needs depths >= 0")
     need = max(depths) + max(n_prompt, n_gen) + 1

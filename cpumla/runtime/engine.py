@@ -12,6 +12,41 @@ from cpumla import native
 from cpumla.errors import CpumlaError
 
 PREFILL_CHUNK = 512     # tokens per native forward call: the scratch of the model's state is sized for it
+BIG_LOGITS = 256 << 20  # logits buffers above this are checked against the available memory first
+
+
+def context_length(cfg, max_seq_len) -> int:
+    """The cache length: max_seq_len (an integer >= 1), or by default the model's
+    max_position_embeddings capped at 4096."""
+    if max_seq_len is None:
+        return min(cfg.max_position_embeddings, 4096)
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer)) or max_seq_len < 1:
+        raise CpumlaError(f"max_seq_len must be an integer of at least 1, got {max_seq_len!r}")
+    return int(max_seq_len)
+
+
+def token_array(token_ids, vocab: int) -> np.ndarray:
+    """token_ids (a Python int, a sequence of them, or a 1-D integer array) as contiguous int64, each
+    checked against the vocabulary and reported as given when it is not in it."""
+    if isinstance(token_ids, (bool, np.bool_)):
+        raise CpumlaError("token ids must be integers, got a bool")
+    try:
+        arr = np.asarray(token_ids)
+    except (ValueError, TypeError) as e:
+        raise CpumlaError(f"token ids must be integers: {e}") from None
+    if arr.dtype == object:
+        if arr.ndim > 1 or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                                   for t in arr.reshape(-1)):
+            raise CpumlaError("token ids must be integers")
+    elif arr.dtype.kind not in "iu":
+        raise CpumlaError(f"token ids must be integers, got {arr.dtype}")
+    if arr.ndim > 1:
+        raise CpumlaError(f"token ids must be one sequence, got shape {arr.shape}")
+    arr = arr.reshape(-1)
+    bad = [t for t in arr.tolist() if not 0 <= t < vocab]
+    if bad:
+        raise CpumlaError(f"token id {bad[0]} is outside the vocabulary of {vocab}")
+    return np.ascontiguousarray(arr.astype(np.int64))
 
 
 class Engine:
@@ -22,9 +57,7 @@ class Engine:
         native.ensure_init()
         if threads is not None:
             native.set_threads(threads)
-        ctx = max_seq_len or min(cfg.max_position_embeddings, 4096)
-        if ctx < 1:
-            raise CpumlaError("max_seq_len must be at least 1")
+        ctx = context_length(cfg, max_seq_len)
         self.config = cfg
         self.max_seq_len = ctx
         self.model = family.Model(cfg, src, ctx, min(PREFILL_CHUNK, ctx))
@@ -64,14 +97,23 @@ class Engine:
 
     def forward(self, token_ids, last_only: bool = False) -> np.ndarray:
         """Logits [n, vocab] (or [1, vocab] for the last position) of token_ids appended to the cache."""
-        ids = np.ascontiguousarray(np.asarray(token_ids, dtype=np.int64).reshape(-1))
+        ids = token_array(token_ids, self.config.vocab_size)
         n = ids.size
         if n == 0:
             raise CpumlaError("forward needs at least one token")
         with self._lock:
             if self.pos + n > self.max_seq_len:
                 raise CpumlaError(f"context full: {self.pos} cached + {n} new tokens > max_seq_len {self.max_seq_len}")
-            logits = np.empty((1 if last_only else n, self.config.vocab_size), np.float32)
+            rows = 1 if last_only else n
+            need = 4 * rows * self.config.vocab_size
+            if need > BIG_LOGITS:
+                from cpumla.runtime.loader import available_memory, gib
+
+                avail, what = available_memory()
+                if need > avail:
+                    raise CpumlaError(f"the logits of {n} tokens need {gib(need)} but {gib(avail)} is available "
+                                      f"({what}); pass last_only=True or fewer tokens")
+            logits = np.empty((rows, self.config.vocab_size), np.float32)
             # long prompts go in chunks, so the forward's scratch stays bounded
             for c0 in range(0, n, PREFILL_CHUNK):
                 c1 = min(n, c0 + PREFILL_CHUNK)

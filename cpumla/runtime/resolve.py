@@ -42,18 +42,39 @@ def load_config(path: Path) -> dict[str, Any]:
         raise CpumlaError(f"{path}: cannot read: {e.strerror}") from None
     except UnicodeDecodeError as e:
         raise CpumlaError(f"{path}: not UTF-8 text: {e}") from None
-    return _json_object(text, f"{path}: invalid JSON at line {{line}} column {{col}}: {{msg}}",
-                        f"{path}: is a JSON {{kind}}, not an object")
-
-
-def _json_object(text: str, bad_json: str, not_object: str) -> dict[str, Any]:
-    """A JSON object from text; the two messages are formatted with line/col/msg and kind."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CpumlaError(bad_json.format(line=e.lineno, col=e.colno, msg=e.msg)) from None
+    value = parse_json(text, str(path))
     if not isinstance(value, dict):
-        raise CpumlaError(not_object.format(kind=type(value).__name__))
+        raise CpumlaError(f"{path}: is a JSON {type(value).__name__}, not an object")
+    return value
+
+
+MAX_JSON_DEPTH = 64     # configs, indexes, headers and overrides nest a few levels; deeper is not ours
+
+
+def check_depth(value: Any, what: str, limit: int = MAX_JSON_DEPTH) -> None:
+    """CpumlaError when containers in value nest deeper than limit (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > limit:
+                raise CpumlaError(f"{what}: nested more than {limit} levels deep")
+            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+
+
+def parse_json(text: str | bytes, what: str, bad: str = "invalid JSON", **kw) -> Any:
+    """json.loads with every failure as one CpumlaError line, "{what}: {bad} ...": bad syntax (with line
+    and column), nesting past Python's recursion limit or MAX_JSON_DEPTH, integers too long to convert."""
+    try:
+        value = json.loads(text, **kw)
+    except json.JSONDecodeError as e:
+        raise CpumlaError(f"{what}: {bad} at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except RecursionError:
+        raise CpumlaError(f"{what}: nested more than {MAX_JSON_DEPTH} levels deep") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CpumlaError(f"{what}: {bad}: {msg}") from None
+    check_depth(value, what)
     return value
 
 
@@ -167,4 +188,5 @@ def check_overrides(overrides: dict[str, Any] | None) -> dict[str, Any]:
         raise CpumlaError("hf_overrides must be a dict, not a str (the CLI parses JSON)")
     if not isinstance(overrides, dict):
         raise CpumlaError(f"hf_overrides must be a dict, not a {type(overrides).__name__}")
+    check_depth(overrides, "hf_overrides")
     return overrides

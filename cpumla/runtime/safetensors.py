@@ -9,11 +9,13 @@ tensor. The format is simple (docs/deepseek-architectures.md 7.1):
 
 Offsets are relative to the start of the data section. Opening a file reads only its header, so
 opening a checkpoint costs O(header size), not O(model size). Nothing is ever unpickled or written.
+A tensor whose data is not aligned to its element size (a header of odd length) is the one
+exception to zero copy: it is copied once, aligned. A file truncated on disk while mapped ends the
+process with SIGBUS when a missing page is read (the kernel's doing; nothing in Python can catch it).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import mmap
 import os
@@ -22,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from cpumla.errors import CpumlaError
+from cpumla.runtime.resolve import parse_json
 
 MAX_HEADER_BYTES = 100_000_000  # same limit as the safetensors package
 
@@ -100,9 +103,10 @@ class SafetensorsFile:
         if hlen > size - 8:
             raise CpumlaError(f"{where}: header length {hlen} is past the end of the file ({size} bytes)")
         try:
-            header = json.loads(self._mm[8:8 + hlen].decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
-        except (UnicodeDecodeError, ValueError) as e:
+            text = self._mm[8:8 + hlen].decode("utf-8")
+        except UnicodeDecodeError as e:
             raise CpumlaError(f"{where}: header is not valid JSON: {e}") from None
+        header = parse_json(text, str(where), "header is not valid JSON", object_pairs_hook=_no_duplicate_keys)
         if not isinstance(header, dict):
             raise CpumlaError(f"{where}: header is a JSON {type(header).__name__}, not an object")
 
@@ -132,7 +136,7 @@ class SafetensorsFile:
         if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
             raise CpumlaError(f"{where}: header entry must have exactly dtype, shape and data_offsets")
         dtype, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise CpumlaError(f"{where}: unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise CpumlaError(f"{where}: shape {shape!r} is not a list of non-negative integers")
@@ -191,6 +195,11 @@ class SafetensorsFile:
         else:
             count = math.prod(shape)
         arr = np.frombuffer(self._mm, dtype=view_dtype, count=count, offset=self._data_start + begin)
+        if not arr.flags.aligned:
+            # The format does not promise aligned data (a header padded to an odd length shifts every
+            # tensor); the kernels read elements through typed pointers, so such a tensor is copied
+            # once, aligned, rather than read misaligned.
+            arr = arr.copy()
         return arr.reshape(shape)
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -232,9 +241,10 @@ class Checkpoint:
 
     def _open_index(self, index: Path) -> None:
         try:
-            doc = json.loads(index.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError) as e:
+            text = index.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
             raise CpumlaError(f"{index}: cannot read the index: {e}") from None
+        doc = parse_json(text, f"{index}")
         weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(weight_map, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):

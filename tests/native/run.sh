@@ -7,6 +7,8 @@
 # Each library file is compiled on its own with its flags from cpumla/native/csrc/FLAGS, as setup.py
 # does. Objects go to build/native-<target>/. Extra arguments are passed to the runner (-v: every
 # failure; --small: smaller shapes, for slow emulators). The full table takes ~10 s under qemu.
+#   SANITIZE=address  (host only) build with ASan + UBSan, any report fails the run
+#   SANITIZE=thread   (host only) build with TSan: the thread pool and the library lock under test
 set -euo pipefail
 
 target=${1:-host}
@@ -15,6 +17,26 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 csrc=$root/cpumla/native/csrc
 tests=$root/tests/native
 out=$root/build/native-$target
+san=()
+case ${SANITIZE:-} in
+'') ;;
+address)
+    san=(-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g)
+    export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
+    export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+    out=$out-asan
+    ;;
+thread)
+    san=(-fsanitize=thread -fno-omit-frame-pointer -g)
+    export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1}
+    out=$out-tsan
+    ;;
+*)
+    echo "SANITIZE must be address or thread" >&2
+    exit 2
+    ;;
+esac
+[ ${#san[@]} = 0 ] || [ "$target" = host ] || { echo "SANITIZE needs the host target" >&2; exit 2; }
 
 case $target in
 host)
@@ -55,7 +77,7 @@ while read -r file farch fflags; do
     obj=$out/${file%.c}.o
     objs+=("$obj")
     # shellcheck disable=SC2086
-    $cc $common $fflags -DCPUMLA_FLAGS="\"$(echo $common $fflags)\"" -c "$csrc/$file" -o "$obj" &
+    $cc $common $fflags "${san[@]}" -DCPUMLA_FLAGS="\"$(echo $common $fflags)\"" -c "$csrc/$file" -o "$obj" &
     pids+=($!)
 done <"$csrc/FLAGS"
 for f in "$csrc"/*.c; do
@@ -64,13 +86,13 @@ for f in "$csrc"/*.c; do
 done
 for t in test_kernels test_api harness; do
     # shellcheck disable=SC2086
-    $cc $common -Wno-unused-function -I"$csrc" -c "$tests/$t.c" -o "$out/$t.o" &
+    $cc $common "${san[@]}" -Wno-unused-function -I"$csrc" -c "$tests/$t.c" -o "$out/$t.o" &
     pids+=($!)
 done
 status=0
 for p in "${pids[@]}"; do wait "$p" || status=1; done
 [ $status = 0 ] || { echo "build failed" >&2; exit 1; }
-$cc -o "$out/test_kernels" "$out/test_kernels.o" "$out/test_api.o" "$out/harness.o" "${objs[@]}" -lm -lpthread
+$cc "${san[@]}" -o "$out/test_kernels" "$out/test_kernels.o" "$out/test_api.o" "$out/harness.o" "${objs[@]}" -lm -lpthread
 
 echo "== $target: ${runner[*]:-native} $out/test_kernels ${args[*]:-} $*"
 exec "${runner[@]}" "$out/test_kernels" "${args[@]}" "$@"

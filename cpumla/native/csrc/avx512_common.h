@@ -79,7 +79,7 @@ INLINE __m512 dq16(int32_t dt, const uint8_t *row, int64_t c, int64_t n) {
     case CPUMLA_E2M1: {
         if (c & 1) {                   /* odd start (odd block_cols): rare, do it element by element */
             float t[16] = {0};
-            for (int64_t i = 0; i < n; i++) {
+            for (int64_t i = 0; i < n && i < 16; i++) {      /* n counts what is left of the row */
                 uint8_t b = row[(c + i) >> 1];
                 t[i] = cpumla_e2m1_lut[((c + i) & 1) ? (b >> 4) : (b & 15)] * (1.0f / 16384.0f);
             }

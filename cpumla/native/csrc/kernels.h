@@ -64,8 +64,10 @@ typedef struct cpumla_kernels {
     /* One part of cpumla_mla_attention: query qi, heads [h0, h1), entries [j0, j1) of that query's
      * list (row j itself, or kv_idx[qi*ld_idx + j]; entries < 0 skipped). Writes, for each head
      * k = h - h0:  m[k] = max_j s_h(j) (-INFINITY when no entry), l[k] = sum_j exp(s_h(j) - m[k]),
-     * acc[k*dv + d] = sum_j exp(s_h(j) - m[k]) * value_j[d]  (zeros when no entry). No sinks here:
-     * ops.c adds them when it merges the parts. */
+     * acc[k*dv + d] = sum_j exp(s_h(j) - m[k]) * value_j[d]  (zeros when no entry). A NaN score makes
+     * l[k] NaN (its exp is NaN, and later rescales keep it so) while m[k] may stay -INFINITY: the merge
+     * reads a NaN l as a NaN output, never as the zeros of "no entry". No sinks
+     * here: ops.c adds them when it merges the parts. */
     void (*attn_part)(const cpumla_attn_args *a, int64_t qi, int64_t h0, int64_t h1, int64_t j0,
                       int64_t j1, float *acc, float *m, float *l);
 

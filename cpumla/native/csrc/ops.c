@@ -404,11 +404,19 @@ static void attn_merge(const attn_job *j, int64_t qi, int64_t hb) {
     for (int64_t h = h0; h < h1; h++) {
         int64_t k = h - h0;
         float M = a->sinks ? a->sinks[h] : -INFINITY;
+        int nan = isnan(M);                   /* a NaN sink */
         for (int64_t s = 0; s < j->n_splits; s++) {
-            float m = part_at(j, qi, hb, s)[j->head_block * dv + k];
+            const float *p = part_at(j, qi, hb, s);
+            float m = p[j->head_block * dv + k], l = p[j->head_block * dv + j->head_block + k];
+            nan |= isnan(m) || isnan(l);       /* a NaN score: NaN out, never the zeros of "no entry" */
             M = m > M ? m : M;
         }
         float *o = a->out + qi * a->ldo_t + h * a->ldo_h;
+        if (nan) {
+            for (int64_t d = 0; d < dv; d++) o[d] = NAN;
+            if (a->lse) a->lse[qi * a->n_heads + h] = NAN;
+            continue;
+        }
         for (int64_t d = 0; d < dv; d++) o[d] = 0.0f;
         float L = 0.0f;
         if (M != -INFINITY) {
