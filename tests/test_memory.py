@@ -43,7 +43,23 @@ def test_weight_bytes_are_what_dummy_weights_hold(model, extra, dtype):
     assert b["cache"] == 1000 * per_token * cfg.num_hidden_layers
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp8", "f32"])
+def test_v4_weight_bytes_are_what_dummy_weights_hold(dtype):
+    """V4's release formats (FP8 with E8M0 scales, FP4 experts, f32 mHC, I64 hash tables) counted from
+    the config, layer types grouped rather than walked."""
+    cfg = config_from_dict({**preset_config("deepseek-ai/DeepSeek-V4-Flash"), "num_hidden_layers": 5,
+                            "n_routed_experts": 8, "compress_ratios": [0, 4, 128, 4, 0]})
+    fam = family(cfg.model_type)
+    src = DummySource(fam.tensors(cfg), cfg.block, dtype=dtype)
+    size = {"F32": 4, "BF16": 2, "F8_E4M3": 1, "I8": 1, "F8_E8M0": 1, "I64": 8}
+    names = [*src.table, *src.scales, *src.e8m0]
+    want = sum(int(np.prod(src.info(n)[1])) * size[src.info(n)[0]] for n in names)
+    assert fam.memory_bytes(cfg, 1000, dtype)["weights"] == want
+
+
 HUGE = [
+    ("deepseek-ai/DeepSeek-V4-Flash", {}, None),
+    ("deepseek-ai/DeepSeek-V4-Pro", {}, None),
     ("deepseek-ai/DeepSeek-V3", {}, None),
     ("deepseek-ai/DeepSeek-V2-Lite", {}, None),
     ("deepseek-ai/DeepSeek-V2-Lite", {"hidden_size": 65536}, None),

@@ -18,6 +18,10 @@ def check_threads(threads, flag: str = "--threads") -> list[str]:
     counts = threads if isinstance(threads, (list, tuple)) else [threads]
     if not counts or min(counts) < 1:
         raise CpumlaError(f"{flag} must be at least 1 (leave it out for one thread per core)")
+    from cpumla.native import MAX_THREADS
+
+    if max(counts) > MAX_THREADS:
+        raise CpumlaError(f"{flag} {max(counts)} is more than the thread pool's {MAX_THREADS}")
     n = cores()
     return [f"{t} threads is more than the {n} cores here; running anyway" for t in counts if t > n]
 

@@ -23,13 +23,14 @@ import numpy as np
 from cpumla import native
 from cpumla.errors import CpumlaError
 from cpumla.models.checks import MAX_SIZE, is_int, is_real, short, validate_quantization, validate_rope_scaling
+from cpumla.models.native_model import ConfigBase, NativeModel
 from cpumla.runtime import weights as W
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
 @dataclass
-class Config:
+class Config(ConfigBase):
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -183,14 +184,6 @@ class Config:
             return "softmax"
         raise CpumlaError(f"config: topk_method '{self.topk_method}' is not supported for {self.model_type}")
 
-    @property
-    def eos_ids(self) -> list[int]:
-        e = self.eos_token_id
-        return [] if e is None else (list(e) if isinstance(e, list) else [e])
-
-    def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
-        return {**self.extra, **d}
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -448,7 +441,7 @@ def _table_bytes(t: native.Experts | None) -> tuple[int, int]:
     return g.nbytes + u.nbytes + d.nbytes, t.n
 
 
-class Model:
+class Model(NativeModel):
     """One model of this family: weights read in place, described once to the native forward, and the
     native state (latent caches and scratch) that lives and dies with it. The runtime's interface:
     forward(ids, pos0, out, last_only) -> status, matmul_format, decode_bytes, prefill_flops,
@@ -468,31 +461,10 @@ class Model:
         self.layers = [self.build_layer(src, i) for i in range(cfg.num_hidden_layers)]
         self.ctx = ctx
         self._c = self.describe()
-        new, free, fwd = (getattr(native.lib, f) for f in self.STATE)
-        state = new(self._c, ctx, max_tokens)
-        if state == native.ffi.NULL:
-            raise CpumlaError(native.last_error())
-        desc = self._c      # the state's free reads the description: keep it alive until then
-        self._state = native.ffi.gc(state, lambda p: free(p) if desc is not None else None)
-        self._forward = fwd
+        self.start_state(self._c, ctx, max_tokens)
 
     def build_layer(self, src, i: int) -> Layer:
         return build_layer(self.config, src, i)
-
-    def forward(self, ids: np.ndarray, pos0: int, out: np.ndarray, last_only: bool) -> None:
-        """Appends ids (int64, contiguous) at pos0 and writes their logits into out (float32)."""
-        if self._state is None:
-            raise CpumlaError("this model has been closed")
-        rc = self._forward(self._state, native.vptr(ids, "int64_t *"), ids.size, pos0, native.fptr(out),
-                           int(last_only))
-        if rc != 0:
-            raise CpumlaError(native.last_error())
-
-    def close(self) -> None:
-        """Frees the native state (caches and scratch) now rather than at garbage collection."""
-        if self._state is not None:
-            native.ffi.release(self._state)
-            self._state = None
 
     # ---- what the model is made of ----
     @property

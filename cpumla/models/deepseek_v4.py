@@ -35,6 +35,7 @@ import numpy as np
 from cpumla import native
 from cpumla.errors import CpumlaError
 from cpumla.models import deepseek_v2 as v2
+from cpumla.models.native_model import ConfigBase, NativeModel
 from cpumla.runtime import weights as W
 
 MODEL_TYPES = ("deepseek_v4",)
@@ -43,7 +44,7 @@ DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention
 
 
 @dataclass
-class Config:
+class Config(ConfigBase):
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -193,14 +194,48 @@ class Config:
         return np.ascontiguousarray(inv_freq, np.float32), float((scaling or {}).get("attention_factor", 1.0)) \
             if kind == "yarn" else 1.0
 
-    @property
-    def eos_ids(self) -> list[int]:
-        e = self.eos_token_id
-        return [] if e is None else (list(e) if isinstance(e, list) else [e])
 
-    def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
-        return {**self.extra, **d}
+
+def _dummy_bytes(shape, kind: str, dtype: str, block=(128, 128)) -> int:
+    """Bytes of one tensor as dummy weights of `dtype` store it (weights.DummySource's V4 kinds)."""
+    n = math.prod(shape)
+    if kind.startswith("ids:"):
+        return 8 * n
+    if kind in ("bias", "f32") or dtype == "f32":
+        return 4 * n
+    if kind == "e4m3":
+        return n + -(-shape[0] // block[0]) * -(-shape[1] // block[1])
+    if kind == "e2m1":
+        return n // 2 + shape[0] * -(-shape[1] // 32)
+    return 2 * n
+
+
+def memory_bytes(cfg: Config, ctx: int, dtype: str, chunk: int = 512) -> dict[str, int]:
+    """What a model of this config takes, from the config alone: "weights" as dummy weights of `dtype`
+    store them (a checkpoint's are its files, mapped), "cache" (each layer's window ring and compressed
+    entries, the compressor rings, CSA's index keys; fp32) and "scratch" (the state's buffers for a
+    prefill chunk and one chunk of logits; from above). Layers are grouped by type, not walked."""
+    D, V, N, hd = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult, cfg.head_dim
+    IH, ID, n = cfg.index_n_heads, cfg.index_head_dim, min(chunk, ctx)
+    weights = _dummy_bytes((V, D), "embed", dtype) + _dummy_bytes((V, D), "plain", dtype) + \
+        _dummy_bytes((D,), "norm", dtype) + 4 * (N * N * D + N + 1)
+    groups: dict[tuple, tuple[int, int]] = {}
+    for l, key in enumerate(zip(cfg.ratios, cfg.csa, cfg.hash)):
+        first, count = groups.get(key, (l, 0))
+        groups[key] = (first, count + 1)
+    cache = 0
+    for (r, csa, _), (l, count) in groups.items():
+        weights += count * sum(_dummy_bytes(shape, kind, dtype, cfg.block) for shape, kind in layer_tensors(cfg, l).values())
+        ne, ring = (ctx // r if r else 0), ((2 if csa else 1) * r + n if r else 0)
+        per = (cfg.sliding_window + n + ne) * hd + ring * 2 * (2 if csa else 1) * hd
+        if csa:
+            per += max(ne, 1) * ID + ring * 4 * ID
+        cache += 4 * count * per
+    E, K, H = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.num_attention_heads
+    state = n * (3 * N * D + (2 + N) * N + 3 * N + N * N + 3 * D + cfg.q_lora_rank + 2 * H * hd + hd
+                 + cfg.o_groups * cfg.o_lora_rank + 4 * max(hd, ID) + IH * ID + IH + E + 2 * K + 8) + (8 << 20)
+    experts = n * (K + 1) * 2 * (D + 2 * cfg.moe_intermediate_size * max(1, cfg.n_shared_experts or 1))
+    return {"weights": weights, "cache": cache, "scratch": 4 * (state + experts + n * V)}
 
 
 def fit_overrides(cfg: dict, overrides: dict) -> dict:
@@ -340,7 +375,7 @@ def vector(src, names: Names, name: str, shape) -> np.ndarray:
 
 
 # ---- the model ---------------------------------------------------------------------------------------
-class Model:
+class Model(NativeModel):
     """A V4 model: weights in place, their native description, and the native state (window rings,
     compressed caches, compressor rings, scratch). The runtime's interface is deepseek_v2.Model's."""
 
@@ -376,12 +411,7 @@ class Model:
         m.rms_norm_eps, m.hc_eps, m.swiglu_limit = cfg.rms_norm_eps, cfg.hc_eps, float(cfg.swiglu_limit or 0.0)
         self.ctx, self.max_tokens = ctx, max_tokens
         self._hist = np.zeros(ctx, np.int64)          # token ids by position, for replays after a deep truncate
-        new, free, fwd = (getattr(native.lib, f) for f in self.STATE)
-        state = new(m, ctx, max_tokens)
-        if state == ffi.NULL:
-            raise CpumlaError(native.last_error())
-        self._state = ffi.gc(state, free)
-        self._forward = fwd
+        self.start_state(m, ctx, max_tokens)
 
     # ---- building ----
     def _hc(self, c, src, names, fn, base, scale, rows, n_scale):
@@ -482,20 +512,9 @@ class Model:
             scratch = np.empty((1, self.config.vocab_size), np.float32)
             for c0 in range(0, pos0, self.max_tokens):
                 part = np.ascontiguousarray(self._hist[c0:min(pos0, c0 + self.max_tokens)])
-                self._call(part, c0, scratch, True)
-        self._call(ids, pos0, out, last_only)
+                self.call_state(part, c0, scratch, True)
+        self.call_state(ids, pos0, out, last_only)
         self._hist[pos0:pos0 + ids.size] = ids
-
-    def _call(self, ids, pos0, out, last_only):
-        rc = self._forward(self._state, native.vptr(ids, "int64_t *"), ids.size, pos0, native.fptr(out),
-                           int(last_only))
-        if rc != 0:
-            raise CpumlaError(native.last_error())
-
-    def close(self) -> None:
-        if self._state is not None:
-            native.ffi.release(self._state)
-            self._state = None
 
     # ---- what the model is made of (cpumla bench) ----
     @property

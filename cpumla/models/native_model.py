@@ -1,0 +1,60 @@
+"""What every family's Model shares: a native state made from the family's description (its caches,
+scratch and kernel context), the forward call into it, and closing it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from cpumla import native
+from cpumla.errors import CpumlaError
+
+
+class NativeModel:
+    """Base of a family Model. STATE names the family's native new / free / forward functions."""
+
+    STATE: tuple[str, str, str]
+
+    def start_state(self, desc, ctx: int, max_tokens: int) -> None:
+        """Creates the native state for the description `desc` (a cffi struct pointer kept alive by the
+        model): CpumlaError when it cannot be made (out of memory, a bad model)."""
+        new, free, fwd = (getattr(native.lib, f) for f in self.STATE)
+        state = new(desc, ctx, max_tokens)
+        if state == native.ffi.NULL:
+            raise CpumlaError(native.last_error())
+        keep = desc      # the state's free reads the description: keep it alive until then
+        self._state = native.ffi.gc(state, lambda p: free(p) if keep is not None else None)
+        self._forward = fwd
+
+    def call_state(self, ids: np.ndarray, pos0: int, out: np.ndarray, last_only: bool) -> None:
+        """One native forward: ids (int64, contiguous) at pos0, their logits into out (float32)."""
+        if self._state is None:
+            raise CpumlaError("this model has been closed")
+        rc = self._forward(self._state, native.vptr(ids, "int64_t *"), ids.size, pos0, native.fptr(out),
+                           int(last_only))
+        if rc != 0:
+            raise CpumlaError(native.last_error())
+
+    def forward(self, ids: np.ndarray, pos0: int, out: np.ndarray, last_only: bool) -> None:
+        """Appends ids at pos0 and writes their logits into out."""
+        self.call_state(ids, pos0, out, last_only)
+
+    def close(self) -> None:
+        """Frees the native state (caches and scratch) now rather than at garbage collection."""
+        if getattr(self, "_state", None) is not None:
+            native.ffi.release(self._state)
+            self._state = None
+
+
+class ConfigBase:
+    """What every family's Config dataclass shares (HF field names; unknown keys kept in `extra`)."""
+
+    @property
+    def eos_ids(self) -> list[int]:
+        e = self.eos_token_id
+        return [] if e is None else (list(e) if isinstance(e, list) else [e])
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        return {**self.extra, **d}
