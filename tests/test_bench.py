@@ -100,3 +100,22 @@ def test_decode_phases_bad_input(capsys, args, words):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert words in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_depth_is_the_depth_asked_for():
+    """Whatever order the depths come in and whatever each test appended, the cache holds exactly the
+    first `depth` tokens of one fixed run before each test (a shallower test must not leave a deeper one
+    running at its depth)."""
+    import numpy as np
+
+    import cpumla
+    from cpumla.runtime.bench import _Depth
+
+    eng = cpumla.load("deepseek-ai/DeepSeek-V2-Lite", dummy_weights=True, max_seq_len=64,
+                      hf_overrides={"num_hidden_layers": 1, "hidden_size": 64, "n_routed_experts": 4,
+                                    "vocab_size": 512})
+    at = _Depth(eng, 24, np.random.default_rng(0))
+    for depth in [0, 24, 8, 24, 0, 16, 24]:
+        at(depth)
+        assert eng.pos == depth and eng.tokens == [int(t) for t in at.tokens[:depth]]
+        eng.forward([1, 2, 3])                       # the test itself writes past the depth

@@ -15,11 +15,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from cpumla.errors import CpumlaError
 from cpumla.chat.chat_format import ChatFormat, Message
+from cpumla.chat.reuse import answer_pieces, ids_of, prompt_pieces, sync_cache
 from cpumla.chat.sampling import Sampler
 from cpumla.chat.stops import StopText, parse_stop
 from cpumla.chat.tokenizer import IncrementalDecoder, Tokenizer
+from cpumla.errors import CpumlaError
 
 PREFILL_CHUNK = 256     # tokens per prefill step: the granularity of progress and of stopping
 
@@ -95,7 +96,7 @@ class _Chunks:
     pieces: list[tuple[str, list[int]]] = field(default_factory=list)
 
     def ids(self) -> list[int]:
-        return [i for _, ids in self.pieces for i in ids]
+        return ids_of(self.pieces)
 
 
 class Conversation:
@@ -222,31 +223,12 @@ class Conversation:
         return ids, notices
 
     def _tokenize(self, text: str) -> list[int]:
-        """Ids of `text`, reusing the known pieces it starts with (the cache's own tokens), then
-        encoding the rest piece by piece between added tokens."""
-        pos, reused = 0, []
-        for piece, ids in self._known.pieces:
-            if not text.startswith(piece, pos):
-                break
-            reused.append((piece, ids))
-            pos += len(piece)
-        fresh = [(p, self.tok.encode(p)) for p in self.tok.split_added(text[pos:])]
-        self._pending = _Chunks(reused + fresh)
+        """Ids of `text`, reusing the known pieces it starts with (the cache's own tokens)."""
+        self._pending = _Chunks(prompt_pieces(self.tok, self._known.pieces, text))
         return self._pending.ids()
 
     def _sync_cache(self, ids: list[int]) -> int:
-        """Truncate the cache to its longest common prefix with ids (at least one token left to run);
-        returns that prefix length."""
-        eng = self.engine
-        have = eng.tokens[: min(eng.pos, len(eng.tokens))]
-        n = 0
-        for a, b in zip(have, ids):
-            if a != b:
-                break
-            n += 1
-        n = min(n, len(ids) - 1)
-        eng.truncate(n)
-        return n
+        return sync_cache(self.engine, ids)
 
     def _prefill(self, ids: list[int], cached: int, st: TurnStats) -> Iterator[Event]:
         """Runs ids[cached:] through the model in chunks, a progress event after each; returns the last
@@ -331,18 +313,7 @@ class Conversation:
     def _finish(self, gen: list[int], stop_hit: str | None = None) -> None:
         """Record the answer in history (cut before a stop string that ended it) and its tokens as
         known pieces."""
-        pieces, run = [], []
-        for t in gen:
-            if t in self.tok.added_ids:
-                if run:
-                    pieces.append((self.tok.decode(run), run))
-                    run = []
-                pieces.append((self.tok.decode([t]), [t]))
-            else:
-                run.append(t)
-        if run:
-            pieces.append((self.tok.decode(run), run))
-        self._known = _Chunks(self._pending.pieces + pieces)
+        self._known = _Chunks(self._pending.pieces + answer_pieces(self.tok, gen))
         thinking, parts = self._prompt_thinks, {True: [], False: []}
         for t in gen:
             if t == self.think_start:

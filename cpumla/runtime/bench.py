@@ -81,20 +81,21 @@ def fma_peak_gflops(seconds: float = 0.3, kind: str = "fp32") -> float:
 
 
 class _Depth:
-    """Puts the cache at a depth: one prefill of random tokens up to the deepest depth asked for, then
-    truncate to each depth (the rows past it are written again by the test), so a deep cache is built
-    once per run rather than once per repetition."""
+    """Puts the cache at a depth: the first `depth` rows of one fixed run of random tokens. A test
+    overwrites the rows past its depth, so `valid` counts the leading rows that still hold that run;
+    a deeper depth prefills only the missing rows. A deep cache is built once per run, not once per
+    repetition."""
 
     def __init__(self, eng, deepest: int, rng):
-        self.eng, self.deepest, self.rng, self.filled = eng, deepest, rng, False
+        self.eng, self.valid = eng, 0
+        self.tokens = rng.integers(0, eng.config.vocab_size, size=deepest)
 
     def __call__(self, depth: int) -> None:
-        if not self.filled:
-            self.eng.reset()
-            if self.deepest:
-                self.eng.forward(self.rng.integers(0, self.eng.config.vocab_size, size=self.deepest), last_only=True)
-            self.filled = True
+        self.eng.truncate(min(self.valid, depth))
+        if depth > self.valid:
+            self.eng.forward(self.tokens[self.valid:depth], last_only=True)
         self.eng.truncate(depth)
+        self.valid = depth          # the test writes the rows past depth
 
 
 class BandwidthProbe:

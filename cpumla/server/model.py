@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from cpumla.chat.chat_format import END_THINK, THINK, ChatFormat, Message, detect_family
+from cpumla.chat.reuse import Pieces, answer_pieces, ids_of, prompt_pieces, sync_cache
 from cpumla.chat.sampling import Sampler
 from cpumla.chat.tokenizer import IncrementalDecoder, Tokenizer
 from cpumla.errors import CpumlaError
 from cpumla.runtime.engine import PREFILL_CHUNK
 from cpumla.server.protocol import Sampling, bad
 
-Pieces = list[tuple[str, list[int]]]
 
 
 @dataclass
@@ -135,14 +135,8 @@ class ServedModel:
         return max_tokens
 
     def _text_prompt(self, text: str, thinks: bool = False) -> Prompt:
-        pos, pieces = 0, []
-        for piece, ids in self._known:
-            if not text.startswith(piece, pos):
-                break
-            pieces.append((piece, ids))
-            pos += len(piece)
-        pieces += [(p, self.tok.encode(p)) for p in self.tok.split_added(text[pos:])]
-        return Prompt([i for _, ids in pieces for i in ids], pieces, thinks)
+        pieces = prompt_pieces(self.tok, self._known, text)
+        return Prompt(ids_of(pieces), pieces, thinks)
 
     # ---- generation (the worker thread) ----
     def run(self, job: Job, emit: Callable[[str, str], None]) -> None:
@@ -222,31 +216,11 @@ class ServedModel:
             emit("content", tail)
 
     def _sync_cache(self, ids: list[int]) -> int:
-        """Truncate the cache to its longest common prefix with ids, leaving at least one token to run."""
-        eng, n = self.engine, 0
-        for a, b in zip(eng.tokens[:eng.pos], ids):
-            if a != b:
-                break
-            n += 1
-        n = min(n, len(ids) - 1)
-        eng.truncate(n)
-        return n
+        return sync_cache(self.engine, ids)
 
     def _remember(self, pieces: Pieces, gen: list[int]) -> None:
-        """The last prompt's pieces and the answer's tokens, cut at added tokens, as text pieces."""
-        run: list[int] = []
-        pieces = list(pieces)
-        for t in gen:
-            if t in self.tok.added_ids:
-                if run:
-                    pieces.append((self.tok.decode(run), run))
-                    run = []
-                pieces.append((self.tok.decode([t]), [t]))
-            else:
-                run.append(t)
-        if run:
-            pieces.append((self.tok.decode(run), run))
-        self._known = pieces
+        """The last prompt's pieces and the answer's tokens, as text pieces."""
+        self._known = list(pieces) + answer_pieces(self.tok, gen)
 
 
 def load_served(model: str, *, dummy_weights: bool = False, hf_overrides=None, dummy_dtype: str = "bf16",
