@@ -115,9 +115,7 @@ class Config:
                 g = self.n_group
                 need(self.n_routed_experts % g == 0, f"n_routed_experts {self.n_routed_experts} is not divisible by n_group {g}")
                 need(self.topk_group and 1 <= self.topk_group <= g, "'topk_group' must be between 1 and n_group")
-        qc = self.quantization_config
-        if qc and qc.get("quant_method") not in (None, "fp8"):
-            raise CpumlaError(f"{source}: quantization '{qc.get('quant_method')}' is not supported (fp8 block only)")
+        W.check_quant_config(self.quantization_config, source)
 
     # ---- structure ----
     @property
