@@ -63,15 +63,18 @@ static void quant_x_avx2(int32_t wdtype, const float *x, int64_t K, void *qx) {
     for (int64_t b = nb; b < kp / QK; b++) { d[b] = 0.0f; s[b] = 0; }
 }
 
-/* y[t*ldy + i] = row r + i . token t, i < R, t < T */
+/* y[t*ldy + i] = row r + i . token t, i < R, t < T; the lines of rows pr.. at the same offsets are
+ * prefetched (a later group: four new row streams are more than the hardware prefetchers follow) */
 INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
-                 int64_t ldy, int q4) {
-    const int64_t K = w->cols, nb = K / QK;
-    const uint8_t *rp[4];
-    const uint16_t *sp[4];
+                 int64_t ldy, int q4, int64_t pr) {
+    const int64_t K = w->cols, nb = K / QK, bb = q4 ? 16 : 32;
+    const uint8_t *rp[4], *pp[4];
+    const uint16_t *sp[4], *ps[4];
     for (int i = 0; i < 4; i++) {
         rp[i] = weight_row(w, r + (i < R ? i : 0));
         sp[i] = (const uint16_t *)w->scale + (r + (i < R ? i : 0)) * w->scale_ld;
+        pp[i] = weight_row(w, pr + (i < R ? i : 0));
+        ps[i] = (const uint16_t *)w->scale + (pr + (i < R ? i : 0)) * w->scale_ld;
     }
     const uint8_t *xq[2] = {qx, qx + (T > 1 ? per : 0)};
     const float *xd[2] = {qx_d(xq[0], K), qx_d(xq[1], K)};
@@ -82,6 +85,8 @@ INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, in
         __m256i xv[2];
         for (int t = 0; t < T; t++) xv[t] = _mm256_loadu_si256((const __m256i *)(xq[t] + b * QK));
         for (int i = 0; i < R; i++) {
+            if (((b * bb) & 63) == 0) _mm_prefetch((const char *)(pp[i] + b * bb), _MM_HINT_T0);
+            if ((b & 31) == 0) _mm_prefetch((const char *)(ps[i] + b), _MM_HINT_T0);
             const __m256i wv = ld_block(rp[i], b, q4), aw = _mm256_sign_epi8(wv, wv);
             const float dw = _cvtsh_ss(sp[i][b]);
             for (int t = 0; t < T; t++) {
@@ -96,23 +101,25 @@ INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, in
 
 #define TILE(R, T)                                                                   \
     static void tile_##R##_##T(const cpumla_weight *w, int64_t r, const uint8_t *qx, int64_t per, float *y, \
-                               int64_t ldy) {                                        \
-        if (w->dtype == CPUMLA_Q4) tile(w, r, R, qx, per, T, y, ldy, 1);             \
-        else tile(w, r, R, qx, per, T, y, ldy, 0);                                   \
+                               int64_t ldy, int64_t pr) {                            \
+        if (w->dtype == CPUMLA_Q4) tile(w, r, R, qx, per, T, y, ldy, 1, pr);         \
+        else tile(w, r, R, qx, per, T, y, ldy, 0, pr);                               \
     }
 TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(1, 2) TILE(2, 2) TILE(3, 2) TILE(4, 2)
-typedef void (*tile_fn)(const cpumla_weight *, int64_t, const uint8_t *, int64_t, float *, int64_t);
+typedef void (*tile_fn)(const cpumla_weight *, int64_t, const uint8_t *, int64_t, float *, int64_t, int64_t);
 static const tile_fn tiles[2][4] = {{tile_1_1, tile_2_1, tile_3_1, tile_4_1}, {tile_1_2, tile_2_2, tile_3_2, tile_4_2}};
 
 /* rows in groups of 4 (outer: they stay in cache), tokens in pairs */
 static void gemm_q_avx2(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
                         int64_t r1) {
-    const int64_t per = QX_BYTES(w->cols);
+    const int64_t per = QX_BYTES(w->cols), data = w->dtype == CPUMLA_Q4 ? w->cols / 2 : w->cols;
+    const int64_t ahead = ((16384 + 4 * data - 1) / (4 * data)) * 4;     /* rows about 16 KiB ahead */
     for (int64_t r = r0; r < r1; r += 4) {
         const int R = r1 - r < 4 ? (int)(r1 - r) : 4;
+        const int64_t pr = r + ahead + 4 <= r1 ? r + ahead : r;
         for (int64_t t = 0; t < n; t += 2) {
             const int T = n - t < 2 ? 1 : 2;
-            tiles[T - 1][R - 1](w, r, (const uint8_t *)qx + t * per, per, y + t * ldy + (r - r0), ldy);
+            tiles[T - 1][R - 1](w, r, (const uint8_t *)qx + t * per, per, y + t * ldy + (r - r0), ldy, t ? r : pr);
         }
     }
 }

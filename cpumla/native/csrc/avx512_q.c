@@ -46,15 +46,19 @@ static void quant_x_avx512(int32_t wdtype, const float *x, int64_t K, void *qx) 
 
 INLINE __mmask64 bytes_mask(int64_t n) { return n >= 64 ? ~(__mmask64)0 : n <= 0 ? 0 : (((__mmask64)1 << n) - 1); }
 
-/* y[t*ldy + i] = row r + i . token t, i < R, t < T */
+/* y[t*ldy + i] = row r + i . token t, i < R, t < T. pr: the row whose group to prefetch (software
+ * prefetch of the lines a later group of rows reads, at the same offsets: four new row streams at a
+ * time are more than the hardware prefetchers pick up on their own) */
 INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
-                 int64_t ldy, int q4) {
+                 int64_t ldy, int q4, int64_t pr) {
     const int64_t K = w->cols, nb = K / QK;
-    const uint8_t *rp[4];
-    const uint16_t *sp[4];
+    const uint8_t *rp[4], *pp[4];
+    const uint16_t *sp[4], *ps[4];
     UNROLL for (int i = 0; i < 4; i++) {
         rp[i] = weight_row(w, r + (i < R ? i : 0));
         sp[i] = (const uint16_t *)w->scale + (r + (i < R ? i : 0)) * w->scale_ld;
+        pp[i] = weight_row(w, pr + (i < R ? i : 0));
+        ps[i] = (const uint16_t *)w->scale + (pr + (i < R ? i : 0)) * w->scale_ld;
     }
     const uint8_t *xq[2] = {qx, qx + (T > 1 ? per : 0)};
     const float *xd[2] = {qx_d(xq[0], K), qx_d(xq[1], K)};
@@ -76,11 +80,18 @@ INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, in
     for (int64_t b = 0; b < nb; b += 8) {
         const int64_t vb = nb - b < 8 ? nb - b : 8;     /* blocks of this step */
         __m512 sx[2][4];
+        __m512i corr[2][4];         /* each block's correction in its first lane (the spread's lanes) */
         UNROLL for (int t = 0; t < T; t++) {
             __m512 d8 = _mm512_castps256_ps512(_mm256_loadu_ps(xd[t] + b));
-            UNROLL for (int j = 0; j < NV; j++) sx[t][j] = _mm512_permutexvar_ps(spread[j], d8);
+            __m512i s8 = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xs[t] + b)));
+            UNROLL for (int j = 0; j < NV; j++) {
+                sx[t][j] = _mm512_permutexvar_ps(spread[j], d8);
+                corr[t][j] = _mm512_maskz_permutexvar_epi32(q4 ? 0x1111 : 0x0101, spread[j], s8);
+            }
         }
         UNROLL for (int i = 0; i < R; i++) {
+            UNROLL for (int j = 0; j < NV; j++) _mm_prefetch((const char *)(pp[i] + b * BB + 64 * j), _MM_HINT_T0);
+            if ((b & 31) == 0) _mm_prefetch((const char *)(ps[i] + b), _MM_HINT_T0);
             __m512 w8 = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_maskz_loadu_epi16((__mmask8)((1u << vb) - 1u), sp[i] + b)));
             UNROLL for (int j = 0; j < NV; j++) {
                 const __m512i wv = _mm512_maskz_loadu_epi8(bytes_mask((vb - VB * j) * BB), rp[i] + b * BB + 64 * j);
@@ -89,12 +100,10 @@ INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, in
                     __m512i a;
                     if (q4) {
                         const uint8_t *xg = xq[t] + (b / 4 + j) * 128;
-                        a = _mm512_maskz_expandloadu_epi32(0x1111, xs[t] + b + 4 * j);
-                        a = _mm512_dpbusd_epi32(a, _mm512_and_si512(wv, m4), _mm512_loadu_si512(xg));
+                        a = _mm512_dpbusd_epi32(corr[t][j], _mm512_and_si512(wv, m4), _mm512_loadu_si512(xg));
                         a = _mm512_dpbusd_epi32(a, _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4), _mm512_loadu_si512(xg + 64));
                     } else {
-                        a = _mm512_maskz_expandloadu_epi32(0x0101, xs[t] + b + 2 * j);
-                        a = _mm512_dpbusd_epi32(a, _mm512_xor_si512(wv, x80), _mm512_loadu_si512(xq[t] + (b + 2 * j) * QK));
+                        a = _mm512_dpbusd_epi32(corr[t][j], _mm512_xor_si512(wv, x80), _mm512_loadu_si512(xq[t] + (b + 2 * j) * QK));
                     }
                     acc[i][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), sx[t][j]), sw, acc[i][t]);
                 }
@@ -107,28 +116,24 @@ INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, in
 
 #define TILE(R, T)                                                                   \
     static void tile_##R##_##T(const cpumla_weight *w, int64_t r, const uint8_t *qx, int64_t per, float *y, \
-                               int64_t ldy) {                                        \
-        if (w->dtype == CPUMLA_Q4) tile(w, r, R, qx, per, T, y, ldy, 1);             \
-        else tile(w, r, R, qx, per, T, y, ldy, 0);                                   \
+                               int64_t ldy, int64_t pr) {                            \
+        if (w->dtype == CPUMLA_Q4) tile(w, r, R, qx, per, T, y, ldy, 1, pr);         \
+        else tile(w, r, R, qx, per, T, y, ldy, 0, pr);                               \
     }
 TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(1, 2) TILE(2, 2) TILE(3, 2) TILE(4, 2)
-typedef void (*tile_fn)(const cpumla_weight *, int64_t, const uint8_t *, int64_t, float *, int64_t);
+typedef void (*tile_fn)(const cpumla_weight *, int64_t, const uint8_t *, int64_t, float *, int64_t, int64_t);
 static const tile_fn tiles[2][4] = {{tile_1_1, tile_2_1, tile_3_1, tile_4_1}, {tile_1_2, tile_2_2, tile_3_2, tile_4_2}};
 
 static void gemm_q_avx512(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
                           int64_t r1) {
-    const int64_t per = QX_BYTES(w->cols);
+    const int64_t per = QX_BYTES(w->cols), data = w->dtype == CPUMLA_Q4 ? w->cols / 2 : w->cols;
+    const int64_t ahead = ((16384 + 4 * data - 1) / (4 * data)) * 4;     /* rows about 16 KiB ahead */
     for (int64_t r = r0; r < r1; r += 4) {
         const int R = r1 - r < 4 ? (int)(r1 - r) : 4;
-        if (n == 1 && r + 4 + 4 <= r1) {                  /* decode: fetch the next group's rows ahead */
-            for (int i = 0; i < 4; i++) {
-                const uint8_t *p = weight_row(w, r + 4 + i);
-                for (int64_t o = 0; o < w->row_bytes && o < 256; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T0);
-            }
-        }
+        int64_t pr = r + ahead + 4 <= r1 ? r + ahead : r;                /* the range's end: nothing new */
         for (int64_t t = 0; t < n; t += 2) {
             const int T = n - t < 2 ? 1 : 2;
-            tiles[T - 1][R - 1](w, r, (const uint8_t *)qx + t * per, per, y + t * ldy + (r - r0), ldy);
+            tiles[T - 1][R - 1](w, r, (const uint8_t *)qx + t * per, per, y + t * ldy + (r - r0), ldy, t ? r : pr);
         }
     }
 }
