@@ -169,7 +169,7 @@ class Quantizer:
                          (w.rows, w.cols), self.fmt)
         if fmt is None:
             return w
-        data = hugepage_empty((w.rows, w.cols // (2 if fmt == "q4" else 1)), np.int8 if fmt == "q8" else np.uint8)
+        data = _quant_arena.empty((w.rows, w.cols // (2 if fmt == "q4" else 1)), np.int8 if fmt == "q8" else np.uint8)
         scale = np.empty((w.rows, w.cols // native.QBLOCK), np.float16)
         step = max(1, self.STEP // max(1, w.cols))
         out = None
@@ -333,6 +333,9 @@ class _HugeArena:
 
 _arena = _HugeArena()
 hugepage_empty = _arena.empty
+# q8 / q4 weights made on load get arenas of their own: the source tensors they replace (dummy weights
+# in the arena above) then free their mappings when they die instead of sharing them with what stays
+_quant_arena = _HugeArena()
 
 
 def random_normal(shape, std: float, rng: np.random.Generator, bf16: bool) -> np.ndarray:
