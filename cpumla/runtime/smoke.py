@@ -31,6 +31,14 @@ NOT_IN_CONFIG = {"deepseek-ai/DeepSeek-V4-Flash": ("first_k_dense_replace", "int
                                                    "num_key_value_heads")}
 
 
+def quantizable(model: str) -> bool:
+    """Whether --quant covers this model's family (V4 not yet)."""
+    from cpumla.models import family
+    from cpumla.runtime.loader import load_config
+
+    return getattr(family(load_config(model)[0].model_type), "QUANTIZABLE", True)
+
+
 def default_overrides(model: str, extra: dict) -> dict:
     """The overrides of one default smoke run: SHRINK (less the keys its config lacks), the model's own
     entry, then the user's."""
