@@ -236,3 +236,23 @@ def test_quantize_api_reports_progress(tmp_path):
     assert len(shards) > 1                                          # 1 MiB shards
     assert s["bytes"] < 0.6 * s["source_bytes"]
     native.init("")
+
+
+SMALL = json.dumps({"num_hidden_layers": 2, "n_routed_experts": 4})
+
+
+def test_cli_quant_flags():
+    """--quant on chat, bench and serve's loader: it runs, and the model is in that format."""
+    p = cli("chat", "deepseek-ai/DeepSeek-V2-Lite-Chat", "--dummy-weights", "--hf-overrides", SMALL, "--quant", "q4",
+            "-p", "hi", "--max-tokens", "2", "--seed", "1")
+    assert p.returncode == 0, p.stderr
+    p = cli("bench", "deepseek-ai/DeepSeek-V2-Lite", "--dummy-weights", "--hf-overrides", SMALL, "--quant", "q8",
+            "-p", "8", "-n", "4", "-r", "1", "-t", "1", "-o", "json")
+    assert p.returncode == 0, p.stderr
+    assert {r["test"] for r in json.loads(p.stdout)} == {"pp8", "tg4"}
+    from cpumla.server.model import load_served
+
+    served, _ = load_served("deepseek-ai/DeepSeek-V2-Lite-Chat", dummy_weights=True, hf_overrides=json.loads(SMALL),
+                            quant="q8")
+    assert served.engine.matmul_format == "q8"
+    served.engine.close()
