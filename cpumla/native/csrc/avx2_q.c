@@ -2,7 +2,7 @@
  * Activations in column order (quant.h). A block's dot product: |w| (vpsignb w, w) times x with w's
  * sign (vpsignb x, w) in vpmaddubsw (|w| <= 127 and |x| <= 127, so the pair sums fit int16), then
  * vpmaddwd by ones: 8 exact int32 partial sums, converted and multiplied by wd * xd into fp32 lanes.
- * Q4 blocks are unpacked to nibble - 8 first (16 bytes -> low nibbles | high nibbles, in column order).
+ * Q4 runs two blocks a step (tile4), on activations in pairs of blocks (quant.h: this file's order).
  * Tiles of up to 4 rows x 2 tokens share each unpacked block and each activation load. */
 #include <immintrin.h>
 #include <stdint.h>
@@ -29,12 +29,13 @@ INLINE float hsum8(__m256 v) {
 }
 
 static void quant_x_avx2(int32_t wdtype, const float *x, int64_t K, void *qx) {
-    (void)wdtype;
+    const int q4 = wdtype == CPUMLA_Q4;
     int8_t *q = qx;
     float *d = qx_d(qx, K);
     int32_t *s = qx_s(qx, K);
     const int64_t nb = K / QK, kp = qx_kp(K);
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    if (q4) memset(q, 0, (size_t)kp);         /* the pair layout leaves a gap after an odd last block */
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * QK;
         __m256 v[4];
@@ -57,9 +58,15 @@ static void quant_x_avx2(int32_t wdtype, const float *x, int64_t K, void *qx) {
         /* packs interleave 128-bit lanes: [0a 1a 0b 1b] -> fix with a dword permute */
         __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
         p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(q + b * QK), p);
+        if (q4) {             /* pairs of blocks: [cols 0-15 of b, b+1 | cols 16-31 of b, b+1] */
+            int8_t *g = q + (b / 2) * 64 + (b % 2) * 16;
+            _mm_storeu_si128((__m128i *)g, _mm256_castsi256_si128(p));
+            _mm_storeu_si128((__m128i *)(g + 32), _mm256_extracti128_si256(p, 1));
+        } else {
+            _mm256_storeu_si256((__m256i *)(q + b * QK), p);
+        }
     }
-    memset(q + K, 0, (size_t)(kp - K));
+    if (!q4) memset(q + K, 0, (size_t)(kp - K));
     for (int64_t b = nb; b < kp / QK; b++) { d[b] = 0.0f; s[b] = 0; }
 }
 
@@ -99,10 +106,61 @@ INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, in
         for (int i = 0; i < R; i++) y[t * ldy + i] = hsum8(acc[i][t]);
 }
 
+/* Q4, two blocks a step: 32 bytes of weights give [cols 0-15 of b, b+1] (AND) and [cols 16-31] (shift),
+ * against quant_x's pair layout; the nibbles (0..15) are vpmaddubsw's unsigned operand as they are,
+ * and each block's lanes (0-3: b, 4-7: b+1) start from -2 times its activation code sum, so the four
+ * add up to the exact sum of (n - 8) * x. */
+INLINE void tile4(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
+                  int64_t ldy, int64_t pr) {
+    const int64_t K = w->cols, nb = K / QK;
+    const uint8_t *rp[4], *pp[4];
+    const uint16_t *sp[4], *ps[4];
+    for (int i = 0; i < 4; i++) {
+        rp[i] = weight_row(w, r + (i < R ? i : 0));
+        sp[i] = (const uint16_t *)w->scale + (r + (i < R ? i : 0)) * w->scale_ld;
+        pp[i] = weight_row(w, pr + (i < R ? i : 0));
+        ps[i] = (const uint16_t *)w->scale + (pr + (i < R ? i : 0)) * w->scale_ld;
+    }
+    const uint8_t *xq[2] = {qx, qx + (T > 1 ? per : 0)};
+    const float *xd[2] = {qx_d(xq[0], K), qx_d(xq[1], K)};
+    const int32_t *xs[2] = {qx_s(xq[0], K), qx_s(xq[1], K)};
+    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    __m256 acc[4][2];
+    for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b += 2) {
+        const int two = b + 1 < nb;
+        __m256i xlo[2], xhi[2], corr[2];
+        __m256 sx[2];
+        for (int t = 0; t < T; t++) {
+            xlo[t] = _mm256_loadu_si256((const __m256i *)(xq[t] + 32 * b));
+            xhi[t] = _mm256_loadu_si256((const __m256i *)(xq[t] + 32 * b + 32));
+            sx[t] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)(xd[t] + b)))), pair);
+            __m256i s2 = _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)(xs[t] + b))), pair);
+            corr[t] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(s2, 1));
+        }
+        for (int i = 0; i < R; i++) {
+            if ((b & 3) == 0) _mm_prefetch((const char *)(pp[i] + b * 16), _MM_HINT_T0);
+            if ((b & 31) == 0) _mm_prefetch((const char *)(ps[i] + b), _MM_HINT_T0);
+            const __m256i v = two ? _mm256_loadu_si256((const __m256i *)(rp[i] + 16 * b))
+                                  : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(rp[i] + 16 * b)));
+            const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            const uint32_t sc = sp[i][b] | (two ? (uint32_t)sp[i][b + 1] << 16 : 0u);
+            const __m256 sw = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128((int)sc))), pair);
+            for (int t = 0; t < T; t++) {
+                __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo[t]), _mm256_maddubs_epi16(hi, xhi[t]));
+                __m256i p = _mm256_add_epi32(_mm256_madd_epi16(p16, ones), corr[t]);
+                acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sw, sx[t]), acc[i][t]);
+            }
+        }
+    }
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < R; i++) y[t * ldy + i] = hsum8(acc[i][t]);
+}
+
 #define TILE(R, T)                                                                   \
     static void tile_##R##_##T(const cpumla_weight *w, int64_t r, const uint8_t *qx, int64_t per, float *y, \
                                int64_t ldy, int64_t pr) {                            \
-        if (w->dtype == CPUMLA_Q4) tile(w, r, R, qx, per, T, y, ldy, 1, pr);         \
+        if (w->dtype == CPUMLA_Q4) tile4(w, r, R, qx, per, T, y, ldy, pr);           \
         else tile(w, r, R, qx, per, T, y, ldy, 0, pr);                               \
     }
 TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(1, 2) TILE(2, 2) TILE(3, 2) TILE(4, 2)
