@@ -1,13 +1,14 @@
 /* avx512_q.c: Q8 / Q4 kernels with AVX-512 VNNI (compiled as avx512.c is). Semantics: scalar_q.c
  * (kernels.h). vpdpbusd multiplies unsigned by signed bytes, 4 per int32 lane: Q8 weights go in as
  * w + 128 (w ^ 0x80) and Q4 as the nibbles themselves, and the lanes start from the per-block
- * correction quant_x stored (-128 or -8 times the activation block's code sum, expanded into the
- * block's first lane), so the lanes of a block add up to its exact integer dot product.
- * Steps of 8 blocks per row: Q8 4 x 64 bytes (2 blocks a vector: lanes 0-7 and 8-15), Q4 2 x 64 bytes
- * (4 blocks a vector, low nibbles and high nibbles against the activation order of quant.h: lanes
- * 4j..4j+3 are block j). The 8 fp16 scales of the step are converted at once and spread over the
- * lanes with vpermps; the last step of a row is masked (weights and scales past the row read as zero,
- * the activation buffer is zero-padded to 256 columns). Tiles of up to 4 rows x 2 tokens. */
+ * correction quant_x stored (-128 or -8 times the activation block's code sum, in the block's first
+ * lane), so the lanes of a block add up to its exact integer dot product.
+ * Both formats run 4 blocks a vector pair, lanes 4j..4j+3 for block j: Q4's 64 bytes give the blocks'
+ * columns 0-15 (AND) and 16-31 (shift); Q8's 128 bytes are regrouped into the same two halves with
+ * vpermt2q. The activations are laid out to match (quant.h). Steps of 8 blocks per row: the 8 fp16
+ * scales of a step are converted at once and spread over the lanes with vpermps; the last step of a
+ * row is masked (weights and scales past the row read as zero, the activation buffer is zero-padded to
+ * 256 columns). Tiles of up to 4 rows x 2 tokens. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -34,11 +35,7 @@ static void quant_x_avx512(int32_t wdtype, const float *x, int64_t K, void *qx) 
         __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));    /* nearest even */
         __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
         s[b] = (q4 ? -8 : -128) * _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
-        int8_t *lo = q + b * QK, *hi = lo + 16;
-        if (q4) {
-            lo = q + (b / 4) * 128 + (b % 4) * 16;
-            hi = lo + 64;
-        }
+        int8_t *lo = q + (b / 4) * 128 + (b % 4) * 16, *hi = lo + 64;
         _mm_storeu_si128((__m128i *)lo, _mm512_cvtepi32_epi8(i0));
         _mm_storeu_si128((__m128i *)hi, _mm512_cvtepi32_epi8(i1));
     }
@@ -66,14 +63,13 @@ INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, in
     /* lane spreads of the 8 scales of a step: Q8 vector j has blocks 2j, 2j+1; Q4 vector j blocks 4j..4j+3 */
     __m512i spread[4];
     UNROLL for (int j = 0; j < 4; j++) {
-        spread[j] = q4 ? _mm512_setr_epi32(4 * j, 4 * j, 4 * j, 4 * j, 4 * j + 1, 4 * j + 1, 4 * j + 1, 4 * j + 1,
-                                           4 * j + 2, 4 * j + 2, 4 * j + 2, 4 * j + 2, 4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 3)
-                       : _mm512_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1,
-                                           2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1);
+        spread[j] = _mm512_setr_epi32(4 * j, 4 * j, 4 * j, 4 * j, 4 * j + 1, 4 * j + 1, 4 * j + 1, 4 * j + 1,
+                                      4 * j + 2, 4 * j + 2, 4 * j + 2, 4 * j + 2, 4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 3);
     }
-    const int NV = q4 ? 2 : 4;                      /* vectors a step */
-    const int64_t VB = q4 ? 4 : 2;                  /* blocks a vector */
+    const int NV = 2;                               /* groups of 4 blocks a step */
     const int64_t BB = q4 ? 16 : 32;                /* weight bytes a block */
+    /* Q8: the 16-byte halves of 4 blocks (two 64-byte loads) regrouped as Q4's low / high nibbles are */
+    const __m512i lo_half = _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13), hi_half = _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15);
     const __m512i x80 = _mm512_set1_epi8((char)0x80), m4 = _mm512_set1_epi8(15);
     __m512 acc[4][2];
     UNROLL for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
@@ -86,25 +82,31 @@ INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, in
             __m512i s8 = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xs[t] + b)));
             UNROLL for (int j = 0; j < NV; j++) {
                 sx[t][j] = _mm512_permutexvar_ps(spread[j], d8);
-                corr[t][j] = _mm512_maskz_permutexvar_epi32(q4 ? 0x1111 : 0x0101, spread[j], s8);
+                corr[t][j] = _mm512_maskz_permutexvar_epi32(0x1111, spread[j], s8);
             }
         }
         UNROLL for (int i = 0; i < R; i++) {
-            UNROLL for (int j = 0; j < NV; j++) _mm_prefetch((const char *)(pp[i] + b * BB + 64 * j), _MM_HINT_T0);
+            for (int j = 0; j < NV * (q4 ? 1 : 2); j++) _mm_prefetch((const char *)(pp[i] + b * BB + 64 * j), _MM_HINT_T0);
             if ((b & 31) == 0) _mm_prefetch((const char *)(ps[i] + b), _MM_HINT_T0);
             __m512 w8 = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_maskz_loadu_epi16((__mmask8)((1u << vb) - 1u), sp[i] + b)));
             UNROLL for (int j = 0; j < NV; j++) {
-                const __m512i wv = _mm512_maskz_loadu_epi8(bytes_mask((vb - VB * j) * BB), rp[i] + b * BB + 64 * j);
+                __m512i wlo, whi;            /* unsigned operands: cols 0-15 / 16-31 of blocks b+4j .. b+4j+3 */
+                if (q4) {
+                    const __m512i wv = _mm512_maskz_loadu_epi8(bytes_mask((vb - 4 * j) * 16), rp[i] + b * 16 + 64 * j);
+                    wlo = _mm512_and_si512(wv, m4);
+                    whi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
+                } else {
+                    const uint8_t *p = rp[i] + (b + 4 * j) * 32;
+                    const __m512i A = _mm512_maskz_loadu_epi8(bytes_mask((vb - 4 * j) * 32), p);
+                    const __m512i B = _mm512_maskz_loadu_epi8(bytes_mask((vb - 4 * j - 2) * 32), p + 64);
+                    wlo = _mm512_xor_si512(_mm512_permutex2var_epi64(A, lo_half, B), x80);
+                    whi = _mm512_xor_si512(_mm512_permutex2var_epi64(A, hi_half, B), x80);
+                }
                 const __m512 sw = _mm512_permutexvar_ps(spread[j], w8);
                 UNROLL for (int t = 0; t < T; t++) {
-                    __m512i a;
-                    if (q4) {
-                        const uint8_t *xg = xq[t] + (b / 4 + j) * 128;
-                        a = _mm512_dpbusd_epi32(corr[t][j], _mm512_and_si512(wv, m4), _mm512_loadu_si512(xg));
-                        a = _mm512_dpbusd_epi32(a, _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4), _mm512_loadu_si512(xg + 64));
-                    } else {
-                        a = _mm512_dpbusd_epi32(corr[t][j], _mm512_xor_si512(wv, x80), _mm512_loadu_si512(xq[t] + (b + 2 * j) * QK));
-                    }
+                    const uint8_t *xg = xq[t] + (b / 4 + j) * 128;
+                    __m512i a = _mm512_dpbusd_epi32(corr[t][j], wlo, _mm512_loadu_si512(xg));
+                    a = _mm512_dpbusd_epi32(a, whi, _mm512_loadu_si512(xg + 64));
                     acc[i][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), sx[t][j]), sw, acc[i][t]);
                 }
             }
