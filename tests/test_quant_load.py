@@ -191,6 +191,8 @@ def test_quantize_bad_input(real, real_q8, tmp_path):
     one_line_error(p, "--quant")
     p = cli("chat", str(real), "--quant", "int4", "-p", "hi")
     one_line_error(p, "--quant", "int4")
+    p = cli("bench", "--kernels", "--quant", "q4")
+    one_line_error(p, "--quant", "--formats")
     # an existing output directory: refused, untouched; replaced with --force
     existing = tmp_path / "exists"
     existing.mkdir()

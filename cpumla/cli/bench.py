@@ -61,6 +61,8 @@ def bench(
                               f"leave one of them out")
         if output in ("jsonl", "csv"):
             raise CpumlaError("--kernels prints md or json")
+        if quant is not None:
+            raise CpumlaError("--quant quantizes a model; --kernels measures q8 and q4 through --formats")
         thr = _ints(threads, "--threads")[0] if threads else None
         return _kernels(output, thr, formats, rows, cols, seconds, stream_mb)
     if model is None:
