@@ -262,3 +262,77 @@ def dsa_margins(scores: np.ndarray, index_topk: int) -> np.ndarray:
         if row.size > index_topk:
             out[t] = (row[index_topk - 1] - row[index_topk]) / max(np.abs(row).max(), 1e-30)
     return out
+
+
+# ---- cpumla's own q8 / q4 formats (cpumla.h, kernels.h) -------------------------------------------
+QK = 32
+
+
+def make_q_weight(fmt: str, rows: int, cols: int, rng: np.random.Generator):
+    """(data, scale, codes) of a random q8 / q4 weight laid out as cpumla.h describes: codes [rows, cols]
+    the signed code of each element (q8: q; q4: nibble - 8), scale float16 [rows, cols/32]."""
+    nb = cols // QK
+    scale = (rng.uniform(0.5, 2.0, (rows, nb)) * np.ldexp(1.0, rng.integers(-9, -4, (rows, nb)))).astype(np.float16)
+    if fmt == "q8":
+        codes = rng.integers(-127, 128, (rows, cols))
+        return codes.astype(np.int8), scale, codes
+    nib = rng.integers(0, 16, (rows, cols))
+    halves = nib.reshape(rows, nb, 2, 16)                        # [block][first 16 | last 16][i]
+    data = (halves[:, :, 0, :] | (halves[:, :, 1, :] << 4)).astype(np.uint8).reshape(rows, cols // 2)
+    return data, scale, nib - 8
+
+
+def quant_act(x: np.ndarray):
+    """kernels.h's activation quantization of x [..., K]: (codes int64 [..., K/32, 32], xd float32
+    [..., K/32]), every operation in float32 as specified."""
+    x = np.asarray(x, np.float32)
+    xb = x.reshape(x.shape[:-1] + (x.shape[-1] // QK, QK))
+    amax = np.abs(xb).max(-1)
+    xd = (amax / np.float32(127)).astype(np.float32)
+    safe = np.where(amax > 0, amax, np.float32(1)).astype(np.float32)
+    inv = np.where(amax > 0, np.float32(127) / safe, np.float32(0)).astype(np.float32)
+    q = np.rint((xb * inv[..., None]).astype(np.float32)).astype(np.int64)     # half to even
+    return q, xd
+
+
+class QLinear:
+    """Products with a q8 / q4 weight as kernels.h defines them, in float64: per block the exact
+    integer sum of code products, times the weight's scale and the activation block's xd."""
+
+    def __init__(self, codes: np.ndarray, scale: np.ndarray):
+        self.codes = codes.reshape(codes.shape[0], -1, QK)       # [R, nb, 32]
+        self.d = scale.astype(np.float64)                         # [R, nb]
+        self.W = (self.codes * self.d[..., None]).reshape(codes.shape[0], -1)
+
+    def __call__(self, x: np.ndarray, rows=slice(None)):
+        """(y, sum of |terms|) for x [..., K] against rows `rows`"""
+        q, xd = quant_act(x)
+        isum = np.einsum("rbi,...bi->...rb", self.codes[rows], q)          # exact integers
+        asum = np.einsum("rbi,...bi->...rb", np.abs(self.codes[rows]), np.abs(q))
+        f = self.d[rows] * xd.astype(np.float64)[..., None, :]
+        return (isum * f).sum(-1), (asum * f).sum(-1)
+
+    def error_bound(self, x: np.ndarray, rows=slice(None)):
+        """A bound on |y - W x| from rounding the activations: sum_c |W_c| xd_b / 2 (plus rounding slack)."""
+        _, xd = quant_act(x)
+        aw = np.abs(self.W[rows]).reshape(self.W[rows].shape[0], -1, QK).sum(-1)      # [R, nb]
+        return 0.5 * (aw * xd.astype(np.float64)[..., None, :]).sum(-1) * (1 + 1e-5)
+
+
+def quantize_ref(fmt: str, values: np.ndarray):
+    """cpumla.h's weight quantization of fp32 values [R, K]: (data, scale) as the library stores them."""
+    v = np.asarray(values, np.float32).reshape(values.shape[0], -1, QK)
+    if fmt == "q8":
+        d16 = (np.abs(v).max(-1) / np.float32(127)).astype(np.float16)
+        lo, hi = -127, 127
+    else:
+        first = np.take_along_axis(v, np.abs(v).argmax(-1)[..., None], -1)[..., 0]     # first largest |v|
+        d16 = (first / np.float32(-8)).astype(np.float16)
+        lo, hi = -8, 7
+    d = d16.astype(np.float32)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint((v * inv[..., None]).astype(np.float32)), lo, hi).astype(np.int64)
+    if fmt == "q8":
+        return q.astype(np.int8).reshape(values.shape), d16
+    n = (q + 8).reshape(v.shape[0], v.shape[1], 2, 16)
+    return (n[:, :, 0, :] | (n[:, :, 1, :] << 4)).astype(np.uint8).reshape(values.shape[0], -1), d16

@@ -143,6 +143,14 @@ def test_last_error_is_per_thread():
 
 # what each implementation's fill serves, per weight format (kernels.h who_fmt)
 def expected_owner(isa, kernel, fmt):
+    if fmt in native.QUANT_FORMATS:          # quant.c's q entries (test_quant.py checks them by name)
+        if kernel == "dequant" or isa == "scalar":
+            return "scalar"
+        if isa == "neon":
+            return None if kernel != "head_gemv_t" else "scalar"
+        if kernel == "head_gemv_t":
+            return "avx2"
+        return "avx512" if isa == "amx" else isa
     if isa in ("scalar", "neon", "avx512"):
         return isa
     if isa == "avx2":

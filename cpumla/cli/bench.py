@@ -12,7 +12,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from cpumla import native
 from cpumla.cli import render
-from cpumla.cli.options import check_threads, dummy_dtypes_help
+from cpumla.cli.options import QUANT_HELP, check_quant, check_threads, dummy_dtypes_help
 from cpumla.cli.overrides import parse_hf_overrides
 from cpumla.errors import CpumlaError
 
@@ -43,7 +43,8 @@ def bench(
     depths: str = typer.Option("0", "--n-depth", "-d", help="Comma-separated KV-cache depths."),
     output: str = typer.Option("md", "--output", "-o", help="md, json, jsonl or csv."),
     seed: int = typer.Option(0, "--seed"),
-    formats: str = typer.Option(",".join(("f32", "bf16", "f16", "e4m3", "e4m3-e8m0", "e2m1")), "--formats",
+    quant: str = typer.Option(None, "--quant", help=QUANT_HELP),
+    formats: str = typer.Option(",".join(("f32", "bf16", "f16", "e4m3", "e4m3-e8m0", "e2m1", "q8", "q4")), "--formats",
                                 help="--kernels: comma-separated GEMV weight formats."),
     rows: int = typer.Option(10944, "--rows", help="--kernels: GEMV rows (default: a V2-Lite dense layer)."),
     cols: int = typer.Option(2048, "--cols", help="--kernels: GEMV columns."),
@@ -51,6 +52,7 @@ def bench(
     stream_mb: int = typer.Option(512, "--stream-mb", help="--kernels: copies of each weight add up to this many "
                                   "MiB (keep it well above the last-level cache)."),
 ) -> None:
+    check_quant(quant)
     if output not in OUTPUTS:
         raise CpumlaError(f"unknown output format '{output}' (choose from: {', '.join(OUTPUTS)})")
     if kernels:
@@ -59,15 +61,18 @@ def bench(
                               f"leave one of them out")
         if output in ("jsonl", "csv"):
             raise CpumlaError("--kernels prints md or json")
+        if quant is not None:
+            raise CpumlaError("--quant quantizes a model; --kernels measures q8 and q4 through --formats")
         thr = _ints(threads, "--threads")[0] if threads else None
         return _kernels(output, thr, formats, rows, cols, seconds, stream_mb)
     if model is None:
         raise CpumlaError("name a model (or a preset with --dummy-weights), or pass --kernels")
     _model(model, dummy_weights, parse_hf_overrides(hf_overrides), dummy_dtype, n_prompt, n_gen, reps, threads,
-           depths, output, seed)
+           depths, output, seed, quant)
 
 
-def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, reps, threads, depths, output, seed):
+def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, reps, threads, depths, output, seed,
+           quant=None):
     import cpumla
     from cpumla.runtime import bench as mb
 
@@ -93,7 +98,9 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
         prog.update(task, description=f"loading {render.escape(model)}")
         t0 = time.perf_counter()
         eng = cpumla.load(model, dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed,
-                          max_seq_len=need, dummy_dtype=dummy_dtype)
+                          max_seq_len=need, dummy_dtype=dummy_dtype, quant=quant,
+                          progress=lambda done, total: prog.update(task, description=f"quantizing to {quant}",
+                                                                   completed=done, total=total))
         load_s = time.perf_counter() - t0
         probe = mb.BandwidthProbe(eng.model.probe_arrays())
         results = []

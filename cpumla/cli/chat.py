@@ -14,6 +14,7 @@ import time
 import typer
 
 from cpumla.cli import render
+from cpumla.cli.options import QUANT_HELP
 from cpumla.errors import CpumlaError
 
 PROGRESS_AFTER_S = 1.0    # a prefill running longer than this shows its progress on stderr
@@ -59,11 +60,13 @@ def chat(
     dummy_weights: bool = typer.Option(False, "--dummy-weights", metavar="", help="Deterministic random weights."),
     hf_overrides: str = typer.Option(None, "--hf-overrides", help="JSON merged into the config (as vLLM)."),
     threads: int = typer.Option(None, "--threads", "-t", help="Threads (default: one per core)."),
+    quant: str = typer.Option(None, "--quant", help=QUANT_HELP),
 ) -> None:
     from cpumla.chat.sampling import check
     from cpumla.chat.stops import parse_stop
-    from cpumla.cli.options import check_seed, check_threads
+    from cpumla.cli.options import check_quant, check_seed, check_threads
 
+    check_quant(quant)
     interactive = prompt is None and sys.stdin.isatty()
     if max_tokens < 1:
         raise CpumlaError("--max-tokens must be at least 1")
@@ -83,7 +86,7 @@ def chat(
         if not prompt.strip():
             raise CpumlaError("empty prompt (pass -p TEXT or pipe a prompt on stdin)")
     conv, info, notices = _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, system,
-                                sampling, think, interactive)
+                                sampling, think, interactive, quant)
     for n in warnings + notices:
         render.err.print(f"note: {n}", style="yellow", markup=False, highlight=False, soft_wrap=True)
     render.err.print(f"ready: {info['model']} loaded in {info['load_s']:.1f} s", style="dim", markup=False,
@@ -96,7 +99,8 @@ def chat(
 
 
 # ---- setup ----
-def _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, system, sampling, think, interactive):
+def _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, system, sampling, think, interactive,
+          quant=None):
     import cpumla
     from cpumla import native
     from cpumla.chat.chat_format import ChatFormat, detect_family
@@ -116,16 +120,10 @@ def _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, sys
             overrides = {**overrides, "vocab_size": tok.vocab_size}
         elif not tok.bundled:
             notices.append(f"the tokenizer has {tok.vocab_size} ids, the model {cfg.vocab_size}")
-    status = render.err.status(f"loading {model}") if interactive else None
-    if status:
-        status.start()
     t0 = time.perf_counter()
-    try:
+    with render.loading(f"loading {model}", quant, show=interactive or quant is not None) as progress:
         engine = cpumla.load(model, dummy_weights=dummy_weights, hf_overrides=overrides, seed=seed or 0,
-                             threads=threads, max_seq_len=ctx)
-    finally:
-        if status:
-            status.stop()
+                             threads=threads, max_seq_len=ctx, quant=quant, progress=progress)
     load_s = time.perf_counter() - t0
     notices += ctx_notes
     name = resolved.repo_id or (resolved.directory.name if resolved.directory else model)

@@ -45,7 +45,7 @@ def _main(version: bool = typer.Option(False, "--version", metavar="", is_eager=
 
 
 def _register() -> None:
-    from cpumla.cli import bench, chat, download, info, serve, smoke
+    from cpumla.cli import bench, chat, download, info, quantize, serve, smoke
 
     app.command("info", help="CPU, detected features, chosen kernel implementations, build flags.")(info.info)
     app.command("smoke", help="Run models end to end (dummy or real weights) and check the logits.")(smoke.smoke)
@@ -58,6 +58,7 @@ def _register() -> None:
         download.download
     )
     app.command("list", help="DeepSeek-family models in the Hugging Face cache, with sizes.")(download.list_models)
+    app.command("quantize", help="Write a checkpoint with q8 / q4 linear layers (loads zero-copy).")(quantize.quantize)
 
 
 _register()

@@ -47,3 +47,14 @@ def dummy_dtypes_help() -> str:
     from cpumla.runtime.weights import DUMMY_DTYPES
 
     return ", ".join(DUMMY_DTYPES[:-1]) + " or " + DUMMY_DTYPES[-1]
+
+
+QUANT_HELP = "Quantize the linear layers as they load: q8 (8.5 bits a weight) or q4 (4.5)."
+
+
+def check_quant(quant) -> None:
+    """--quant: None, q8 or q4."""
+    from cpumla.runtime.weights import QUANTS
+
+    if quant is not None and quant not in QUANTS:
+        raise CpumlaError(f"--quant must be one of {', '.join(QUANTS)}, not '{quant}'")

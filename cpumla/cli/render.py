@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import unicodedata
+from contextlib import contextmanager
 
 from rich.console import Console
 from rich.markup import escape as _markup_escape
@@ -78,3 +79,22 @@ def table(title: str | None, columns: list[str], rows: list[list[str]], right: s
     for r in rows:
         t.add_row(*[Text(one_line(v)) for v in r])
     out.print(t)
+
+
+@contextmanager
+def loading(label: str, quant: str | None, show: bool = True):
+    """A spinner on stderr while a model loads; with --quant, a bar of the quantization's progress.
+    Yields the progress callback to hand to cpumla.load (None without --quant)."""
+    if not show:
+        yield None
+        return
+    if quant is None:
+        with err.status(label):
+            yield None
+        return
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+                  TimeElapsedColumn(), console=err, transient=True) as prog:
+        task = prog.add_task(f"{label}: quantizing to {quant}", total=None)
+        yield lambda done, total: prog.update(task, completed=done, total=total)

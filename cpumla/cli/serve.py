@@ -10,6 +10,7 @@ import sys
 import typer
 
 from cpumla.cli import render
+from cpumla.cli.options import QUANT_HELP
 from cpumla.errors import CpumlaError
 
 
@@ -28,13 +29,17 @@ def serve(
                              "requests without their own."),
     max_queue: int = typer.Option(8, "--max-queue", help="Requests waiting for the engine before 503s."),
     tokenizer: str = typer.Option(None, "--tokenizer", help="A directory with tokenizer.json, or 'bundled'."),
+    quant: str = typer.Option(None, "--quant", help=QUANT_HELP),
 ) -> None:
     import uvicorn
+
+    from cpumla.cli.options import check_quant
 
     from cpumla.cli.overrides import parse_hf_overrides
     from cpumla.server.app import create_app
     from cpumla.server.model import load_served
 
+    check_quant(quant)
     if not 0 <= port <= 65535:
         raise CpumlaError(f"--port must be in 0..65535, not {port}")
     if max_queue < 0:
@@ -45,10 +50,10 @@ def serve(
         raise CpumlaError("--api-key is empty")
     overrides = parse_hf_overrides(hf_overrides)
     sock = _listen(host, port)
-    with render.err.status(f"loading {model}"):
+    with render.loading(f"loading {model}", quant) as progress:
         served, notices = load_served(model, dummy_weights=dummy_weights, hf_overrides=overrides,
                                       dummy_dtype=dummy_dtype, seed=seed or 0, threads=threads, ctx=ctx_size,
-                                      tokenizer=tokenizer)
+                                      tokenizer=tokenizer, quant=quant, progress=progress)
     for n in notices:
         render.err.print(f"note: {n}", style="yellow", markup=False, highlight=False, soft_wrap=True)
     if api_key is None and not _loopback(host):

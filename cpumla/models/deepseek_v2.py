@@ -150,6 +150,7 @@ class Config(ConfigBase):
                 g = self.n_group
                 need(self.n_routed_experts % g == 0, f"n_routed_experts {self.n_routed_experts} is not divisible by n_group {g}")
                 need(self.topk_group and 1 <= self.topk_group <= g, "'topk_group' must be between 1 and n_group")
+        W.check_quant_config(self.quantization_config, source)
 
     # ---- structure ----
     @property

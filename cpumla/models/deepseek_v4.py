@@ -39,6 +39,7 @@ from cpumla.models.native_model import ConfigBase, NativeModel
 from cpumla.runtime import weights as W
 
 MODEL_TYPES = ("deepseek_v4",)
+QUANTIZABLE = False      # --quant / `cpumla quantize`: not for V4 yet (its experts ship as FP4 already)
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 

@@ -27,7 +27,9 @@ except ImportError as e:  # pragma: no cover - only without a build
 ISAS = ("scalar", "avx2", "avx512", "amx", "neon")
 KERNELS = tuple(ffi.string(lib.cpumla_kernel_names()).decode().split())
 DTYPES = {"f32": lib.CPUMLA_F32, "bf16": lib.CPUMLA_BF16, "f16": lib.CPUMLA_F16,
-          "e4m3": lib.CPUMLA_E4M3, "e2m1": lib.CPUMLA_E2M1}
+          "e4m3": lib.CPUMLA_E4M3, "e2m1": lib.CPUMLA_E2M1, "q8": lib.CPUMLA_Q8, "q4": lib.CPUMLA_Q4}
+QUANT_FORMATS = ("q8", "q4")     # cpumla's own block formats (cpumla.h): made by quantize()
+QBLOCK = 32
 _state = {"isa": None}
 
 
@@ -150,8 +152,10 @@ class Weight:
     """A [rows, cols] weight in a checkpoint format, described for the kernels without copying.
 
     data: float32 (f32), uint16 (bf16 bit patterns; or a torch-style bf16 viewed as uint16), float16
-    (f16), uint8 (e4m3, or e2m1 packed two per byte: cols = 2 * bytes per row). scale: the block-scale
-    grid, float32 or uint8 (E8M0). Rows may be strided (a slice of a bigger tensor); columns contiguous.
+    (f16), uint8 (e4m3, or e2m1 packed two per byte: cols = 2 * bytes per row), int8 (q8), uint8 (q4,
+    two 4-bit codes per byte, cpumla.h's order). scale: the block-scale grid, float32 or uint8 (E8M0);
+    float16 [rows, cols/32] for q8 / q4. Rows may be strided (a slice of a bigger tensor); columns
+    contiguous.
     """
 
     data: np.ndarray
@@ -167,13 +171,18 @@ class Weight:
         d = self.data
         if d.ndim != 2 or (d.shape[1] > 1 and d.strides[1] != d.itemsize):
             raise CpumlaError("a weight must be 2-D with contiguous columns")
-        want = {"f32": 4, "bf16": 2, "f16": 2, "e4m3": 1, "e2m1": 1}[self.dtype]
+        want = {"f32": 4, "bf16": 2, "f16": 2, "e4m3": 1, "e2m1": 1, "q8": 1, "q4": 1}[self.dtype]
         if d.itemsize != want or d.dtype.kind not in "fui":
             raise CpumlaError(f"{self.dtype} weight needs {want}-byte elements, got {d.dtype}")
         checks.array(d, "weight", d.dtype, 2)
         self.rows = d.shape[0]
-        self.cols = d.shape[1] * (2 if self.dtype == "e2m1" else 1)
-        quant = self.dtype in ("e4m3", "e2m1")
+        self.cols = d.shape[1] * (2 if self.dtype in ("e2m1", "q4") else 1)
+        quant = self.dtype in ("e4m3", "e2m1", "q8", "q4")
+        own = self.dtype in QUANT_FORMATS
+        if own and (self.cols % QBLOCK or self.cols == 0):
+            raise CpumlaError(f"a {self.dtype} weight needs a positive multiple of {QBLOCK} columns, got {self.cols}")
+        if own and self.block not in (None, (1, QBLOCK)):
+            raise CpumlaError(f"a {self.dtype} weight has 1x{QBLOCK} blocks, not {self.block}")
         if quant and self.scale is None:
             raise CpumlaError(f"{self.dtype} weight needs a scale grid")
         if not quant and self.scale is not None:
@@ -189,12 +198,12 @@ class Weight:
                     or not all(isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= checks.I32_MAX
                                for b in block)):
                 raise CpumlaError(f"block {block!r} is not two positive integers")
-            s = checks.array(self.scale, "scale", (np.float32, np.uint8), 2)
+            s = checks.array(self.scale, "scale", (np.float16,) if own else (np.float32, np.uint8), 2)
             grid = (-(-self.rows // block[0]), -(-self.cols // block[1]))
             if tuple(s.shape) != grid:
                 raise CpumlaError(f"scale grid {tuple(s.shape)} does not fit a {self.rows}x{self.cols} "
                                   f"weight with {block[0]}x{block[1]} blocks (want {grid})")
-            c.scale_dtype = lib.CPUMLA_F32 if s.dtype == np.float32 else lib.CPUMLA_E8M0
+            c.scale_dtype = lib.CPUMLA_F16 if own else lib.CPUMLA_F32 if s.dtype == np.float32 else lib.CPUMLA_E8M0
             c.scale = ffi.cast("void *", s.ctypes.data)
             c.scale_ld = ld(s)
             c.block_rows, c.block_cols = block
@@ -283,6 +292,26 @@ def head_gemv_t(w: Weight, row0: int, head_stride: int, head_rows: int, x: np.nd
     _check(lib.cpumla_head_gemv_t(w.c, row0, head_stride, head_rows, H, n, fptr(x), ld(x, 0), ld(x, 1),
                                   fptr(y), ld(y, 0), ld(y, 1)))
     return y
+
+
+def quantize(w: Weight, fmt: str, data: np.ndarray | None = None, scale: np.ndarray | None = None,
+             rows: tuple[int, int] | None = None) -> Weight:
+    """w (any other format) in q8 or q4 (cpumla.h: cpumla_quantize), on every thread. data / scale:
+    where to put it (int8 [rows, cols] or uint8 [rows, cols/2]; float16 [rows, cols/32]), else new
+    arrays. rows: only (r0, r1) of them (the rest left as they are), for progress in steps."""
+    ensure_init()
+    if fmt not in QUANT_FORMATS:
+        raise CpumlaError(f"unknown quantized format '{fmt}' (choose from: {', '.join(QUANT_FORMATS)})")
+    if w.cols % QBLOCK:
+        raise CpumlaError(f"a {w.rows}x{w.cols} weight cannot be quantized: columns not a multiple of {QBLOCK}")
+    if data is None:
+        data = np.empty((w.rows, w.cols // (2 if fmt == "q4" else 1)), np.int8 if fmt == "q8" else np.uint8)
+    if scale is None:
+        scale = np.empty((w.rows, w.cols // QBLOCK), np.float16)
+    out = Weight(data, fmt, scale, (1, QBLOCK))
+    r0, r1 = rows or (0, w.rows)
+    _check(lib.cpumla_quantize(w.c, out.c, r0, r1))
+    return out
 
 
 def dequant(w: Weight) -> np.ndarray:

@@ -15,7 +15,7 @@ import numpy as np
 from cpumla import native
 
 STREAM_BYTES = 512 << 20        # copies of a weight add up to at least this much
-FORMATS = ("f32", "bf16", "f16", "e4m3", "e4m3-e8m0", "e2m1")
+FORMATS = ("f32", "bf16", "f16", "e4m3", "e4m3-e8m0", "e2m1", "q8", "q4")
 
 
 @dataclass
@@ -52,6 +52,11 @@ def random_weight(fmt: str, rows: int, cols: int, rng: np.random.Generator) -> n
         q = rng.integers(0, 256, size=(rows, cols // 2), dtype=np.uint8)
         scale = rng.integers(118, 124, size=(rows, cols // 32), dtype=np.uint8)
         return native.Weight(q, "e2m1", scale)
+    if fmt in native.QUANT_FORMATS:
+        scale = rng.uniform(1e-3, 1e-2, size=(rows, cols // 32)).astype(np.float16)
+        if fmt == "q8":
+            return native.Weight(rng.integers(-127, 128, size=(rows, cols), dtype=np.int8), "q8", scale)
+        return native.Weight(rng.integers(0, 256, size=(rows, cols // 2), dtype=np.uint8), "q4", scale)
     raise ValueError(fmt)
 
 
@@ -115,7 +120,7 @@ def run(formats=FORMATS, rows: int = 10944, cols: int = 2048, gemm_n: int = 128,
         step(f"gemv {fmt}")
         results.append(gemv_bandwidth(fmt, rows, cols, min_seconds, probe, rng, stream_bytes))
     if gemm_n > 0:
-        for fmt in ("f32", "bf16", "e4m3"):
+        for fmt in ("f32", "bf16", "e4m3", "q8", "q4"):
             step(f"gemm {fmt}")
             results.append(gemm_throughput(fmt, 2048, 2048, gemm_n, min_seconds, rng))
     return probe, results

@@ -79,6 +79,12 @@ class Engine:
         FP8 (e4m3) weights, whose block scale is folded into the activation before the rounding."""
         return self.matmul_format in ("bf16", "e4m3")
 
+    @property
+    def rounded_activations(self) -> bool:
+        """Whether the linear layers round their activations before the products: to bf16 (bf16 and
+        FP8 weights) or to int8 per block of 32 (q8 / q4 weights, kernels.h)."""
+        return self.matmul_format in ("bf16", "e4m3", "q8", "q4")
+
     def reset(self) -> None:
         with self._lock:
             self.pos = 0

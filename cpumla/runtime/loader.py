@@ -124,18 +124,30 @@ def check_memory(need: dict[str, int], dummy: bool, where: str) -> None:
 
 
 def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: int = 0, threads: int | None = None,
-         max_seq_len: int | None = None, dummy_dtype: str = "bf16"):
+         max_seq_len: int | None = None, dummy_dtype: str = "bf16", quant: str | None = None, progress=None):
     """An Engine for `model` (a local directory, a Hugging Face repo id in the local cache, or a known
     repo id whose config cpumla bundles). dummy_weights: deterministic random weights from `seed` in
-    the checkpoint's in-memory formats (dummy_dtype "bf16", or "fp8" as V3 ships). Raises CpumlaError,
-    also when the model cannot fit in memory (checked before anything is allocated)."""
+    the checkpoint's in-memory formats (dummy_dtype "bf16", or "fp8" as V3 ships). quant "q8" / "q4":
+    quantize the linear layers as they load (runtime/weights.py: quant_plan says which), calling
+    progress(done, total) (elements) as it goes. Raises CpumlaError, also when the model cannot fit in
+    memory (checked before anything is allocated)."""
+    from cpumla import native
     from cpumla.runtime.engine import PREFILL_CHUNK, Engine, context_length
-    from cpumla.runtime.weights import DummySource
+    from cpumla.runtime.weights import DummySource, Quantizer, quantized_as
 
+    if threads is not None:        # quantizing runs on the pool: size it first
+        native.ensure_init()
+        native.set_threads(threads)
+    quantizer = Quantizer(quant, progress) if quant is not None else None
     cfg, resolved = load_config(model, hf_overrides)
     fam = family(cfg.model_type)
     ctx = context_length(cfg, max_seq_len)
     where = f"preset {model}" if resolved.directory is None else str(resolved.directory)
+    if quantizer is not None:
+        if quantized_as(cfg):
+            raise CpumlaError(f"{model} is already quantized ({quantized_as(cfg)}): leave out --quant")
+        if not getattr(fam, "QUANTIZABLE", True):
+            raise CpumlaError(f"--quant is not supported for {cfg.model_type} yet")
     if dummy_weights:
         if dummy_dtype not in DUMMY_DTYPES:
             raise CpumlaError(f"dummy weight dtype must be {', '.join(DUMMY_DTYPES)}, got {dummy_dtype!r}")
@@ -149,4 +161,7 @@ def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: in
 
         check_memory(fam.memory_bytes(cfg, ctx, "bf16", PREFILL_CHUNK), False, where)
         src = Checkpoint(resolved.directory)
+    if quantizer is not None:
+        quantizer.plan_total(src, fam.tensors(cfg))
+        src.quantizer = quantizer
     return Engine(fam, cfg, src, max_seq_len=ctx, threads=threads)

@@ -326,3 +326,32 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         return f"Checkpoint({str(self.directory)!r}, {len(self.files)} shards, {len(self._where)} tensors)"
+
+
+def write_file(path: str | os.PathLike, entries, metadata: dict | None = None) -> int:
+    """Writes a .safetensors file: entries [(name, dtype, shape, get)] in that order, get() returning
+    the tensor (an array whose bytes are the data, called once, when its turn comes). The header is
+    padded with spaces so the data section starts 64-byte aligned. Returns the bytes written; OSError
+    (a full disk) propagates."""
+    header: dict = {}
+    off = 0
+    for name, dtype, shape, _ in entries:
+        n = _nbytes(dtype, tuple(shape))
+        header[name] = {"dtype": dtype, "shape": [int(d) for d in shape], "data_offsets": [off, off + n]}
+        off += n
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * ((-(8 + len(text))) % 64)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for name, dtype, shape, get in entries:
+            a = np.ascontiguousarray(get())
+            want = header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
+            if a.nbytes != want:
+                raise CpumlaError(f"{path}: tensor '{name}' has {a.nbytes} bytes, its header says {want}")
+            f.write(a.reshape(-1).view(np.uint8).data)
+        f.flush()
+        os.fsync(f.fileno())
+    return 8 + len(text) + off

@@ -31,6 +31,14 @@ NOT_IN_CONFIG = {"deepseek-ai/DeepSeek-V4-Flash": ("first_k_dense_replace", "int
                                                    "num_key_value_heads")}
 
 
+def quantizable(model: str) -> bool:
+    """Whether --quant covers this model's family (V4 not yet)."""
+    from cpumla.models import family
+    from cpumla.runtime.loader import load_config
+
+    return getattr(family(load_config(model)[0].model_type), "QUANTIZABLE", True)
+
+
 def default_overrides(model: str, extra: dict) -> dict:
     """The overrides of one default smoke run: SHRINK (less the keys its config lacks), the model's own
     entry, then the user's."""
@@ -41,10 +49,11 @@ def default_overrides(model: str, extra: dict) -> dict:
 def decode_tolerance(eng) -> float:
     """How far cached decode may drift from the full forward, relative to max |logit|. Both sum the
     same products in a different order; with bf16 or FP8 weights the activations are rounded to bf16
-    before each product (as transformers and llama.cpp do for bf16), so an fp32-sized difference can
-    flip one rounding and show up at bf16's resolution (2^-8) in a few logits. A cache bug (a wrong
+    before each product (as transformers and llama.cpp do for bf16), with q8 / q4 weights to int8 per
+    block of 32, so an fp32-sized difference can flip one rounding and show up at about that
+    resolution (2^-8) in a few logits. A cache bug (a wrong
     position or a stale row) moves every logit by far more than either bound."""
-    return 2.0 ** -6 if eng.bf16_activations else 1e-3
+    return 2.0 ** -6 if eng.rounded_activations else 1e-3
 
 
 @dataclass
@@ -64,13 +73,15 @@ class SmokeResult:
 
 
 def run(model: str, *, dummy_weights: bool, hf_overrides=None, seed: int = 0, threads: int | None = None,
-        prompt_tokens: int = 32, decode_tokens: int = 16, dummy_dtype: str = "bf16") -> SmokeResult:
+        prompt_tokens: int = 32, decode_tokens: int = 16, dummy_dtype: str = "bf16", quant: str | None = None,
+        progress=None) -> SmokeResult:
     import cpumla
 
     if prompt_tokens < 1 or decode_tokens < 1:
         raise CpumlaError("smoke needs at least one prompt token and one decode step")
     eng = cpumla.load(model, dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed, threads=threads,
-                      max_seq_len=prompt_tokens + decode_tokens + 1, dummy_dtype=dummy_dtype)
+                      max_seq_len=prompt_tokens + decode_tokens + 1, dummy_dtype=dummy_dtype, quant=quant,
+                      progress=progress)
     cfg = eng.config
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, cfg.vocab_size, size=prompt_tokens).tolist()
@@ -103,7 +114,7 @@ def run(model: str, *, dummy_weights: bool, hf_overrides=None, seed: int = 0, th
             status = _tie_or_bug(model, cfg, tokens, prompt_tokens, bad, err,
                                  dict(dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed,
                                       threads=threads, max_seq_len=prompt_tokens + decode_tokens + 1,
-                                      dummy_dtype=dummy_dtype))
+                                      dummy_dtype=dummy_dtype, quant=quant))
     return SmokeResult(model, cfg.model_type, cfg.num_hidden_layers, cfg.n_routed_experts or 0,
                        prompt_tokens / t_prefill, len(steps) / t_decode if steps else 0.0, err, status)
 

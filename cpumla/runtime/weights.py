@@ -19,6 +19,9 @@ from cpumla.errors import CpumlaError
 
 DUMMY_DTYPES = ("bf16", "fp8", "f32")     # --dummy-dtype: bf16 as V2 ships, FP8 block-scaled as V3, fp32
 FORMAT_OF = {"F32": "f32", "BF16": "bf16", "F16": "f16", "F8_E4M3": "e4m3"}
+QUANTS = native.QUANT_FORMATS              # --quant: cpumla's q8 / q4 (cpumla.h)
+QSCALE = "_qscale"                         # tensor X of a q8 / q4 checkpoint has its F16 scales in X + QSCALE
+Q_DTYPE = {"q8": "I8", "q4": "U8"}         # how a q8 / q4 tensor is stored in safetensors
 
 
 def where(src, name: str | None = None) -> str:
@@ -40,7 +43,39 @@ def _checked(src, name: str, shape) -> str:
 
 
 def linear(src, name: str, shape: tuple[int, int], block: tuple[int, int] = (128, 128)) -> native.Weight:
-    """A [out, in] weight in its checkpoint format; FP8 with its `weight_scale_inv` block grid."""
+    """A [out, in] weight in its checkpoint format (FP8 with its `weight_scale_inv` block grid; q8 / q4
+    with its `_qscale` grid), quantized to q8 / q4 when the source carries a Quantizer that asks for it
+    (`src.quantizer`, set by cpumla.load(..., quant=))."""
+    if src.has(name) and src.info(name)[0] in ("I8", "U8"):
+        w = stored_quantized(src, name, shape)
+    else:
+        w = stored_linear(src, name, shape, block)
+    qz = getattr(src, "quantizer", None)
+    return qz(name, w) if qz is not None else w
+
+
+def stored_quantized(src, name: str, shape: tuple[int, int]) -> native.Weight:
+    """A q8 (I8 [out, in]) or q4 (U8 [out, in/2]) tensor of a cpumla checkpoint with its F16 scale grid."""
+    dtype, got = src.info(name)
+    fmt = "q8" if dtype == "I8" else "q4"
+    want = (shape[0], shape[1] if fmt == "q8" else shape[1] // 2)
+    if tuple(got) != want or shape[1] % native.QBLOCK:
+        raise CpumlaError(f"{where(src, name)}: {fmt} tensor '{name}' has shape {list(got)}, config wants {list(want)}")
+    sname = name + QSCALE
+    if not src.has(sname):
+        raise CpumlaError(f"{where(src, name)}: {dtype} tensor '{name}' has no scale tensor '{sname}' "
+                          f"(a {fmt} checkpoint with a tensor missing)")
+    sdtype, sshape = src.info(sname)
+    grid = (shape[0], shape[1] // native.QBLOCK)
+    if sdtype != "F16" or tuple(sshape) != grid:
+        raise CpumlaError(f"{where(src, sname)}: '{sname}' is {sdtype} {list(sshape)}, want F16 {list(grid)} "
+                          f"(one scale per {native.QBLOCK} values)")
+    data = src.tensor(name)
+    return native.Weight(data.view(np.int8) if fmt == "q8" else data, fmt, src.tensor(sname).view(np.float16))
+
+
+def stored_linear(src, name: str, shape: tuple[int, int], block: tuple[int, int] = (128, 128)) -> native.Weight:
+    """A [out, in] weight as stored: f32 / bf16 / f16, or FP8 with its `weight_scale_inv` block grid."""
     dtype = _checked(src, name, shape)
     fmt = FORMAT_OF.get(dtype)
     if fmt is None:
@@ -55,6 +90,97 @@ def linear(src, name: str, shape: tuple[int, int], block: tuple[int, int] = (128
     if scale.dtype != np.float32 and scale.dtype != np.uint8:
         raise CpumlaError(f"{where(src, sname)}: '{sname}' must be F32 or F8_E8M0")
     return native.Weight(data, "e4m3", scale, block)
+
+
+# ---- quantize on load ------------------------------------------------------------------------------
+QUANT_VERSION = 1         # the layout of a checkpoint `cpumla quantize` writes (docs/quantization.md)
+
+
+def check_quant_config(qc, source: str) -> None:
+    """config.json's quantization_config: none, FP8 block (as DeepSeek ships), or cpumla's q8 / q4."""
+    if not qc:
+        return
+    if not isinstance(qc, dict):
+        raise CpumlaError(f"{source}: quantization_config must be an object")
+    method = qc.get("quant_method")
+    if method in (None, "fp8"):
+        return
+    if method != "cpumla":
+        raise CpumlaError(f"{source}: quantization '{method}' is not supported (fp8 block, or cpumla's q8 / q4)")
+    if qc.get("format_version") != QUANT_VERSION:
+        raise CpumlaError(f"{source}: cpumla quantization format_version {qc.get('format_version')!r} is not one this "
+                          f"cpumla reads ({QUANT_VERSION})")
+    if qc.get("format") not in QUANTS or qc.get("group_size") != native.QBLOCK:
+        raise CpumlaError(f"{source}: cpumla quantization wants format q8 or q4 with group_size {native.QBLOCK}, "
+                          f"got {qc.get('format')!r} / {qc.get('group_size')!r}")
+
+
+def quantized_as(cfg) -> str | None:
+    """q8 / q4 when the config says the checkpoint is cpumla-quantized, else None."""
+    qc = getattr(cfg, "quantization_config", None) or {}
+    return qc.get("format") if qc.get("quant_method") == "cpumla" else None
+
+def quant_plan(name: str, dtype: str, shape, fmt: str) -> str | None:
+    """The format a weight takes under --quant fmt, or None to keep it as stored. Kept: the MoE router
+    (its logits pick experts: fp32 products, as transformers), V3.2's indexer (it picks the attended
+    tokens), V4's mHC mixers, FP4 (already 4.25 bits), and widths not a multiple of 32. The output
+    head (lm_head, or the embedding tied to it) is q8 under q4 too: docs/quantization.md measures it."""
+    if dtype not in ("F32", "BF16", "F16", "F8_E4M3") or len(shape) != 2 or shape[1] % native.QBLOCK:
+        return None
+    if name.endswith(("mlp.gate.weight", "ffn.gate.weight")) or ".indexer." in name \
+            or name.split(".")[-1].startswith("hc_"):
+        return None
+    if name in ("lm_head.weight", "head.weight", "model.embed_tokens.weight", "embed.weight"):
+        return "q8"
+    return fmt
+
+
+class Quantizer:
+    """Quantize-on-load (cpumla.load(..., quant=)): linear() hands it each weight as stored, and it
+    returns the q8 / q4 Weight quant_plan() asks for (else the weight unchanged), made on every thread
+    (native.quantize) into huge-page memory. progress(done, total) is called with element counts after
+    each step of rows: total is what the model's tensor table plans (set by plan_total)."""
+
+    STEP = 1 << 22          # elements quantized between progress calls
+
+    def __init__(self, fmt: str, progress=None):
+        if fmt not in QUANTS:
+            raise CpumlaError(f"--quant must be one of {', '.join(QUANTS)}, not '{fmt}'")
+        self.fmt, self.progress = fmt, progress
+        self.done, self.total = 0, 0
+        self.formats: dict[str, int] = {}          # format -> weights made in it
+
+    def plan_total(self, src, table: dict) -> int:
+        """Elements the model's tensors (family tensors()) will quantize, for the progress total."""
+        total = 0
+        tied = not any(src.has(h) for h in ("lm_head.weight", "head.weight"))
+        for name, (shape, kind) in table.items():
+            if kind in ("norm", "bias") or (kind == "embed" and not tied):     # read by vector(): never quantized
+                continue
+            if src.has(name) and quant_plan(name, src.info(name)[0], src.info(name)[1], self.fmt):
+                total += int(np.prod(shape))
+        self.total = total
+        return total
+
+    def __call__(self, name: str, w: native.Weight) -> native.Weight:
+        if w.dtype in QUANTS:
+            raise CpumlaError(f"tensor '{name}' is already {w.dtype}: this checkpoint is quantized; leave out --quant")
+        fmt = quant_plan(name, {"f32": "F32", "bf16": "BF16", "f16": "F16", "e4m3": "F8_E4M3"}.get(w.dtype, ""),
+                         (w.rows, w.cols), self.fmt)
+        if fmt is None:
+            return w
+        data = _quant_arena.empty((w.rows, w.cols // (2 if fmt == "q4" else 1)), np.int8 if fmt == "q8" else np.uint8)
+        scale = np.empty((w.rows, w.cols // native.QBLOCK), np.float16)
+        step = max(1, self.STEP // max(1, w.cols))
+        out = None
+        for r0 in range(0, w.rows, step):
+            r1 = min(w.rows, r0 + step)
+            out = native.quantize(w, fmt, data, scale, rows=(r0, r1))
+            self.done += (r1 - r0) * w.cols
+            if self.progress is not None:
+                self.progress(self.done, max(self.total, self.done))
+        self.formats[fmt] = self.formats.get(fmt, 0) + 1
+        return out
 
 
 def vector(src, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -207,6 +333,9 @@ class _HugeArena:
 
 _arena = _HugeArena()
 hugepage_empty = _arena.empty
+# q8 / q4 weights made on load get arenas of their own: the source tensors they replace (dummy weights
+# in the arena above) then free their mappings when they die instead of sharing them with what stays
+_quant_arena = _HugeArena()
 
 
 def random_normal(shape, std: float, rng: np.random.Generator, bf16: bool) -> np.ndarray:

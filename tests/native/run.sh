@@ -84,7 +84,7 @@ for f in "$csrc"/*.c; do
     name=$(basename "$f")
     [[ " ${listed[*]} " == *" $name "* ]] || echo "warning: $name is not listed in FLAGS: not built" >&2
 done
-for t in test_kernels test_api harness; do
+for t in test_kernels test_api test_quant harness; do
     # shellcheck disable=SC2086
     $cc $common "${san[@]}" -Wno-unused-function -I"$csrc" -c "$tests/$t.c" -o "$out/$t.o" &
     pids+=($!)
@@ -92,7 +92,13 @@ done
 status=0
 for p in "${pids[@]}"; do wait "$p" || status=1; done
 [ $status = 0 ] || { echo "build failed" >&2; exit 1; }
-$cc "${san[@]}" -o "$out/test_kernels" "$out/test_kernels.o" "$out/test_api.o" "$out/harness.o" "${objs[@]}" -lm -lpthread
+$cc "${san[@]}" -o "$out/test_kernels" "$out/test_kernels.o" "$out/test_api.o" "$out/test_quant.o" "$out/harness.o" "${objs[@]}" -lm -lpthread
 
 echo "== $target: ${runner[*]:-native} $out/test_kernels ${args[*]:-} $*"
+if [ "$target" = arm ]; then
+    # qemu's default CPU has the dot-product extension (neon_q_dot.c); a Cortex-A57 has not (neon_q.c)
+    "${runner[@]}" "$out/test_kernels" "${args[@]}" "$@"
+    echo "== arm without the dot-product extension: QEMU_CPU=cortex-a57"
+    QEMU_CPU=cortex-a57 exec "${runner[@]}" "$out/test_kernels" "${args[@]}" "$@"
+fi
 exec "${runner[@]}" "$out/test_kernels" "${args[@]}" "$@"

@@ -529,6 +529,7 @@ static void test_read_sum(const cpumla_kernels *k) {
 
 /* ---- driver ----------------------------------------------------------------------------------- */
 void test_api(const char *expect_isa);   /* test_api.c */
+void test_quant(const cpumla_kernels *k);   /* test_quant.c: Q8 / Q4 */
 
 static void test_table(const char *name, const cpumla_kernels *k) {
     cur_isa = name;
@@ -537,11 +538,12 @@ static void test_table(const char *name, const cpumla_kernels *k) {
         {"dequant_row", test_dequant, K_DEQUANT}, {"rmsnorm_row", test_rmsnorm, K_RMSNORM},
         {"swiglu_row", test_swiglu, K_SWIGLU}, {"softmax_row", test_softmax, K_SOFTMAX},
         {"attn_part", test_attn_part, K_ATTN}, {"cache_row", test_cache_row, K_CACHE_ROW},
-        {"read_sum", test_read_sum, K_READ},
+        {"read_sum", test_read_sum, K_READ}, {"q8/q4", test_quant, K_GEMV},
     };
     for (size_t g = 0; g < sizeof groups / sizeof groups[0]; g++) {
         char who[128];
-        snprintf(who, sizeof who, "served by %s", k->who[groups[g].id] ? k->who[groups[g].id] : "nobody");
+        const char *owner = groups[g].fn == test_quant ? k->who_fmt[K_GEMV][CPUMLA_Q4] : k->who[groups[g].id];
+        snprintf(who, sizeof who, "served by %s", owner ? owner : "nobody");
         group_begin();
         watchdog(groups[g].group);
         /* the entries take their scratch from the current context, as under a public call */
@@ -578,6 +580,7 @@ int main(int argc, char **argv) {
         cpumla_kernels k;
         memset(&k, 0, sizeof k);
         for (int j = 0; j <= i; j++) impls[j].fill(&k);
+        for (int j = 0; j <= i; j++) cpumla_fill_quant(&k, impls[j].name);     /* as dispatch.c does */
         test_table(impls[i].name, &k);
     }
     test_api(expect_isa);

@@ -104,6 +104,12 @@ static inline float weight_at(const cpumla_weight *w, int64_t r, int64_t c) {
         uint8_t b = row[c >> 1];
         return cpumla_e2m1_lut[(c & 1) ? (b >> 4) : (b & 15)] * weight_scale(w, r, c);
     }
+    case CPUMLA_Q8: case CPUMLA_Q4: {                 /* quant.h: the layouts */
+        float d = f16_to_f32(((const uint16_t *)w->scale)[r * w->scale_ld + (c >> 5)]);
+        if (w->dtype == CPUMLA_Q8) return d * (float)((const int8_t *)row)[c];
+        uint8_t b = row[(c >> 5) * 16 + (c & 15)];
+        return d * (float)(((c & 16) ? (b >> 4) : (b & 15)) - 8);
+    }
     default: return NAN;
     }
 }

@@ -36,7 +36,9 @@ enum cpumla_dtype {
     CPUMLA_E2M1 = 4,   /* FP4 e2m1, two per byte: low nibble = even column, high nibble = odd column */
     CPUMLA_E8M0 = 5,   /* scale byte b means 2^(b-127) (0xff is NaN) */
     CPUMLA_I32 = 6,
-    CPUMLA_I64 = 7
+    CPUMLA_I64 = 7,
+    CPUMLA_Q8 = 8,     /* cpumla's 8-bit format: int8 codes, one fp16 scale per 32 (8.5 bits a weight) */
+    CPUMLA_Q4 = 9      /* cpumla's 4-bit format: 4-bit codes, one fp16 scale per 32 (4.5 bits a weight) */
 };
 
 /* One weight matrix, as stored in the checkpoint.
@@ -45,7 +47,12 @@ enum cpumla_dtype {
  *   E4M3 / E2M1 are multiplied by scale[(r/block_rows)*scale_ld + c/block_cols] (integer division:
  *   partial edge blocks, e.g. a [576, 7168] weight with a [5, 56] grid, just work).
  *   FP8 checkpoints: block 128x128, scale F32 (`weight_scale_inv`: multiplied, despite the name) or
- *   E8M0 (V4 `.scale`). FP4 experts: block 1x32, scale E8M0. */
+ *   E8M0 (V4 `.scale`). FP4 experts: block 1x32, scale E8M0.
+ *   Q8 / Q4 (cpumla's own, made by cpumla_quantize): block 1x32, scale F16 [rows, cols/32], cols a
+ *   multiple of 32. Q8: data int8 [rows, cols], W[r, c] = d[r, c/32] * q[r, c], q in [-127, 127].
+ *   Q4: data [rows, cols/2] bytes; in block b of a row (bytes 16b .. 16b+15) byte i holds column
+ *   32b+i in its low nibble and column 32b+16+i in its high nibble; W[r, c] = d[r, c/32] * (nib - 8).
+ *   Products with Q8 / Q4 weights quantize the activations to int8 per block of 32 (kernels.h). */
 typedef struct cpumla_weight {
     const void *data;
     const void *scale;      /* NULL unless dtype is E4M3 or E2M1 */
@@ -53,7 +60,7 @@ typedef struct cpumla_weight {
     int64_t row_bytes;      /* bytes from one row to the next */
     int64_t scale_ld;       /* elements from one scale-grid row to the next */
     int32_t dtype;          /* CPUMLA_F32 / BF16 / F16 / E4M3 / E2M1 */
-    int32_t scale_dtype;    /* CPUMLA_F32 or CPUMLA_E8M0 */
+    int32_t scale_dtype;    /* CPUMLA_F32 or CPUMLA_E8M0; CPUMLA_F16 for Q8 / Q4 */
     int32_t block_rows, block_cols;
 } cpumla_weight;
 
@@ -102,7 +109,7 @@ const char *cpumla_isa_list(void);             /* all implementations built in, 
 uint64_t cpumla_cpu_features(void);
 const char *cpumla_cpu_name(void);
 /* Which implementation serves a kernel: "gemv" names the file owning the table entry; "gemv:e2m1"
- * (gemv, gemm, head_gemv, head_gemv_t, dequant with f32 / bf16 / f16 / e4m3 / e2m1) the one that
+ * (gemv, gemm, head_gemv, head_gemv_t, dequant with f32 / bf16 / f16 / e4m3 / e2m1 / q8 / q4) the one that
  * really serves that weight format, with any hand-back that depends on the layout named in
  * parentheses. NULL for an unknown name. */
 const char *cpumla_kernel_impl(const char *kernel);
@@ -158,6 +165,14 @@ int cpumla_head_gemv_t(const cpumla_weight *w, int64_t row0, int64_t head_stride
 
 /* out[r - r0, c] = W[r, c] in fp32, rows [r0, r1): for load-time conversions and tests. */
 void cpumla_dequant(const cpumla_weight *w, int64_t r0, int64_t r1, float *out, int64_t ldo);
+
+/* Rows [r0, r1) of src (any weight format) quantized to dtype CPUMLA_Q8 or CPUMLA_Q4 into dst (a
+ * cpumla_weight of that dtype with its own data and scale buffers, the shape of src, block 1x32;
+ * row r of dst is written, r0 <= r < r1). Per block of 32 values v (dequantized to fp32):
+ *   Q8: d = fp16(max|v| / 127), q = clamp(nearest_even(v * (1 / d)), -127, 127)  (q = 0 when d = 0)
+ *   Q4: m = the v of largest |v| (the first), d = fp16(m / -8), q = clamp(nearest_even(v * (1 / d)), -8, 7) + 8
+ * Multi-threaded. Returns 0, or -1 (bad dtype or shape; cpumla_last_error() says why). */
+int cpumla_quantize(const cpumla_weight *src, const cpumla_weight *dst, int64_t r0, int64_t r1);
 
 /* ---- elementwise and small ops ---------------------------------------------------------------- */
 /* y = x / sqrt(mean(x^2) + eps) * weight, per row of dim values. weight: NULL (unweighted, V4's

@@ -245,6 +245,7 @@ static int init(const char *isa) {
     cpumla_kernels k;
     memset(&k, 0, sizeof k);
     for (int i = 0; i <= target; i++) isas[i].fill(&k);
+    for (int i = 0; i <= target; i++) cpumla_fill_quant(&k, isas[i].name);   /* quant.c: Q8 / Q4 */
     cpumla_k = k;
     snprintf(chosen, sizeof chosen, "%s", isas[target].name);
     cpumla_pool_threads();
@@ -285,7 +286,7 @@ const char *cpumla_kernel_names(void) {
     return buf;
 }
 
-static const char *fmt_names[CPUMLA_E2M1 + 1] = {"f32", "bf16", "f16", "e4m3", "e2m1"};
+static const char *fmt_names[CPUMLA_Q4 + 1] = {"f32", "bf16", "f16", "e4m3", "e2m1", [CPUMLA_Q8] = "q8", "q4"};
 
 /* "name" -> who[entry]; "name:fmt" -> who_fmt[entry][fmt] for the linear-algebra kernels */
 const char *cpumla_kernel_impl(const char *kernel) {
@@ -298,8 +299,8 @@ const char *cpumla_kernel_impl(const char *kernel) {
         int id = kernel_names[i].id;
         if (!colon) return id < 0 ? "portable" : cpumla_k.who[id];
         if (id < K_GEMV || id > K_DEQUANT) return NULL;
-        for (int f = 0; f <= CPUMLA_E2M1; f++)
-            if (!strcmp(colon + 1, fmt_names[f])) return cpumla_k.who_fmt[id][f];
+        for (int f = 0; f <= CPUMLA_Q4; f++)
+            if (fmt_names[f] && !strcmp(colon + 1, fmt_names[f])) return cpumla_k.who_fmt[id][f];
         return NULL;
     }
     return NULL;

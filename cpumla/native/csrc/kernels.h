@@ -18,6 +18,17 @@
  * code (exact) multiplies e4m3_act (common.h), bf16(x * scale of its block), and the products sum in
  * fp32. So an FP8 product is a bf16 product too, with no scale applied per block to partial sums.
  * F32, F16 and E2M1 weights multiply x as given (E2M1: scale applied once per block's partial sum).
+ *
+ * Q8 / Q4 weights (cpumla.h; quant.h has the layouts): gemv and gemm quantize the activation row to
+ * int8 per block of 32 first (quant_x): amax = max |x_i| over the block, xd = amax / 127 (fp32
+ * division), id = amax > 0 ? 127 / amax : 0 (fp32 division), xq_i = nearest_even(x_i * id) (fp32
+ * product), so |xq_i| <= 127. Then, in fp32,
+ *   y_r = sum over blocks b, in order, of (float)(sum_i wq_{r,b,i} * xq_{b,i}) * (wd_{r,b} * xd_b)
+ * with the integer sums exact (wq = q for Q8, nibble - 8 for Q4; wd the fp16 scale as fp32). Every
+ * implementation computes the same integer sums; only the fp32 additions over blocks are associated
+ * differently. gemv_t (the MLA absorb) and dequant_row keep fp32: y[c] += (x_i * wd) * wq.
+ * The table entries gemv, gemm, gemv_t and dequant_row take Q8 / Q4 weights too: quant.c wraps the
+ * entries the implementations installed and sends those two formats to the q entries below.
  */
 #ifndef CPUMLA_KERNELS_H
 #define CPUMLA_KERNELS_H
@@ -86,12 +97,25 @@ typedef struct cpumla_kernels {
      * instruction), fp32 FMAs where it decodes the weights first */
     double (*dot_loop)(int64_t iters, float *sink);
 
+    /* ---- Q8 / Q4 weights (quant.h: the activation buffer qx and its layout per implementation) ---- */
+    /* one activation row x [K] (K a multiple of 32) -> qx, in this implementation's layout for
+     * weights of dtype wdtype (CPUMLA_Q8 / CPUMLA_Q4) */
+    void (*quant_x)(int32_t wdtype, const float *x, int64_t K, void *qx);
+    /* y[t*ldy + i] = W[r0 + i, :] . x_t for t < n, from the quantized rows qx + t * QX_BYTES(K) */
+    void (*gemm_q)(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
+                   int64_t r1);
+    /* gemv_t and dequant_row for Q8 / Q4 (fp32 activations) */
+    void (*gemv_t_q)(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y, int64_t c0,
+                     int64_t c1);
+    void (*dequant_q)(const cpumla_weight *w, int64_t r, int64_t c0, int64_t c1, float *out);
+
     const char *who[K_COUNT];
 
     /* who_fmt[K_GEMV .. K_DEQUANT][weight dtype]: the implementation that really serves that format
      * through the entry (one that hands a format back to the entry it replaced names the one below);
-     * a hand-back that depends on the layout is named in parentheses. cpumla_kernel_impl("gemv:e2m1"). */
-    const char *who_fmt[K_DEQUANT + 1][CPUMLA_E2M1 + 1];
+     * a hand-back that depends on the layout is named in parentheses. cpumla_kernel_impl("gemv:e2m1").
+     * Entries 5..7 (not weight formats) stay NULL. */
+    const char *who_fmt[K_DEQUANT + 1][CPUMLA_Q4 + 1];
 } cpumla_kernels;
 
 /* ---- scratch ------------------------------------------------------------------------------------
@@ -115,6 +139,7 @@ enum cpumla_scratch_slot {
     CPUMLA_SCRATCH_AVX512_E4_PANEL,  /* avx512_bf16.c: decoded e4m3 panel */
     CPUMLA_SCRATCH_AVX512_GT,        /* avx512_bf16.c: gemv_t sums */
     CPUMLA_SCRATCH_AMX_PANEL,        /* amx.c: packed weight panel */
+    CPUMLA_SCRATCH_QX,               /* quant.c: quantized activations of a Q8 / Q4 product */
     CPUMLA_SCRATCH_COUNT
 };
 CPUMLA_INTERNAL void *cpumla_scratch(int slot, size_t bytes);
@@ -131,6 +156,10 @@ void cpumla_fill_avx512_rows(cpumla_kernels *k);   /* avx512_rows.c; called by c
 void cpumla_fill_amx(cpumla_kernels *k);
 void cpumla_fill_neon(cpumla_kernels *k);
 void cpumla_fill_neon_rows(cpumla_kernels *k);     /* neon_rows.c; called by cpumla_fill_neon */
+/* Q8 / Q4 (quant.c): called by dispatch.c once per layer of the chosen chain, after every layer's fill;
+ * "scalar" installs the spec and wraps gemv / gemm / gemv_t / dequant_row so that Q8 / Q4 weights go
+ * to the q entries, the others fill the q entries they implement (unknown names: none). */
+void cpumla_fill_quant(cpumla_kernels *k, const char *isa);
 
 /* The flags each file was compiled with, recorded by the build (CPUMLA_FLAGS_<ISA> macros). */
 extern const char cpumla_flags_scalar[], cpumla_flags_avx2[], cpumla_flags_avx512[],

@@ -1,0 +1,214 @@
+/* avx2_q.c: Q8 / Q4 kernels with AVX2 (compiled as avx2.c is). Semantics: scalar_q.c (kernels.h).
+ * Activations in column order (quant.h). A block's dot product: |w| (vpsignb w, w) times x with w's
+ * sign (vpsignb x, w) in vpmaddubsw (|w| <= 127 and |x| <= 127, so the pair sums fit int16), then
+ * vpmaddwd by ones: 8 exact int32 partial sums, converted and multiplied by wd * xd into fp32 lanes.
+ * Q4 runs two blocks a step (tile4), on activations in pairs of blocks (quant.h: this file's order).
+ * Tiles of up to 4 rows x 2 tokens share each unpacked block and each activation load. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include "common.h"
+#include "kernels.h"
+#include "quant.h"
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* the 32 signed codes of block b of a row */
+INLINE __m256i ld_block(const uint8_t *row, int64_t b, int q4) {
+    if (!q4) return _mm256_loadu_si256((const __m256i *)(row + 32 * b));
+    __m128i v = _mm_loadu_si128((const __m128i *)(row + 16 * b));
+    __m256i n = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
+    return _mm256_sub_epi8(n, _mm256_set1_epi8(8));
+}
+
+INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static void quant_x_avx2(int32_t wdtype, const float *x, int64_t K, void *qx) {
+    const int q4 = wdtype == CPUMLA_Q4;
+    int8_t *q = qx;
+    float *d = qx_d(qx, K);
+    int32_t *s = qx_s(qx, K);
+    const int64_t nb = K / QK, kp = qx_kp(K);
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    if (q4) memset(q, 0, (size_t)kp);         /* the pair layout leaves a gap after an odd last block */
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + b * QK;
+        __m256 v[4];
+        for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps(xb + 8 * k);
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absm), _mm256_and_ps(v[1], absm)),
+                                 _mm256_max_ps(_mm256_and_ps(v[2], absm), _mm256_and_ps(v[3], absm)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4), id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = amax / 127.0f;
+        const __m256 vid = _mm256_set1_ps(id);
+        __m256i i[4];
+        for (int k = 0; k < 4; k++) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], vid));   /* nearest even */
+        __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        s[b] = _mm_cvtsi128_si32(s4);
+        /* packs interleave 128-bit lanes: [0a 1a 0b 1b] -> fix with a dword permute */
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        if (q4) {             /* pairs of blocks: [cols 0-15 of b, b+1 | cols 16-31 of b, b+1] */
+            int8_t *g = q + (b / 2) * 64 + (b % 2) * 16;
+            _mm_storeu_si128((__m128i *)g, _mm256_castsi256_si128(p));
+            _mm_storeu_si128((__m128i *)(g + 32), _mm256_extracti128_si256(p, 1));
+        } else {
+            _mm256_storeu_si256((__m256i *)(q + b * QK), p);
+        }
+    }
+    if (!q4) memset(q + K, 0, (size_t)(kp - K));
+    for (int64_t b = nb; b < kp / QK; b++) { d[b] = 0.0f; s[b] = 0; }
+}
+
+/* y[t*ldy + i] = row r + i . token t, i < R, t < T; the lines of rows pr.. at the same offsets are
+ * prefetched (a later group: four new row streams are more than the hardware prefetchers follow) */
+INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
+                 int64_t ldy, int q4, int64_t pr) {
+    const int64_t K = w->cols, nb = K / QK, bb = q4 ? 16 : 32;
+    const uint8_t *rp[4], *pp[4];
+    const uint16_t *sp[4], *ps[4];
+    for (int i = 0; i < 4; i++) {
+        rp[i] = weight_row(w, r + (i < R ? i : 0));
+        sp[i] = (const uint16_t *)w->scale + (r + (i < R ? i : 0)) * w->scale_ld;
+        pp[i] = weight_row(w, pr + (i < R ? i : 0));
+        ps[i] = (const uint16_t *)w->scale + (pr + (i < R ? i : 0)) * w->scale_ld;
+    }
+    const uint8_t *xq[2] = {qx, qx + (T > 1 ? per : 0)};
+    const float *xd[2] = {qx_d(xq[0], K), qx_d(xq[1], K)};
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4][2];
+    for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i xv[2];
+        for (int t = 0; t < T; t++) xv[t] = _mm256_loadu_si256((const __m256i *)(xq[t] + b * QK));
+        for (int i = 0; i < R; i++) {
+            if (((b * bb) & 63) == 0) _mm_prefetch((const char *)(pp[i] + b * bb), _MM_HINT_T0);
+            if ((b & 31) == 0) _mm_prefetch((const char *)(ps[i] + b), _MM_HINT_T0);
+            const __m256i wv = ld_block(rp[i], b, q4), aw = _mm256_sign_epi8(wv, wv);
+            const float dw = _cvtsh_ss(sp[i][b]);
+            for (int t = 0; t < T; t++) {
+                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[t], wv)), ones);
+                acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xd[t][b]), acc[i][t]);
+            }
+        }
+    }
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < R; i++) y[t * ldy + i] = hsum8(acc[i][t]);
+}
+
+/* Q4, two blocks a step: 32 bytes of weights give [cols 0-15 of b, b+1] (AND) and [cols 16-31] (shift),
+ * against quant_x's pair layout; the nibbles (0..15) are vpmaddubsw's unsigned operand as they are,
+ * and each block's lanes (0-3: b, 4-7: b+1) start from -2 times its activation code sum, so the four
+ * add up to the exact sum of (n - 8) * x. */
+INLINE void tile4(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
+                  int64_t ldy, int64_t pr) {
+    const int64_t K = w->cols, nb = K / QK;
+    const uint8_t *rp[4], *pp[4];
+    const uint16_t *sp[4], *ps[4];
+    for (int i = 0; i < 4; i++) {
+        rp[i] = weight_row(w, r + (i < R ? i : 0));
+        sp[i] = (const uint16_t *)w->scale + (r + (i < R ? i : 0)) * w->scale_ld;
+        pp[i] = weight_row(w, pr + (i < R ? i : 0));
+        ps[i] = (const uint16_t *)w->scale + (pr + (i < R ? i : 0)) * w->scale_ld;
+    }
+    const uint8_t *xq[2] = {qx, qx + (T > 1 ? per : 0)};
+    const float *xd[2] = {qx_d(xq[0], K), qx_d(xq[1], K)};
+    const int32_t *xs[2] = {qx_s(xq[0], K), qx_s(xq[1], K)};
+    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    __m256 acc[4][2];
+    for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b += 2) {
+        const int two = b + 1 < nb;
+        __m256i xlo[2], xhi[2], corr[2];
+        __m256 sx[2];
+        for (int t = 0; t < T; t++) {
+            xlo[t] = _mm256_loadu_si256((const __m256i *)(xq[t] + 32 * b));
+            xhi[t] = _mm256_loadu_si256((const __m256i *)(xq[t] + 32 * b + 32));
+            sx[t] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)(xd[t] + b)))), pair);
+            __m256i s2 = _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)(xs[t] + b))), pair);
+            corr[t] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(s2, 1));
+        }
+        for (int i = 0; i < R; i++) {
+            if ((b & 3) == 0) _mm_prefetch((const char *)(pp[i] + b * 16), _MM_HINT_T0);
+            if ((b & 31) == 0) _mm_prefetch((const char *)(ps[i] + b), _MM_HINT_T0);
+            const __m256i v = two ? _mm256_loadu_si256((const __m256i *)(rp[i] + 16 * b))
+                                  : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(rp[i] + 16 * b)));
+            const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            const uint32_t sc = sp[i][b] | (two ? (uint32_t)sp[i][b + 1] << 16 : 0u);
+            const __m256 sw = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128((int)sc))), pair);
+            for (int t = 0; t < T; t++) {
+                __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo[t]), _mm256_maddubs_epi16(hi, xhi[t]));
+                __m256i p = _mm256_add_epi32(_mm256_madd_epi16(p16, ones), corr[t]);
+                acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sw, sx[t]), acc[i][t]);
+            }
+        }
+    }
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < R; i++) y[t * ldy + i] = hsum8(acc[i][t]);
+}
+
+#define TILE(R, T)                                                                   \
+    static void tile_##R##_##T(const cpumla_weight *w, int64_t r, const uint8_t *qx, int64_t per, float *y, \
+                               int64_t ldy, int64_t pr) {                            \
+        if (w->dtype == CPUMLA_Q4) tile4(w, r, R, qx, per, T, y, ldy, pr);           \
+        else tile(w, r, R, qx, per, T, y, ldy, 0, pr);                               \
+    }
+TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(1, 2) TILE(2, 2) TILE(3, 2) TILE(4, 2)
+typedef void (*tile_fn)(const cpumla_weight *, int64_t, const uint8_t *, int64_t, float *, int64_t, int64_t);
+static const tile_fn tiles[2][4] = {{tile_1_1, tile_2_1, tile_3_1, tile_4_1}, {tile_1_2, tile_2_2, tile_3_2, tile_4_2}};
+
+/* rows in groups of 4 (outer: they stay in cache), tokens in pairs */
+static void gemm_q_avx2(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
+                        int64_t r1) {
+    const int64_t per = QX_BYTES(w->cols), data = w->dtype == CPUMLA_Q4 ? w->cols / 2 : w->cols;
+    const int64_t ahead = ((16384 + 4 * data - 1) / (4 * data)) * 4;     /* rows about 16 KiB ahead */
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int R = r1 - r < 4 ? (int)(r1 - r) : 4;
+        const int64_t pr = r + ahead + 4 <= r1 ? r + ahead : r;
+        for (int64_t t = 0; t < n; t += 2) {
+            const int T = n - t < 2 ? 1 : 2;
+            tiles[T - 1][R - 1](w, r, (const uint8_t *)qx + t * per, per, y + t * ldy + (r - r0), ldy, t ? r : pr);
+        }
+    }
+}
+
+/* y[c - c0] += (x[i] * wd) * wq, rows in order; 8 columns at a time inside a block */
+static void gemv_t_q_avx2(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y, int64_t c0,
+                          int64_t c1) {
+    const int q4 = w->dtype == CPUMLA_Q4;
+    for (int64_t c = c0; c < c1; c++) y[c - c0] = 0.0f;
+    int8_t wq[QK] __attribute__((aligned(32)));
+    for (int64_t i = 0; i < nr; i++) {
+        const uint8_t *row = weight_row(w, r0 + i);
+        for (int64_t b = c0 / QK; b * QK < c1; b++) {
+            _mm256_store_si256((__m256i *)wq, q4 ? ld_block(row, b, 1) : ld_block(row, b, 0));
+            const float xs = x[i] * q_scale(w, r0 + i, b);
+            const __m256 vx = _mm256_set1_ps(xs);
+            int64_t c = b * QK > c0 ? b * QK : c0;
+            const int64_t hi = (b + 1) * QK < c1 ? (b + 1) * QK : c1;
+            for (; c + 8 <= hi; c += 8) {
+                __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wq + c - b * QK))));
+                _mm256_storeu_ps(y + c - c0, _mm256_fmadd_ps(vx, f, _mm256_loadu_ps(y + c - c0)));
+            }
+            for (; c < hi; c++) y[c - c0] += xs * (float)wq[c - b * QK];
+        }
+    }
+}
+
+void cpumla_fill_avx2_q(cpumla_kernels *k) {
+    k->quant_x = quant_x_avx2;
+    k->gemm_q = gemm_q_avx2;
+    k->gemv_t_q = gemv_t_q_avx2;
+    for (int f = CPUMLA_Q8; f <= CPUMLA_Q4; f++)
+        k->who_fmt[K_GEMV][f] = k->who_fmt[K_GEMM][f] = k->who_fmt[K_GEMV_T][f] = "avx2";
+}

@@ -1,0 +1,117 @@
+/* neon_q.c: Q8 / Q4 kernels for aarch64 (semantics: scalar_q.c, kernels.h). Built twice: here at
+ * baseline armv8-a (widening multiplies vmull_s8 + pairwise adds, exact in int32), and as
+ * neon_q_dot.c with NEON_Q_DOT defined and +dotprod (sdot: 4 int8 products into each int32 lane),
+ * chosen by quant.c when the CPU has ASIMDDP. Activations in column order (quant.h). Q4 blocks are
+ * unpacked to nibble - 8: low nibbles are the block's first 16 columns, high nibbles its last 16.
+ * gemv_t and dequant keep the scalar spec's. Up to 4 rows a token share each activation load. */
+#include <arm_neon.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include "common.h"
+#include "kernels.h"
+#include "quant.h"
+
+#ifdef NEON_Q_DOT
+#define FN(name) name##_dot
+#define WHO "neon (sdot)"
+#else
+#define FN(name) name
+#define WHO "neon"
+#endif
+#define INLINE static inline __attribute__((always_inline))
+
+/* int32 lanes summing to the dot product of 32 codes */
+INLINE int32x4_t dot32(int8x16_t w0, int8x16_t w1, int8x16_t x0, int8x16_t x1) {
+#ifdef NEON_Q_DOT
+    return vdotq_s32(vdotq_s32(vdupq_n_s32(0), w0, x0), w1, x1);
+#else
+    int32x4_t a = vpaddlq_s16(vmull_s8(vget_low_s8(w0), vget_low_s8(x0)));
+    a = vpadalq_s16(a, vmull_high_s8(w0, x0));
+    a = vpadalq_s16(a, vmull_s8(vget_low_s8(w1), vget_low_s8(x1)));
+    return vpadalq_s16(a, vmull_high_s8(w1, x1));
+#endif
+}
+
+static void FN(quant_x_neon)(int32_t wdtype, const float *x, int64_t K, void *qx) {
+    (void)wdtype;
+    int8_t *q = qx;
+    float *d = qx_d(qx, K);
+    int32_t *s = qx_s(qx, K);
+    const int64_t nb = K / QK, kp = qx_kp(K);
+    for (int64_t b = 0; b < nb; b++) {
+        float32x4_t v[8];
+        for (int k = 0; k < 8; k++) v[k] = vld1q_f32(x + b * QK + 4 * k);
+        float32x4_t m = vabsq_f32(v[0]);
+        for (int k = 1; k < 8; k++) m = vmaxq_f32(m, vabsq_f32(v[k]));
+        const float amax = vmaxvq_f32(m), id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = amax / 127.0f;
+        int32x4_t iv[8], sum = vdupq_n_s32(0);
+        for (int k = 0; k < 8; k++) {
+            iv[k] = vcvtnq_s32_f32(vmulq_n_f32(v[k], id));          /* nearest even */
+            sum = vaddq_s32(sum, iv[k]);
+        }
+        s[b] = vaddvq_s32(sum);
+        for (int k = 0; k < 8; k += 2) {
+            int16x8_t h = vcombine_s16(vmovn_s32(iv[k]), vmovn_s32(iv[k + 1]));
+            vst1_s8(q + b * QK + 4 * k, vmovn_s16(h));
+        }
+    }
+    memset(q + K, 0, (size_t)(kp - K));
+    for (int64_t b = nb; b < kp / QK; b++) { d[b] = 0.0f; s[b] = 0; }
+}
+
+INLINE void ld_block(const uint8_t *row, int64_t b, int q4, int8x16_t *w0, int8x16_t *w1) {
+    if (!q4) {
+        *w0 = vld1q_s8((const int8_t *)row + 32 * b);
+        *w1 = vld1q_s8((const int8_t *)row + 32 * b + 16);
+        return;
+    }
+    uint8x16_t v = vld1q_u8(row + 16 * b);
+    *w0 = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(15))), vdupq_n_s8(8));
+    *w1 = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), vdupq_n_s8(8));
+}
+
+INLINE void rows4(const cpumla_weight *w, int64_t r, int R, const uint8_t *xq, float *y, int q4) {
+    const int64_t K = w->cols, nb = K / QK;
+    const float *xd = qx_d(xq, K);
+    const uint8_t *rp[4];
+    const uint16_t *sp[4];
+    float32x4_t acc[4];
+    for (int i = 0; i < 4; i++) {
+        rp[i] = weight_row(w, r + (i < R ? i : 0));
+        sp[i] = (const uint16_t *)w->scale + (r + (i < R ? i : 0)) * w->scale_ld;
+        acc[i] = vdupq_n_f32(0.0f);
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const int8x16_t x0 = vld1q_s8((const int8_t *)xq + b * QK), x1 = vld1q_s8((const int8_t *)xq + b * QK + 16);
+        for (int i = 0; i < R; i++) {
+            int8x16_t w0, w1;
+            ld_block(rp[i], b, q4, &w0, &w1);
+            const float s = f16_to_f32(sp[i][b]) * xd[b];
+            acc[i] = vfmaq_n_f32(acc[i], vcvtq_f32_s32(dot32(w0, w1, x0, x1)), s);
+        }
+    }
+    for (int i = 0; i < R; i++) y[i] = vaddvq_f32(acc[i]);
+}
+
+static void FN(gemm_q_neon)(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
+                            int64_t r1) {
+    const int64_t per = QX_BYTES(w->cols);
+    const int q4 = w->dtype == CPUMLA_Q4;
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int R = r1 - r < 4 ? (int)(r1 - r) : 4;
+        for (int64_t t = 0; t < n; t++) {
+            const uint8_t *xq = (const uint8_t *)qx + t * per;
+            float *yt = y + t * ldy + (r - r0);
+            if (q4) rows4(w, r, R, xq, yt, 1);
+            else rows4(w, r, R, xq, yt, 0);
+        }
+    }
+}
+
+void FN(cpumla_fill_neon_q)(cpumla_kernels *k) {
+    k->quant_x = FN(quant_x_neon);
+    k->gemm_q = FN(gemm_q_neon);
+    for (int f = CPUMLA_Q8; f <= CPUMLA_Q4; f++) k->who_fmt[K_GEMV][f] = k->who_fmt[K_GEMM][f] = WHO;
+}

@@ -1,0 +1,162 @@
+/* quant.c: Q8 / Q4 weights (quant.h) in the kernel table, and cpumla_quantize.
+ *
+ * The implementations' gemv / gemm / gemv_t / dequant_row entries know the checkpoint formats only.
+ * cpumla_fill_quant(k, "scalar"), called by dispatch.c after every layer has filled the table, wraps
+ * those four entries: a Q8 / Q4 weight goes to the q entries (quant_x + gemm_q for gemv and gemm:
+ * the activation rows of the call are quantized once per task into this thread's scratch), any other
+ * weight to the entry that was there. The q entries themselves come from each layer's q fill
+ * (scalar_q.c, avx2_q.c, avx512_q.c, neon_q.c / neon_q_dot.c), best last, and are never touched by
+ * the other fills, so who_fmt[..][CPUMLA_Q8 / Q4] names the file that really serves them. */
+#include <stdio.h>
+#include <string.h>
+#include "common.h"
+#include "dispatch.h"
+#include "quant.h"
+#include "threadpool.h"
+
+static void (*base_gemv)(const cpumla_weight *, const float *, float *, int64_t, int64_t);
+static void (*base_gemm)(const cpumla_weight *, const float *, int64_t, int64_t, float *, int64_t, int64_t,
+                         int64_t);
+static void (*base_gemv_t)(const cpumla_weight *, int64_t, int64_t, const float *, float *, int64_t, int64_t);
+static void (*base_dequant)(const cpumla_weight *, int64_t, int64_t, int64_t, float *);
+
+/* the q entries of the table last filled (its best layer's), for the wrappers */
+static void (*q_quant_x)(int32_t, const float *, int64_t, void *);
+static void (*q_gemm)(const cpumla_weight *, const void *, int64_t, float *, int64_t, int64_t, int64_t);
+static void (*q_gemv_t)(const cpumla_weight *, int64_t, int64_t, const float *, float *, int64_t, int64_t);
+static void (*q_dequant)(const cpumla_weight *, int64_t, int64_t, int64_t, float *);
+
+static int is_q(const cpumla_weight *w) { return w->dtype == CPUMLA_Q8 || w->dtype == CPUMLA_Q4; }
+
+/* n activation rows quantized into this thread's scratch, then gemm_q; out of memory: nothing done
+ * (the context is marked failed and the call returns -1) */
+static void gemm_q_route(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy,
+                         int64_t r0, int64_t r1) {
+    if (!is_q(w)) { base_gemm(w, x, ldx, n, y, ldy, r0, r1); return; }
+    if (n <= 0 || r1 <= r0) return;
+    const int64_t K = w->cols, per = QX_BYTES(K);
+    uint8_t *qx = cpumla_scratch(CPUMLA_SCRATCH_QX, (size_t)(per * n));
+    if (!qx) return;
+    for (int64_t t = 0; t < n; t++) q_quant_x(w->dtype, x + t * ldx, K, qx + t * per);
+    q_gemm(w, qx, n, y, ldy, r0, r1);
+}
+
+static void gemv_q_route(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
+    if (!is_q(w)) { base_gemv(w, x, y, r0, r1); return; }
+    gemm_q_route(w, x, 0, 1, y, 0, r0, r1);
+}
+
+static void gemv_t_q_route(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y, int64_t c0,
+                           int64_t c1) {
+    if (is_q(w)) q_gemv_t(w, r0, nr, x, y, c0, c1);
+    else base_gemv_t(w, r0, nr, x, y, c0, c1);
+}
+
+static void dequant_q_route(const cpumla_weight *w, int64_t r, int64_t c0, int64_t c1, float *out) {
+    if (is_q(w)) q_dequant(w, r, c0, c1, out);
+    else base_dequant(w, r, c0, c1, out);
+}
+
+void cpumla_fill_quant(cpumla_kernels *k, const char *isa) {
+    if (!strcmp(isa, "scalar")) {
+        if (k->gemv != gemv_q_route) base_gemv = k->gemv;
+        if (k->gemm != gemm_q_route) base_gemm = k->gemm;
+        if (k->gemv_t != gemv_t_q_route) base_gemv_t = k->gemv_t;
+        if (k->dequant_row != dequant_q_route) base_dequant = k->dequant_row;
+        k->gemv = gemv_q_route;
+        k->gemm = gemm_q_route;
+        k->gemv_t = gemv_t_q_route;
+        k->dequant_row = dequant_q_route;
+        cpumla_fill_scalar_q(k);
+    }
+#if defined(__x86_64__)
+    else if (!strcmp(isa, "avx2")) cpumla_fill_avx2_q(k);
+    else if (!strcmp(isa, "avx512")) cpumla_fill_avx512_q(k);
+#elif defined(__aarch64__)
+    else if (!strcmp(isa, "neon")) {
+        if (cpumla_cpu_features() & CPUMLA_FEAT_NEON_DOTPROD) cpumla_fill_neon_q_dot(k);
+        else cpumla_fill_neon_q(k);
+    }
+#endif
+    q_quant_x = k->quant_x;
+    q_gemm = k->gemm_q;
+    q_gemv_t = k->gemv_t_q;
+    q_dequant = k->dequant_q;
+}
+
+/* ---- cpumla_quantize ------------------------------------------------------------------------------ */
+/* One block of 32 fp32 values -> codes (Q8: int8; Q4: the 16 packed bytes) and the fp16 scale. */
+static uint16_t quantize_block(int32_t dtype, const float *v, uint8_t *out) {
+    if (dtype == CPUMLA_Q8) {
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+        uint16_t d16 = f32_to_f16(amax / 127.0f);
+        float d = f16_to_f32(d16), id = d > 0.0f ? 1.0f / d : 0.0f;
+        for (int i = 0; i < QK; i++) {
+            float q = rintf(v[i] * id);
+            q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+            out[i] = (uint8_t)(int8_t)q;
+        }
+        return d16;
+    }
+    float m = 0.0f;
+    for (int i = 0; i < QK; i++) m = fabsf(v[i]) > fabsf(m) ? v[i] : m;
+    uint16_t d16 = f32_to_f16(m / -8.0f);
+    float d = f16_to_f32(d16), id = d != 0.0f ? 1.0f / d : 0.0f;
+    uint8_t n[QK];
+    for (int i = 0; i < QK; i++) {
+        float q = rintf(v[i] * id);
+        q = q > 7.0f ? 7.0f : q < -8.0f ? -8.0f : q;
+        n[i] = (uint8_t)((int)q + 8);
+    }
+    for (int i = 0; i < 16; i++) out[i] = (uint8_t)(n[i] | (n[16 + i] << 4));
+    return d16;
+}
+
+typedef struct {
+    const cpumla_weight *src, *dst;
+    int64_t r0, r1, rows_per_task;
+} quant_job;
+
+static void quantize_task(void *p, int64_t t, int tid) {
+    (void)tid;
+    quant_job *j = p;
+    const int64_t K = j->src->cols, nb = K / QK;
+    float *row = cpumla_scratch(CPUMLA_SCRATCH_QX, sizeof(float) * (size_t)K);
+    if (!row) return;
+    const int64_t a = j->r0 + t * j->rows_per_task, b = a + j->rows_per_task < j->r1 ? a + j->rows_per_task : j->r1;
+    const int64_t bb = j->dst->dtype == CPUMLA_Q8 ? QK : QK / 2;     /* bytes per block */
+    for (int64_t r = a; r < b; r++) {
+        cpumla_k.dequant_row(j->src, r, 0, K, row);
+        uint8_t *q = (uint8_t *)j->dst->data + r * j->dst->row_bytes;
+        uint16_t *s = (uint16_t *)j->dst->scale + r * j->dst->scale_ld;
+        for (int64_t blk = 0; blk < nb; blk++) s[blk] = quantize_block(j->dst->dtype, row + blk * QK, q + blk * bb);
+    }
+}
+
+int cpumla_quantize(const cpumla_weight *src, const cpumla_weight *dst, int64_t r0, int64_t r1) {
+    char msg[200];
+    msg[0] = 0;
+    if (dst->dtype != CPUMLA_Q8 && dst->dtype != CPUMLA_Q4)
+        snprintf(msg, sizeof msg, "quantize: the target must be Q8 or Q4 (dtype %d)", (int)dst->dtype);
+    else if (src->dtype == CPUMLA_Q8 || src->dtype == CPUMLA_Q4)
+        snprintf(msg, sizeof msg, "quantize: the source is already quantized (Q8 / Q4)");
+    else if (src->rows != dst->rows || src->cols != dst->cols)
+        snprintf(msg, sizeof msg, "quantize: source %lldx%lld and target %lldx%lld differ", (long long)src->rows,
+                 (long long)src->cols, (long long)dst->rows, (long long)dst->cols);
+    else if (src->cols % QK || src->cols <= 0)
+        snprintf(msg, sizeof msg, "quantize: %lld columns is not a positive multiple of 32", (long long)src->cols);
+    else if (!dst->scale || dst->scale_dtype != CPUMLA_F16 || dst->block_rows != 1 || dst->block_cols != QK)
+        snprintf(msg, sizeof msg, "quantize: the target needs an F16 scale grid of 1x32 blocks");
+    else if (r0 < 0 || r1 > src->rows || r0 > r1)
+        snprintf(msg, sizeof msg, "quantize: rows [%lld, %lld) are outside the weight", (long long)r0, (long long)r1);
+    if (msg[0]) {
+        cpumla_set_error(msg);
+        return -1;
+    }
+    cpumla_enter(NULL);
+    cpumla_ensure_init();
+    quant_job j = {src, dst, r0, r1, 16};
+    cpumla_pool_run((r1 - r0 + 15) / 16, quantize_task, &j);
+    return cpumla_leave(0);
+}

@@ -1,0 +1,74 @@
+/* scalar_q.c: the spec of the Q8 / Q4 kernels (kernels.h, quant.h), portable C. The activation row is
+ * quantized per block of 32 (q_act_block, quant.h); each block's integer dot product is exact, scaled
+ * by wd * xd and added in block order. gemv_t and dequant_row keep fp32. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include "common.h"
+#include "kernels.h"
+#include "quant.h"
+
+/* codes in column order, xd per block, the int32 is the block's code sum; zero padding past K */
+static void quant_x_scalar(int32_t wdtype, const float *x, int64_t K, void *qx) {
+    (void)wdtype;
+    int8_t *q = qx;
+    float *d = qx_d(qx, K);
+    int32_t *s = qx_s(qx, K);
+    const int64_t nb = K / QK, kp = qx_kp(K);
+    for (int64_t b = 0; b < nb; b++) {
+        d[b] = q_act_block(x + b * QK, q + b * QK);
+        int32_t sum = 0;
+        for (int i = 0; i < QK; i++) sum += q[b * QK + i];
+        s[b] = sum;
+    }
+    memset(q + K, 0, (size_t)(kp - K));
+    for (int64_t b = nb; b < kp / QK; b++) { d[b] = 0.0f; s[b] = 0; }
+}
+
+static float row_dot_q(const cpumla_weight *w, int64_t r, const int8_t *xq, const float *xd) {
+    float acc = 0.0f;
+    int8_t wq[QK];
+    for (int64_t b = 0; b < w->cols / QK; b++) {
+        q_block(w, r, b, wq);
+        int32_t isum = 0;
+        for (int i = 0; i < QK; i++) isum += (int32_t)wq[i] * (int32_t)xq[b * QK + i];
+        acc += (float)isum * (q_scale(w, r, b) * xd[b]);
+    }
+    return acc;
+}
+
+static void gemm_q_scalar(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
+                          int64_t r1) {
+    const int64_t K = w->cols, per = QX_BYTES(K);
+    for (int64_t t = 0; t < n; t++) {
+        const uint8_t *xt = (const uint8_t *)qx + t * per;
+        for (int64_t r = r0; r < r1; r++) y[t * ldy + (r - r0)] = row_dot_q(w, r, (const int8_t *)xt, qx_d(xt, K));
+    }
+}
+
+/* y[c - c0] = sum_i (x[i] * wd) * wq, rows in order */
+static void gemv_t_q_scalar(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y, int64_t c0,
+                            int64_t c1) {
+    for (int64_t c = c0; c < c1; c++) y[c - c0] = 0.0f;
+    int8_t wq[QK];
+    for (int64_t i = 0; i < nr; i++) {
+        for (int64_t b = c0 / QK; b * QK < c1; b++) {
+            q_block(w, r0 + i, b, wq);
+            const float xs = x[i] * q_scale(w, r0 + i, b);
+            const int64_t lo = b * QK > c0 ? b * QK : c0, hi = (b + 1) * QK < c1 ? (b + 1) * QK : c1;
+            for (int64_t c = lo; c < hi; c++) y[c - c0] += xs * (float)wq[c - b * QK];
+        }
+    }
+}
+
+static void dequant_q_scalar(const cpumla_weight *w, int64_t r, int64_t c0, int64_t c1, float *out) {
+    for (int64_t c = c0; c < c1; c++) out[c - c0] = weight_at(w, r, c);
+}
+
+void cpumla_fill_scalar_q(cpumla_kernels *k) {
+    k->quant_x = quant_x_scalar;
+    k->gemm_q = gemm_q_scalar;
+    k->gemv_t_q = gemv_t_q_scalar;
+    k->dequant_q = dequant_q_scalar;
+    for (int i = K_GEMV; i <= K_DEQUANT; i++) k->who_fmt[i][CPUMLA_Q8] = k->who_fmt[i][CPUMLA_Q4] = "scalar";
+}

@@ -1,0 +1,187 @@
+/* test_quant.c: the Q8 / Q4 entries of a kernel table (gemv, gemm, gemv_t, dequant_row with cpumla's
+ * own formats) against double-precision references written from cpumla.h and kernels.h, independently
+ * of scalar_q.c / quant.h: weights are generated with their codes and fp16 scales, the activations
+ * quantized here as kernels.h defines it, the integer block sums taken exactly. */
+#include "kernels.h"
+#include "ref.h"
+
+#define QSENT 12345.0f
+
+typedef struct {
+    cpumla_weight w;
+    void *data;
+    uint16_t *scale;
+    int *codes;        /* [rows, cols]: signed code (Q4: nibble - 8) */
+    double *d;         /* [rows, cols/32]: scale values */
+} qweight;
+
+/* Rows padded by pad bytes (poisoned 0xff), one extra poisoned scale column (fp16 NaN). */
+static qweight make_qweight(int64_t rows, int64_t cols, int dtype, int64_t pad) {
+    qweight t;
+    memset(&t, 0, sizeof t);
+    int64_t nb = cols / 32, rb = (dtype == CPUMLA_Q8 ? cols : cols / 2) + pad, sld = nb + 1;
+    uint8_t *data = xalloc((size_t)(rows * rb) + 64);
+    memset(data, 0xff, (size_t)(rows * rb) + 64);
+    t.scale = xalloc(sizeof(uint16_t) * (size_t)(rows * sld) + 64);
+    t.codes = xalloc(sizeof(int) * (size_t)(rows * cols));
+    t.d = xalloc(sizeof(double) * (size_t)(rows * nb));
+    for (int64_t r = 0; r < rows; r++) {
+        t.scale[r * sld + nb] = 0x7e00;
+        for (int64_t b = 0; b < nb; b++) {
+            double v = ldexp(1024 + (double)(rng_u64() % 1024), (int)(rng_u64() % 5) - 19);
+            if (rng_u64() & 1) v = -v;
+            t.scale[r * sld + b] = ref_f16_bits(v);
+            t.d[r * nb + b] = ref_f16(t.scale[r * sld + b]);
+        }
+        uint8_t *row = data + r * rb;
+        for (int64_t c = 0; c < cols; c++) {
+            if (dtype == CPUMLA_Q8) {
+                int q = (int)(rng_u64() % 255) - 127;
+                row[c] = (uint8_t)(int8_t)q;
+                t.codes[r * cols + c] = q;
+            } else {
+                /* block b: byte 16b + i holds column 32b + i (low nibble) and 32b + 16 + i (high) */
+                int nib = (int)(rng_u64() % 16);
+                int64_t b = c / 32, i = c % 32, at = 16 * b + (i % 16);
+                row[at] = (uint8_t)(i < 16 ? (row[at] & 0xf0) | nib : (row[at] & 0x0f) | (nib << 4));
+                t.codes[r * cols + c] = nib - 8;
+            }
+        }
+    }
+    t.data = data;
+    t.w.data = data;
+    t.w.scale = t.scale;
+    t.w.rows = rows;
+    t.w.cols = cols;
+    t.w.row_bytes = rb;
+    t.w.scale_ld = sld;
+    t.w.dtype = dtype;
+    t.w.scale_dtype = CPUMLA_F16;
+    t.w.block_rows = 1;
+    t.w.block_cols = 32;
+    return t;
+}
+
+static void free_qweight(qweight *t) { free(t->data); free(t->scale); free(t->codes); free(t->d); }
+
+static double qvalue(const qweight *t, int64_t r, int64_t c) {
+    return t->codes[r * t->w.cols + c] * t->d[r * (t->w.cols / 32) + c / 32];
+}
+
+/* kernels.h's activation quantization of one block (every step in fp32) */
+static double ref_qact(const float *x, int *q) {
+    float amax = 0.0f;
+    for (int i = 0; i < 32; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    volatile float xd = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int i = 0; i < 32; i++) {
+        volatile float p = x[i] * id;
+        q[i] = (int)nearbyint(p);
+    }
+    return xd;
+}
+
+/* the product of row r with x as kernels.h defines it; *mag = sum of |block terms| */
+static double ref_qdot(const qweight *t, int64_t r, const float *x, double *mag) {
+    int64_t nb = t->w.cols / 32;
+    double s = 0, a = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        int q[32];
+        double xd = ref_qact(x + 32 * b, q);
+        long long isum = 0, asum = 0;
+        for (int i = 0; i < 32; i++) {
+            long long p = (long long)t->codes[r * t->w.cols + 32 * b + i] * q[i];
+            isum += p;
+            asum += p < 0 ? -p : p;
+        }
+        double f = t->d[r * nb + b] * xd;
+        s += (double)isum * f;
+        a += (double)asum * fabs(f);
+    }
+    *mag = a;
+    return s;
+}
+
+static const struct { int64_t rows, cols, pad; } qcases[] = {
+    {1, 32, 0}, {3, 64, 5}, {9, 224, 0}, {33, 288, 3}, {70, 1408, 0}, {5, 7168, 0},
+};
+#define N_QCASES ((int)(sizeof qcases / sizeof qcases[0]))
+
+void test_quant(const cpumla_kernels *k) {
+    for (int dt = CPUMLA_Q8; dt <= CPUMLA_Q4; dt++)
+        for (int ci = 0; ci < N_QCASES; ci++) {
+            int64_t R = qcases[ci].rows, C = qcases[ci].cols;
+            if (small_mode && C > 2000) continue;
+            const char *nm = dt == CPUMLA_Q8 ? "Q8" : "Q4";
+            qweight t = make_qweight(R, C, dt, qcases[ci].pad);
+            /* gemv (rows [r0, r1)) and gemm (n tokens, strided x poisoned with NaN past C) */
+            static const int64_t ns[] = {1, 2, 5};
+            for (int ni = 0; ni < 3; ni++) {
+                int64_t n = ns[ni], ldx = C + 3, r0 = R / 4, r1 = R - R / 5, nr = r1 - r0, ldy = nr + 2;
+                float *x = nan_floats((size_t)(n * ldx + 64));
+                for (int64_t tt = 0; tt < n; tt++)
+                    for (int64_t i = 0; i < C; i++) x[tt * ldx + i] = rng_sym(tt == 1 ? 1e-3f : 2.0f);
+                for (int64_t i = 0; i < 32 && n > 2; i++) x[2 * ldx + i] = 0.0f;      /* a zero block */
+                float *y = xalloc(sizeof(float) * (size_t)(n * ldy));
+                for (int64_t i = 0; i < n * ldy; i++) y[i] = QSENT;
+                case_begin();
+                if (n == 1) k->gemv(&t.w, x, y, r0, r1);
+                else k->gemm(&t.w, x, ldx, n, y, ldy, r0, r1);
+                int bad = 0, gap_ok = 1;
+                for (int64_t tt = 0; tt < n; tt++) {
+                    for (int64_t i = 0; i < nr && bad < 3; i++) {
+                        double mag, want = ref_qdot(&t, r0 + i, x + tt * ldx, &mag);
+                        float got = y[tt * ldy + i];
+                        if (!check(close_to(got, want, mag, 1e-5), "%s %s %lldx%lld n=%lld: y[%lld,%lld] = %.9g, want %.9g",
+                                   n == 1 ? "gemv" : "gemm", nm, (long long)R, (long long)C, (long long)n,
+                                   (long long)tt, (long long)i, got, want))
+                            bad++;
+                    }
+                    gap_ok &= y[tt * ldy + nr] == QSENT && y[tt * ldy + nr + 1] == QSENT;
+                }
+                check(gap_ok, "%s %s %lldx%lld wrote past its rows", n == 1 ? "gemv" : "gemm", nm, (long long)R,
+                      (long long)C);
+                case_end();
+                free(x);
+                free(y);
+            }
+            /* gemv_t over rows [r0, r0 + nr) and columns [c0, c1), c0 inside a block */
+            {
+                int64_t r0 = R / 3, nr = R - R / 3, c0 = C > 32 ? 16 : 0, c1 = C - (C > 64 ? 8 : 0), nc = c1 - c0;
+                float *x = make_vec(nr, 1.0f);
+                float *y = xalloc(sizeof(float) * (size_t)(nc + 4));
+                for (int64_t i = 0; i < nc + 4; i++) y[i] = QSENT;
+                case_begin();
+                k->gemv_t(&t.w, r0, nr, x, y, c0, c1);
+                int bad = 0;
+                for (int64_t c = c0; c < c1 && bad < 3; c++) {
+                    double s = 0, mag = 0;
+                    for (int64_t i = 0; i < nr; i++) {
+                        double p = (double)x[i] * qvalue(&t, r0 + i, c);
+                        s += p;
+                        mag += fabs(p);
+                    }
+                    if (!check(close_to(y[c - c0], s, mag, 1e-5), "gemv_t %s %lldx%lld: y[%lld] = %.9g, want %.9g", nm,
+                               (long long)R, (long long)C, (long long)(c - c0), y[c - c0], s))
+                        bad++;
+                }
+                check(y[nc] == QSENT, "gemv_t %s wrote past c1", nm);
+                case_end();
+                free(x);
+                free(y);
+            }
+            /* dequant_row, exact */
+            {
+                int64_t c0 = C / 3, nc = C - c0;
+                float *out = xalloc(sizeof(float) * (size_t)(nc + 4));
+                out[nc] = QSENT;
+                case_begin();
+                k->dequant_row(&t.w, R - 1, c0, C, out);
+                int ok = 1;
+                for (int64_t c = c0; c < C && ok; c++) ok = out[c - c0] == (float)qvalue(&t, R - 1, c);
+                check(ok && out[nc] == QSENT, "dequant_row %s %lldx%lld", nm, (long long)R, (long long)C);
+                case_end();
+                free(out);
+            }
+            free_qweight(&t);
+        }
+}

@@ -1,0 +1,173 @@
+"""cpumla's q8 / q4 formats: the kernels (gemv, gemm, absorb / un-absorb, dequant) over every
+implementation this machine runs against the float64 references of tests/reference.py (the activation
+quantization of kernels.h done in numpy float32, exact integer block sums), cpumla_quantize against
+its definition in cpumla.h, and the Weight checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import reference as ref
+from test_kernels import assert_close
+
+from cpumla import native
+from cpumla.errors import CpumlaError
+
+# (format, rows, cols): one block, odd block counts (tails of every step width: 1..7 blocks past a
+# multiple of 8), V2-Lite's expert width 1408 (44 blocks), a long row
+Q_CASES = [(f, r, c) for f in ("q8", "q4") for r, c in
+           [(1, 32), (5, 64), (37, 96), (9, 224), (64, 288), (130, 1408), (17, 7168)]]
+
+
+def qid(c):
+    return f"{c[0]}-{c[1]}x{c[2]}"
+
+
+def build(fmt, rows, cols, rng, strided=False):
+    data, scale, codes = ref.make_q_weight(fmt, rows, cols, rng)
+    if strided:          # rows of a bigger tensor
+        big = np.zeros((data.shape[0], data.shape[1] + 40), data.dtype)
+        big[:, : data.shape[1]] = data
+        data = big[:, : data.shape[1]]
+    return native.Weight(data, fmt, scale), ref.QLinear(codes, scale)
+
+
+@pytest.mark.parametrize("case", Q_CASES, ids=qid)
+def test_gemv_q(isa, case):
+    rng = np.random.default_rng(11)
+    w, W = build(*case, rng, strided=True)
+    x = rng.standard_normal(case[2]).astype(np.float32)
+    x[: min(32, case[2])] = 0.0                      # an all-zero activation block: xd = 0
+    y = native.gemv(w, x)
+    want, mag = W(x)
+    assert_close(y, want, mag, what=f"gemv {case[0]} {isa}")
+    # and the product approximates W x within the activation rounding
+    exact = W.W @ x.astype(np.float64)
+    assert (np.abs(y - exact) <= W.error_bound(x) + 1e-5 * mag).all()
+
+
+@pytest.mark.parametrize("case", Q_CASES, ids=qid)
+@pytest.mark.parametrize("n", [2, 5, 33])
+def test_gemm_q(isa, case, n):
+    rng = np.random.default_rng(12 + n)
+    w, W = build(*case, rng)
+    xbig = np.full((n, case[2] + 7), np.nan, np.float32)       # strided rows, NaN past the width
+    xbig[:, : case[2]] = rng.standard_normal((n, case[2])) * np.exp(rng.uniform(-3, 3, (n, 1)))
+    x = xbig[:, : case[2]]
+    y = native.gemm(w, x)
+    want, mag = W(x)
+    assert_close(y, want, mag, what=f"gemm {case[0]} {isa}")
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+@pytest.mark.parametrize("n", [1, 4])
+def test_head_gemv_q_absorb_unabsorb(isa, fmt, n):
+    """kv_b_proj quantized: absorb (gemv_t, fp32 activations: x_i * d times the codes) and un-absorb
+    (head_gemv, quantized activations)."""
+    H, dn, dv, R = 5, 24, 20, 160
+    rng = np.random.default_rng(8)
+    w, W = build(fmt, H * (dn + dv), R, rng)
+    q = np.full((n, H, dn + 3), np.nan, np.float32)
+    q[:, :, :dn] = rng.standard_normal((n, H, dn))
+    q_nope = q[:, :, :dn]
+    got = native.head_gemv_t(w, 0, dn + dv, dn, q_nope)
+    for h in range(H):
+        rows = W.W[h * (dn + dv): h * (dn + dv) + dn]                       # [dn, R] exact values
+        p = q_nope[:, h].astype(np.float64)[:, :, None] * rows[None]      # [n, dn, R]
+        assert_close(got[:, h], p.sum(1), np.abs(p).sum(1), what=f"absorb {fmt} {isa} head {h}")
+    o_lat = rng.standard_normal((n, H, R)).astype(np.float32)
+    got = native.head_gemv(w, dn, dn + dv, dv, o_lat)
+    for h in range(H):
+        want, mag = W(o_lat[:, h], slice(h * (dn + dv) + dn, (h + 1) * (dn + dv)))
+        assert_close(got[:, h], want, mag, what=f"un-absorb {fmt} {isa} head {h}")
+
+
+@pytest.mark.parametrize("case", Q_CASES[:7:3] + Q_CASES[7::3], ids=qid)
+def test_dequant_q_exact(isa, case):
+    rng = np.random.default_rng(13)
+    w, W = build(*case, rng)
+    np.testing.assert_array_equal(native.dequant(w), W.W.astype(np.float32))
+
+
+@pytest.mark.parametrize("src", ["f32", "bf16", "f16", "e4m3"])
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_quantize_matches_definition(src, fmt):
+    """cpumla_quantize, bit for bit against cpumla.h's definition, from every checkpoint format, with an
+    all-zero block, a block whose largest |v| is negative and a tie for the largest |v|."""
+    native.init("")
+    rng = np.random.default_rng(21)
+    rows, cols = 67, 320
+    if src == "e4m3":
+        data, scale, block = ref.make_weight("e4m3", rows, cols, rng, "f32")
+    else:
+        v = rng.standard_normal((rows, cols)) * np.exp(rng.uniform(-4, 4, (rows, 1)))
+        v[0, :32] = 0.0
+        v[1, 32:64] = np.linspace(-1, 0.5, 32)
+        v[2, 64:96] = 0.25
+        v[2, 70] = -0.25
+        data = {"f32": v.astype(np.float32), "f16": v.astype(np.float16), "bf16": ref.bf16_bits(v)}[src]
+        scale = block = None
+    w = native.Weight(data, src, scale, block)
+    values = ref.dequant(src, data, scale, block).astype(np.float32)
+    want_data, want_scale = ref.quantize_ref(fmt, values)
+    q = native.quantize(w, fmt)
+    np.testing.assert_array_equal(q.scale.view(np.uint16), want_scale.view(np.uint16))
+    np.testing.assert_array_equal(q.data, want_data)
+    # within half a step of the original (q4: one step, as +8 steps is clamped to +7; and the fp16
+    # rounding of d, 2^-11 relative, can stretch the largest value to 8 (1 + 2^-11) steps)
+    back = native.dequant(q).astype(np.float64)
+    step = np.abs(np.repeat(q.scale.astype(np.float64), 32, axis=1))
+    assert (np.abs(back - values) <= (0.5 if fmt == "q8" else 1.0 + 8 * 2.0 ** -11) * step * (1 + 1e-6)).all()
+
+
+def test_quantize_rows_and_errors():
+    native.init("")
+    rng = np.random.default_rng(3)
+    v = rng.standard_normal((40, 64)).astype(np.float32)
+    w = native.Weight(v, "f32")
+    full = native.quantize(w, "q8")
+    data = np.zeros_like(full.data)
+    scale = np.zeros_like(full.scale)
+    native.quantize(w, "q8", data, scale, rows=(10, 25))
+    np.testing.assert_array_equal(data[10:25], full.data[10:25])
+    assert not data[:10].any() and not data[25:].any()
+    with pytest.raises(CpumlaError, match="already quantized"):
+        native.quantize(full, "q4")
+    with pytest.raises(CpumlaError, match="unknown quantized format"):
+        native.quantize(w, "q5")
+    with pytest.raises(CpumlaError, match="multiple of 32"):
+        native.quantize(native.Weight(v[:, :50], "f32"), "q8")
+
+
+def test_weight_checks():
+    q = np.zeros((4, 64), np.int8)
+    s = np.zeros((4, 2), np.float16)
+    native.Weight(q, "q8", s)
+    with pytest.raises(CpumlaError, match="multiple of 32"):
+        native.Weight(q[:, :40], "q8", np.zeros((4, 2), np.float16))
+    with pytest.raises(CpumlaError, match="float16"):
+        native.Weight(q, "q8", s.astype(np.float32))
+    with pytest.raises(CpumlaError, match="scale grid"):
+        native.Weight(q, "q8", np.zeros((4, 3), np.float16))
+    with pytest.raises(CpumlaError, match="needs a scale grid"):
+        native.Weight(q, "q8")
+    with pytest.raises(CpumlaError, match="1-byte"):
+        native.Weight(np.zeros((4, 32), np.uint16), "q4", np.zeros((4, 2), np.float16))
+    w4 = native.Weight(np.zeros((4, 32), np.uint8), "q4", s)
+    assert (w4.rows, w4.cols, w4.nbytes) == (4, 64, 4 * 32 + 4 * 2 * 2)
+
+
+def test_owners_name_the_q_files():
+    """who_fmt for q8 / q4: the file whose q kernels really run (cpumla_kernel_impl)."""
+    best = {"avx512": "avx512", "amx": "avx512", "avx2": "avx2", "scalar": "scalar"}
+    for isa in native.available_isas():
+        native.init(isa)
+        for fmt in ("q8", "q4"):
+            got = {k: native.kernel_impl(f"{k}:{fmt}") for k in native.FORMAT_KERNELS}
+            if isa == "neon":
+                assert got["gemv"].startswith("neon") and got["gemm"].startswith("neon")
+                continue
+            assert got["gemv"] == got["gemm"] == got["head_gemv"] == best[isa], (isa, got)
+            assert got["head_gemv_t"] == ("scalar" if isa == "scalar" else "avx2"), (isa, got)
+            assert got["dequant"] == "scalar"
+    native.init("")
