@@ -16,6 +16,7 @@ process with SIGBUS when a missing page is read (the kernel's doing; nothing in 
 
 from __future__ import annotations
 
+import json
 import math
 import mmap
 import os
