@@ -528,67 +528,12 @@ static void test_read_sum(const cpumla_kernels *k) {
     }
 }
 
-/* ---- no subnormal operand or result in the linear algebra --------------------------------------
- * With MXCSR's DAZ and FTZ set, a subnormal operand of any SSE/AVX instruction reads as zero and a
- * subnormal result is flushed: the results change exactly when a kernel meets a subnormal (where
- * Intel cores take a microcode assist). So every entry, on weights holding only e4m3's subnormal codes,
- * all non-NaN codes, or random FP4 codes, must give the same bits with and without DAZ/FTZ. (x86 only:
- * the flags are MXCSR's. vdpbf16ps always reads subnormals as zero, which is why avx512_bf16.c decodes
- * to normal bf16.) */
-#if defined(__x86_64__)
-#include <xmmintrin.h>
-
-static void run_linear(const cpumla_kernels *k, const cpumla_weight *w, const float *x, float *out, int64_t per) {
-    k->gemv(&w[0], x, out, 0, w->rows);
-    k->gemm(&w[0], x, w->cols, 5, out + per, w->rows, 0, w->rows);
-    k->gemm(&w[0], x, w->cols, 2, out + 6 * per, w->rows, 0, w->rows);
-    k->gemv_t(&w[0], 0, w->rows, x, out + 8 * per, 0, w->cols);
-    for (int64_t r = 0; r < w->rows; r++) k->dequant_row(&w[0], r, 0, w->cols, out + 9 * per + r * w->cols);
-}
-
-static void test_daz_ftz(const cpumla_kernels *k) {
-    static const struct { int dt, sdt, brows, bcols; int64_t cols; const char *codes; } cs[] = {
-        {CPUMLA_E4M3, CPUMLA_F32, 128, 128, 300, "subnormal"}, {CPUMLA_E4M3, CPUMLA_E8M0, 128, 128, 256, "subnormal"},
-        {CPUMLA_E4M3, CPUMLA_F32, 128, 128, 300, "all"}, {CPUMLA_E2M1, CPUMLA_E8M0, 1, 32, 320, "all"},
-    };
-    for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
-        case_begin();
-        const int64_t rows = 67, cols = cs[ci].cols;
-        tweight t = make_weight(rows, cols, cs[ci].dt, cs[ci].sdt, cs[ci].brows, cs[ci].bcols, 0);
-        for (int64_t r = 0; r < rows; r++) {
-            uint8_t *row = (uint8_t *)t.data + r * t.w.row_bytes;
-            for (int64_t c = 0; c < (cs[ci].dt == CPUMLA_E2M1 ? cols / 2 : cols); c++) {
-                uint8_t v = (uint8_t)rng_u64();
-                if (cs[ci].dt == CPUMLA_E4M3)
-                    v = cs[ci].codes[0] == 's' ? (uint8_t)((v & 0x80) | (1 + v % 7)) : ((v & 0x7f) == 0x7f ? 0x7e : v);
-                row[c] = v;
-            }
-        }
-        float *x = make_vec(6 * cols + rows, 2.0f);
-        const int64_t per = rows > cols ? rows * 8 : cols * 8, n = 9 * per + rows * cols;
-        float *a = xalloc(sizeof(float) * (size_t)n), *b = xalloc(sizeof(float) * (size_t)n);
-        memset(a, 0, sizeof(float) * (size_t)n);
-        memset(b, 0, sizeof(float) * (size_t)n);
-        run_linear(k, &t.w, x, a, per);
-        const unsigned csr = _mm_getcsr();
-        _mm_setcsr(csr | 0x8040);                      /* FTZ | DAZ */
-        run_linear(k, &t.w, x, b, per);
-        _mm_setcsr(csr);
-        int64_t bad = -1;
-        for (int64_t i = 0; i < n && bad < 0; i++)
-            if (bitsf(a[i]) != bitsf(b[i])) bad = i;
-        check(bad < 0, "%s %s codes: a result changes under DAZ/FTZ (a subnormal reached an instruction) at "
-              "output %lld: %g vs %g", dtype_name(cs[ci].dt), cs[ci].codes, (long long)bad, bad < 0 ? 0.0 : (double)a[bad],
-              bad < 0 ? 0.0 : (double)b[bad]);
-        free(a); free(b); free(x);
-        free_weight(&t);
-        case_end();
-    }
-}
-#endif
-
 /* ---- driver ----------------------------------------------------------------------------------- */
 void test_api(const char *expect_isa);   /* test_api.c */
+void test_values(void);                  /* test_values.c */
+#if defined(__x86_64__)
+void test_daz_ftz(const cpumla_kernels *k);   /* test_values.c */
+#endif
 
 static void test_table(const char *name, const cpumla_kernels *k) {
     cur_isa = name;
@@ -644,6 +589,7 @@ int main(int argc, char **argv) {
         test_table(impls[i].name, &k);
     }
     test_api(expect_isa);
+    test_values();
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;
 }
