@@ -7,7 +7,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from cpumla import native  # noqa: E402
 
-ALL_ISAS = ("scalar", "avx2", "avx512", "amx", "neon")
+ALL_ISAS = native.ISAS      # every level cpumla knows, built here or not
 
 
 def pytest_report_header(config):

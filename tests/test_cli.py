@@ -45,24 +45,26 @@ def test_info_json_picks_the_best_implementation():
     assert d["implementations_available"] == native.available_isas()
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512", "amx", "neon"])
+@pytest.mark.parametrize("isa", native.ISAS)
 def test_info_honours_cpumla_isa(isa):
     p = run("info", "--json", env={"CPUMLA_ISA": isa})
     if isa in native.available_isas():
         assert p.returncode == 0, p.stderr
         d = json.loads(p.stdout)
         assert d["implementation"] == isa
-        assert d["kernels"]["gemv"] == isa
+        assert d["kernels"]["gemv"] == (isa if isa != "amx" else "avx512")
         if isa == "scalar":
             assert all(v in ("scalar", "portable") for v in d["kernels"].values())
     else:
         assert_one_line_error(p, isa)
 
 
-@pytest.mark.parametrize("isa,kernel,fmt", [("scalar", "gemv", "e2m1"), ("avx2", "gemv", "e4m3"),
-                                            ("avx2", "head_gemv_t", "bf16"), ("avx512", "gemm", "bf16"),
-                                            ("avx512", "gemv", "e2m1")])
-def test_info_reports_owner_per_format(isa, kernel, fmt):
+@pytest.mark.parametrize("isa,kernel,fmt,owner", [
+    ("scalar", "gemv", "e2m1", "scalar"), ("avx2", "gemv", "e4m3", "avx2"), ("avx2", "head_gemv_t", "bf16", "avx2"),
+    ("avx512f", "gemv", "bf16", "avx512f"), ("avx512f", "gemm", "e4m3", "avx512f"),
+    ("avx512", "gemm", "bf16", "avx512"), ("avx512", "gemv", "e4m3", "avx512"),
+    ("avx512", "gemv", "e2m1", "avx512f"), ("avx512", "dequant", "bf16", "avx512f")])
+def test_info_reports_owner_per_format(isa, kernel, fmt, owner):
     """`cpumla info --json` has a kernel x format table naming what really serves each format."""
     if isa not in native.available_isas():
         pytest.skip(f"{isa}: this CPU/OS cannot run it")
@@ -71,7 +73,7 @@ def test_info_reports_owner_per_format(isa, kernel, fmt):
     formats = json.loads(p.stdout)["kernel_formats"]
     assert set(formats) == {"gemv", "gemm", "head_gemv", "head_gemv_t", "dequant"}
     assert all(set(row) == set(native.DTYPES) for row in formats.values())
-    assert formats[kernel][fmt] == isa
+    assert formats[kernel][fmt] == owner
     if isa == "avx2":
         assert formats["gemv"]["e2m1"].startswith("avx2 (scalar when")
 
@@ -83,7 +85,22 @@ def test_info_table_shows_formats():
 
 
 def test_unknown_isa_is_one_line_error():
-    assert_one_line_error(run("info", env={"CPUMLA_ISA": "sse9"}), "unknown implementation", "sse9")
+    p = run("info", env={"CPUMLA_ISA": "sse9"})
+    assert_one_line_error(p, "unknown implementation", "sse9", "this machine runs: " + " ".join(native.available_isas()))
+    assert p.returncode == 2
+
+
+@pytest.mark.parametrize("isa", native.ISAS)
+def test_unrunnable_isa_names_what_runs(isa):
+    """A level this CPU or OS cannot run (or not built here): one line naming the levels that run here
+    and, for a level built here, the missing features; exit 2."""
+    if isa in native.available_isas():
+        pytest.skip(f"{isa} runs here")
+    p = run("info", env={"CPUMLA_ISA": isa})
+    assert_one_line_error(p, isa, "this machine runs: " + " ".join(native.available_isas()))
+    if isa in native.built_isas():
+        assert "missing: " in p.stderr
+    assert p.returncode == 2
 
 
 def test_info_threads():
@@ -104,6 +121,39 @@ def test_bench_kernels_json():
     assert any(r["kernel"] == "gemm" and r["gflops"] > 0 for r in d["results"])
 
 
+def test_bench_kernels_codes():
+    """--codes runs the FP8 / FP4 GEMVs once per code distribution; other formats once."""
+    p = run("bench", "--kernels", "-o", "json", "--rows", "64", "--cols", "256", "--seconds", "0.01",
+            "--stream-mb", "1", "--formats", "bf16,e4m3-e8m0,e2m1", "--codes", "random,subnormal,zero")
+    assert p.returncode == 0, p.stderr
+    gemv = [(r["format"], r["codes"]) for r in json.loads(p.stdout)["results"] if r["kernel"] == "gemv"]
+    assert gemv == [("bf16", ""), *[(f, c) for f in ("e4m3-e8m0", "e2m1") for c in ("random", "subnormal", "zero")]]
+    p = run("bench", "--kernels", "--rows", "64", "--cols", "256", "--seconds", "0.01", "--stream-mb", "1",
+            "--formats", "e4m3", "--codes", "subnormal")
+    assert p.returncode == 0, p.stderr
+    assert "subnormal" in p.stdout
+
+
+def test_bench_kernels_report():
+    """--report: info, the GEMV operands of every level and every level checked against the spec."""
+    p = run("bench", "--kernels", "--report", "-o", "json", "--rows", "64", "--cols", "256", "--seconds", "0.01",
+            "--stream-mb", "1", "--formats", "e4m3", "--codes", "zero")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["info"]["implementations_available"] == native.available_isas()
+    assert {o["isa"] for o in d["operands"]} == set(native.available_isas())
+    assert all(o["subnormal_operands"] == 0 and o["wrong_values"] == 0 for o in d["operands"])
+    checked = {c["isa"] for c in d["checks"]}
+    assert checked == set(native.available_isas()) - {"scalar"}
+    assert all(c["ok"] for c in d["checks"]), [c for c in d["checks"] if not c["ok"]][:3]
+    kinds = {(c["kernel"], c["format"], c["codes"]) for c in d["checks"]}
+    assert ("gemm_many", "e4m3", "subnormal") in kinds and ("head_gemv_t", "bf16", "") in kinds
+    p = run("bench", "--kernels", "--report", "--rows", "64", "--cols", "256", "--seconds", "0.01",
+            "--stream-mb", "1", "--formats", "f32")
+    assert p.returncode == 0, p.stderr
+    assert "against the scalar spec" in p.stdout and "WRONG" not in p.stdout
+
+
 def test_bench_table():
     p = run("bench", "--kernels", "--rows", "64", "--cols", "256", "--seconds", "0.01", "--stream-mb", "1",
             "--formats", "f32")
@@ -117,6 +167,9 @@ def test_bench_table():
     (["bench", "--kernels", "--cols", "33"], ["--cols"]),
     (["bench", "--kernels", "--threads", "0"], ["--threads"]),
     (["bench"], ["--kernels"]),
+    (["bench", "--kernels", "--codes", "denormal"], ["unknown code distribution", "denormal"]),
+    (["bench", "--kernels", "--codes", ","], ["--codes"]),
+    (["bench", "deepseek-ai/DeepSeek-V2-Lite", "--dummy-weights", "--report"], ["--report", "--kernels"]),
 ])
 def test_bench_bad_input(args, words):
     assert_one_line_error(run(*args), *words)

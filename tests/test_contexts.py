@@ -97,7 +97,7 @@ def test_scratch_failure_is_an_error(isa, monkeypatch):
     x = rng.standard_normal((8, 256)).astype(np.float32)
     args, want_attn, _ = _attention_case(rng, 1, 4, 32, 32, 40)
     monkeypatch.setenv("CPUMLA_SCRATCH_LIMIT", "16")
-    if isa in ("avx2", "avx512", "amx"):
+    if isa in ("avx2", "avx512f", "avx512", "amx"):
         with pytest.raises(CpumlaError, match="CPUMLA_SCRATCH_LIMIT"):
             native.gemm(w, x)
         with pytest.raises(CpumlaError, match="CPUMLA_SCRATCH_LIMIT"):
@@ -142,26 +142,39 @@ def test_last_error_is_per_thread():
 
 
 # what each implementation's fill serves, per weight format (kernels.h who_fmt)
+UPPER = {("gemv", "bf16"), ("gemv", "e4m3"), ("gemm", "bf16"), ("gemm", "e4m3"), ("head_gemv", "bf16"),
+         ("head_gemv", "e4m3"), ("head_gemv_t", "bf16")}      # what avx512 (vdpbf16ps, VBMI) takes over
+
+
 def expected_owner(isa, kernel, fmt):
     if fmt in native.QUANT_FORMATS:          # quant.c's q entries (test_quant.py checks them by name)
         if kernel == "dequant" or isa == "scalar":
             return "scalar"
         if isa == "neon":
             return None if kernel != "head_gemv_t" else "scalar"
-        if kernel == "head_gemv_t":
-            return "avx2"
-        return "avx512" if isa == "amx" else isa
-    if isa in ("scalar", "neon", "avx512"):
+        if kernel == "head_gemv_t" or isa in ("avx2", "avx512f"):
+            return "avx2"                    # avx512f has no q kernels of its own: avx2's serve
+        return "avx512"                      # vpdpbusd (VNNI): avx512 and amx
+    if isa in ("scalar", "neon", "avx512f"):
         return isa
     if isa == "avx2":
         if fmt == "e2m1" and kernel in ("gemv", "gemm", "head_gemv"):
             return None                      # named with its hand-back, checked below
         return "avx2"
-    if isa == "amx":
-        if kernel in ("gemm", "head_gemv") and fmt == "bf16":
+    if isa in ("avx512", "amx"):
+        if isa == "amx" and kernel in ("gemm", "head_gemv") and fmt == "bf16":
             return None
-        return "avx512"
+        return "avx512" if (kernel, fmt) in UPPER else "avx512f"
     raise AssertionError(isa)
+
+
+def expected_entry(isa, kernel):
+    """who[] of a kernel's table entry: the top level that fills it"""
+    if isa == "amx":
+        return "amx" if kernel == "gemm" else expected_entry("avx512", kernel)
+    if isa == "avx512":
+        return "avx512f" if kernel == "dequant" else "avx512"
+    return isa
 
 
 def test_kernel_owners_per_format(isa):
@@ -169,7 +182,7 @@ def test_kernel_owners_per_format(isa):
     assert set(table) == set(native.FORMAT_KERNELS)
     for kernel, row in table.items():
         assert set(row) == set(FORMATS)
-        assert native.kernel_impl(kernel).split()[0] == isa or (isa == "amx" and kernel != "gemm")
+        assert native.kernel_impl(kernel).split()[0] == expected_entry(isa, kernel), kernel
         for fmt, owner in row.items():
             want = expected_owner(isa, kernel, fmt)
             if want is not None:

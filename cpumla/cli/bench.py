@@ -46,6 +46,11 @@ def bench(
     quant: str = typer.Option(None, "--quant", help=QUANT_HELP),
     formats: str = typer.Option(",".join(("f32", "bf16", "f16", "e4m3", "e4m3-e8m0", "e2m1", "q8", "q4")), "--formats",
                                 help="--kernels: comma-separated GEMV weight formats."),
+    report: bool = typer.Option(False, "--report", metavar="", help="--kernels: also `cpumla info --json`, every "
+                                "level checked against the scalar spec on this machine and the GEMV weight operands "
+                                "(one document to attach to a bug report; a wrong result ends it with an error line and exit status 2)."),
+    codes: str = typer.Option("random", "--codes", help="--kernels: comma-separated code distributions of the FP8 / "
+                              "FP4 weights: random, subnormal (only subnormal codes), zero."),
     rows: int = typer.Option(10944, "--rows", help="--kernels: GEMV rows (default: a V2-Lite dense layer)."),
     cols: int = typer.Option(2048, "--cols", help="--kernels: GEMV columns."),
     seconds: float = typer.Option(1.0, "--seconds", help="--kernels: minimum time per measurement."),
@@ -64,7 +69,9 @@ def bench(
         if quant is not None:
             raise CpumlaError("--quant quantizes a model; --kernels measures q8 and q4 through --formats")
         thr = _ints(threads, "--threads")[0] if threads else None
-        return _kernels(output, thr, formats, rows, cols, seconds, stream_mb)
+        return _kernels(output, thr, formats, rows, cols, seconds, stream_mb, codes, report)
+    if report:
+        raise CpumlaError("--report goes with --kernels")
     if model is None:
         raise CpumlaError("name a model (or a preset with --dummy-weights), or pass --kernels")
     _model(model, dummy_weights, parse_hf_overrides(hf_overrides), dummy_dtype, n_prompt, n_gen, reps, threads,
@@ -149,13 +156,17 @@ def _print(results, output, eng, peaks, bf16_peaks):
     render.table(None, ["test", "threads", "t/s", "vs the machine"], rows, right={1, 2})
 
 
-def _kernels(output, threads, formats, rows, cols, seconds, stream_mb):
+def _kernels(output, threads, formats, rows, cols, seconds, stream_mb, codes="random", report=False):
     from cpumla.native import bench as kb
 
     fmts = [f.strip() for f in formats.split(",") if f.strip()]
     bad = [f for f in fmts if f not in kb.FORMATS]
     if bad:
         raise CpumlaError(f"unknown weight format '{bad[0]}' (choose from: {', '.join(kb.FORMATS)})")
+    dists = [c.strip() for c in codes.split(",") if c.strip()]
+    bad = [c for c in dists if c not in kb.CODES] or ([] if dists else [codes])
+    if bad:
+        raise CpumlaError(f"unknown code distribution '{bad[0]}' for --codes (choose from: {', '.join(kb.CODES)})")
     if rows < 1 or cols < 32 or cols % 32:
         raise CpumlaError("--rows must be >= 1 and --cols a positive multiple of 32")
     from cpumla.runtime.loader import available_memory, gib
@@ -168,24 +179,60 @@ def _kernels(output, threads, formats, rows, cols, seconds, stream_mb):
                           f"{gib(avail)} is available ({what})")
     native.init()
     for w in check_threads(threads):
-        render.err.print(f"[yellow]warning:[/] {w}")
+        render.print_warning(w)
     if threads is not None:
         native.set_threads(threads)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=render.err, transient=True) as prog:
         task = prog.add_task("starting", total=None)
-        probe, results = kb.run(fmts, rows, cols, min_seconds=seconds, stream_bytes=stream,
+        probe, results = kb.run(fmts, rows, cols, min_seconds=seconds, stream_bytes=stream, codes=dists,
                                 progress=lambda label: prog.update(task, description=f"measuring {label}"))
+    checked = _report(output) if report else None
     if output == "json":
-        render.print_json({"read_probe_gbs": probe, "threads": native.get_threads(),
-                           "isa": native.isa(), "results": kb.as_dicts(results)})
+        doc = {"read_probe_gbs": probe, "threads": native.get_threads(), "isa": native.isa(),
+               "results": kb.as_dicts(results)}
+        if checked:
+            doc.update(checked)
+        render.print_json(doc)
+        _report_verdict(checked)
         return
     render.out.print(f"read bandwidth probe: [bold]{probe:.1f} GB/s[/] ({native.get_threads()} threads, "
                      f"implementation {native.isa()})")
     rows_out = []
     for r in results:
         gemv = r.kernel == "gemv"
-        rows_out.append([r.kernel, r.format, r.shape, r.isa, f"{r.seconds * 1e6:.0f}",
+        rows_out.append([r.kernel, r.format, r.codes, r.shape, r.isa, f"{r.seconds * 1e6:.0f}",
                          f"{r.gbs:.1f}" if gemv else "", f"{r.pct_probe:.0f}%" if gemv else "", f"{r.gflops:.1f}"])
-    render.table(None, ["kernel", "weights", "shape", "impl", "us/call", "GB/s", "% of probe", "GFLOP/s"],
-                 rows_out, right={4, 5, 6, 7})
+    render.table(None, ["kernel", "weights", "codes", "shape", "impl", "us/call", "GB/s", "% of probe", "GFLOP/s"],
+                 rows_out, right={5, 6, 7, 8})
+    if checked:
+        render.out.print()
+        render.out.print("cpumla info --json:")
+        render.print_json(checked["info"])
+        render.table("GEMV weight operands (a subnormal one costs a microcode assist on Intel cores)",
+                     ["level", "format", "subnormal operands", "wrong values"],
+                     [[o["isa"], o["format"], str(o["subnormal_operands"]), str(o["wrong_values"])]
+                      for o in checked["operands"]])
+        render.table("every level against the scalar spec on this machine (worst: error / fp32 bound)",
+                     ["level", "kernel", "weights", "codes", "served by", "worst", ""],
+                     [[c["isa"], c["kernel"], c["format"], c["codes"], c["impl"], f"{c['worst']:.3g}",
+                       "ok" if c["ok"] else "WRONG"] for c in checked["checks"]])
+    _report_verdict(checked)
+
+
+def _report(output):
+    from cpumla.cli.info import collect
+    from cpumla.native import report as kr
+
+    return {"info": collect(), "operands": kr.operands(), "checks": kr.as_dicts(kr.checks())}
+
+
+def _report_verdict(checked):
+    if not checked:
+        return
+    bad = [c for c in checked["checks"] if not c["ok"]]
+    bad_ops = [o for o in checked["operands"] if o["subnormal_operands"] or o["wrong_values"]]
+    if bad or bad_ops:
+        what = [f"{c['isa']} {c['kernel']} {c['format']} {c['codes']}".strip() for c in bad]
+        what += [f"{o['isa']} {o['format']} operands" for o in bad_ops]
+        raise CpumlaError(f"{len(what)} wrong: {', '.join(what[:6])}{' ...' if len(what) > 6 else ''}")

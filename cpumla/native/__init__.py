@@ -3,7 +3,7 @@ wrappers of each kernel for tests, benchmarks and load-time work. The runtime's 
 `lib` directly with preallocated buffers.
 
 The implementation is chosen on first use: the best this CPU and OS run, or the one named by the
-environment variable CPUMLA_ISA (scalar, avx2, avx512, amx, neon). Asking for one that is not there is
+environment variable CPUMLA_ISA (scalar, avx2, avx512f, avx512, amx, neon). Asking for one that is not there is
 a CpumlaError, never a crash.
 """
 
@@ -24,7 +24,7 @@ except ImportError as e:  # pragma: no cover - only without a build
         f"cpumla's kernel library is not built ({e}); install with `pip install .` or `make`"
     ) from None
 
-ISAS = ("scalar", "avx2", "avx512", "amx", "neon")
+ISAS = ("scalar", "avx2", "avx512f", "avx512", "amx", "neon")
 KERNELS = tuple(ffi.string(lib.cpumla_kernel_names()).decode().split())
 DTYPES = {"f32": lib.CPUMLA_F32, "bf16": lib.CPUMLA_BF16, "f16": lib.CPUMLA_F16,
           "e4m3": lib.CPUMLA_E4M3, "e2m1": lib.CPUMLA_E2M1, "q8": lib.CPUMLA_Q8, "q4": lib.CPUMLA_Q4}
@@ -122,6 +122,28 @@ def cpu_name() -> str:
 
 def build_info() -> str:
     return ffi.string(lib.cpumla_build_info()).decode()
+
+
+def isa_for_features(features: dict[str, bool] | int) -> str:
+    """The implementation the dispatcher picks for a CPU with these features (cpu_features() names,
+    or CPUMLA_FEAT_* bits): the rule itself, for CPUs other than this one."""
+    if isinstance(features, dict):
+        bits = 0
+        for name, on in features.items():
+            if on:
+                bits |= getattr(lib, "CPUMLA_FEAT_" + name.upper())
+        features = bits
+    return ffi.string(lib.cpumla_isa_for_features(features)).decode()
+
+
+def decode_operands(isa: str, fmt: str) -> tuple[np.ndarray, int]:
+    """(operand of every code, k): the weight operands an implementation's GEMV loop multiplies for each
+    code of fmt ("e4m3": 256, "e2m1": 16), with operand * 2^k = the code's value."""
+    out = np.zeros(256, np.float32)
+    k = lib.cpumla_decode_operands(f"{isa}:{fmt}".encode(), fptr(out))
+    if k < 0:
+        raise CpumlaError(f"no decode probe for {isa}:{fmt} on this machine")
+    return out[: 256 if fmt == "e4m3" else 16], k
 
 
 # ---- buffers ---------------------------------------------------------------------------------------

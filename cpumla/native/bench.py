@@ -16,12 +16,19 @@ from cpumla import native
 
 STREAM_BYTES = 512 << 20        # copies of a weight add up to at least this much
 FORMATS = ("f32", "bf16", "f16", "e4m3", "e4m3-e8m0", "e2m1", "q8", "q4")
+# Which codes an FP8 / FP4 weight holds (--codes): random (every non-NaN code: 1/16 of e4m3 codes are
+# subnormals), only subnormal codes (e4m3 exponent field 0; e2m1's +-0.5), or only zero codes. A
+# kernel whose speed depended on the values would show it here (on Intel cores a subnormal multiply
+# operand costs a microcode assist).
+CODES = ("random", "subnormal", "zero")
+QUANTISED = ("e4m3", "e4m3-e8m0", "e2m1")
 
 
 @dataclass
 class KernelResult:
     kernel: str
     format: str
+    codes: str               # the code distribution (CODES) of FP8 / FP4 weights, "" for the others
     shape: str
     threads: int
     isa: str
@@ -31,7 +38,24 @@ class KernelResult:
     gflops: float
 
 
-def random_weight(fmt: str, rows: int, cols: int, rng: np.random.Generator) -> native.Weight:
+def _codes(fmt: str, codes: str, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+    """Codes of one distribution: e4m3 bytes, or e2m1 nibbles"""
+    if fmt.startswith("e4m3"):
+        if codes == "subnormal":
+            return rng.choice(np.array([m | s for m in range(1, 8) for s in (0, 0x80)], np.uint8), size=shape)
+        if codes == "zero":
+            return np.zeros(shape, np.uint8)
+        q = rng.integers(0, 256, size=shape, dtype=np.uint8)
+        q[(q & 0x7F) == 0x7F] &= 0xF7            # no NaN codes
+        return q
+    if codes == "subnormal":
+        return rng.choice(np.array([1, 9], np.uint8), size=shape)
+    if codes == "zero":
+        return np.zeros(shape, np.uint8)
+    return rng.integers(0, 16, size=shape, dtype=np.uint8)
+
+
+def random_weight(fmt: str, rows: int, cols: int, rng: np.random.Generator, codes: str = "random") -> native.Weight:
     if fmt == "f32":
         return native.Weight(rng.standard_normal((rows, cols), dtype=np.float32), "f32")
     if fmt == "f16":
@@ -40,8 +64,7 @@ def random_weight(fmt: str, rows: int, cols: int, rng: np.random.Generator) -> n
         bits = rng.standard_normal((rows, cols), dtype=np.float32).view(np.uint32) >> 16
         return native.Weight(bits.astype(np.uint16), "bf16")
     if fmt.startswith("e4m3"):
-        q = rng.integers(0, 256, size=(rows, cols), dtype=np.uint8)
-        q[(q & 0x7F) == 0x7F] &= 0xF7            # no NaN codes
+        q = _codes(fmt, codes, (rows, cols), rng)
         grid = (-(-rows // 128), -(-cols // 128))
         if fmt == "e4m3-e8m0":
             scale = rng.integers(118, 124, size=grid, dtype=np.uint8)
@@ -49,7 +72,8 @@ def random_weight(fmt: str, rows: int, cols: int, rng: np.random.Generator) -> n
             scale = rng.uniform(1e-3, 1e-2, size=grid).astype(np.float32)
         return native.Weight(q, "e4m3", scale)
     if fmt == "e2m1":
-        q = rng.integers(0, 256, size=(rows, cols // 2), dtype=np.uint8)
+        nib = _codes(fmt, codes, (rows, cols), rng)
+        q = (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8)
         scale = rng.integers(118, 124, size=(rows, cols // 32), dtype=np.uint8)
         return native.Weight(q, "e2m1", scale)
     if fmt in native.QUANT_FORMATS:
@@ -80,9 +104,9 @@ def read_bandwidth(min_seconds: float = 1.0, nbytes: int = STREAM_BYTES * 2) -> 
 
 
 def gemv_bandwidth(fmt: str, rows: int, cols: int, min_seconds: float, probe_gbs: float,
-                   rng: np.random.Generator, stream_bytes: int = STREAM_BYTES) -> KernelResult:
-    first = random_weight(fmt, rows, cols, rng)
-    copies = [first] + [random_weight(fmt, rows, cols, rng)
+                   rng: np.random.Generator, stream_bytes: int = STREAM_BYTES, codes: str = "random") -> KernelResult:
+    first = random_weight(fmt, rows, cols, rng, codes)
+    copies = [first] + [random_weight(fmt, rows, cols, rng, codes)
                         for _ in range(max(0, -(-stream_bytes // first.nbytes) - 1))]
     x = rng.standard_normal(cols, dtype=np.float32)
     y = np.empty(rows, np.float32)
@@ -93,7 +117,8 @@ def gemv_bandwidth(fmt: str, rows: int, cols: int, min_seconds: float, probe_gbs
 
     sec = _time_passes(one_pass, min_seconds) / len(copies)
     gbs = first.nbytes / sec / 1e9
-    return KernelResult("gemv", fmt, f"{rows}x{cols}", native.get_threads(), native.kernel_impl(f"gemv:{fmt}"),
+    return KernelResult("gemv", fmt, codes if fmt in QUANTISED else "", f"{rows}x{cols}", native.get_threads(),
+                        native.kernel_impl(f"gemv:{fmt.split('-')[0]}"),
                         sec, gbs, 100.0 * gbs / probe_gbs, 2.0 * rows * cols / sec / 1e9)
 
 
@@ -103,22 +128,24 @@ def gemm_throughput(fmt: str, rows: int, cols: int, n: int, min_seconds: float,
     x = rng.standard_normal((n, cols), dtype=np.float32)
     y = np.empty((n, rows), np.float32)
     sec = _time_passes(lambda: native.gemm(w, x, y), min_seconds)
-    return KernelResult("gemm", fmt, f"{n}x{cols} @ {rows}x{cols}", native.get_threads(),
+    return KernelResult("gemm", fmt, "random" if fmt in QUANTISED else "", f"{n}x{cols} @ {rows}x{cols}", native.get_threads(),
                         native.kernel_impl(f"gemm:{fmt}"), sec, 0.0, 0.0, 2.0 * rows * cols * n / sec / 1e9)
 
 
 def run(formats=FORMATS, rows: int = 10944, cols: int = 2048, gemm_n: int = 128,
         min_seconds: float = 1.0, seed: int = 0, progress=None,
-        stream_bytes: int = STREAM_BYTES) -> tuple[float, list[KernelResult]]:
-    """(probe GB/s, results). progress(label) is called before each measurement."""
+        stream_bytes: int = STREAM_BYTES, codes=("random",)) -> tuple[float, list[KernelResult]]:
+    """(probe GB/s, results). progress(label) is called before each measurement. FP8 / FP4 GEMVs run
+    once per code distribution in codes."""
     rng = np.random.default_rng(seed)
     step = progress or (lambda label: None)
     step("read probe")
     probe = read_bandwidth(min_seconds, 2 * stream_bytes)
     results = []
     for fmt in formats:
-        step(f"gemv {fmt}")
-        results.append(gemv_bandwidth(fmt, rows, cols, min_seconds, probe, rng, stream_bytes))
+        for c in codes if fmt in QUANTISED else ("random",):
+            step(f"gemv {fmt}" + (f" ({c} codes)" if fmt in QUANTISED else ""))
+            results.append(gemv_bandwidth(fmt, rows, cols, min_seconds, probe, rng, stream_bytes, c))
     if gemm_n > 0:
         for fmt in ("f32", "bf16", "e4m3", "q8", "q4"):
             step(f"gemm {fmt}")

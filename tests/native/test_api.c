@@ -14,7 +14,7 @@ static void group_end(const char *group) {
 #define SENT 12345.0f
 
 #if defined(__x86_64__)
-static const char *chain[] = {"scalar", "avx2", "avx512", "amx"};
+static const char *chain[] = {"scalar", "avx2", "avx512f", "avx512", "amx"};
 static const char *foreign = "neon";
 #elif defined(__aarch64__)
 static const char *chain[] = {"scalar", "neon"};

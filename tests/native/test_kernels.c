@@ -24,7 +24,8 @@ static void group_end(const char *group, const char *who) {
 typedef struct { const char *name; void (*fill)(cpumla_kernels *); } impl_t;
 #if defined(__x86_64__)
 static const impl_t impls[] = {{"scalar", cpumla_fill_scalar}, {"avx2", cpumla_fill_avx2},
-                               {"avx512", cpumla_fill_avx512}, {"amx", cpumla_fill_amx}};
+                               {"avx512f", cpumla_fill_avx512f}, {"avx512", cpumla_fill_avx512},
+                               {"amx", cpumla_fill_amx}};
 #elif defined(__aarch64__)
 static const impl_t impls[] = {{"scalar", cpumla_fill_scalar}, {"neon", cpumla_fill_neon}};
 #else
@@ -530,6 +531,10 @@ static void test_read_sum(const cpumla_kernels *k) {
 /* ---- driver ----------------------------------------------------------------------------------- */
 void test_api(const char *expect_isa);   /* test_api.c */
 void test_quant(const cpumla_kernels *k);   /* test_quant.c: Q8 / Q4 */
+void test_values(void);                  /* test_values.c */
+#if defined(__x86_64__)
+void test_daz_ftz(const cpumla_kernels *k);   /* test_values.c */
+#endif
 
 static void test_table(const char *name, const cpumla_kernels *k) {
     cur_isa = name;
@@ -539,6 +544,9 @@ static void test_table(const char *name, const cpumla_kernels *k) {
         {"swiglu_row", test_swiglu, K_SWIGLU}, {"softmax_row", test_softmax, K_SOFTMAX},
         {"attn_part", test_attn_part, K_ATTN}, {"cache_row", test_cache_row, K_CACHE_ROW},
         {"read_sum", test_read_sum, K_READ}, {"q8/q4", test_quant, K_GEMV},
+#if defined(__x86_64__)
+        {"daz_ftz", test_daz_ftz, K_GEMV},
+#endif
     };
     for (size_t g = 0; g < sizeof groups / sizeof groups[0]; g++) {
         char who[128];
@@ -584,6 +592,7 @@ int main(int argc, char **argv) {
         test_table(impls[i].name, &k);
     }
     test_api(expect_isa);
+    test_values();
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;
 }

@@ -1,5 +1,5 @@
 /* amx.c: AMX tile kernels (Sapphire Rapids and later). Only `gemm` with BF16 weights and n >= 16
- * tokens; everything else keeps the entry the layers below installed (avx512).
+ * tokens; everything else keeps the entry the layers below installed (avx512, over avx512f).
  *
  * Precision: the fp32 activations are rounded to bf16 (round to nearest even, vcvtne2ps2bf16) for
  * tdpbf16ps, which multiplies bf16 pairs exactly and accumulates in fp32 (bf16 denormals are flushed).
@@ -146,7 +146,7 @@ void cpumla_fill_amx(cpumla_kernels *k) {
     k->gemm = gemm_amx;
     k->gemm_xb = NULL;                     /* BF16 goes to the tiles through gemm */
     k->who[K_GEMM] = "amx";
-    /* other formats keep who_fmt of the gemm below (avx512) */
+    /* other formats keep who_fmt of the gemm below (avx512 or avx512f) */
     snprintf(bf16_gemm, sizeof bf16_gemm, "amx (%s below %d tokens)", k->who_fmt[K_GEMM][CPUMLA_BF16], AMX_MIN_TOKENS);
     k->who_fmt[K_GEMM][CPUMLA_BF16] = bf16_gemm;
 }

@@ -4,10 +4,11 @@
  * Weight decoding tricks (all exact):
  *   BF16  zero-extend to 32 bits and shift left 16.
  *   E4M3  byte b -> fp16 bits ((b << 8) >>arith 1) & 0xbf80, i.e. sign | (b & 0x7f) << 7, which is
- *         the value * 2^-8 (subnormals included); 0x7f / 0xff are forced to NaN as in the spec
- *         (dequant_row, gemv_t; gemm's panels). gemv decodes straight to fp32 bits (gemv_e4m3). The
- *         block scale goes into the activation operand, bf16(x * scale) (kernels.h), never onto a
- *         partial sum.
+ *         the value * 2^-8 (subnormals included), widened with vcvtph2ps: e4m3's subnormals are fp16
+ *         subnormals, which come out as normal fp32, so no multiply ever sees a subnormal weight
+ *         operand (on Intel cores such an operand costs a microcode assist per instruction). 0x7f /
+ *         0xff are forced to NaN as in the spec (dequant_row, gemv_t; gemm's panels). The block scale
+ *         goes into the activation operand, bf16(x * scale) (kernels.h), never onto a partial sum.
  *   E2M1  two vpshufb lookups give the low and high byte of each code's bf16 value; the 32 codes of
  *         16 bytes come out in a fixed permuted column order, so gemv permutes x once per call to
  *         match (fp4_perm) and never reorders weights.
@@ -191,40 +192,45 @@ INLINE void gemv_plain(const cpumla_weight *w, const float *x, float *y, int64_t
 
 /* FP8 e4m3 (kernels.h): each code times its activation operand bf16(x * block scale), summed in fp32.
  * For each row block [r0, r1) touches, the operands of the whole row are made once (e4m3_act_row into
- * xs, this thread's buffer), then each row is a plain dot product with xs, 32 bytes (8 dwords) per step
- * per row, 4 rows at a time (a group never straddles a row block). Byte j of each dword becomes the
- * fp32 bits of value * 2^-120 with word shifts and masks only (no converts): sraw(d, 4) & 0x87f00000 is
- * byte 3, (sraw(d, 4) << 16) & 0x87f00000 byte 1, and the same after sllw(d, 8) bytes 2 and 0; e4m3
- * subnormals land on fp32 subnormals, so every byte is decoded exactly. The operands of the first
- * K - K % 32 columns are rearranged in place (e4m3_perm_x) to [xs(4k + j), k < 8] for j = 0..3 per 32
- * columns and multiplied by 2^F, F = 104 unless the block's largest |xs| >= 2^24 (then less, so that
- * nothing overflows), which keeps the products normal; each sum is multiplied by 2^(120 - F) at the
- * end. Every product is exact, as in the spec. The last K % 32 columns (scalar) use xs as is. NaN codes
+ * xs, this thread's buffer), then each row is a plain dot product with xs, 32 bytes per step per row,
+ * 4 rows at a time (a group never straddles a row block). The 32 codes of a step are decoded by
+ * e4m3_dec32: even and odd bytes become fp16 bits of value * 2^-8 (as ld_e4m3x8) and vcvtph2ps widens
+ * them, so every operand the FMAs see is a normal fp32 or zero (e4m3's subnormals, m * 2^-17 here, are
+ * normal in fp32): no code takes a microcode assist, whatever the weights hold. The 2^8 goes into the
+ * activation operand: xs = bf16(x * (scale * 2^8)) = bf16(x * scale) * 2^8 exactly, so every product
+ * is the spec's, exact. The operands of the first K - K % 32 columns are rearranged in place
+ * (e4m3_perm_x) to the decode's column order; the last K % 32 columns (scalar) use xs as is. NaN codes
  * 0x7f / 0xff are not detected here (they decode to +-480; real checkpoints never contain them); gemm,
  * gemv_t and dequant give NaN for them. */
 
-/* xp[0, n) (n a multiple of 32) permuted per 32-group as above and multiplied by fold, in place */
-static void e4m3_perm_x(float *xp, int64_t n, float fold) {
-    const __m256i ix = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    const __m256 k = _mm256_set1_ps(fold);
+/* 32 E4M3 bytes -> f[0..3], each code's value * 2^-8: f[0] lane i is column 2i, f[1] column 16 + 2i,
+ * f[2] column 2i + 1, f[3] column 17 + 2i */
+INLINE void e4m3_dec32(__m256i d, __m256 f[4]) {
+    const __m256i m = _mm256_set1_epi16((short)0xbf80);
+    __m256i he = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(d, 8), 1), m);   /* even bytes */
+    __m256i ho = _mm256_and_si256(_mm256_srai_epi16(d, 1), m);                          /* odd bytes */
+    f[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(he));
+    f[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(he, 1));
+    f[2] = _mm256_cvtph_ps(_mm256_castsi256_si128(ho));
+    f[3] = _mm256_cvtph_ps(_mm256_extracti128_si256(ho, 1));
+}
+
+/* xp[0, n) (n a multiple of 32) rearranged per 32-group to e4m3_dec32's order, in place */
+static void e4m3_perm_x(float *xp, int64_t n) {
     for (int64_t g = 0; g < n; g += 32) {
         __m256 v0 = _mm256_load_ps(xp + g), v1 = _mm256_load_ps(xp + g + 8);
         __m256 v2 = _mm256_load_ps(xp + g + 16), v3 = _mm256_load_ps(xp + g + 24);
-        /* 4x4 transposes within 128-bit lanes: o_j = x(4k + j) for k = 0, 2, 4, 6 | 1, 3, 5, 7 */
-        __m256 t0 = _mm256_unpacklo_ps(v0, v1), t1 = _mm256_unpackhi_ps(v0, v1);
-        __m256 t2 = _mm256_unpacklo_ps(v2, v3), t3 = _mm256_unpackhi_ps(v2, v3);
-        __m256 o[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xee),
-                       _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xee)};
+        /* shuffle_ps picks within 128-bit lanes; permute4x64 (0xd8) puts the 64-bit pairs in order */
+        __m256 o[4] = {_mm256_shuffle_ps(v0, v1, 0x88), _mm256_shuffle_ps(v2, v3, 0x88),
+                       _mm256_shuffle_ps(v0, v1, 0xdd), _mm256_shuffle_ps(v2, v3, 0xdd)};
         for (int j = 0; j < 4; j++)
-            _mm256_store_ps(xp + g + 8 * j, _mm256_mul_ps(_mm256_permutevar8x32_ps(o[j], ix), k));
+            _mm256_store_ps(xp + g + 8 * j, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o[j]), 0xd8)));
     }
 }
 
 /* rows [rs, re) of one row block, xs prepared by gemv_e4m3 */
-static void gemv_e4m3_rows(const cpumla_weight *w, const float *xs, float post, float *y, int64_t rs,
-                           int64_t re) {
+static void gemv_e4m3_rows(const cpumla_weight *w, const float *xs, float *y, int64_t rs, int64_t re) {
     const int64_t K = w->cols, K32 = K / 32 * 32, pf = PF_ROWS * w->row_bytes;
-    const __m256i m = _mm256_set1_epi32((int)0x87f00000u);
     for (int64_t r = rs; r < re; r += 4) {
         const int nr = re - r < 4 ? (int)(re - r) : 4, lin = nr == 4 && w->row_bytes == K;
         const uint8_t *p[4];
@@ -237,20 +243,19 @@ static void gemv_e4m3_rows(const cpumla_weight *w, const float *xs, float post, 
             if (PF_ON && (c & 63) == 0)
                 for (int i = 0; i < 4; i++) _mm_prefetch(pf_at(p[0], p[i], pf, lin, i, c), _MM_HINT_T0);
             for (int i = 0; i < 4; i++) {
-                __m256i d = _mm256_loadu_si256((const __m256i *)(p[i] + c));
-                __m256i vh = _mm256_srai_epi16(d, 4), vl = _mm256_srai_epi16(_mm256_slli_epi16(d, 8), 4);
-                a[i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(vl, 16), m)), x0, a[i]);
-                b[i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(vh, 16), m)), x1, b[i]);
-                a[i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(vl, m)), x2, a[i]);
-                b[i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(vh, m)), x3, b[i]);
+                __m256 f[4];
+                e4m3_dec32(_mm256_loadu_si256((const __m256i *)(p[i] + c)), f);
+                a[i] = _mm256_fmadd_ps(f[0], x0, a[i]);
+                b[i] = _mm256_fmadd_ps(f[1], x1, b[i]);
+                a[i] = _mm256_fmadd_ps(f[2], x2, a[i]);
+                b[i] = _mm256_fmadd_ps(f[3], x3, b[i]);
             }
         }
         float t[4];
-        _mm_storeu_ps(t, _mm_mul_ps(hsum4x8(_mm256_add_ps(a[0], b[0]), _mm256_add_ps(a[1], b[1]),
-                                            _mm256_add_ps(a[2], b[2]), _mm256_add_ps(a[3], b[3])),
-                                    _mm_set1_ps(post)));
+        _mm_storeu_ps(t, hsum4x8(_mm256_add_ps(a[0], b[0]), _mm256_add_ps(a[1], b[1]),
+                                 _mm256_add_ps(a[2], b[2]), _mm256_add_ps(a[3], b[3])));
         for (int i = 0; i < nr; i++) {
-            for (int64_t c = K32; c < K; c++) t[i] += e4m3_to_f32(p[i][c]) * xs[c];
+            for (int64_t c = K32; c < K; c++) t[i] += (e4m3_to_f32(p[i][c]) * 0x1p-8f) * xs[c];
             y[r - rs + i] = t[i];
         }
     }
@@ -263,11 +268,9 @@ static void gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t 
     if (!xs) return;
     for (int64_t rs = r0; rs < r1;) {
         const int64_t re = (rs / br + 1) * br < r1 ? (rs / br + 1) * br : r1;
-        const uint32_t mx = e4m3_act_row(w, rs, x, 0, K32, xs);
-        e4m3_act_row(w, rs, x, K32, K, xs + K32);
-        const int e = (int)(mx >> 23) - 127, f = e > 23 ? 127 - e : 104;     /* |xs| * 2^f < 2^128 */
-        e4m3_perm_x(xs, K32, f32_from_bits((uint32_t)(127 + f) << 23));
-        gemv_e4m3_rows(w, xs, f32_from_bits((uint32_t)(247 - f) << 23), y + (rs - r0), rs, re);
+        e4m3_act_row(w, rs, x, 0, K, xs, 256.0f);
+        e4m3_perm_x(xs, K32);
+        gemv_e4m3_rows(w, xs, y + (rs - r0), rs, re);
         rs = re;
     }
 }
@@ -399,8 +402,8 @@ static void gemv_t_avx2(const cpumla_weight *w, int64_t r0, int64_t nr, const fl
                 int64_t be = (c / w->block_cols + 1) * w->block_cols;
                 if (be > ce) be = ce;
                 const float s = weight_scale(w, r0 + i, c);
-                if (dt == CPUMLA_E4M3) {        /* acc holds the sums * 2^-8 (the decode's factor) */
-                    const float xs = bf16_round(xi * s);
+                if (dt == CPUMLA_E4M3) {        /* the decode's 2^-8 undone in the operand, exactly */
+                    const float xs = bf16_round(xi * (s * 256.0f));
                     __m256 vx = _mm256_set1_ps(xs);
                     for (; c + 8 <= be; c += 8)
                         _mm256_storeu_ps(a + c, _mm256_fmadd_ps(vx, ld_e4m3x8(row + c), _mm256_loadu_ps(a + c)));
@@ -418,15 +421,40 @@ static void gemv_t_avx2(const cpumla_weight *w, int64_t r0, int64_t nr, const fl
                 }
             }
         }
-        if (dt == CPUMLA_E4M3) {
-            int64_t c = 0;
-            for (; c + 8 <= ce - cs; c += 8)
-                _mm256_storeu_ps(y + (cs - c0) + c, _mm256_mul_ps(_mm256_load_ps(acc + c), _mm256_set1_ps(256.0f)));
-            for (; c < ce - cs; c++) y[cs - c0 + c] = acc[c] * 256.0f;
-        } else {
-            memcpy(y + (cs - c0), acc, (size_t)(ce - cs) * sizeof(float));
-        }
+        memcpy(y + (cs - c0), acc, (size_t)(ce - cs) * sizeof(float));
     }
+}
+
+/* The weight operands gemv's loops multiply (cpumla_decode_operands): E4M3 through e4m3_dec32 (value *
+ * 2^-8), E2M1 through ld_e2m1x32 (exact values). */
+int cpumla_decode_operands_avx2(int dtype, float *out) {
+    if (dtype == CPUMLA_E4M3) {
+        uint8_t codes[32];
+        for (int g = 0; g < 8; g++) {
+            float f[4][8];
+            __m256 v[4];
+            for (int i = 0; i < 32; i++) codes[i] = (uint8_t)(32 * g + i);
+            e4m3_dec32(_mm256_loadu_si256((const __m256i *)codes), v);
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(f[j], v[j]);
+            for (int i = 0; i < 8; i++) {
+                out[32 * g + 2 * i] = f[0][i];
+                out[32 * g + 16 + 2 * i] = f[1][i];
+                out[32 * g + 2 * i + 1] = f[2][i];
+                out[32 * g + 17 + 2 * i] = f[3][i];
+            }
+        }
+        return 8;
+    }
+    if (dtype == CPUMLA_E2M1) {
+        uint8_t b[16] = {0};
+        for (int j = 0; j < 8; j++) b[j] = (uint8_t)(2 * j | (2 * j + 1) << 4);   /* columns 0..15: codes 0..15 */
+        __m256 o[4];
+        ld_e2m1x32_nat(b, fp4_tl(), fp4_th(), o);
+        _mm256_storeu_ps(out, o[0]);
+        _mm256_storeu_ps(out + 8, o[1]);
+        return 0;
+    }
+    return -1;
 }
 
 void cpumla_fill_avx2(cpumla_kernels *k) {

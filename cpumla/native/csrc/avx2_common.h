@@ -87,16 +87,18 @@ INLINE uint32_t bf16_scale_round(const float *src, int64_t n, float s, float *ds
     return m;
 }
 
-/* E4M3 activation operands (e4m3_act, common.h) of row block containing row r: dst[c - c0] =
- * bf16_round(x[c] * scale(r, c)) for c0 <= c < c1. Returns the largest |dst| as fp32 bits. */
+/* E4M3 activation operands (e4m3_act, common.h) of row block containing row r, times fold (a power of
+ * two): dst[c - c0] = bf16_round(x[c] * (scale(r, c) * fold)), which is bf16_round(x[c] * scale(r, c))
+ * * fold exactly (x * scale normal, no overflow), for c0 <= c < c1. Returns the largest |dst| as fp32
+ * bits. */
 INLINE uint32_t e4m3_act_row(const cpumla_weight *w, int64_t r, const float *x, int64_t c0, int64_t c1,
-                             float *dst) {
+                             float *dst, float fold) {
     if (c1 <= c0) return 0;
     const int64_t bc = w->block_cols, si = (r / w->block_rows) * w->scale_ld;
     uint32_t m = 0;
     for (int64_t b = c0 / bc, c = c0; c < c1; b++) {
         const int64_t be = (b + 1) * bc < c1 ? (b + 1) * bc : c1;
-        const float s = scale_elem(w, si + b);
+        const float s = scale_elem(w, si + b) * fold;
         const uint32_t mb = bf16_scale_round(x + c, be - c, s, dst + (c - c0));
         m = mb > m ? mb : m;
         c = be;
@@ -111,7 +113,8 @@ INLINE __m256 ld_bf16(const uint16_t *p) {
 INLINE __m256 ld_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
 /* ---- weight decoding (avx2.c) ------------------------------------------------------------------ */
-/* 8 E4M3 bytes -> value * 2^-8 */
+/* 8 E4M3 bytes -> value * 2^-8: fp16 bits sign | (b & 0x7f) << 7, widened by vcvtph2ps, so e4m3's
+ * subnormals (fp16 subnormals here) come out as normal fp32 (the smallest nonzero is 2^-17) */
 INLINE __m256 ld_e4m3x8(const uint8_t *p) {
     __m128i u = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
     __m128i f = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(u, 8), 1), _mm_set1_epi16((short)0xbf80));

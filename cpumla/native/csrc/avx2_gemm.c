@@ -154,7 +154,7 @@ static void gemm_avx2(const cpumla_weight *w, const float *x, int64_t ldx, int64
                 if (e4) {
                     const int64_t be = (rs / w->block_rows + 1) * w->block_rows;
                     if (be < r1) re = be;
-                    for (int64_t t = 0; t < nt; t++) e4m3_act_row(w, rs, xt + t * ldx, k0, k0 + kc, xr + t * GM_KC);
+                    for (int64_t t = 0; t < nt; t++) e4m3_act_row(w, rs, xt + t * ldx, k0, k0 + kc, xr + t * GM_KC, 1.0f);
                     xk = xr;
                     ldxk = GM_KC;
                 }

@@ -1,21 +1,30 @@
-/* avx512.c: AVX-512 (F/BW/VL/DQ/BF16/VNNI/VBMI) kernels. Same semantics as scalar.c (the spec), to fp32 rounding:
- * every product is accumulated in fp32 and the weights are decoded exactly. BF16 and E4M3 weights go
- * to avx512_bf16.c (vdpbf16ps on bf16 activations, as kernels.h specifies) for gemv and gemm, and
- * BF16 for gemv_t too.
+/* avx512.c: the avx512f level, AVX-512 F/BW/VL/DQ only (Skylake-SP, Cascade Lake, Ice Lake and every
+ * later AVX-512 CPU; compiled with just those flags, csrc/FLAGS). Same semantics as scalar.c (the
+ * spec), to fp32 rounding: every product is accumulated in fp32 and the weights are decoded exactly.
+ * The avx512 level (avx512_bf16.c) sits on top of this one and replaces the BF16 and E4M3 linear
+ * algebra with vdpbf16ps; everything else it leaves to this file.
  *
- * Generic weight decoding, 16 columns at a time into fp32 (dq16; used by gemv_t, the gemm panel,
- * dequant_row and unusual block shapes), with a power of two folded into the block scale:
+ * Generic weight decoding, 16 columns at a time into fp32 (dq16; used by gemv, gemv_t, the gemm panel,
+ * dequant_row), with a power of two folded into the block scale:
  *   BF16: shift left 16.                    F16: vcvtph2ps.
- *   E4M3: fp16 bits ((b & 0x7f) << 7) | (b & 0x80) << 8 are exactly value * 2^-8 (subnormals too);
- *         built as (sign_extend(b) << 7) & 0xbfff. 0x7f / 0xff decode to NaN as in the spec.
+ *   E4M3: fp16 bits ((b & 0x7f) << 7) | (b & 0x80) << 8 are exactly value * 2^-8, built as
+ *         (sign_extend(b) << 7) & 0xbfff; vcvtph2ps widens them to fp32 (the fp16 subnormals, e4m3's
+ *         own, come out as normal fp32: the smallest nonzero operand is 2^-17). 0x7f / 0xff decode to
+ *         NaN as in the spec.
  *   E2M1: a 16-entry byte table gives the high byte of the fp16 of value * 2^-14 (low byte is 0).
+ * BF16 and E4M3 products follow kernels.h: BF16 weights multiply bf16(x), E4M3 codes multiply
+ * bf16(x * block scale); those operands are made once per call (per row block for E4M3, per K chunk
+ * for gemm) into this thread's CPUMLA_SCRATCH_AVX512F_XR buffer (no buffer: nothing computed, the
+ * call fails). E4M3's operand is made as bf16(x * (scale * 2^8)), which is bf16(x * scale) * 2^8
+ * exactly, so the code operand value * 2^-8 times it is the spec's product, and no multiply sees a
+ * subnormal weight operand.
  * gemv has its own streaming loops per format (E2M1 with 1x32 blocks here, 4 rows at a time with
  * software prefetch). FP4 block scales (1x32) are applied once per block to a partial sum (gemv) or
  * while dequantising a panel (gemm); gemv_t folds them, and E4M3's (kernels.h), into the activation.
  * The fold factors assume |scale| < 2^113 (scale * 2^14 must not overflow).
  *
  * This file holds the linear algebra (gemv, gemm, gemv_t, dequant_row); the row-wise and attention
- * kernels are in avx512_rows.c, whose fill cpumla_fill_avx512 calls. Shared helpers: avx512_common.h.
+ * kernels are in avx512_rows.c, whose fill cpumla_fill_avx512f calls. Shared helpers: avx512_common.h.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -25,7 +34,7 @@
 #include "kernels.h"
 #include "avx512_common.h"
 
-const char cpumla_flags_avx512[] = CPUMLA_FLAGS;
+const char cpumla_flags_avx512f[] = CPUMLA_FLAGS;
 
 
 /* ---- weight decoding ---------------------------------------------------------------------------- */
@@ -76,7 +85,7 @@ INLINE void gemv_rows(const cpumla_weight *w, const float *x, float *y, int64_t 
         for (; c + 32 <= b1; c += 32) {
             __m512 x0 = _mm512_loadu_ps(x + c), x1 = _mm512_loadu_ps(x + c + 16);
             UNROLL for (int i = 0; i < R; i++) {
-                if (dt == CPUMLA_F16 && pf) _mm_prefetch(pf_at(pf, w, R, i, 2 * c, 2 * cols), PF_HINT);
+                if ((dt == CPUMLA_F16 || dt == CPUMLA_BF16) && pf) _mm_prefetch(pf_at(pf, w, R, i, 2 * c, 2 * cols), PF_HINT);
                 p0[i] = _mm512_fmadd_ps(dq16(dt, rp[i], c, 16), x0, p0[i]);
                 p1[i] = _mm512_fmadd_ps(dq16(dt, rp[i], c + 16, 16), x1, p1[i]);
             }
@@ -188,6 +197,81 @@ __attribute__((noinline)) static void gemv_e2m1(const cpumla_weight *w, const fl
         for (int64_t r = r0; r < r1; r++) gemv_cols_generic(w, x, y + (r - r0), r, full);
 }
 
+/* 64 E4M3 bytes -> 4 x 16 fp32 (value * 2^-8), NaN bytes decoded to NaN (rare path) */
+INLINE void e4m3_64(const uint8_t *p, __m512 f[4]) {
+    __m512i b = _mm512_loadu_si512(p);
+    __m512i h0 = e4m3_h32(_mm512_castsi512_si256(b)), h1 = e4m3_h32(_mm512_extracti64x4_epi64(b, 1));
+    f[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(h0));
+    f[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h0, 1));
+    f[2] = _mm512_cvtph_ps(_mm512_castsi512_si256(h1));
+    f[3] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h1, 1));
+    __mmask64 nan = _mm512_cmpeq_epi8_mask(_mm512_or_si512(b, _mm512_set1_epi8((char)0x80)), _mm512_set1_epi8(-1));
+    if (__builtin_expect(nan != 0, 0))
+        for (int g = 0; g < 4; g++) f[g] = _mm512_mask_mov_ps(f[g], (__mmask16)(nan >> (16 * g)), _mm512_set1_ps(NAN));
+}
+
+/* ---- activation operands (kernels.h) ------------------------------------------------------------ */
+/* dst[k] = bf16(src[k] * s[k]) as fp32 for the lanes of m, 0 elsewhere: f32_to_bf16 (common.h) */
+INLINE void bf16_mul16(const float *src, __m512 s, __mmask16 m, float *dst) {
+    __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, src), s);
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x00400000));
+    _mm512_storeu_si512(dst, _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* dst[t*ldd + k] = bf16(src[t*lds + k]) for k < K, zero up to the next multiple of 16 */
+static void bf16_rows(const float *src, int64_t lds, int64_t n, int64_t K, float *dst, int64_t ldd) {
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t k = 0; k < K; k += 16) bf16_mul16(src + t * lds + k, _mm512_set1_ps(1.0f), tail16(K - k), dst + t * ldd + k);
+}
+
+/* dst[t*ldd + k] = bf16(src[t*lds + k] * scale(r, c0 + k) * 2^8) for k < kc (zero up to the next
+ * multiple of 16): the E4M3 operands of row r's block times the decode's 2^8 */
+static void e4m3_acts(const cpumla_weight *w, int64_t r, const float *src, int64_t lds, int64_t n, int64_t c0,
+                      int64_t kc, float *dst, int64_t ldd) {
+    for (int64_t k = 0; k < kc; k += 16) {
+        int64_t c = c0 + k, last = c0 + min64(k + 15, kc - 1);
+        __m512 s;
+        if (c / w->block_cols == last / w->block_cols) {
+            s = _mm512_set1_ps(weight_scale(w, r, c) * 256.0f);
+        } else {
+            float sv[16];
+            for (int64_t i = 0; i < 16; i++) sv[i] = c + i <= last ? weight_scale(w, r, c + i) * 256.0f : 0.0f;
+            s = _mm512_loadu_ps(sv);
+        }
+        for (int64_t t = 0; t < n; t++) bf16_mul16(src + t * lds + k, s, tail16(kc - k), dst + t * ldd + k);
+    }
+}
+
+/* ---- gemv: BF16 and E4M3 ------------------------------------------------------------------------ */
+/* E4M3 rows [r, r + R) (R 1..4) against xs (operands of their row block), 64 columns per step */
+INLINE void gemv_e4m3_rows(const cpumla_weight *w, const float *xs, float *y, int64_t r, int R, const uint8_t *pf) {
+    const uint8_t *rp[4];
+    __m512 a0[4], a1[4];
+    UNROLL for (int i = 0; i < R; i++) { rp[i] = weight_row(w, r + i); a0[i] = a1[i] = _mm512_setzero_ps(); }
+    int64_t K = w->cols, c = 0;
+    for (; c + 64 <= K; c += 64) {
+        __m512 x0 = _mm512_loadu_ps(xs + c), x1 = _mm512_loadu_ps(xs + c + 16);
+        __m512 x2 = _mm512_loadu_ps(xs + c + 32), x3 = _mm512_loadu_ps(xs + c + 48);
+        UNROLL for (int i = 0; i < R; i++) {
+            __m512 f[4];
+            _mm_prefetch(pf_at(pf, w, R, i, c, K), PF_HINT);
+            e4m3_64(rp[i] + c, f);
+            a0[i] = _mm512_fmadd_ps(f[0], x0, a0[i]);
+            a1[i] = _mm512_fmadd_ps(f[1], x1, a1[i]);
+            a0[i] = _mm512_fmadd_ps(f[2], x2, a0[i]);
+            a1[i] = _mm512_fmadd_ps(f[3], x3, a1[i]);
+        }
+    }
+    for (; c < K; c += 16) {
+        __m512 x0 = _mm512_maskz_loadu_ps(tail16(K - c), xs + c);
+        UNROLL for (int i = 0; i < R; i++) a0[i] = _mm512_fmadd_ps(dq16(CPUMLA_E4M3, rp[i], c, K - c), x0, a0[i]);
+    }
+    UNROLL for (int i = 0; i < R; i++) y[i] = _mm512_reduce_add_ps(_mm512_add_ps(a0[i], a1[i]));
+}
+
 #define GEMV_DISPATCH(call4, call1)                      \
     do {                                                 \
         int64_t r = r0;                                  \
@@ -195,33 +279,53 @@ __attribute__((noinline)) static void gemv_e2m1(const cpumla_weight *w, const fl
         for (; r < r1; r++) call1;                       \
     } while (0)
 
+static void gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
+    float *xs = cpumla_scratch(CPUMLA_SCRATCH_AVX512F_XR, sizeof(float) * (size_t)(w->cols + 16));
+    if (!xs) return;
+    for (int64_t b0 = r0; b0 < r1;) {                /* one row block (one activation) at a time */
+        int64_t b1 = min64((b0 / w->block_rows + 1) * w->block_rows, r1), r = b0;
+        e4m3_acts(w, b0, x, 0, 1, 0, w->cols, xs, 0);
+        for (; r + 4 <= b1; r += 4) gemv_e4m3_rows(w, xs, y + (r - r0), r, 4, pf_rows(w, r, r1));
+        for (; r < b1; r++) gemv_e4m3_rows(w, xs, y + (r - r0), r, 1, pf_rows(w, r, r1));
+        b0 = b1;
+    }
+}
+
 static void gemv_avx512(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
     switch (w->dtype) {
     case CPUMLA_F32:
         GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_F32, 0), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F32, 0));
         return;
-    case CPUMLA_BF16:
-        cpumla_avx512_gemv_bf16(w, x, y, r0, r1);
+    case CPUMLA_BF16: {
+        float *xr = cpumla_scratch(CPUMLA_SCRATCH_AVX512F_XR, sizeof(float) * (size_t)(w->cols + 16));
+        if (!xr) return;                             /* out of memory: the call fails */
+        bf16_rows(x, 0, 1, w->cols, xr, 0);
+        GEMV_DISPATCH(gemv_rows(w, xr, y + (r - r0), r, 4, CPUMLA_BF16, pf_rows(w, r, r1)),
+                      gemv_rows(w, xr, y + (r - r0), r, 1, CPUMLA_BF16, pf_rows(w, r, r1)));
         return;
+    }
     case CPUMLA_F16:
         GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_F16, pf_rows(w, r, r1)), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F16, pf_rows(w, r, r1)));
         return;
     case CPUMLA_E4M3:
-        cpumla_avx512_gemv_e4m3(w, x, y, r0, r1);
-        return;
+        if (w->block_rows > 0 && w->block_cols > 0) { gemv_e4m3(w, x, y, r0, r1); return; }
+        break;
     case CPUMLA_E2M1:
         if (w->block_cols == 32) { gemv_e2m1(w, x, y, r0, r1); return; }
         GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_E2M1, 0), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_E2M1, 0));
         return;
     default:
-        for (int64_t r = r0; r < r1; r++) y[r - r0] = NAN;
+        break;
     }
+    for (int64_t r = r0; r < r1; r++) y[r - r0] = NAN;
 }
 
 /* ---- gemm --------------------------------------------------------------------------------------- */
-/* A panel of GEMM_MP weight rows x GEMM_KC columns is dequantised (scales applied) into a stack
- * buffer, rows kept along k; then a 4-row x 6-token microkernel accumulates along k in zmm lanes and
- * reduces the 24 sums at the end of the chunk. x is read in place. */
+/* For each chunk of GEMM_KC columns (and, for E4M3, each row block), the activation operands are made
+ * once (BF16: bf16(x); E4M3: bf16(x * scale * 2^8); others: x itself, read in place); then a panel of
+ * GEMM_MP weight rows is dequantised into a stack buffer (scales applied; E4M3 codes as value * 2^-8,
+ * unscaled), rows kept along k, and a 4-row x 6-token microkernel accumulates along k in zmm lanes and
+ * reduces the 24 sums at the end of the chunk. */
 #define GEMM_MP 32
 #define GEMM_KC 512
 #define GEMM_NT 6
@@ -265,59 +369,60 @@ static void gemm_avx512(const cpumla_weight *w, const float *x, int64_t ldx, int
         for (int64_t t = 0; t < n; t++) gemv_avx512(w, x + t * ldx, y + t * ldy, r0, r1);
         return;
     }
-    if (w->dtype == CPUMLA_BF16 && w->cols > 0) {
-        cpumla_avx512_gemm_bf16(w, x, ldx, n, y, ldy, r0, r1);
-        return;
-    }
-    if (w->dtype == CPUMLA_E4M3 && w->cols > 0) {
-        cpumla_avx512_gemm_e4m3(w, x, ldx, n, y, ldy, r0, r1);
-        return;
-    }
-    float wp[GEMM_MP * GEMM_KC] __attribute__((aligned(64)));
     int64_t K = w->cols;
     if (K == 0) {
         for (int64_t t = 0; t < n; t++) memset(y + t * ldy, 0, sizeof(float) * (size_t)(r1 - r0));
         return;
     }
-    for (int64_t p0 = r0; p0 < r1; p0 += GEMM_MP) {
-        int64_t mp = min64(GEMM_MP, r1 - p0);
-        int64_t mp4 = (mp + 3) & ~(int64_t)3;
+    const int e4 = w->dtype == CPUMLA_E4M3, bf = w->dtype == CPUMLA_BF16;
+    if (e4 && (w->block_rows <= 0 || w->block_cols <= 0)) {
+        for (int64_t t = 0; t < n; t++) for (int64_t r = r0; r < r1; r++) y[t * ldy + (r - r0)] = NAN;
+        return;
+    }
+    float *xr = NULL;            /* BF16 / E4M3: the operands of a K chunk, [n][GEMM_KC] */
+    if (e4 || bf) {
+        xr = cpumla_scratch(CPUMLA_SCRATCH_AVX512F_XR, sizeof(float) * (size_t)n * GEMM_KC);
+        if (!xr) return;
+    }
+    float wp[GEMM_MP * GEMM_KC] __attribute__((aligned(64)));
+    for (int64_t rs = r0; rs < r1;) {                /* E4M3: one row block at a time */
+        int64_t re = e4 ? min64((rs / w->block_rows + 1) * w->block_rows, r1) : r1;
         for (int64_t k0 = 0; k0 < K; k0 += GEMM_KC) {
             int64_t kc = min64(GEMM_KC, K - k0), kc16 = (kc + 15) & ~(int64_t)15;
-            for (int64_t i = 0; i < mp4; i++) {
-                float *o = wp + i * GEMM_KC;
-                if (i < mp) dq_range(w, p0 + i, k0, k0 + kc, o);
-                else memset(o, 0, sizeof(float) * (size_t)kc);
-                if (kc16 > kc) memset(o + kc, 0, sizeof(float) * (size_t)(kc16 - kc));
-            }
+            const float *xk = x + k0;
+            int64_t ldk = ldx;
+            if (bf) bf16_rows(x + k0, ldx, n, kc, xr, GEMM_KC);
+            if (e4) e4m3_acts(w, rs, x + k0, ldx, n, k0, kc, xr, GEMM_KC);
+            if (e4 || bf) { xk = xr; ldk = GEMM_KC; }
             int acc = k0 > 0;
-            for (int64_t t0 = 0; t0 < n; t0 += GEMM_NT) {
-                int nt = (int)min64(GEMM_NT, n - t0);
-                const float *xt = x + t0 * ldx + k0;
-                for (int64_t i0 = 0; i0 < mp; i0 += 4) {
-                    float *yt = y + t0 * ldy + (p0 - r0) + i0;
-                    const float *wi = wp + i0 * GEMM_KC;
-                    int mr = (int)min64(4, mp - i0);
-#define MICRO(NT) gemm_micro(wi, xt, ldx, kc, yt, ldy, mr, NT, acc)
-                    SWITCH_NT(nt, MICRO)
+            for (int64_t p0 = rs; p0 < re; p0 += GEMM_MP) {
+                int64_t mp = min64(GEMM_MP, re - p0);
+                int64_t mp4 = (mp + 3) & ~(int64_t)3;
+                for (int64_t i = 0; i < mp4; i++) {
+                    float *o = wp + i * GEMM_KC;
+                    if (i >= mp) memset(o, 0, sizeof(float) * (size_t)kc);
+                    else if (e4)       /* codes as value * 2^-8, the scale is in the operand */
+                        for (int64_t c = 0; c < kc; c += 16)
+                            _mm512_mask_storeu_ps(o + c, tail16(kc - c), dq16(CPUMLA_E4M3, weight_row(w, p0 + i), k0 + c, kc - c));
+                    else dq_range(w, p0 + i, k0, k0 + kc, o);
+                    if (kc16 > kc) memset(o + kc, 0, sizeof(float) * (size_t)(kc16 - kc));
+                }
+                for (int64_t t0 = 0; t0 < n; t0 += GEMM_NT) {
+                    int nt = (int)min64(GEMM_NT, n - t0);
+                    const float *xt = xk + t0 * ldk;
+                    for (int64_t i0 = 0; i0 < mp; i0 += 4) {
+                        float *yt = y + t0 * ldy + (p0 - r0) + i0;
+                        const float *wi = wp + i0 * GEMM_KC;
+                        int mr = (int)min64(4, mp - i0);
+#define MICRO(NT) gemm_micro(wi, xt, ldk, kc, yt, ldy, mr, NT, acc)
+                        SWITCH_NT(nt, MICRO)
 #undef MICRO
+                    }
                 }
             }
         }
+        rs = re;
     }
-}
-
-/* 64 E4M3 bytes -> 4 x 16 fp32 (value * 2^-8), NaN bytes decoded to NaN (rare path) */
-INLINE void e4m3_64(const uint8_t *p, __m512 f[4]) {
-    __m512i b = _mm512_loadu_si512(p);
-    __m512i h0 = e4m3_h32(_mm512_castsi512_si256(b)), h1 = e4m3_h32(_mm512_extracti64x4_epi64(b, 1));
-    f[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(h0));
-    f[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h0, 1));
-    f[2] = _mm512_cvtph_ps(_mm512_castsi512_si256(h1));
-    f[3] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h1, 1));
-    __mmask64 nan = _mm512_cmpeq_epi8_mask(_mm512_or_si512(b, _mm512_set1_epi8((char)0x80)), _mm512_set1_epi8(-1));
-    if (__builtin_expect(nan != 0, 0))
-        for (int g = 0; g < 4; g++) f[g] = _mm512_mask_mov_ps(f[g], (__mmask16)(nan >> (16 * g)), _mm512_set1_ps(NAN));
 }
 
 /* ---- gemv_t ------------------------------------------------------------------------------------- */
@@ -325,7 +430,6 @@ INLINE void e4m3_64(const uint8_t *p, __m512 f[4]) {
 static void gemv_t_avx512(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y,
                           int64_t c0, int64_t c1) {
     int32_t dt = w->dtype;
-    if (dt == CPUMLA_BF16) { cpumla_avx512_gemv_t_bf16(w, r0, nr, x, y, c0, c1); return; }
     int64_t bc = blocked(w) ? w->block_cols : c1 - c0;
     if (bc <= 0) bc = 1;
     for (int64_t c = c0; c < c1; c += 16) _mm512_mask_storeu_ps(y + (c - c0), tail16(c1 - c), _mm512_setzero_ps());
@@ -372,17 +476,36 @@ static void gemv_t_avx512(const cpumla_weight *w, int64_t r0, int64_t nr, const 
     }
 }
 
-void cpumla_fill_avx512(cpumla_kernels *k) {
+/* The weight operands gemv's loops multiply (cpumla_decode_operands): E4M3 through e4m3_64 (value *
+ * 2^-8), E2M1 through gemv_e2m1_rows' table (exact values). */
+int cpumla_decode_operands_avx512f(int dtype, float *out) {
+    if (dtype == CPUMLA_E4M3) {
+        uint8_t codes[256];
+        for (int i = 0; i < 256; i++) codes[i] = (uint8_t)i;
+        for (int g = 0; g < 4; g++) {
+            __m512 f[4];
+            e4m3_64(codes + 64 * g, f);
+            for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + 64 * g + 16 * j, f[j]);
+        }
+        return 8;
+    }
+    if (dtype == CPUMLA_E2M1) {
+        _mm512_storeu_ps(out, _mm512_permutexvar_ps(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                    _mm512_loadu_ps(cpumla_e2m1_lut)));
+        return 0;
+    }
+    return -1;
+}
+
+void cpumla_fill_avx512f(cpumla_kernels *k) {
     cpumla_fill_avx512_rows(k);
-    cpumla_avx512_e4m3_tables();
     k->gemv = gemv_avx512;
     k->gemm = gemm_avx512;
-    k->gemm_xb = cpumla_avx512_gemm_xb;
     k->gemv_t = gemv_t_avx512;
     k->dequant_row = dequant_row_avx512;
     static const int ids[] = {K_GEMV, K_GEMM, K_GEMV_T, K_DEQUANT};
     for (size_t i = 0; i < sizeof ids / sizeof ids[0]; i++) {
-        k->who[ids[i]] = "avx512";
-        for (int f = 0; f <= CPUMLA_E2M1; f++) k->who_fmt[ids[i]][f] = "avx512";    /* every format, every layout */
+        k->who[ids[i]] = "avx512f";
+        for (int f = 0; f <= CPUMLA_E2M1; f++) k->who_fmt[ids[i]][f] = "avx512f";    /* every format, every layout */
     }
 }

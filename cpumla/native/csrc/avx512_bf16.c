@@ -1,5 +1,8 @@
-/* avx512_bf16.c: products on AVX512-BF16 dot products (vdpbf16ps): BF16-weight gemv, gemm and gemv_t,
- * and E4M3-weight gemv and gemm (codes decoded to bf16; see the E4M3 section below).
+/* avx512_bf16.c: the avx512 level, AVX-512 F/BW/VL/DQ + BF16 + VNNI + VBMI (Zen 4, Sapphire Rapids and
+ * later), on top of the avx512f level (avx512.c, avx512_rows.c): products on AVX512-BF16 dot products
+ * (vdpbf16ps): BF16-weight gemv, gemm and gemv_t, and E4M3-weight gemv and gemm (codes decoded to bf16
+ * with VBMI's vpermi2b; see the E4M3 section below). Every other format and kernel is handed to the
+ * avx512f entries this level's fill replaces.
  *
  * vdpbf16ps acc, w, x adds w[2i] * x[2i] + w[2i+1] * x[2i+1] to fp32 lane i: 32 multiply-adds per
  * instruction, twice an fp32 FMA's 16. A 64-byte load of a bf16 weight row is 32 columns, which is
@@ -28,6 +31,8 @@
 #include "kernels.h"
 #include "dispatch.h"
 #include "avx512_common.h"
+
+const char cpumla_flags_avx512[] = CPUMLA_FLAGS;
 
 #define BG_KC 2048    /* gemm: columns per chunk (a multiple of 32) */
 #define BG_MP 64      /* gemm: rows per panel (a multiple of 4) */
@@ -428,4 +433,88 @@ void cpumla_avx512_gemv_t_bf16(const cpumla_weight *w, int64_t r0, int64_t nr, c
         _mm512_mask_storeu_ps(y + c, tail16(n - c), _mm512_shuffle_f32x4(t0, t0, 0xd8));
         _mm512_mask_storeu_ps(y + c + 16, tail16(n - c - 16), _mm512_shuffle_f32x4(t1, t1, 0xd8));
     }
+}
+
+/* ---- the avx512 level's table entries ------------------------------------------------------------ */
+typedef void (*gemv_fn)(const cpumla_weight *, const float *, float *, int64_t, int64_t);
+typedef void (*gemm_fn)(const cpumla_weight *, const float *, int64_t, int64_t, float *, int64_t, int64_t, int64_t);
+typedef void (*gemv_t_fn)(const cpumla_weight *, int64_t, int64_t, const float *, float *, int64_t, int64_t);
+static gemv_fn prev_gemv;         /* the avx512f entries: every format but BF16 and E4M3 */
+static gemm_fn prev_gemm;
+static gemv_t_fn prev_gemv_t;
+
+static void gemv_up(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
+    if (w->dtype == CPUMLA_BF16) cpumla_avx512_gemv_bf16(w, x, y, r0, r1);
+    else if (w->dtype == CPUMLA_E4M3) cpumla_avx512_gemv_e4m3(w, x, y, r0, r1);
+    else prev_gemv(w, x, y, r0, r1);
+}
+
+static void gemm_up(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy,
+                    int64_t r0, int64_t r1) {
+    if ((w->dtype != CPUMLA_BF16 && w->dtype != CPUMLA_E4M3) || w->cols <= 0) {
+        prev_gemm(w, x, ldx, n, y, ldy, r0, r1);
+    } else if (n < 4) {           /* decoding a panel costs more than reading the rows n times */
+        for (int64_t t = 0; t < n; t++) gemv_up(w, x + t * ldx, y + t * ldy, r0, r1);
+    } else if (w->dtype == CPUMLA_BF16) {
+        cpumla_avx512_gemm_bf16(w, x, ldx, n, y, ldy, r0, r1);
+    } else {
+        cpumla_avx512_gemm_e4m3(w, x, ldx, n, y, ldy, r0, r1);
+    }
+}
+
+static void gemv_t_up(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y, int64_t c0,
+                      int64_t c1) {
+    if (w->dtype == CPUMLA_BF16) cpumla_avx512_gemv_t_bf16(w, r0, nr, x, y, c0, c1);
+    else prev_gemv_t(w, r0, nr, x, y, c0, c1);
+}
+
+/* The dot_loop probe for vdpbf16ps: 2 x 16 multiply-adds per instruction. */
+static double dot_loop_bf16(int64_t iters, float *sink) {
+    __m512 a[12];
+    for (int i = 0; i < 12; i++) a[i] = _mm512_set1_ps(0.1f * (float)i);
+    const __m512bh w = (__m512bh)_mm512_set1_epi16(0x3f80), x = (__m512bh)_mm512_set1_epi16(0x3380);  /* 1, 2^-24 */
+    for (int64_t it = 0; it < iters; it++) {
+        UNROLL for (int i = 0; i < 12; i++) a[i] = _mm512_dpbf16_ps(a[i], w, x);
+    }
+    __m512 s = a[0];
+    for (int i = 1; i < 12; i++) s = _mm512_add_ps(s, a[i]);
+    *sink += _mm512_reduce_add_ps(s);
+    return 2.0 * 12.0 * 32.0 * (double)iters;
+}
+
+/* E4M3: the bf16 codes e4_decode gives (exact values, all normal in bf16: vdpbf16ps would read a
+ * subnormal as zero); E2M1 is the avx512f level's. */
+int cpumla_decode_operands_avx512(int dtype, float *out) {
+    if (dtype != CPUMLA_E4M3) return cpumla_decode_operands_avx512f(dtype, out);
+    cpumla_avx512_e4m3_tables();
+    e4_tab tab = e4_load();
+    uint8_t codes[256];
+    for (int i = 0; i < 256; i++) codes[i] = (uint8_t)i;
+    for (int g = 0; g < 4; g++) {
+        __m512bh w0, w1;
+        e4_decode(&tab, _mm512_loadu_si512(codes + 64 * g), &w0, &w1);
+        uint16_t h[64];
+        _mm512_storeu_si512(h, (__m512i)w0);
+        _mm512_storeu_si512(h + 32, (__m512i)w1);
+        for (int v = 0; v < 2; v++)           /* PERM: word 8L + j of vector v is column 16L + 8v + j */
+            for (int L = 0; L < 4; L++)
+                for (int j = 0; j < 8; j++) out[64 * g + 16 * L + 8 * v + j] = bf16_to_f32(h[32 * v + 8 * L + j]);
+    }
+    return 0;
+}
+
+void cpumla_fill_avx512(cpumla_kernels *k) {
+    cpumla_avx512_e4m3_tables();
+    if (k->gemv != gemv_up) prev_gemv = k->gemv;
+    if (k->gemm != gemm_up) prev_gemm = k->gemm;
+    if (k->gemv_t != gemv_t_up) prev_gemv_t = k->gemv_t;
+    k->gemv = gemv_up;
+    k->gemm = gemm_up;
+    k->gemm_xb = cpumla_avx512_gemm_xb;
+    k->gemv_t = gemv_t_up;
+    k->dot_loop = dot_loop_bf16;
+    k->who[K_GEMV] = k->who[K_GEMM] = k->who[K_GEMV_T] = k->who[K_DOT] = "avx512";
+    k->who_fmt[K_GEMV][CPUMLA_BF16] = k->who_fmt[K_GEMV][CPUMLA_E4M3] = "avx512";
+    k->who_fmt[K_GEMM][CPUMLA_BF16] = k->who_fmt[K_GEMM][CPUMLA_E4M3] = "avx512";
+    k->who_fmt[K_GEMV_T][CPUMLA_BF16] = "avx512";
 }

@@ -1,7 +1,8 @@
 /* avx512_rows.c: the AVX-512 row-wise and attention kernels (softmax, rmsnorm, swiglu and the vector
- * exp they use, attention part, cache row, read and FMA probes), split from avx512.c, which keeps the
- * linear algebra and whose cpumla_fill_avx512 calls cpumla_fill_avx512_rows. Compiled with the same
- * flags as avx512.c. Same semantics as scalar.c (the spec), to fp32 rounding. */
+ * exp they use, attention part, cache row, read and FMA probes) of the avx512f level (F/BW/VL/DQ),
+ * split from avx512.c, which keeps the linear algebra and whose cpumla_fill_avx512f calls
+ * cpumla_fill_avx512_rows. Compiled with the same flags as avx512.c. Same semantics as scalar.c (the
+ * spec), to fp32 rounding. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -309,24 +310,10 @@ static double fma_loop_avx512(int64_t iters, float *sink) {
     return 2.0 * 12.0 * 16.0 * (double)iters;
 }
 
-/* The same for vdpbf16ps (avx512_bf16.c's arithmetic): 2 x 16 multiply-adds per instruction. */
-static double dot_loop_avx512(int64_t iters, float *sink) {
-    __m512 a[12];
-    for (int i = 0; i < 12; i++) a[i] = _mm512_set1_ps(0.1f * (float)i);
-    const __m512bh w = (__m512bh)_mm512_set1_epi16(0x3f80), x = (__m512bh)_mm512_set1_epi16(0x3380);  /* 1, 2^-24 */
-    for (int64_t it = 0; it < iters; it++) {
-        UNROLL for (int i = 0; i < 12; i++) a[i] = _mm512_dpbf16_ps(a[i], w, x);
-    }
-    __m512 s = a[0];
-    for (int i = 1; i < 12; i++) s = _mm512_add_ps(s, a[i]);
-    *sink += _mm512_reduce_add_ps(s);
-    return 2.0 * 12.0 * 32.0 * (double)iters;
-}
-
 void cpumla_fill_avx512_rows(cpumla_kernels *k) {
     k->fma_loop = fma_loop_avx512;
-    k->dot_loop = dot_loop_avx512;
-    k->who[K_FMA] = k->who[K_DOT] = "avx512";
+    k->dot_loop = fma_loop_avx512;         /* BF16 products on this level are fp32 FMAs */
+    k->who[K_FMA] = k->who[K_DOT] = "avx512f";
     if (k->attn_part != attn_part_avx512) prev_attn_part = k->attn_part;
     k->rmsnorm_row = rmsnorm_row_avx512;
     k->swiglu_row = swiglu_row_avx512;
@@ -335,6 +322,6 @@ void cpumla_fill_avx512_rows(cpumla_kernels *k) {
     k->cache_row = cache_row_avx512;
     k->read_sum = read_sum_avx512;
     static const int ids[] = {K_RMSNORM, K_SWIGLU, K_SOFTMAX, K_ATTN, K_CACHE_ROW, K_READ};
-    for (size_t i = 0; i < sizeof ids / sizeof ids[0]; i++) k->who[ids[i]] = "avx512";
-    k->who[K_ATTN] = "avx512 (avx2 for rows wider than 16384, scalar if BF16)";   /* ATT_BUF */
+    for (size_t i = 0; i < sizeof ids / sizeof ids[0]; i++) k->who[ids[i]] = "avx512f";
+    k->who[K_ATTN] = "avx512f (avx2 for rows wider than 16384, scalar if BF16)";   /* ATT_BUF */
 }

@@ -95,8 +95,9 @@ enum cpumla_feature {
 
 /* Choose the implementation. isa NULL or "" or "auto": the best this CPU and OS support (the
  * environment variable CPUMLA_ISA, when set, is applied by the caller, not here). Otherwise one of
- * "scalar", "avx2", "avx512", "amx", "neon". Returns 0, or -1 when that implementation was not built
- * into this library or the CPU/OS cannot run it (cpumla_last_error() says which). Safe to call again. */
+ * "scalar", "avx2", "avx512f", "avx512", "amx", "neon". Returns 0, or -1 when that implementation was
+ * not built into this library or the CPU/OS cannot run it (cpumla_last_error() says which, and lists
+ * the implementations this machine runs). Safe to call again. */
 int cpumla_init(const char *isa);
 const char *cpumla_last_error(void);          /* the calling thread's last error */
 const char *cpumla_isa(void);                  /* the implementation in use */
@@ -106,6 +107,9 @@ int cpumla_isa_available(const char *isa);     /* 1: built and runnable here; 0:
  * The string lives until the calling thread's next call. */
 const char *cpumla_isa_missing(const char *isa);
 const char *cpumla_isa_list(void);             /* all implementations built in, space-separated */
+/* The implementation cpumla_init("") picks on a CPU with these feature bits (CPUMLA_FEAT_*): the
+ * dispatch rule as a pure function, testable for CPUs other than this one. */
+const char *cpumla_isa_for_features(uint64_t features);
 uint64_t cpumla_cpu_features(void);
 const char *cpumla_cpu_name(void);
 /* Which implementation serves a kernel: "gemv" names the file owning the table entry; "gemv:e2m1"
@@ -115,6 +119,12 @@ const char *cpumla_cpu_name(void);
 const char *cpumla_kernel_impl(const char *kernel);
 const char *cpumla_kernel_names(void);         /* space-separated kernel names */
 const char *cpumla_build_info(void);           /* compiler and flags of each implementation */
+/* The weight operands an implementation's GEMV hot loop multiplies, for every code of a format:
+ * which = "<isa>:e4m3" (256 codes) or "<isa>:e2m1" (16 codes), isa one of those built here. Writes
+ * out[code] = the operand the loop multiplies for that code and returns k such that operand * 2^k is
+ * the code's value (common.h), or -1 when the name is unknown or this CPU cannot run that isa. Used
+ * by the tests to check that no operand is subnormal (no microcode assist on any code). */
+int cpumla_decode_operands(const char *which, float *out);
 const char *cpumla_version(void);
 
 int cpumla_set_threads(int n);                 /* n < 1: one per online core. Returns the count. */

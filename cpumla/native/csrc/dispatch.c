@@ -19,7 +19,7 @@
 
 cpumla_kernels cpumla_k;
 static char chosen[16] = "";
-static __thread char last_error[256];    /* per thread: one thread's error never hides another's */
+static __thread char last_error[640];    /* per thread: one thread's error never hides another's */
 static uint64_t features;
 static int features_known;
 static char cpu_name[128] = "";
@@ -133,22 +133,25 @@ typedef struct {
     void (*fill)(cpumla_kernels *);
     uint64_t needs;
     const char *flags;
+    int (*decode)(int dtype, float *out);     /* cpumla_decode_operands; NULL: none */
 } isa_t;
 
+/* Each level needs everything the levels below it need: a CPU runs a prefix of the chain. */
 #define NEED_AVX2 (CPUMLA_FEAT_AVX | CPUMLA_FEAT_AVX2 | CPUMLA_FEAT_FMA | CPUMLA_FEAT_F16C | CPUMLA_FEAT_OS_AVX)
-#define NEED_AVX512 (NEED_AVX2 | CPUMLA_FEAT_AVX512F | CPUMLA_FEAT_AVX512BW | CPUMLA_FEAT_AVX512VL | \
-                     CPUMLA_FEAT_AVX512DQ | CPUMLA_FEAT_AVX512BF16 | CPUMLA_FEAT_AVX512VNNI | CPUMLA_FEAT_AVX512VBMI | \
-                     CPUMLA_FEAT_OS_AVX512)
+#define NEED_AVX512F (NEED_AVX2 | CPUMLA_FEAT_AVX512F | CPUMLA_FEAT_AVX512BW | CPUMLA_FEAT_AVX512VL | \
+                      CPUMLA_FEAT_AVX512DQ | CPUMLA_FEAT_OS_AVX512)
+#define NEED_AVX512 (NEED_AVX512F | CPUMLA_FEAT_AVX512BF16 | CPUMLA_FEAT_AVX512VNNI | CPUMLA_FEAT_AVX512VBMI)
 #define NEED_AMX (NEED_AVX512 | CPUMLA_FEAT_AMX_TILE | CPUMLA_FEAT_AMX_BF16 | CPUMLA_FEAT_AMX_INT8 | CPUMLA_FEAT_OS_AMX)
 
 static const isa_t isas[] = {
-    {"scalar", cpumla_fill_scalar, 0, cpumla_flags_scalar},
+    {"scalar", cpumla_fill_scalar, 0, cpumla_flags_scalar, cpumla_decode_operands_scalar},
 #if defined(__x86_64__)
-    {"avx2", cpumla_fill_avx2, NEED_AVX2, cpumla_flags_avx2},
-    {"avx512", cpumla_fill_avx512, NEED_AVX512, cpumla_flags_avx512},
-    {"amx", cpumla_fill_amx, NEED_AMX, cpumla_flags_amx},
+    {"avx2", cpumla_fill_avx2, NEED_AVX2, cpumla_flags_avx2, cpumla_decode_operands_avx2},
+    {"avx512f", cpumla_fill_avx512f, NEED_AVX512F, cpumla_flags_avx512f, cpumla_decode_operands_avx512f},
+    {"avx512", cpumla_fill_avx512, NEED_AVX512, cpumla_flags_avx512, cpumla_decode_operands_avx512},
+    {"amx", cpumla_fill_amx, NEED_AMX, cpumla_flags_amx, cpumla_decode_operands_avx512},
 #elif defined(__aarch64__)
-    {"neon", cpumla_fill_neon, CPUMLA_FEAT_NEON, cpumla_flags_neon},
+    {"neon", cpumla_fill_neon, CPUMLA_FEAT_NEON, cpumla_flags_neon, cpumla_decode_operands_neon},
 #endif
 };
 #define N_ISAS ((int)(sizeof isas / sizeof isas[0]))
@@ -159,7 +162,30 @@ static int isa_index(const char *name) {
     return -1;
 }
 
-static int runnable(int i) { return (cpumla_cpu_features() & isas[i].needs) == isas[i].needs; }
+static int runnable_with(int i, uint64_t f) { return (f & isas[i].needs) == isas[i].needs; }
+static int runnable(int i) { return runnable_with(i, cpumla_cpu_features()); }
+
+/* the highest level whose needs (those of every level below it included) the features meet */
+static int best_for(uint64_t f) {
+    int best = 0;
+    for (int i = 0; i < N_ISAS; i++)
+        if (runnable_with(i, f)) best = i;
+    return best;
+}
+
+const char *cpumla_isa_for_features(uint64_t features) { return isas[best_for(features)].name; }
+
+/* the implementations this machine runs, space-separated */
+static const char *runnable_list(void) {
+    static __thread char buf[128];
+    buf[0] = 0;
+    for (int i = 0; i < N_ISAS; i++)
+        if (runnable(i)) {
+            if (buf[0]) strcat(buf, " ");
+            strcat(buf, isas[i].name);
+        }
+    return buf;
+}
 
 int cpumla_isa_available(const char *isa) {
     int i = isa ? isa_index(isa) : -1;
@@ -205,7 +231,7 @@ const char *cpumla_isa_missing(const char *isa) {
     return buf;
 }
 
-static const char *known_isas[] = {"scalar", "avx2", "avx512", "amx", "neon"};
+static const char *known_isas[] = {"scalar", "avx2", "avx512f", "avx512", "amx", "neon"};
 
 static int is_known_isa(const char *name) {
     for (size_t i = 0; i < sizeof known_isas / sizeof known_isas[0]; i++)
@@ -216,30 +242,25 @@ static int is_known_isa(const char *name) {
 static int init(const char *isa) {
     int target;
     if (!isa || !isa[0] || !strcmp(isa, "auto")) {
-        target = 0;
-        for (int i = 0; i < N_ISAS; i++)
-            if (runnable(i)) target = i;
+        target = best_for(cpumla_cpu_features());
     } else {
         target = isa_index(isa);
         if (target < 0) {
-            char msg[200];
+            char msg[256];
             if (is_known_isa(isa))
-                snprintf(msg, sizeof msg, "implementation '%s' is not built for this architecture (built: %s)",
-                         isa, cpumla_isa_list());
+                snprintf(msg, sizeof msg, "implementation '%s' is not built for this architecture (this machine runs: %s)",
+                         isa, runnable_list());
             else
-                snprintf(msg, sizeof msg, "unknown implementation '%.40s' (choose from: scalar avx2 avx512 amx neon)", isa);
+                snprintf(msg, sizeof msg, "unknown implementation '%.40s' (this machine runs: %s)", isa, runnable_list());
             cpumla_set_error(msg);
             return -1;
         }
-        for (int i = 0; i <= target; i++) {
-            /* every layer up to the target must run here (x86's chain; arm's scalar -> neon) */
-            if (!runnable(i)) {
-                char msg[256];
-                snprintf(msg, sizeof msg, "this CPU or OS cannot run the '%s' implementation (missing: %s)",
-                         isa, cpumla_isa_missing(isa));
-                cpumla_set_error(msg);
-                return -1;
-            }
+        if (!runnable(target)) {   /* needs are cumulative: the whole chain up to the target runs */
+            char msg[640];
+            snprintf(msg, sizeof msg, "this CPU or OS cannot run the '%s' implementation (this machine runs: %s; missing: %s)",
+                     isa, runnable_list(), cpumla_isa_missing(isa));
+            cpumla_set_error(msg);
+            return -1;
         }
     }
     cpumla_kernels k;
@@ -315,6 +336,16 @@ const char *cpumla_build_info(void) {
 }
 
 const char *cpumla_version(void) { return CPUMLA_VERSION; }
+
+int cpumla_decode_operands(const char *which, float *out) {
+    const char *colon = which ? strchr(which, ':') : NULL;
+    if (!colon || !out) return -1;
+    int dt = !strcmp(colon + 1, "e4m3") ? CPUMLA_E4M3 : !strcmp(colon + 1, "e2m1") ? CPUMLA_E2M1 : -1;
+    for (int i = 0; i < N_ISAS && dt >= 0; i++)
+        if (strlen(isas[i].name) == (size_t)(colon - which) && !strncmp(isas[i].name, which, (size_t)(colon - which)))
+            return runnable(i) && isas[i].decode ? isas[i].decode(dt, out) : -1;
+    return -1;
+}
 
 int cpumla_set_threads(int n) {
     cpumla_enter(NULL);

@@ -3,7 +3,7 @@
  * Entries are single-threaded kernels over a range (rows, columns, KV entries); ops.c splits the work
  * of a public call (cpumla.h) over the thread pool and calls these. The dispatcher fills the table
  * from scalar.c first, then lets each better implementation the CPU supports overwrite the entries it
- * has, in order scalar -> avx2 -> avx512 -> amx (x86) or scalar -> neon (arm64). who[] names the file
+ * has, in order scalar -> avx2 -> avx512f -> avx512 -> amx (x86) or scalar -> neon (arm64). who[] names the file
  * that owns each entry and who_fmt[] the one that serves each weight format of the linear-algebra
  * entries (a fill sets it for the formats it really handles), for `cpumla info`.
  *
@@ -134,6 +134,7 @@ enum cpumla_scratch_slot {
     CPUMLA_SCRATCH_MOE,              /* moe.c: prefill activations per expert */
     CPUMLA_SCRATCH_MOE_LIST,         /* moe.c: tokens grouped by expert */
     CPUMLA_SCRATCH_AVX2_XR,          /* avx2.c, avx2_gemm.c: rounded activation operands */
+    CPUMLA_SCRATCH_AVX512F_XR,       /* avx512.c: rounded activation operands (bf16, e4m3) */
     CPUMLA_SCRATCH_AVX512_XB,        /* avx512_bf16.c: bf16 activations */
     CPUMLA_SCRATCH_AVX512_E4_XS,     /* avx512_bf16.c: e4m3 activation operands */
     CPUMLA_SCRATCH_AVX512_E4_PANEL,  /* avx512_bf16.c: decoded e4m3 panel */
@@ -151,8 +152,9 @@ void cpumla_fill_scalar(cpumla_kernels *k);
 void cpumla_fill_avx2(cpumla_kernels *k);
 void cpumla_fill_avx2_rows(cpumla_kernels *k);     /* avx2_rows.c; called by cpumla_fill_avx2 */
 void cpumla_fill_avx2_gemm(cpumla_kernels *k);     /* avx2_gemm.c; called by cpumla_fill_avx2 */
-void cpumla_fill_avx512(cpumla_kernels *k);
-void cpumla_fill_avx512_rows(cpumla_kernels *k);   /* avx512_rows.c; called by cpumla_fill_avx512 */
+void cpumla_fill_avx512f(cpumla_kernels *k);      /* avx512.c: AVX-512 F/BW/VL/DQ */
+void cpumla_fill_avx512_rows(cpumla_kernels *k);   /* avx512_rows.c; called by cpumla_fill_avx512f */
+void cpumla_fill_avx512(cpumla_kernels *k);        /* avx512_bf16.c: + BF16/VNNI/VBMI, over avx512f */
 void cpumla_fill_amx(cpumla_kernels *k);
 void cpumla_fill_neon(cpumla_kernels *k);
 void cpumla_fill_neon_rows(cpumla_kernels *k);     /* neon_rows.c; called by cpumla_fill_neon */
@@ -162,7 +164,16 @@ void cpumla_fill_neon_rows(cpumla_kernels *k);     /* neon_rows.c; called by cpu
 void cpumla_fill_quant(cpumla_kernels *k, const char *isa);
 
 /* The flags each file was compiled with, recorded by the build (CPUMLA_FLAGS_<ISA> macros). */
-extern const char cpumla_flags_scalar[], cpumla_flags_avx2[], cpumla_flags_avx512[],
+extern const char cpumla_flags_scalar[], cpumla_flags_avx2[], cpumla_flags_avx512f[], cpumla_flags_avx512[],
     cpumla_flags_amx[], cpumla_flags_neon[];
+
+/* cpumla_decode_operands (cpumla.h) per implementation: dtype CPUMLA_E4M3 or CPUMLA_E2M1; fills
+ * out[code] with the GEMV hot loop's weight operand, returns the power of two k with operand * 2^k =
+ * the code's value, -1 for a format it has no loop for. */
+int cpumla_decode_operands_scalar(int dtype, float *out);
+int cpumla_decode_operands_avx2(int dtype, float *out);
+int cpumla_decode_operands_avx512f(int dtype, float *out);
+int cpumla_decode_operands_avx512(int dtype, float *out);
+int cpumla_decode_operands_neon(int dtype, float *out);
 
 #endif

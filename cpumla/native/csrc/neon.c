@@ -492,6 +492,20 @@ static void dequant_row_neon(const cpumla_weight *w, int64_t r, int64_t c0, int6
     }
 }
 
+/* The weight operands the E4M3 loops multiply (cpumla_decode_operands): ld_e4m3_16's value * 2^-8,
+ * widened from fp16, so e4m3's subnormals come out as normal fp32. */
+int cpumla_decode_operands_neon(int dtype, float *out) {
+    if (dtype != CPUMLA_E4M3) return -1;
+    uint8_t codes[16];
+    for (int g = 0; g < 16; g++) {
+        float32x4_t v[4];
+        for (int i = 0; i < 16; i++) codes[i] = (uint8_t)(16 * g + i);
+        ld_e4m3_16(codes, v);
+        for (int j = 0; j < 4; j++) vst1q_f32(out + 16 * g + 4 * j, v[j]);
+    }
+    return 8;
+}
+
 void cpumla_fill_neon(cpumla_kernels *k) {
     cpumla_fill_neon_rows(k);
     k->gemv = gemv_neon;               k->who[K_GEMV] = "neon";

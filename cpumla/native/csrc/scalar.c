@@ -173,3 +173,16 @@ void cpumla_fill_scalar(cpumla_kernels *k) {
     for (int i = K_GEMV; i <= K_DEQUANT; i++)
         for (int f = 0; f <= CPUMLA_E2M1; f++) k->who_fmt[i][f] = "scalar";
 }
+
+/* The weight operands row_dot multiplies (cpumla_decode_operands): the codes' exact values. */
+int cpumla_decode_operands_scalar(int dtype, float *out) {
+    if (dtype == CPUMLA_E4M3) {
+        for (int i = 0; i < 256; i++) out[i] = e4m3_to_f32((uint8_t)i);
+        return 0;
+    }
+    if (dtype == CPUMLA_E2M1) {
+        for (int i = 0; i < 16; i++) out[i] = cpumla_e2m1_lut[i];
+        return 0;
+    }
+    return -1;
+}
