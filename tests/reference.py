@@ -1,7 +1,7 @@
 """Independent references for the kernel tests: numpy in float64, torch for FP8 decoding.
 
-Nothing here shares code with the C library: formats are decoded the way torch and the spec
-(shared/docs/deepseek-architectures.md) define them.
+Nothing here shares code with the C library: formats are decoded the way torch and the published
+format descriptions (FP8 e4m3fn, E8M0, the FP4 e2m1 table) define them.
 """
 
 from __future__ import annotations

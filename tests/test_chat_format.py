@@ -1,4 +1,4 @@
-"""Chat formats per family against strings written from the spec (shared/docs section 9), the real
+"""Chat formats per family against strings written from the families' published formats, the real
 tokenizer_config chat_templates of V3/R1 and V3.1 rendered through transformers' jinja against the
 built-in equivalents, the tokenizer (ids by string), the UTF-8-safe incremental detokenizer, and the
 conversation's cache reuse on a tiny dummy model."""

