@@ -236,6 +236,9 @@ def _loop(conv) -> None:
         sys.stdin.reconfigure(errors="surrogateescape")   # bad bytes become a message, not an exception
     except (AttributeError, ValueError):
         pass
+    # Ctrl-C at the prompt is ours to handle even when the parent started us with SIGINT ignored (a
+    # background job of a non-interactive shell), which Python would otherwise keep
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     ctrl_c = False
     while True:
         try:
