@@ -177,6 +177,11 @@ static int indexer(cpumla_dsv32_state *s, int64_t l, int64_t n, int64_t pos0) {
                 for (int64_t j = 0; j < count; j++) isc[j] += wh * (sc[j] > 0.0f ? sc[j] : 0.0f);
             }
             select_topk(isc, count, K, s->order, sel);
+            /* in ascending position: the attention then reads the cache in address order */
+            memset(s->order, 0, sizeof(int32_t) * (size_t)count);
+            for (int64_t j = 0; j < K; j++) s->order[sel[j]] = 1;
+            for (int64_t i = 0, j = 0; i < count; i++)
+                if (s->order[i]) sel[j++] = (int32_t)i;
             s->sel_len[t] = K;
         }
     }
