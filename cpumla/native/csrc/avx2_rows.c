@@ -302,16 +302,16 @@ static double read_sum_avx2(const void *buf, int64_t bytes) {
     __m256d s0 = _mm256_setzero_pd(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
-        s0 = _mm256_add_pd(s0, _mm256_load_pd(p + i));
-        s1 = _mm256_add_pd(s1, _mm256_load_pd(p + i + 4));
-        s2 = _mm256_add_pd(s2, _mm256_load_pd(p + i + 8));
-        s3 = _mm256_add_pd(s3, _mm256_load_pd(p + i + 12));
-        s4 = _mm256_add_pd(s4, _mm256_load_pd(p + i + 16));
-        s5 = _mm256_add_pd(s5, _mm256_load_pd(p + i + 20));
-        s6 = _mm256_add_pd(s6, _mm256_load_pd(p + i + 24));
-        s7 = _mm256_add_pd(s7, _mm256_load_pd(p + i + 28));
+        s0 = _mm256_add_pd(s0, _mm256_loadu_pd(p + i));
+        s1 = _mm256_add_pd(s1, _mm256_loadu_pd(p + i + 4));
+        s2 = _mm256_add_pd(s2, _mm256_loadu_pd(p + i + 8));
+        s3 = _mm256_add_pd(s3, _mm256_loadu_pd(p + i + 12));
+        s4 = _mm256_add_pd(s4, _mm256_loadu_pd(p + i + 16));
+        s5 = _mm256_add_pd(s5, _mm256_loadu_pd(p + i + 20));
+        s6 = _mm256_add_pd(s6, _mm256_loadu_pd(p + i + 24));
+        s7 = _mm256_add_pd(s7, _mm256_loadu_pd(p + i + 28));
     }
-    for (; i + 4 <= n; i += 4) s0 = _mm256_add_pd(s0, _mm256_load_pd(p + i));
+    for (; i + 4 <= n; i += 4) s0 = _mm256_add_pd(s0, _mm256_loadu_pd(p + i));
     s0 = _mm256_add_pd(_mm256_add_pd(_mm256_add_pd(s0, s1), _mm256_add_pd(s2, s3)),
                        _mm256_add_pd(_mm256_add_pd(s4, s5), _mm256_add_pd(s6, s7)));
     double s[4];

@@ -281,12 +281,12 @@ static double read_sum_avx512(const void *buf, int64_t bytes) {
         const char *ahead = (const char *)(p + 8 * i) + 2048;   /* the hardware stops at each page */
         _mm_prefetch(ahead, _MM_HINT_T0); _mm_prefetch(ahead + 64, _MM_HINT_T0);
         _mm_prefetch(ahead + 128, _MM_HINT_T0); _mm_prefetch(ahead + 192, _MM_HINT_T0);
-        a0 = _mm512_add_pd(a0, _mm512_load_pd(p + 8 * i));
-        a1 = _mm512_add_pd(a1, _mm512_load_pd(p + 8 * i + 8));
-        a2 = _mm512_add_pd(a2, _mm512_load_pd(p + 8 * i + 16));
-        a3 = _mm512_add_pd(a3, _mm512_load_pd(p + 8 * i + 24));
+        a0 = _mm512_add_pd(a0, _mm512_loadu_pd(p + 8 * i));
+        a1 = _mm512_add_pd(a1, _mm512_loadu_pd(p + 8 * i + 8));
+        a2 = _mm512_add_pd(a2, _mm512_loadu_pd(p + 8 * i + 16));
+        a3 = _mm512_add_pd(a3, _mm512_loadu_pd(p + 8 * i + 24));
     }
-    for (; i < n; i++) a0 = _mm512_add_pd(a0, _mm512_load_pd(p + 8 * i));
+    for (; i < n; i++) a0 = _mm512_add_pd(a0, _mm512_loadu_pd(p + 8 * i));
     return _mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(a0, a1), _mm512_add_pd(a2, a3)));
 }
 

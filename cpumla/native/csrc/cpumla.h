@@ -298,7 +298,7 @@ typedef struct cpumla_vec {
 } cpumla_vec;
 
 /* ---- probes for benchmarks -------------------------------------------------------------------- */
-/* Reads bytes of buf (64-byte aligned; the tail past a multiple of 64 is ignored) with every thread:
+/* Reads bytes of buf (any alignment; the tail past a multiple of 64 is ignored) with every thread:
  * a read-bandwidth probe. Returns the sum of the data read as doubles, so the reads cannot be
  * optimised away and the result can be checked. */
 double cpumla_read_probe(const void *buf, int64_t bytes);
