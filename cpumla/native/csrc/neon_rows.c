@@ -223,26 +223,24 @@ static void cache_row_neon(void *dst, int32_t dtype, const float *src, int64_t w
     for (; i < width; i++) d[i] = f32_to_bf16(src[i]);
 }
 
-/* Same association as scalar.c: four 64-bit lane sums, xor-ed. */
+/* The data summed as doubles (cpumla.h's contract, as the other levels): four two-lane accumulators. */
 static double read_sum_neon(const void *buf, int64_t bytes) {
-    const uint64_t *p = (const uint64_t *)buf;
-    uint64x2_t a0 = vdupq_n_u64(0), a1 = a0, b0 = a0, b1 = a0;
+    const double *p = (const double *)buf;
+    float64x2_t a0 = vdupq_n_f64(0), a1 = a0, b0 = a0, b1 = a0;
     int64_t n = bytes / 8, i = 0;
     for (; i + 8 <= n; i += 8) {
-        a0 = vaddq_u64(a0, vld1q_u64(p + i));
-        a1 = vaddq_u64(a1, vld1q_u64(p + i + 2));
-        b0 = vaddq_u64(b0, vld1q_u64(p + i + 4));
-        b1 = vaddq_u64(b1, vld1q_u64(p + i + 6));
+        a0 = vaddq_f64(a0, vld1q_f64(p + i));
+        a1 = vaddq_f64(a1, vld1q_f64(p + i + 2));
+        b0 = vaddq_f64(b0, vld1q_f64(p + i + 4));
+        b1 = vaddq_f64(b1, vld1q_f64(p + i + 6));
     }
-    a0 = vaddq_u64(a0, b0);
-    a1 = vaddq_u64(a1, b1);
-    for (; i + 4 <= n; i += 4) {
-        a0 = vaddq_u64(a0, vld1q_u64(p + i));
-        a1 = vaddq_u64(a1, vld1q_u64(p + i + 2));
-    }
-    uint64_t s = vgetq_lane_u64(a0, 0) ^ vgetq_lane_u64(a0, 1) ^ vgetq_lane_u64(a1, 0) ^
-                 vgetq_lane_u64(a1, 1);
-    return (double)s;
+    a0 = vaddq_f64(a0, b0);
+    a1 = vaddq_f64(a1, b1);
+    for (; i + 2 <= n; i += 2) a0 = vaddq_f64(a0, vld1q_f64(p + i));
+    a0 = vaddq_f64(a0, a1);
+    double s = vgetq_lane_f64(a0, 0) + vgetq_lane_f64(a0, 1);
+    for (; i < n; i++) s += p[i];
+    return s;
 }
 
 void cpumla_fill_neon_rows(cpumla_kernels *k) {

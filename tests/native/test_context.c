@@ -1,0 +1,121 @@
+/* test_context.c: contexts, the library lock and failure as a value (cpumla_ctx_new / enter / leave,
+ * CPUMLA_SCRATCH_LIMIT, two threads calling at once), run by test_api.c under each implementation. */
+#include <pthread.h>
+#include "kernels.h"
+#include "ref.h"
+
+/* ---- contexts, the library lock, failure as a value -------------------------------------------- */
+/* cpumla_ctx_new / enter / leave / free nesting: which buffer cpumla_scratch hands out at each level */
+static void test_ctx_nesting(void) {
+    cpumla_ctx *c1 = cpumla_ctx_new(), *c2 = cpumla_ctx_new();
+    check(c1 && c2 && c1 != c2, "cpumla_ctx_new");
+    if (!c1 || !c2) { cpumla_ctx_free(c1); cpumla_ctx_free(c2); return; }
+    case_begin();
+    check(cpumla_enter(c1) == 0, "cpumla_enter(c1)");
+    void *p1 = cpumla_scratch(CPUMLA_SCRATCH_MOE, 100);
+    check(p1 && ((uintptr_t)p1 & 63) == 0, "scratch of c1: %p (64-byte aligned)", p1);
+    check(cpumla_scratch(CPUMLA_SCRATCH_MOE, 50) == p1, "a smaller request reuses the buffer");
+    check(cpumla_enter(c2) == 0, "cpumla_enter(c2) inside c1");
+    void *p2 = cpumla_scratch(CPUMLA_SCRATCH_MOE, 100);
+    check(p2 && p2 != p1, "c2 has its own scratch (%p vs %p)", p2, p1);
+    cpumla_enter(NULL);
+    check(cpumla_scratch(CPUMLA_SCRATCH_MOE, 100) == p2, "enter(NULL) inside keeps the current context");
+    check(cpumla_leave(7) == 7, "leave returns rc");
+    check(cpumla_leave(0) == 0, "leave c2");
+    check(cpumla_scratch(CPUMLA_SCRATCH_MOE, 100) == p1, "leaving c2 makes c1 current again");
+    float *big = cpumla_scratch(CPUMLA_SCRATCH_MOE, 1 << 20);
+    check(big != NULL, "scratch grows");
+    if (big) big[(1 << 18) - 1] = 1.0f;
+    check(cpumla_leave(0) == 0, "leave c1");
+    check(cpumla_leave(3) == -1 && strstr(cpumla_last_error(), "without"), "leave without enter is an error");
+    cpumla_enter(NULL);                                     /* a temporary context, freed at its leave */
+    check(cpumla_scratch(CPUMLA_SCRATCH_MOE, 100) != NULL, "scratch of a temporary context");
+    check(cpumla_leave(0) == 0, "leave the temporary context");
+    check(cpumla_scratch(CPUMLA_SCRATCH_MOE, 100) == NULL, "no scratch outside cpumla_enter");
+    cpumla_enter(c1);                                       /* c1 kept its buffers */
+    check(cpumla_scratch(CPUMLA_SCRATCH_MOE, 1 << 20) == big, "c1 keeps its buffers across enters");
+    cpumla_leave(0);
+    case_end();
+    cpumla_ctx_free(c1);
+    cpumla_ctx_free(c2);
+    cpumla_ctx_free(NULL);
+}
+
+/* CPUMLA_SCRATCH_LIMIT: a scratch request above it fails, and the failure is the call's result */
+static void test_scratch_failure(void) {
+    tweight t = make_weight(64, 256, CPUMLA_BF16, 0, 0, 0, 0);
+    int64_t n = 8;
+    float *x = make_vec(n * 256, 1.0f), *y = xalloc(sizeof(float) * (size_t)(n * 64));
+    float *q = make_vec(4 * 64, 1.0f), *kv = make_vec(32 * 64, 1.0f), *o = xalloc(sizeof(float) * 4 * 64);
+    cpumla_attn_args a;
+    memset(&a, 0, sizeof a);
+    a.q = q; a.ldq_t = 4 * 64; a.ldq_h = 64; a.n_q = 1; a.n_heads = 4;
+    a.kv = kv; a.kv_dtype = CPUMLA_F32; a.ld_kv = 64; a.n_kv = 32; a.dk = 64; a.dv = 64; a.scale = 0.125f;
+    a.out = o; a.ldo_t = 4 * 64; a.ldo_h = 64;
+    /* avx2, avx512 and amx round bf16 activations into scratch; scalar and neon kernels need none */
+    int needs = strcmp(cpumla_isa(), "scalar") != 0 && strcmp(cpumla_isa(), "neon") != 0;
+    case_begin();
+    check(cpumla_gemm(&t.w, x, 256, n, y, 64) == 0 && cpumla_gemv(&t.w, x, y) == 0, "gemm/gemv before the limit: %s",
+          cpumla_last_error());
+    setenv("CPUMLA_SCRATCH_LIMIT", "16", 1);
+    int rc = cpumla_gemm(&t.w, x, 256, n, y, 64);
+    check(rc == (needs ? -1 : 0), "cpumla_gemm (bf16) under CPUMLA_SCRATCH_LIMIT=16 returned %d", rc);
+    if (needs) check(strstr(cpumla_last_error(), "CPUMLA_SCRATCH_LIMIT") != NULL, "error: %s", cpumla_last_error());
+    rc = cpumla_gemv(&t.w, x, y);
+    check(rc == (needs ? -1 : 0), "cpumla_gemv (bf16) under the limit returned %d", rc);
+    check(cpumla_mla_attention(&a) == -1 && strstr(cpumla_last_error(), "attention"),
+          "cpumla_mla_attention must fail without its scratch: %s", cpumla_last_error());
+    /* nested: the failure of an inner call is the outer level's too */
+    cpumla_ctx *c = cpumla_ctx_new();
+    cpumla_enter(c);
+    check(cpumla_mla_attention(&a) == -1, "inner call fails");
+    check(cpumla_leave(0) == -1, "the enclosing leave reports the failure");
+    unsetenv("CPUMLA_SCRATCH_LIMIT");
+    cpumla_enter(c);
+    check(cpumla_mla_attention(&a) == 0, "the same context works once memory is there: %s", cpumla_last_error());
+    check(cpumla_leave(0) == 0, "an earlier failure is not reported by a later enter's leave");
+    cpumla_ctx_free(c);
+    check(cpumla_gemm(&t.w, x, 256, n, y, 64) == 0, "gemm after the limit is lifted: %s", cpumla_last_error());
+    case_end();
+    free(x); free(y); free(q); free(kv); free(o);
+    free_weight(&t);
+}
+
+/* Two threads calling at once: the lock runs their calls one after the other, each on its own
+ * temporary scratch, and every result equals the one computed alone. */
+typedef struct { const cpumla_weight *w; const float *x; int64_t n, rows; const float *want; int bad, calls; } hammer_arg;
+
+static void *hammer(void *p) {
+    hammer_arg *h = p;
+    float *y = xalloc(sizeof(float) * (size_t)(h->n * h->rows));
+    for (int it = 0; it < 40; it++) {
+        if (cpumla_gemm(h->w, h->x, h->w->cols, h->n, y, h->rows) != 0) { h->bad++; continue; }
+        h->calls++;
+        if (memcmp(y, h->want, sizeof(float) * (size_t)(h->n * h->rows))) h->bad++;
+    }
+    free(y);
+    return NULL;
+}
+
+static void test_threads(void) {
+    tweight t1 = make_weight(96, 320, CPUMLA_BF16, 0, 0, 0, 0), t2 = make_weight(200, 130, CPUMLA_E4M3, CPUMLA_F32, 128, 128, 0);
+    float *x1 = make_vec(7 * 320, 1.0f), *x2 = make_vec(3 * 130, 1.0f);
+    float *w1 = xalloc(sizeof(float) * 7 * 96), *w2 = xalloc(sizeof(float) * 3 * 200);
+    cpumla_gemm(&t1.w, x1, 320, 7, w1, 96);
+    cpumla_gemm(&t2.w, x2, 130, 3, w2, 200);
+    hammer_arg a1 = {&t1.w, x1, 7, 96, w1, 0, 0}, a2 = {&t2.w, x2, 3, 200, w2, 0, 0};
+    pthread_t th;
+    int started = pthread_create(&th, NULL, hammer, &a1) == 0;
+    hammer(&a2);
+    if (started) pthread_join(th, NULL);
+    check(started && a1.bad == 0 && a2.bad == 0 && a1.calls == 40 && a2.calls == 40,
+          "two threads calling cpumla_gemm at once: %d and %d bad results", a1.bad, a2.bad);
+    free(x1); free(x2); free(w1); free(w2);
+    free_weight(&t1); free_weight(&t2);
+}
+
+void test_api_context(void) {
+    test_ctx_nesting();
+    test_scratch_failure();
+    test_threads();
+}
