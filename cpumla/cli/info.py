@@ -1,4 +1,5 @@
-"""`cpumla info`: what this machine is and what cpumla will run on it."""
+"""`cpumla info`: what this machine is and what cpumla will run on it; `cpumla info MODEL`: what a model
+takes (weights in each format, cache) and whether it fits this machine's memory, before loading it."""
 
 from __future__ import annotations
 
@@ -43,9 +44,14 @@ def collect(threads: int | None = None) -> dict:
 
 
 def info(
+    model: str = typer.Argument(None, help="A model (directory, cached repo id or preset): what it takes."),
     json_out: bool = typer.Option(False, "--json", metavar="", help="Print JSON instead of tables."),
     threads: int = typer.Option(None, "--threads", "-t", help="Threads (default: one per core)."),
+    ctx: int = typer.Option(None, "--ctx", help="With MODEL: the context to plan the cache for."),
+    hf_overrides: str = typer.Option(None, "--hf-overrides", help="With MODEL: JSON merged into its config."),
 ) -> None:
+    if model is not None:
+        return model_plan(model, ctx, hf_overrides, json_out)
     d = collect(threads)
     for w in d["warnings"]:
         render.err.print(f"note: {w}", style="yellow", markup=False, highlight=False)
@@ -72,3 +78,36 @@ def info(
                  [[k, *(v[f] for f in fmts)] for k, v in d["kernel_formats"].items()])
     render.out.print()
     render.table("build", ["", ""], [line.split(": ", 1) for line in d["build"]], header=False)
+
+
+def model_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: bool) -> None:
+    from cpumla.cli.options import check_ctx
+    from cpumla.cli.overrides import parse_hf_overrides
+    from cpumla.runtime.plan import plan
+
+    if ctx is not None:
+        check_ctx(ctx, 1 << 62)
+    p = plan(model, parse_hf_overrides(hf_overrides), ctx)
+    if json_out:
+        render.print_json(p.to_dict())
+        return
+    gib = lambda b: f"{b / 2**30:.2f} GiB"   # noqa: E731
+    label = {"stored": p.stored, "bf16": "bf16", "q8": "--quant q8", "q4": "--quant q4"}
+    render.table(None, ["", ""], [
+        ["model", f"{p.model} ({p.model_type}, {p.where})"],
+        ["parameters", f"{p.params / 1e9:.2f} B"],
+        ["cache", f"{gib(p.cache_per_1k)} per 1k tokens; {gib(p.cache)} at {p.ctx} tokens (--ctx)"],
+        ["scratch", gib(p.scratch)],
+        ["available", f"{gib(p.available)} ({p.available_from})"],
+    ], header=False)
+    render.out.print()
+    render.table("weights", ["format", "weights", "with cache and scratch", "fits"],
+                 [[label[f], gib(b), gib(p.need(f)), "yes" if p.fits(f) else "no"] for f, b in p.weights.items()],
+                 right={1, 2})
+    for n in p.notes:
+        render.out.print(f"note: {n}", markup=False, highlight=False)
+    if not p.fits("stored"):
+        q = p.smallest_fitting_quant()
+        render.out.print(f"as {'stored' if p.stored == 'as stored' else 'released'} it does not fit: "
+                         + (f"--quant {q} would fit" if q else "no --quant makes it fit here"), markup=False,
+                         highlight=False)

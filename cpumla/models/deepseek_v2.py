@@ -293,9 +293,7 @@ def tensors(cfg: Config) -> dict[str, tuple[tuple[int, ...], str]]:
            "lm_head.weight": ((V, D), "plain")}
     for layer in range(cfg.num_hidden_layers):
         for role, (name, shape) in checkpoint_name_map(cfg, layer).items():
-            kind = "norm" if role.endswith("_ln") else "bias" if role == "gate_bias" else \
-                "plain" if role == "gate" else "linear"
-            out[name] = (shape, kind)
+            out[name] = (shape, role_kind(role))
         shapes = mlp_shapes(cfg, layer)
         for group, trios in mlp_names(cfg, layer).items():
             inter = shapes[group][0]
@@ -306,14 +304,35 @@ def tensors(cfg: Config) -> dict[str, tuple[tuple[int, ...], str]]:
     return out
 
 
+def role_kind(role: str) -> str:
+    """The kind (as in tensors()) of a checkpoint_name_map role."""
+    return "norm" if role.endswith("_ln") else "bias" if role == "gate_bias" else "plain" if role == "gate" else "linear"
+
+
+def weight_groups(cfg: Config, extra=None) -> list[tuple[str, tuple[int, ...], str, int]]:
+    """[(one tensor's name, its shape, kind, how many tensors share name pattern, shape and kind)] over
+    the whole model, counted without walking layers or experts (runtime/plan.py sizes a model with it
+    before loading; a config may claim millions of either). extra(layer): more (role, (name, shape), kind)."""
+    D, V = cfg.hidden_size, cfg.vocab_size
+    out = [("model.embed_tokens.weight", (V, D), "embed", 1), ("model.norm.weight", (D,), "norm", 1),
+           ("lm_head.weight", (V, D), "plain", 1)]
+    for layer, count in cfg.layer_groups():
+        out += [(name, shape, role_kind(role), count) for role, (name, shape) in checkpoint_name_map(cfg, layer).items()]
+        out += [(name, shape, kind, count) for _, (name, shape), kind in (extra(layer) if extra else [])]
+        p = f"model.layers.{layer}.mlp."
+        for group, (inter, n) in mlp_shapes(cfg, layer).items():
+            prefix = p + {"experts": "experts.0.", "shared": "shared_experts.", "dense": ""}[group]
+            out += [(prefix + "gate_proj.weight", (inter, D), "linear", 2 * n * count),
+                    (prefix + "down_proj.weight", (D, inter), "linear", n * count)]
+    return out
+
+
 def layer_shapes(cfg: Config, layer: int) -> list[tuple[tuple[int, ...], str, int]]:
     """[(shape, kind, count)] of the tensors of layer `layer` (kinds as in tensors()), experts counted
     rather than listed."""
     out = []
     for role, (_, shape) in checkpoint_name_map(cfg, layer).items():
-        kind = "norm" if role.endswith("_ln") else "bias" if role == "gate_bias" else \
-            "plain" if role == "gate" else "linear"
-        out.append((shape, kind, 1))
+        out.append((shape, role_kind(role), 1))
     D = cfg.hidden_size
     for inter, count in mlp_shapes(cfg, layer).values():
         out += [((inter, D), "linear", 2 * count), ((D, inter), "linear", count)]

@@ -92,6 +92,10 @@ def layer_shapes(cfg: Config, layer: int) -> list[tuple[tuple[int, ...], str, in
                                           for role, (_, shape) in indexer_names(cfg, layer).items()]
 
 
+def weight_groups(cfg: Config) -> list[tuple[str, tuple[int, ...], str, int]]:
+    return v2.weight_groups(cfg, lambda layer: [(role, t, INDEXER_KINDS[role]) for role, t in indexer_names(cfg, layer).items()])
+
+
 def memory_bytes(cfg: Config, ctx: int, dtype: str, chunk: int = 512) -> dict[str, int]:
     """V3's, plus the index-key cache ([ctx, index_head_dim] fp32 per layer) and the indexer's scratch
     (index queries and keys of a chunk, one query chunk's scores, the selected rows)."""

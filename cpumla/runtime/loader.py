@@ -112,15 +112,18 @@ def gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB" if n < 1 << 50 else f"{n:.3g} bytes"
 
 
-def check_memory(need: dict[str, int], dummy: bool, where: str) -> None:
-    """Refuses (CpumlaError) when the anonymous memory a model needs exceeds what is available."""
+def check_memory(need: dict[str, int], dummy: bool, where: str, hint=None) -> None:
+    """Refuses (CpumlaError) when the anonymous memory a model needs exceeds what is available.
+    hint(): the --quant that would fit, or None (asked only when refusing)."""
     anon = need["cache"] + need["scratch"] + (need["weights"] if dummy else 0)
     avail, what = available_memory()
     if anon > avail:
         parts = (f"weights {gib(need['weights'])}, " if dummy else "") + \
             f"caches {gib(need['cache'])}, scratch {gib(need['scratch'])}"
+        q = hint() if hint is not None else None
         raise CpumlaError(f"{where}: needs {gib(anon)} of memory ({parts}) but {gib(avail)} is available "
-                          f"({what}); use a smaller --ctx / max_seq_len or a smaller model")
+                          f"({what}); " + (f"--quant {q} would fit" if q else
+                                           "use a smaller --ctx / max_seq_len or a smaller model"))
 
 
 def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: int = 0, threads: int | None = None,
@@ -133,6 +136,7 @@ def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: in
     memory (checked before anything is allocated)."""
     from cpumla import native
     from cpumla.runtime.engine import PREFILL_CHUNK, Engine, context_length
+    from cpumla.runtime.plan import check_fits, plan
     from cpumla.runtime.weights import DummySource, Quantizer, quantized_as
 
     if threads is not None:        # quantizing runs on the pool: size it first
@@ -148,10 +152,14 @@ def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: in
             raise CpumlaError(f"{model} is already quantized ({quantized_as(cfg)}): leave out --quant")
         if not getattr(fam, "QUANTIZABLE", True):
             raise CpumlaError(f"--quant is not supported for {cfg.model_type} yet")
+        # the quantized weights are made in memory: they, the caches and the scratch must fit
+        check_fits(plan(model, hf_overrides, ctx), quant, f"{quant} weights")
     if dummy_weights:
         if dummy_dtype not in DUMMY_DTYPES:
             raise CpumlaError(f"dummy weight dtype must be {', '.join(DUMMY_DTYPES)}, got {dummy_dtype!r}")
-        check_memory(fam.memory_bytes(cfg, ctx, dummy_dtype, PREFILL_CHUNK), True, where)
+        if quantizer is None:
+            check_memory(fam.memory_bytes(cfg, ctx, dummy_dtype, PREFILL_CHUNK), True, where,
+                         hint=lambda: plan(model, hf_overrides, ctx).smallest_fitting_quant())
         src = DummySource(fam.tensors(cfg), cfg.block, seed=seed, dtype=dummy_dtype)
     else:
         if resolved.directory is None:

@@ -311,6 +311,11 @@ class Checkpoint:
     def file_of(self, name: str) -> Path:
         return self._file(name).path
 
+    def tensor_nbytes(self, name: str) -> int:
+        """Bytes of one tensor's data, from its header entry."""
+        a, b = self._file(name).span(name)
+        return b - a
+
     @property
     def nbytes(self) -> int:
         return sum(f.nbytes for f in self.files.values())

@@ -1,0 +1,171 @@
+"""What a model takes before it is loaded (`cpumla info MODEL`, and the loader's refusal of a model
+that cannot fit): parameters, the bytes of its weights as released or stored and in bf16 / q8 / q4,
+the cache per 1k tokens and at the context asked for, and which of those fits this machine's memory.
+
+Everything comes from the config and, for a checkpoint directory, the safetensors headers: nothing is
+read or allocated. The q8 / q4 bytes follow weights.quant_plan, the rule the loader quantizes by.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from cpumla.errors import CpumlaError
+from cpumla.runtime import weights as W
+
+QBYTES = {"q8": 1.0, "q4": 0.5}          # bytes per weight of the codes; each block of 32 adds an fp16 scale
+ITEM = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I8": 1, "U8": 1, "I64": 8, "I32": 4}
+
+
+def _released_dtype(kind: str, fp8: bool) -> str:
+    """The dtype a tensor of this kind has in the checkpoint as its makers release it."""
+    if kind == "linear":
+        return "F8_E4M3" if fp8 else "BF16"
+    if kind in ("bias", "f32"):
+        return "F32"
+    if kind == "e4m3":
+        return "F8_E4M3"
+    if kind == "e2m1":
+        return "E2M1"
+    if kind.startswith("ids:"):
+        return "I64"
+    return "BF16"
+
+
+def _bytes(shape, dtype: str, block) -> int:
+    """Bytes of one tensor stored as dtype, its scale grid included (FP8: fp32 per block; FP4: E8M0
+    per 32 inputs)."""
+    n = math.prod(shape)
+    if dtype == "E2M1":
+        return n // 2 + shape[0] * -(-shape[-1] // 32)
+    if dtype == "F8_E4M3" and len(shape) == 2:
+        return n + 4 * -(-shape[0] // block[0]) * -(-shape[1] // block[1])
+    return ITEM.get(dtype, 2) * n
+
+
+def _scale_names(name: str) -> list[str]:
+    """The scale grids a checkpoint may store beside weight `name`: FP8's weight_scale_inv (V2/V3),
+    the official V4 `.scale` (FP8 and FP4), cpumla's q8 / q4 `_qscale`."""
+    base = name[: -len(".weight")] if name.endswith(".weight") else name
+    return [base + ".weight_scale_inv", base + ".scale", name + W.QSCALE]
+
+
+def _as(shape, fmt: str) -> int:
+    n = math.prod(shape)
+    return int(n * QBYTES[fmt]) + 2 * (n // 32)
+
+
+@dataclass
+class Plan:
+    model: str
+    model_type: str
+    where: str                            # "preset ..." or the checkpoint directory
+    params: int                           # parameters of every tensor the model reads
+    stored: str                           # "as released" (a preset) or "as stored" (a checkpoint)
+    weights: dict[str, int]               # format -> weight bytes (the stored form first)
+    cache_per_1k: int                     # what the cache grows by per 1000 tokens
+    ctx: int
+    cache: int                            # cache bytes at ctx
+    scratch: int
+    available: int
+    available_from: str
+    quantized: str | None = None          # q8 / q4 when the checkpoint is cpumla-quantized
+    notes: list[str] = field(default_factory=list)
+
+    def need(self, fmt: str) -> int:
+        return self.weights[fmt] + self.cache + self.scratch
+
+    def fits(self, fmt: str) -> bool:
+        return self.need(fmt) <= self.available
+
+    def smallest_fitting_quant(self) -> str | None:
+        """The --quant that would fit (q8 before q4), or None when neither does or none applies."""
+        for fmt in W.QUANTS:
+            if fmt in self.weights and self.fits(fmt):
+                return fmt
+        return None
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "model_type": self.model_type, "where": self.where, "params": self.params,
+                "stored": self.stored, "weights": self.weights, "cache_per_1k_tokens": self.cache_per_1k,
+                "ctx": self.ctx, "cache": self.cache, "scratch": self.scratch, "available": self.available,
+                "available_from": self.available_from, "quantized": self.quantized,
+                "fits": {f: self.fits(f) for f in self.weights}, "notes": self.notes}
+
+
+def plan(model: str, hf_overrides=None, max_seq_len: int | None = None) -> Plan:
+    """The Plan of `model` (a directory, a cached repo id or a preset). Raises CpumlaError as load does
+    for a model it cannot resolve."""
+    from cpumla.models import family
+    from cpumla.runtime.engine import PREFILL_CHUNK, context_length
+    from cpumla.runtime.loader import available_memory, load_config
+
+    cfg, resolved = load_config(model, hf_overrides)
+    fam = family(cfg.model_type)
+    ctx = context_length(cfg, max_seq_len)
+    groups = fam.weight_groups(cfg) if hasattr(fam, "weight_groups") else \
+        [(name, shape, kind, 1) for name, (shape, kind) in fam.tensors(cfg).items()]
+    block = tuple(getattr(cfg, "block", (128, 128)))
+    quantizable = getattr(fam, "QUANTIZABLE", True) and W.quantized_as(cfg) is None
+    qc = getattr(cfg, "quantization_config", None) or {}
+    fp8 = qc.get("quant_method") == "fp8"
+    src = None
+    if resolved.directory is not None:
+        from cpumla.runtime.safetensors import Checkpoint
+
+        src = Checkpoint(resolved.directory)
+    try:
+        params, sizes = 0, {"stored": 0, **({"bf16": 0, **{f: 0 for f in W.QUANTS}} if quantizable else {})}
+        for name, shape, kind, count in groups:
+            n = math.prod(shape)
+            params += n * count
+            if src is not None and src.has(name):
+                dtype, got = src.info(name)
+                stored = src.tensor_nbytes(name) + sum(src.tensor_nbytes(s) for s in _scale_names(name) if src.has(s))
+                shape = tuple(got) if dtype != "U8" else tuple(shape)
+            else:
+                dtype = _released_dtype(kind, fp8)
+                stored = _bytes(shape, dtype, block)
+            sizes["stored"] += stored * count
+            if not quantizable:
+                continue
+            sizes["bf16"] += count * (stored if dtype in ("F32", "I64", "I32") else 2 * n)
+            for fmt in W.QUANTS:
+                to = W.quant_plan(name, dtype, shape, fmt) if kind in ("linear", "plain") else None
+                sizes[fmt] += count * (_as(shape, to) if to else stored)
+    finally:
+        if src is not None:
+            src.close()
+    mem = fam.memory_bytes(cfg, ctx, "bf16", PREFILL_CHUNK)
+    # the cache grows by this much per 1000 tokens (V4 also holds fixed rings: that part is in `cache`)
+    k1 = fam.memory_bytes(cfg, 2000, "bf16", PREFILL_CHUNK)["cache"] - fam.memory_bytes(cfg, 1000, "bf16", PREFILL_CHUNK)["cache"]
+    avail, what = available_memory()
+    notes = []
+    if not quantizable:
+        notes.append("already quantized: --quant does not apply" if W.quantized_as(cfg)
+                     else f"--quant is not supported for {cfg.model_type}")
+    if sizes.get("bf16") == sizes["stored"]:
+        sizes.pop("bf16")
+    return Plan(model=model, model_type=cfg.model_type,
+                where=str(resolved.directory) if resolved.directory else f"preset {model}", params=params,
+                stored="as stored" if src is not None else "as released", weights=sizes,
+                cache_per_1k=k1, ctx=ctx, cache=mem["cache"], scratch=mem["scratch"], available=avail,
+                available_from=what, quantized=W.quantized_as(cfg), notes=notes)
+
+
+def check_fits(p: Plan, fmt: str, what: str) -> None:
+    """Refuses (CpumlaError, one line) a load whose weights in `fmt` plus cache and scratch exceed the
+    memory available, naming the --quant that would fit."""
+    if p.fits(fmt):
+        return
+    gib = lambda b: f"{b / 2**30:.1f} GiB"   # noqa: E731
+    hint = p.smallest_fitting_quant()
+    tail = f"; --quant {hint} would fit ({gib(p.need(hint))})" if hint and hint != fmt else \
+        "; use a smaller --ctx / max_seq_len or a smaller model"
+    raise CpumlaError(f"{p.where}: needs {gib(p.need(fmt))} of memory ({what} {gib(p.weights[fmt])}, caches "
+                      f"{gib(p.cache)}, scratch {gib(p.scratch)}) but {gib(p.available)} is available "
+                      f"({p.available_from}){tail}")
+
+
+__all__ = ["Plan", "plan", "check_fits", "CpumlaError"]
