@@ -146,21 +146,34 @@ def draw_of(u: float) -> int:
 
 
 def _exp(y: np.ndarray) -> np.ndarray:
-    """The definition's exp of float32 y <= 0: the float32 steps of csrc/sample.c's exp_def, in its
-    order (numpy's elementwise operations round each step as C does; nothing is fused)."""
+    """The definition's exp of float32 y <= 0: the float32 steps of csrc/sample_passes.h's sample_exp,
+    in its order (numpy's elementwise operations round each step as C does; nothing is fused). In
+    place where it can be: fewer temporaries of the row's size."""
     f = np.float32
     yc = np.maximum(y, _Y_MIN)
-    t = yc * f(float.fromhex("0x1.715476p+0"))                 # log2(e)
-    k = (t + f(12582912.0)) - f(12582912.0)                    # 1.5 * 2^23: round to nearest even
-    r = (yc - k * f(float.fromhex("0x1.63p-1"))) - k * f(float.fromhex("-0x1.bd0106p-13"))
-    q = f(float.fromhex("0x1.a0d2cep-13"))
-    for c in ("0x1.6e879cp-10", "0x1.11121p-7", "0x1.555382p-5", "0x1.555554p-3", "0x1p-1"):
-        q = q * r + f(float.fromhex(c))
-    e = q * (r * r) + r + f(1.0)
-    two_k = ((k.astype(np.int32) + 127) << 23).view(np.float32)
-    p = np.minimum(e * two_k, f(1.0))
-    p[y < _Y_MIN] = 0
-    return p
+    k = yc * f(float.fromhex("0x1.715476p+0"))                 # log2(e)
+    k += f(12582912.0)                                         # 1.5 * 2^23: round to nearest even
+    k -= f(12582912.0)
+    r = k * f(float.fromhex("0x1.63p-1"))                      # r = (yc - k ln2_hi) - k ln2_lo
+    np.subtract(yc, r, out=r)
+    np.multiply(k, f(float.fromhex("-0x1.bd0106p-13")), out=yc)
+    r -= yc
+    q = r * f(float.fromhex("0x1.a0d2cep-13"))
+    for c in ("0x1.6e879cp-10", "0x1.11121p-7", "0x1.555382p-5", "0x1.555554p-3"):
+        q += f(float.fromhex(c))
+        q *= r
+    q += f(0.5)
+    np.multiply(r, r, out=yc)
+    q *= yc                                                    # e = q * (r * r) + r + 1
+    q += r
+    q += f(1.0)
+    two_k = k.astype(np.int32)
+    two_k += 127
+    two_k <<= 23
+    q *= two_k.view(np.float32)
+    np.minimum(q, f(1.0), out=q)
+    q[y < _Y_MIN] = 0
+    return q
 
 
 def row_max(x: np.ndarray) -> float:
