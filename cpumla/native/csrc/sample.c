@@ -2,20 +2,22 @@
  * defines it (that definition is the spec; sampling.py computes the same choices with numpy).
  *
  * Single-threaded and allocation-free: the caller hands in work (cpumla_sample_work_bytes), so any
- * thread may call at any time without the library lock. The work for a row of n logits:
- *   1. max (and the NaN / inf checks)                                   one vectorised pass
- *   2. p_i by the defined exp, stored in work                           one vectorised pass
- *   3. a histogram over p's top bits (8 exponent + 7 mantissa: 128 bins an octave) of the count and
- *      the integer mass of each bin                                     one scalar pass
- *   4. each "where does the order cross" query (top-k's k-th token, top-p's crossing, the draw) walks
- *      the bins from the top, gathers the crossing bin's members (a scan of p, skipped when the last
- *      query's bin is asked again), then refines on p's next 8 bits and its last 8: what is left are
- *      tokens with identical p, which follow in id order.
- * Masses are integers (p truncated to a multiple of 2^-S, S = 53 - bit length of n), so every sum
- * is exact in any order: the histogram gives the same crossings as a full sort would.
- * FLAGS compiles this file with -ffp-contract=off (the exp is a fixed sequence of float32 operations
- * that numpy repeats; a fused multiply-add would round differently) and -fno-trapping-math (lets gcc
- * vectorise the exp's selects; no value changes). */
+ * thread may call at any time without the library lock. For a row of n logits:
+ *   1. max, with the NaN / inf checks                                    vectorised pass
+ *   2. p_i by the defined exp into work; the least p's bits              vectorised passes
+ *   3. level-1 histogram: the count (top-k only) and the integer mass of each of at most 4096 bins of
+ *      p's bits, spread over the live range (flat rows get fine bins)   bins vectorised, adds scalar
+ *   4. each "where does the order cross" query (top-k's k-th token, top-p's crossing, min-p's mass,
+ *      the draw) walks the bins from the top, gathers the crossing bin's ids (one vectorised scan,
+ *      kept for the next query on the same bin), and refines them on p's next 8 bits until one bit
+ *      pattern is left: tokens with identical p, which follow in id order.
+ * The passes of 1-4 are in sample_passes.h, compiled per instruction set (sample_avx2.c,
+ * sample_avx512.c) with identical results. Masses are integers (p truncated to a multiple of 2^-S,
+ * S = 53 - the bit length of n), so every sum is exact in any order: the histogram finds the same
+ * crossings as a full sort. Bits order like non-negative floats, so bins follow the order.
+ * FLAGS compiles these files with -ffp-contract=off (the exp is a fixed sequence of float32
+ * operations that numpy repeats; a fused multiply-add would round differently) and
+ * -fno-trapping-math (lets gcc vectorise the exp's selects; no value changes). */
 #include <math.h>
 #include <string.h>
 #include "cpumla.h"
