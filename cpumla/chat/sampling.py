@@ -1,20 +1,30 @@
 """Token sampling over one logits row: greedy, temperature, top-k, top-p, min-p, repetition / presence /
 frequency penalties, seeded.
 
-What is sampled (the definition; every code path below computes exactly this):
-  x   the logits after the penalties (float32)
-  p_i = exp((x_i - max x) / temperature) in float32: unnormalised, the top token's is 1
-  order: p descending, ties by token id ascending
-  kept: the longest prefix of that order allowed by top-k (k first), top-p (the first tokens whose
-        mass reaches top_p of the top-k mass) and min-p (p_i >= min_p)
-  draw: u = rng.random(); along the kept prefix, the first token whose cumulative p exceeds u times
-        the prefix's mass
+What is sampled (the definition; the native sampler, csrc/sample.c, and the numpy code below both
+compute exactly this, in exact arithmetic wherever a sum or a threshold is involved):
+  x    the logits after the penalties (float32), n of them; m = max x
+  p_i  = exp(y_i), y_i = (x_i - m) * s in float32, s = float32(1 / temperature) (the largest float32
+       if that overflows). exp is a fixed sequence of float32 operations (_exp: Cody-Waite reduction,
+       Cephes' expf polynomial, no fused multiply-adds; within 2 ulp of exp), 0 where y_i < -87,
+       at most 1: the top token's p is 1
+  w_i  = floor(p_i * 2^S), S = 53 - the bit length of n (36 for 129,280 ids): integer masses, so every
+       sum is exact in float64 whatever its order. A token with p_i < 2^-S (under 1.5e-11 of the top
+       token's, for 129,280 ids) has no mass and is never drawn
+  order: p descending, ties by token id ascending; cum_j = the mass of the first j tokens of it
+  kept: the longest prefix allowed by top-k (the first k), top-p (through the first j with
+        cum_j >= top_p * W, W the top-k mass, the product in float64) and min-p (p_i >= min_p, real
+        comparison); M = the kept prefix's mass, the least of the three
+  draw: u = rng.random() (a multiple of 2^-53); the first token of the order with cum_j > u * M
+        (a real comparison: (u * 2^53) * M in integers)
+temperature 0 is greedy: the first maximal logit, and no draw from rng.
 
 Speed. Sorting the whole vocabulary (129,280 ids) costs 10-20 ms a token, longer than a small model's
-decode step, so nothing here sorts it (the hot path of `cpumla chat`, hence hand-written rather than a
-library's sort-based warper). A prefix is known by its mass: top-p and the draw are both "where does the
-cumulative mass cross t", answered by `_Prefix` from a histogram of p's float32 bits (which order like
-p) with only the crossing bin sorted; top-k sorts only the bins above the k-th token.
+decode step, so nothing here sorts it. A prefix is known by its mass: top-p and the draw are both "where
+does the cumulative mass cross t", answered from a histogram of p's float32 bits (which order like p)
+with only the crossing bin refined. Sampler.choose runs that in C (cpumla.native.sample: well under
+a millisecond for any distribution over 129,280 ids); sample_numpy is the same in numpy (the reference
+the native one is tested against, and benchmarks/sampling.py's baseline).
 """
 
 from __future__ import annotations
@@ -24,10 +34,13 @@ import math
 import numpy as np
 
 from cpumla.errors import CpumlaError
+from cpumla.native import sample as native_sample
 
 _SHIFT = 16              # bits of a float32 dropped for its bin: 128 bins per octave of p
 _NBINS = (0x7F800000 >> _SHIFT) + 1
 _EXPLICIT = 4096         # candidate sets up to this size are sorted directly
+_Y_MIN = np.float32(-87.0)
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 class Sampler:
@@ -43,6 +56,7 @@ class Sampler:
         self.rng = np.random.default_rng(seed)
         self._context: list[int] = []       # the tokens before this answer (the repetition penalty's window)
         self._counts: dict[int, int] = {}   # tokens of this answer and how often each came
+        self._work, self._work_n = None, 0  # the native sampler's work buffer, for rows of _work_n
 
     @property
     def penalised(self) -> bool:
@@ -70,18 +84,13 @@ class Sampler:
 
     def choose(self, logits: np.ndarray) -> int:
         """The next token for one logits row (the penalties of what was accepted so far applied)."""
-        x = np.asarray(logits, dtype=np.float32).reshape(-1)
+        x = np.ascontiguousarray(logits, dtype=np.float32).reshape(-1)
         if self.penalised:
             x = self.penalise(x)
-        m = float(x.max())                  # NaN anywhere makes the max NaN
-        if not math.isfinite(m):
-            if math.isnan(m):
-                raise CpumlaError("the model's logits contain NaN; no token can be chosen")
-            raise CpumlaError("the model's logits are infinite" if m > 0 else "every token's logit is -inf")
-        if self.temperature == 0:
-            return int(x.argmax())
-        p = np.exp((x - np.float32(m)) * np.float32(1.0 / self.temperature))
-        return sample(p, self.rng.random(), self.top_k, self.top_p, self.min_p)
+        draw = 0 if self.temperature == 0 else draw_of(self.rng.random())
+        if self._work is None or self._work_n != x.size:
+            self._work, self._work_n = native_sample.work(x.size), x.size
+        return native_sample.sample(x, self.temperature, self.top_k, self.top_p, self.min_p, draw, self._work)
 
     def penalise(self, x: np.ndarray) -> np.ndarray:
         """x with the penalties applied (a copy): repetition as llama.cpp (a positive logit divided by
@@ -130,7 +139,90 @@ def check(*, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, repeat_p
         raise CpumlaError(f"seed must be an integer in [0, 2^64), not {seed!r}")
 
 
-# ---- the selection --------------------------------------------------------------------------------
+# ---- the definition in numpy --------------------------------------------------------------------
+def draw_of(u: float) -> int:
+    """u = rng.random() as the integer u * 2^53 (exact: u is a multiple of 2^-53)."""
+    return int(u * 2.0 ** 53)
+
+
+def _exp(y: np.ndarray) -> np.ndarray:
+    """The definition's exp of float32 y <= 0: the float32 steps of csrc/sample_passes.h's sample_exp,
+    in its order (numpy's elementwise operations round each step as C does; nothing is fused). In
+    place where it can be: fewer temporaries of the row's size."""
+    f = np.float32
+    yc = np.maximum(y, _Y_MIN)
+    k = yc * f(float.fromhex("0x1.715476p+0"))                 # log2(e)
+    k += f(12582912.0)                                         # 1.5 * 2^23: round to nearest even
+    k -= f(12582912.0)
+    r = k * f(float.fromhex("0x1.63p-1"))                      # r = (yc - k ln2_hi) - k ln2_lo
+    np.subtract(yc, r, out=r)
+    np.multiply(k, f(float.fromhex("-0x1.bd0106p-13")), out=yc)
+    r -= yc
+    q = r * f(float.fromhex("0x1.a0d2cep-13"))
+    for c in ("0x1.6e879cp-10", "0x1.11121p-7", "0x1.555382p-5", "0x1.555554p-3"):
+        q += f(float.fromhex(c))
+        q *= r
+    q += f(0.5)
+    np.multiply(r, r, out=yc)
+    q *= yc                                                    # e = q * (r * r) + r + 1
+    q += r
+    q += f(1.0)
+    two_k = k.astype(np.int32)
+    two_k += 127
+    two_k <<= 23
+    q *= two_k.view(np.float32)
+    np.minimum(q, f(1.0), out=q)
+    q[y < _Y_MIN] = 0
+    return q
+
+
+def row_max(x: np.ndarray) -> float:
+    """max x, or the CpumlaError a row with NaN, +inf, or nothing but -inf gets."""
+    m = float(x.max())                  # NaN anywhere makes the max NaN
+    if not math.isfinite(m):
+        if math.isnan(m):
+            raise CpumlaError("the model's logits contain NaN; no token can be chosen")
+        raise CpumlaError("the model's logits are infinite" if m > 0 else "every token's logit is -inf")
+    return m
+
+
+def probs(x: np.ndarray, temperature: float) -> np.ndarray:
+    """The definition's p (float32) for the logits row x, temperature > 0."""
+    x = np.asarray(x, np.float32).reshape(-1)
+    m = row_max(x)
+    with np.errstate(over="ignore"):
+        s = np.float32(np.float64(1.0) / np.float64(temperature))
+    s = min(s, np.float32(_F32_MAX))
+    return _exp((x - np.float32(m)) * s)
+
+
+def mass_shift(n: int) -> int:
+    """S: n masses of at most 2^S add up to less than 2^53."""
+    return min(52, max(1, 53 - int(n).bit_length()))
+
+
+def masses(p: np.ndarray) -> np.ndarray:
+    """w = floor(p * 2^S) as float64 (integers; exact)."""
+    return np.floor(p.astype(np.float64) * 2.0 ** mass_shift(p.size))
+
+
+def f32_at_least(v: float) -> np.float32:
+    """The smallest float32 >= v: p >= v exactly when p >= this."""
+    f = np.float32(v)
+    return np.nextafter(f, np.float32(np.inf)) if float(f) < v else f
+
+
+def sample_numpy(x: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                 draw: int = 0) -> int:
+    """The definition in numpy (what Sampler.choose computes natively): the token for the logits row
+    x (penalties applied) and the integer draw (u * 2^53)."""
+    x = np.asarray(x, np.float32).reshape(-1)
+    if temperature == 0:
+        row_max(x)
+        return int(x.argmax())
+    return sample(probs(x, temperature), draw, top_k, top_p, min_p)
+
+
 def _sorted_desc(p: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """ids (ascending) ordered by p descending, then id ascending."""
     v = p[ids]
@@ -139,12 +231,12 @@ def _sorted_desc(p: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return ids[np.argsort(-v, kind="stable")]
 
 
-def sample(p: np.ndarray, u: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> int:
-    """The token drawn by u in [0, 1) from unnormalised probabilities p (float32, max 1): the kept
-    prefix of the order (p descending, ids ascending) is walked in that order to the first token whose
-    cumulative p exceeds u times the kept prefix's mass."""
+def sample(p: np.ndarray, draw: int, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> int:
+    """The token drawn by u = draw / 2^53 from the definition's p (float32, max 1): the kept prefix of
+    the order (p descending, ids ascending) is walked to the first token whose cumulative mass
+    exceeds u times the kept prefix's mass."""
     n = p.size
-    floor = np.float32(min_p)
+    w = masses(p)
     if top_k and top_k < n:
         # the bin holding the k-th token from the top, and everything above it, sorted: the top k
         bins = (p.view(np.int32) >> _SHIFT).astype(np.intp)
@@ -152,62 +244,61 @@ def sample(p: np.ndarray, u: float, top_k: int = 0, top_p: float = 1.0, min_p: f
         c = _NBINS - 1 - int(np.searchsorted(above, top_k))
         head = _sorted_desc(p, np.flatnonzero(bins >= c))[:top_k]
         keep = head.size
-        cum = np.cumsum(p[head].astype(np.float64))
+        cum = np.cumsum(w[head])                    # integers below 2^53: exact
         if top_p < 1:
-            keep = min(keep, int(np.searchsorted(cum, top_p * cum[-1])) + 1)
+            keep = min(keep, int(np.searchsorted(cum, math.ceil(top_p * cum[-1]))) + 1)
         if min_p > 0:
-            keep = min(keep, int(np.count_nonzero(p[head] >= floor)))
-        j = int(np.searchsorted(cum[:keep], u * cum[keep - 1], side="right"))
-        return int(head[min(j, keep - 1)])
-    prefix = _Prefix(p)
+            keep = min(keep, int(np.count_nonzero(p[head] >= f32_at_least(min_p))))
+        t = (draw * int(cum[keep - 1])) >> 53
+        return int(head[int(np.searchsorted(cum, t, side="right"))])
+    prefix = _Prefix(p, w)
     kept = prefix.total
     if top_p < 1:
-        kept = min(kept, prefix.crossing(top_p * prefix.total, "left")[1])
+        kept = min(kept, prefix.crossing(math.ceil(top_p * prefix.total), "left")[1])
     if min_p > 0:
-        kept = min(kept, float(p.sum(dtype=np.float64, where=p >= floor)))
-    return prefix.crossing(u * kept, "right")[0]
+        kept = min(kept, int(w.sum(where=p >= f32_at_least(min_p))))
+    return prefix.crossing((draw * kept) >> 53, "right")[0]
 
 
 class _Prefix:
     """Cumulative mass along the order (p descending, ids ascending) without sorting the vocabulary.
 
-    crossing(t) finds the first token whose cumulative mass reaches t. Tokens with p below
-    (total - t) / n hold less than total - t together, so the crossing lies above them: for a peaked
-    distribution few tokens remain and are sorted directly. When many remain (a flat distribution),
-    float32 bits order like the values: one bincount over the top bits gives every bin's mass, and only
-    the bin where t is crossed is refined (finer bits, then a sort)."""
+    crossing(t) finds the first token whose cumulative mass reaches t (an integer). Tokens with mass
+    below (total - t) // n hold less than total - t together and come last, so the crossing lies
+    above them: for a peaked distribution few tokens remain and are sorted directly. When many remain
+    (a flat distribution), float32 bits order like the values: one bincount over the top bits gives
+    every bin's mass (exact: integer masses), and only the bin where t is crossed is refined (finer
+    bits, then a sort)."""
 
-    def __init__(self, p: np.ndarray):
-        self.p = p
+    def __init__(self, p: np.ndarray, w: np.ndarray):
+        self.p, self.w = p, w
         self.keys = p.view(np.int32)
-        self.total = float(p.sum(dtype=np.float64))
+        self.total = int(w.sum())
         self._coarse = None
 
-    def crossing(self, t: float, side: str) -> tuple[int, float]:
+    def crossing(self, t: int, side: str) -> tuple[int, int]:
         """(token, cumulative mass through it) at the first cumulative > t ("right") or >= t ("left")."""
-        p, n = self.p, self.p.size
-        cand = np.flatnonzero(p >= np.float32(max(self.total - t, 0.0) / n))
-        before = 0.0
+        p, w, n = self.p, self.w, self.p.size
+        cand = np.flatnonzero(w >= max(self.total - t, 0) // n)
+        before = 0
         for level, shift in enumerate((19, 11, 3)):
             if cand.size <= _EXPLICIT:
                 break
             if level == 0:                      # over everything: shared by every query on this row
                 if self._coarse is None:
                     k = (self.keys >> shift).astype(np.intp)    # bincount is slow on int32
-                    self._coarse = k, np.cumsum(np.bincount(k, weights=p)[::-1])
+                    self._coarse = k, np.cumsum(np.bincount(k, weights=w)[::-1])
                 k, above = self._coarse
             else:
                 k = (self.keys[cand] >> shift).astype(np.intp)
                 k -= int(k.min())
-                above = np.cumsum(np.bincount(k, weights=p[cand])[::-1])
-            i = min(int(np.searchsorted(above, t - before, side=side)), above.size - 1)
-            while i and above[i] == above[i - 1]:     # rounding ran past the last non-empty bin
-                i -= 1
+                above = np.cumsum(np.bincount(k, weights=w[cand])[::-1])
+            i = int(np.searchsorted(above, t - before, side=side))   # exact sums: a bin with mass
             c = above.size - 1 - i
             if i:
-                before += float(above[i - 1])
+                before += int(above[i - 1])
             cand = np.flatnonzero(k == c) if level == 0 else cand[k == c]
         members = _sorted_desc(p, cand)
-        cum = before + np.cumsum(p[members].astype(np.float64))
-        j = min(int(np.searchsorted(cum, t, side=side)), members.size - 1)
-        return int(members[j]), float(cum[j])
+        cum = before + np.cumsum(w[members])
+        j = int(np.searchsorted(cum, t, side=side))
+        return int(members[j]), int(cum[j])

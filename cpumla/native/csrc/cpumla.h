@@ -297,6 +297,22 @@ typedef struct cpumla_vec {
     int32_t dtype;
 } cpumla_vec;
 
+/* ---- token sampling ---------------------------------------------------------------------------- */
+/* One token drawn from a logits row [n], exactly as the docstring of cpumla/chat/sampling.py defines
+ * it (temperature, top-k, top-p, min-p; the penalties are applied to the row before). temperature 0
+ * is greedy (the first maximal logit); otherwise draw (< 2^53) is the uniform u = draw / 2^53.
+ * top_k 0 and top_p 1 are off, min_p 0 is off. work: cpumla_sample_work_bytes(n) bytes, any
+ * alignment, owned by the caller (nothing is allocated; no library lock is taken: any thread may
+ * call with its own work). Returns the token id, or -1 (cpumla_last_error: NaN in the row, +inf,
+ * every logit -inf, an argument out of range). */
+int64_t cpumla_sample_work_bytes(int64_t n);
+int64_t cpumla_sample(const float *logits, int64_t n, double temperature, int64_t top_k, double top_p,
+                      double min_p, uint64_t draw, void *work);
+
+/* The definition's p_i (float32: exp((x_i - max x) / temperature) by its fixed float32 steps, 0 below
+ * -87, at most 1) for temperature > 0. Returns 0, or -1 as cpumla_sample does for a bad row. */
+int cpumla_sample_probs(const float *logits, int64_t n, double temperature, float *p);
+
 /* ---- probes for benchmarks -------------------------------------------------------------------- */
 /* Reads bytes of buf (any alignment; the tail past a multiple of 64 is ignored) with every thread:
  * a read-bandwidth probe. Returns the sum of the data read as doubles, so the reads cannot be
