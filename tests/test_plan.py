@@ -97,3 +97,25 @@ def test_v4_cache_grows_with_compressed_entries():
     cfg, _ = loader.load_config("deepseek-ai/DeepSeek-V4-Flash")
     assert p.cache_per_1k < 4 * cfg.head_dim * cfg.num_hidden_layers * 1000 / 4
     assert np.isfinite(p.cache_per_1k) and p.cache > p.cache_per_1k
+
+
+def test_peak_rss_of_a_quantized_model():
+    """Quantized on load, a model's peak RSS stays within its q4 weights + cache + 300 MB: the dummy
+    bf16 weights it came from are not kept resident (in a fresh process, measured by the kernel)."""
+    import subprocess
+    import sys
+
+    code = """
+import resource, sys, numpy as np, cpumla
+from cpumla.runtime.plan import plan
+ov = {"num_hidden_layers": 4}
+p = plan("deepseek-ai/DeepSeek-V2-Lite", ov, 1024)
+e = cpumla.load("deepseek-ai/DeepSeek-V2-Lite", dummy_weights=True, hf_overrides=ov, quant="q4", max_seq_len=1024)
+e.forward(np.arange(600) % 1000, last_only=True)
+e.forward([5], last_only=True)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - p.weights["q4"] - p.cache)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    excess = int(r.stdout.split()[-1])
+    assert excess <= 300 << 20, f"peak RSS is {excess >> 20} MiB over the q4 weights and the cache"

@@ -182,6 +182,9 @@ class Quantizer:
             if self.progress is not None:
                 self.progress(self.done, max(self.total, self.done))
         self.formats[fmt] = self.formats.get(fmt, 0) + 1
+        # the source (a dummy weight in the shared arena) dies with the caller's reference: let its
+        # mapping die with it rather than stay resident as the arena's current block
+        _arena.raw = None
         return out
 
 
