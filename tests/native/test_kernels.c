@@ -73,6 +73,14 @@ static const wcase wcases[] = {
     {5, 31, CPUMLA_E2M1, CPUMLA_E8M0, 1, 32, 0, 0},
     {16, 2048, CPUMLA_E2M1, CPUMLA_E8M0, 1, 32, 0, 0},
     {64, 7168, CPUMLA_E2M1, CPUMLA_E8M0, 1, 32, 0, 1},
+    /* the gemv loops' edges: an odd count of 32-column groups (avx2 steps 64 columns), past the
+     * column chunks x is rearranged in (avx2 16384, neon 4096) with a partial last block, wider and
+     * taller blocks with F32 scales, and a block width the fast paths hand back */
+    {6, 96, CPUMLA_E2M1, CPUMLA_E8M0, 1, 32, 0, 0},
+    {5, 16485, CPUMLA_E2M1, CPUMLA_E8M0, 1, 32, 3, 0},
+    {9, 200, CPUMLA_E2M1, CPUMLA_F32, 2, 64, 0, 0},
+    {7, 160, CPUMLA_E2M1, CPUMLA_E8M0, 3, 96, 1, 0},
+    {5, 70, CPUMLA_E2M1, CPUMLA_E8M0, 1, 16, 0, 0},
 };
 #define N_WCASES ((int)(sizeof wcases / sizeof wcases[0]))
 

@@ -134,14 +134,18 @@ INLINE void gemv_e2m1_rows(const cpumla_weight *w, const float *xp, int64_t cb, 
     const __m512 lut = _mm512_loadu_ps(cpumla_e2m1_lut);
     const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     const int f32_scale = w->scale_dtype == CPUMLA_F32;
+    const int64_t pr = (pf - (const uint8_t *)w->data) / w->row_bytes;     /* the prefetched group */
+    int64_t s0[4], p0[4];                            /* scale grid offsets of the rows' (and pf's) blocks */
+    UNROLL for (int i = 0; i < R; i++) {
+        s0[i] = (r + i) / w->block_rows * w->scale_ld;
+        p0[i] = (pr + i) / w->block_rows * w->scale_ld;
+    }
     for (int64_t c = cb; c < ce; c += 512) {
         int steps = (int)min64(4, (ce - c) / 128);
         __mmask16 m = tail16(4 * steps);
         __m512 sv[4];
-        int64_t pr = (pf - (const uint8_t *)w->data) / w->row_bytes;     /* the prefetched group */
         UNROLL for (int i = 0; i < R; i++) {         /* scales of blocks c/32 .. c/32 + 4*steps - 1 */
-            int64_t si = (r + i) / w->block_rows * w->scale_ld + c / 32;
-            int64_t pi = (pr + i) / w->block_rows * w->scale_ld + c / 32;
+            int64_t si = s0[i] + c / 32, pi = p0[i] + c / 32;
             _mm_prefetch((const char *)w->scale + (f32_scale ? 4 * pi : pi), _MM_HINT_T0);
             if (f32_scale) sv[i] = _mm512_maskz_loadu_ps(m, (const float *)w->scale + si);
             else sv[i] = e8m0_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, (const uint8_t *)w->scale + si)));
@@ -153,15 +157,12 @@ INLINE void gemv_e2m1_rows(const cpumla_weight *w, const float *xp, int64_t cb, 
             UNROLL for (int i = 0; i < R; i++) {
                 _mm_prefetch(pf_at(pf, w, R, i, off, w->cols / 2), PF_HINT);
                 __m512i v = _mm512_loadu_si512(rp[i] + off);
-                __m512 p0 = _mm512_mul_ps(_mm512_permutexvar_ps(v, lut), _mm512_loadu_ps(xs));
-                __m512 p1 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut), _mm512_loadu_ps(xs + 16));
-                p0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), lut), _mm512_loadu_ps(xs + 32), p0);
-                p1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), lut), _mm512_loadu_ps(xs + 48), p1);
-                p0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 16), lut), _mm512_loadu_ps(xs + 64), p0);
-                p1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 20), lut), _mm512_loadu_ps(xs + 80), p1);
-                p0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 24), lut), _mm512_loadu_ps(xs + 96), p0);
-                p1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 28), lut), _mm512_loadu_ps(xs + 112), p1);
-                acc[i] = _mm512_fmadd_ps(_mm512_add_ps(p0, p1), _mm512_permutexvar_ps(si, sv[i]), acc[i]);
+                /* one chain per row: the R rows (and the next step) give the FMAs their parallelism,
+                 * and no add joins two partial sums */
+                __m512 p = _mm512_mul_ps(_mm512_permutexvar_ps(v, lut), _mm512_loadu_ps(xs));
+                UNROLL for (int k = 1; k < 8; k++)
+                    p = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4 * k), lut), _mm512_loadu_ps(xs + 16 * k), p);
+                acc[i] = _mm512_fmadd_ps(p, _mm512_permutexvar_ps(si, sv[i]), acc[i]);
             }
         }
     }

@@ -85,7 +85,8 @@ INLINE __m512 dq16(int32_t dt, const uint8_t *row, int64_t c, int64_t n) {
             }
             return _mm512_loadu_ps(t);
         }
-        __m128i b = _mm_maskz_loadu_epi8((__mmask16)((1u << ((n + 1) >> 1)) - 1u), row + (c >> 1));
+        int nb = n >= 16 ? 8 : (int)((n + 1) >> 1);         /* bytes of these columns (n may exceed 16) */
+        __m128i b = _mm_maskz_loadu_epi8((__mmask16)((1u << nb) - 1u), row + (c >> 1));
         __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15));
         __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
         __m128i codes = _mm_unpacklo_epi8(lo, hi);                       /* column order */
