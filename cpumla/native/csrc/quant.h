@@ -9,7 +9,7 @@
  *   16 with one shift, in column order, on every ISA.
  *
  * Quantized activations (qx, made by the table's quant_x, kernels.h: the exact rounding is there):
- * one row of K values takes QX_BYTES(K) bytes, KP = K rounded up to 256:
+ * one row of K values takes QX_BYTES(K) bytes, KP = K rounded up to 512 (whole groups of 16 blocks):
  *   [0, KP)             int8 codes, zero past K, in the implementation's order (below)
  *   [KP, KP + KP/8)     float xd per block (zero past K/32)
  *   [KP + KP/8, +KP/8)  int32 per block: the implementation's own per-block integer (below)
@@ -27,7 +27,7 @@
 #include "kernels.h"
 
 #define QK 32
-static inline int64_t qx_kp(int64_t K) { return (K + 255) & ~(int64_t)255; }
+static inline int64_t qx_kp(int64_t K) { return (K + 511) & ~(int64_t)511; }
 static inline int64_t QX_BYTES(int64_t K) { return qx_kp(K) + qx_kp(K) / 4; }
 static inline float *qx_d(const void *qx, int64_t K) { return (float *)((uint8_t *)qx + qx_kp(K)); }
 static inline int32_t *qx_s(const void *qx, int64_t K) {
