@@ -15,7 +15,7 @@
 /* the spec rounds each product: keep the compiler from fusing it into the add that follows */
 #define ROUNDED(v) __asm__("" : "+x"(v))
 #ifndef QPF_BYTES
-#define QPF_BYTES 2048     /* gemv: software prefetch distance along the row stream */
+#define QPF_BYTES 8192     /* gemv: software prefetch distance along the row stream */
 #endif
 
 /* the 32 signed codes of block b of a row */

@@ -29,7 +29,7 @@
 /* the spec rounds each product: keep the compiler from fusing it into the add that follows */
 #define ROUNDED(v) __asm__("" : "+v"(v))
 #ifndef QPF_BYTES
-#define QPF_BYTES 2048     /* gemv: software prefetch distance along the row stream */
+#define QPF_BYTES 8192     /* gemv: software prefetch distance along the row stream */
 #endif
 
 static void quant_x_avx512(int32_t wdtype, const float *x, int64_t K, void *qx) {
