@@ -1,9 +1,12 @@
-/* avx2_q.c: Q8 / Q4 kernels with AVX2 (compiled as avx2.c is). Semantics: scalar_q.c (kernels.h).
- * Activations in column order (quant.h). A block's dot product: |w| (vpsignb w, w) times x with w's
- * sign (vpsignb x, w) in vpmaddubsw (|w| <= 127 and |x| <= 127, so the pair sums fit int16), then
- * vpmaddwd by ones: 8 exact int32 partial sums, converted and multiplied by wd * xd into fp32 lanes.
- * Q4 runs two blocks a step (tile4), on activations in pairs of blocks (quant.h: this file's order).
- * Tiles of up to 4 rows x 2 tokens share each unpacked block and each activation load. */
+/* avx2_q.c: Q8 / Q4 kernels with AVX2 (compiled as avx2.c is). Semantics: scalar_q.c (kernels.h), to
+ * the rounding: exact block sums, (float)isum * (wd * xd) rounded as the spec rounds it, only the fp32
+ * sums over blocks associated differently. Q8 (activations in column order): |w| (vpsignb w, w) times x
+ * with w's sign (vpsignb x, w) in vpmaddubsw (pair sums fit int16), vpmaddwd by ones, then vphaddd
+ * reduces 8 blocks to one lane each. Q4 (activations in pairs of blocks, quant.h): the nibbles are
+ * vpmaddubsw's unsigned operand as they are, two vphaddw levels stay below 2^15, and the per-block
+ * correction (-8 times the activation code sum) makes the sums exact. The fp32 work runs once per 8
+ * blocks. gemv reads the rows in order, one at a time (one stream, prefetched ahead); gemm runs tiles
+ * of up to 4 rows x 2 tokens sharing each unpacked block. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>

@@ -14,7 +14,8 @@
  *   [KP, KP + KP/8)     float xd per block (zero past K/32)
  *   [KP + KP/8, +KP/8)  int32 per block: the implementation's own per-block integer (below)
  * Orders: scalar, neon, avx2's Q8: codes in column order, the int32 is the block's code sum. avx2's Q4:
- * per pair of blocks [cols 0-15 of b, b+1 | cols 16-31 of b, b+1], the same sums. avx512: codes per
+ * per pair of blocks [cols 0-15 of b, b+1 | cols 16-31 of b, b+1], the int32 -8 times the code sum
+ * (the nibbles' offset). avx512: codes per
  * group of 4 blocks as [cols 0-15 of blocks 0..3 | cols 16-31 of blocks 0..3] (the order vpand / vpsrlw
  * give 64 bytes of Q4 weights, and vpermt2q 128 bytes of Q8); the int32 is -128 (Q8) or -8 (Q4) times
  * the code sum, the correction for vpdpbusd's unsigned operand (weights + 128, or the nibbles).
