@@ -101,9 +101,30 @@ static double ref_qdot(const qweight *t, int64_t r, const float *x, double *mag)
     return s;
 }
 
+/* rows: 1, and counts off every row tile; cols: 1, 2, 7, 9, 17 blocks, whole 16-block steps (32, 80,
+ * 224) and 44 (V2-Lite's expert width: steps of 16 with 12 left) */
 static const struct { int64_t rows, cols, pad; } qcases[] = {
     {1, 32, 0}, {3, 64, 5}, {9, 224, 0}, {33, 288, 3}, {70, 1408, 0}, {5, 7168, 0},
+    {1, 544, 0}, {6, 1024, 7}, {11, 2560, 0},
 };
+
+/* kernels.h's product in fp32 itself (blocks in order): with at most 2 blocks every association of the
+ * sums gives it, so an implementation must match it bit for bit (exact integer sums, wd * xd and the
+ * product each rounded to fp32, nothing fused) */
+static float spec_qdot32(const qweight *t, int64_t r, const float *x) {
+    int64_t nb = t->w.cols / 32;
+    volatile float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        int q[32];
+        volatile float xd = (float)ref_qact(x + 32 * b, q);
+        long long isum = 0;
+        for (int i = 0; i < 32; i++) isum += (long long)t->codes[r * t->w.cols + 32 * b + i] * q[i];
+        volatile float f = (float)t->d[r * nb + b] * xd;
+        volatile float p = (float)isum * f;
+        acc = acc + p;
+    }
+    return acc;
+}
 #define N_QCASES ((int)(sizeof qcases / sizeof qcases[0]))
 
 void test_quant(const cpumla_kernels *k) {
@@ -140,6 +161,23 @@ void test_quant(const cpumla_kernels *k) {
                 }
                 check(gap_ok, "%s %s %lldx%lld wrote past its rows", n == 1 ? "gemv" : "gemm", nm, (long long)R,
                       (long long)C);
+                if (C <= 64) {
+                    int same = 1;
+                    for (int64_t tt = 0; tt < n; tt++)
+                        for (int64_t i = 0; i < nr; i++) same &= y[tt * ldy + i] == spec_qdot32(&t, r0 + i, x + tt * ldx);
+                    check(same, "%s %s %lldx%lld differs from the fp32 spec", n == 1 ? "gemv" : "gemm", nm,
+                          (long long)R, (long long)C);
+                }
+                if (n == 1 && nr > 2) {      /* a row's result does not depend on how the rows are split */
+                    float *y2 = xalloc(sizeof(float) * (size_t)nr);
+                    int64_t m = r0 + 1 + (nr - 1) / 2;
+                    k->gemv(&t.w, x, y2, r0, r0 + 1);
+                    k->gemv(&t.w, x, y2 + 1, r0 + 1, m);
+                    k->gemv(&t.w, x, y2 + (m - r0), m, r1);
+                    check(!memcmp(y, y2, sizeof(float) * (size_t)nr), "gemv %s %lldx%lld: split rows differ", nm,
+                          (long long)R, (long long)C);
+                    free(y2);
+                }
                 case_end();
                 free(x);
                 free(y);

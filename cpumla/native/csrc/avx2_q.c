@@ -1,9 +1,12 @@
-/* avx2_q.c: Q8 / Q4 kernels with AVX2 (compiled as avx2.c is). Semantics: scalar_q.c (kernels.h).
- * Activations in column order (quant.h). A block's dot product: |w| (vpsignb w, w) times x with w's
- * sign (vpsignb x, w) in vpmaddubsw (|w| <= 127 and |x| <= 127, so the pair sums fit int16), then
- * vpmaddwd by ones: 8 exact int32 partial sums, converted and multiplied by wd * xd into fp32 lanes.
- * Q4 runs two blocks a step (tile4), on activations in pairs of blocks (quant.h: this file's order).
- * Tiles of up to 4 rows x 2 tokens share each unpacked block and each activation load. */
+/* avx2_q.c: Q8 / Q4 kernels with AVX2 (compiled as avx2.c is). Semantics: scalar_q.c (kernels.h), to
+ * the rounding: exact block sums, (float)isum * (wd * xd) rounded as the spec rounds it, only the fp32
+ * sums over blocks associated differently. Q8 (activations in column order): |w| (vpsignb w, w) times x
+ * with w's sign (vpsignb x, w) in vpmaddubsw (pair sums fit int16), vpmaddwd by ones, then vphaddd
+ * reduces 8 blocks to one lane each. Q4 (activations in pairs of blocks, quant.h): the nibbles are
+ * vpmaddubsw's unsigned operand as they are, two vphaddw levels stay below 2^15, and the per-block
+ * correction (-8 times the activation code sum) makes the sums exact. The fp32 work runs once per 8
+ * blocks. gemv reads the rows in order, one at a time (one stream, prefetched ahead); gemm runs tiles
+ * of up to 4 rows x 2 tokens sharing each unpacked block. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -12,6 +15,11 @@
 #include "quant.h"
 
 #define INLINE static inline __attribute__((always_inline))
+/* the spec rounds each product: keep the compiler from fusing it into the add that follows */
+#define ROUNDED(v) __asm__("" : "+x"(v))
+#ifndef QPF_BYTES
+#define QPF_BYTES 8192     /* gemv: software prefetch distance along the row stream */
+#endif
 
 /* the 32 signed codes of block b of a row */
 INLINE __m256i ld_block(const uint8_t *row, int64_t b, int q4) {
@@ -54,7 +62,7 @@ static void quant_x_avx2(int32_t wdtype, const float *x, int64_t K, void *qx) {
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-        s[b] = _mm_cvtsi128_si32(s4);
+        s[b] = (q4 ? -8 : 1) * _mm_cvtsi128_si32(s4);
         /* packs interleave 128-bit lanes: [0a 1a 0b 1b] -> fix with a dword permute */
         __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
         p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -70,87 +78,99 @@ static void quant_x_avx2(int32_t wdtype, const float *x, int64_t K, void *qx) {
     for (int64_t b = nb; b < kp / QK; b++) { d[b] = 0.0f; s[b] = 0; }
 }
 
-/* y[t*ldy + i] = row r + i . token t, i < R, t < T; the lines of rows pr.. at the same offsets are
- * prefetched (a later group: four new row streams are more than the hardware prefetchers follow) */
-INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
-                 int64_t ldy, int q4, int64_t pr) {
-    const int64_t K = w->cols, nb = K / QK, bb = q4 ? 16 : 32;
-    const uint8_t *rp[4], *pp[4];
-    const uint16_t *sp[4], *ps[4];
-    for (int i = 0; i < 4; i++) {
-        rp[i] = weight_row(w, r + (i < R ? i : 0));
-        sp[i] = (const uint16_t *)w->scale + (r + (i < R ? i : 0)) * w->scale_ld;
-        pp[i] = weight_row(w, pr + (i < R ? i : 0));
-        ps[i] = (const uint16_t *)w->scale + (pr + (i < R ? i : 0)) * w->scale_ld;
-    }
-    const uint8_t *xq[2] = {qx, qx + (T > 1 ? per : 0)};
-    const float *xd[2] = {qx_d(xq[0], K), qx_d(xq[1], K)};
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[4][2];
-    for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m256i xv[2];
-        for (int t = 0; t < T; t++) xv[t] = _mm256_loadu_si256((const __m256i *)(xq[t] + b * QK));
-        for (int i = 0; i < R; i++) {
-            if (((b * bb) & 63) == 0) _mm_prefetch((const char *)(pp[i] + b * bb), _MM_HINT_T0);
-            if ((b & 31) == 0) _mm_prefetch((const char *)(ps[i] + b), _MM_HINT_T0);
-            const __m256i wv = ld_block(rp[i], b, q4), aw = _mm256_sign_epi8(wv, wv);
-            const float dw = _cvtsh_ss(sp[i][b]);
-            for (int t = 0; t < T; t++) {
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[t], wv)), ones);
-                acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xd[t][b]), acc[i][t]);
-            }
-        }
-    }
-    for (int t = 0; t < T; t++)
-        for (int i = 0; i < R; i++) y[t * ldy + i] = hsum8(acc[i][t]);
+/* acc += (float)isum * (wd * xd) for 8 blocks, each product rounded (kernels.h) */
+INLINE __m256 step_acc(__m256 acc, __m256i isum, __m256 wd, const float *xd) {
+    __m256 f = _mm256_mul_ps(wd, _mm256_loadu_ps(xd));
+    ROUNDED(f);
+    __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), f);
+    ROUNDED(p);
+    return _mm256_add_ps(acc, p);
 }
 
-/* Q4, two blocks a step: 32 bytes of weights give [cols 0-15 of b, b+1] (AND) and [cols 16-31] (shift),
- * against quant_x's pair layout; the nibbles (0..15) are vpmaddubsw's unsigned operand as they are,
- * and each block's lanes (0-3: b, 4-7: b+1) start from -2 times its activation code sum, so the four
- * add up to the exact sum of (n - 8) * x. */
-INLINE void tile4(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
-                  int64_t ldy, int64_t pr) {
-    const int64_t K = w->cols, nb = K / QK;
-    const uint8_t *rp[4], *pp[4];
-    const uint16_t *sp[4], *ps[4];
+/* 8 blocks of a row from p (vb < 8: the row's last vb blocks, the rest read as zero): Q8, w[j] =
+ * block j's codes; Q4, lo[v] / hi[v] = columns 0-15 / 16-31 of blocks 2v, 2v + 1 (the nibbles) */
+INLINE void load_step(const uint8_t *p, int q4, int64_t vb, __m256i lo[4], __m256i hi[4]) {
+    if (!q4) {
+        for (int j = 0; j < 8; j++)
+            (j < 4 ? lo : hi)[j & 3] = j < vb ? _mm256_loadu_si256((const __m256i *)(p + 32 * j)) : _mm256_setzero_si256();
+        return;
+    }
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int v = 0; v < 4; v++) {
+        __m256i wv;
+        if (2 * v + 2 <= vb) wv = _mm256_loadu_si256((const __m256i *)(p + 32 * v));
+        else if (2 * v + 1 == vb) wv = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(p + 32 * v)));
+        else wv = _mm256_setzero_si256();
+        lo[v] = _mm256_and_si256(wv, m4);
+        hi[v] = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
+    }
+}
+
+/* the 8 exact block sums of a step, in block order; xg: the step's 256 activation codes */
+INLINE __m256i step_sums(const __m256i lo[4], const __m256i hi[4], int q4, const uint8_t *xg, const int32_t *corr) {
+    if (!q4) {            /* |w| times x with w's sign: pair sums fit int16, vpmaddwd makes them int32 */
+        const __m256i ones = _mm256_set1_epi16(1);
+        __m256i p[8];
+        for (int j = 0; j < 8; j++) {
+            const __m256i w = (j < 4 ? lo : hi)[j & 3], x = _mm256_loadu_si256((const __m256i *)(xg + 32 * j));
+            p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
+        }
+        /* per 128-bit half: [b0 b1 b2 b3] and [b4 .. b7] after two levels; the halves then add up */
+        const __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+        const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+        return _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
+    }
+    /* Q4: int16 lanes of (nibble * x) pairs, |.| <= 7620; two vphaddw levels stay below 2^15 */
+    __m256i p[4];
+    for (int v = 0; v < 4; v++)
+        p[v] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[v], _mm256_loadu_si256((const __m256i *)(xg + 64 * v))),
+                                _mm256_maddubs_epi16(hi[v], _mm256_loadu_si256((const __m256i *)(xg + 64 * v + 32))));
+    const __m256i h = _mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3]));
+    /* lanes: blocks 0 2 4 6 | 1 3 5 7 */
+    const __m256i s = _mm256_permutevar8x32_epi32(_mm256_madd_epi16(h, _mm256_set1_epi16(1)),
+                                                  _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    return _mm256_add_epi32(s, _mm256_loadu_si256((const __m256i *)corr));
+}
+
+/* y[t*ldy + i] = row r + i . token t, i < R, t < T; pf: software prefetch distance (0: none) */
+INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
+                 int64_t ldy, int q4, int64_t pf) {
+    const int64_t K = w->cols, nb = K / QK, SB = q4 ? 128 : 256;     /* weight bytes a step */
+    const uint8_t *rp[4];
+    const uint16_t *sp[4];
     for (int i = 0; i < 4; i++) {
         rp[i] = weight_row(w, r + (i < R ? i : 0));
         sp[i] = (const uint16_t *)w->scale + (r + (i < R ? i : 0)) * w->scale_ld;
-        pp[i] = weight_row(w, pr + (i < R ? i : 0));
-        ps[i] = (const uint16_t *)w->scale + (pr + (i < R ? i : 0)) * w->scale_ld;
     }
     const uint8_t *xq[2] = {qx, qx + (T > 1 ? per : 0)};
     const float *xd[2] = {qx_d(xq[0], K), qx_d(xq[1], K)};
     const int32_t *xs[2] = {qx_s(xq[0], K), qx_s(xq[1], K)};
-    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     __m256 acc[4][2];
     for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b += 2) {
-        const int two = b + 1 < nb;
-        __m256i xlo[2], xhi[2], corr[2];
-        __m256 sx[2];
-        for (int t = 0; t < T; t++) {
-            xlo[t] = _mm256_loadu_si256((const __m256i *)(xq[t] + 32 * b));
-            xhi[t] = _mm256_loadu_si256((const __m256i *)(xq[t] + 32 * b + 32));
-            sx[t] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)(xd[t] + b)))), pair);
-            __m256i s2 = _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)(xs[t] + b))), pair);
-            corr[t] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(s2, 1));
-        }
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
         for (int i = 0; i < R; i++) {
-            if ((b & 3) == 0) _mm_prefetch((const char *)(pp[i] + b * 16), _MM_HINT_T0);
-            if ((b & 31) == 0) _mm_prefetch((const char *)(ps[i] + b), _MM_HINT_T0);
-            const __m256i v = two ? _mm256_loadu_si256((const __m256i *)(rp[i] + 16 * b))
-                                  : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(rp[i] + 16 * b)));
-            const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            const uint32_t sc = sp[i][b] | (two ? (uint32_t)sp[i][b + 1] << 16 : 0u);
-            const __m256 sw = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128((int)sc))), pair);
-            for (int t = 0; t < T; t++) {
-                __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo[t]), _mm256_maddubs_epi16(hi, xhi[t]));
-                __m256i p = _mm256_add_epi32(_mm256_madd_epi16(p16, ones), corr[t]);
-                acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sw, sx[t]), acc[i][t]);
+            if (pf) {
+                for (int l = 0; l < SB; l += 64) _mm_prefetch((const char *)rp[i] + (b / 8) * SB + pf + l, _MM_HINT_T0);
+                if ((b & 15) == 0) _mm_prefetch((const char *)(sp[i] + b) + pf / (q4 ? 8 : 16), _MM_HINT_T0);
             }
+            __m256i lo[4], hi[4];
+            load_step(rp[i] + (b / 8) * SB, q4, 8, lo, hi);
+            const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp[i] + b)));
+            for (int t = 0; t < T; t++)
+                acc[i][t] = step_acc(acc[i][t], step_sums(lo, hi, q4, xq[t] + b * QK, xs[t] + b), wd, xd[t] + b);
+        }
+    }
+    if (b < nb) {
+        const int64_t vb = nb - b;
+        for (int i = 0; i < R; i++) {
+            __m256i lo[4], hi[4];
+            load_step(rp[i] + (b / 8) * SB, q4, vb, lo, hi);
+            uint16_t s8[8] = {0};
+            memcpy(s8, sp[i] + b, sizeof(uint16_t) * (size_t)vb);
+            const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s8));
+            for (int t = 0; t < T; t++)
+                acc[i][t] = step_acc(acc[i][t], step_sums(lo, hi, q4, xq[t] + b * QK, xs[t] + b), wd, xd[t] + b);
         }
     }
     for (int t = 0; t < T; t++)
@@ -159,25 +179,36 @@ INLINE void tile4(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, i
 
 #define TILE(R, T)                                                                   \
     static void tile_##R##_##T(const cpumla_weight *w, int64_t r, const uint8_t *qx, int64_t per, float *y, \
-                               int64_t ldy, int64_t pr) {                            \
-        if (w->dtype == CPUMLA_Q4) tile4(w, r, R, qx, per, T, y, ldy, pr);           \
-        else tile(w, r, R, qx, per, T, y, ldy, 0, pr);                               \
+                               int64_t ldy) {                                        \
+        if (w->dtype == CPUMLA_Q4) tile(w, r, R, qx, per, T, y, ldy, 1, 0);          \
+        else tile(w, r, R, qx, per, T, y, ldy, 0, 0);                                \
     }
 TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(1, 2) TILE(2, 2) TILE(3, 2) TILE(4, 2)
-typedef void (*tile_fn)(const cpumla_weight *, int64_t, const uint8_t *, int64_t, float *, int64_t, int64_t);
+typedef void (*tile_fn)(const cpumla_weight *, int64_t, const uint8_t *, int64_t, float *, int64_t);
 static const tile_fn tiles[2][4] = {{tile_1_1, tile_2_1, tile_3_1, tile_4_1}, {tile_1_2, tile_2_2, tile_3_2, tile_4_2}};
 
-/* rows in groups of 4 (outer: they stay in cache), tokens in pairs */
+/* one token: the rows in order, one at a time (one stream) */
+static void gemv_q8(const cpumla_weight *w, const uint8_t *qx, float *y, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) tile(w, r, 1, qx, 0, 1, y + (r - r0), 0, 0, QPF_BYTES);
+}
+static void gemv_q4(const cpumla_weight *w, const uint8_t *qx, float *y, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) tile(w, r, 1, qx, 0, 1, y + (r - r0), 0, 1, QPF_BYTES);
+}
+
+/* gemm: rows in groups of 4 (outer: they stay in cache), tokens in pairs */
 static void gemm_q_avx2(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
                         int64_t r1) {
-    const int64_t per = QX_BYTES(w->cols), data = w->dtype == CPUMLA_Q4 ? w->cols / 2 : w->cols;
-    const int64_t ahead = ((16384 + 4 * data - 1) / (4 * data)) * 4;     /* rows about 16 KiB ahead */
+    if (n == 1) {
+        if (w->dtype == CPUMLA_Q4) gemv_q4(w, qx, y, r0, r1);
+        else gemv_q8(w, qx, y, r0, r1);
+        return;
+    }
+    const int64_t per = QX_BYTES(w->cols);
     for (int64_t r = r0; r < r1; r += 4) {
         const int R = r1 - r < 4 ? (int)(r1 - r) : 4;
-        const int64_t pr = r + ahead + 4 <= r1 ? r + ahead : r;
         for (int64_t t = 0; t < n; t += 2) {
             const int T = n - t < 2 ? 1 : 2;
-            tiles[T - 1][R - 1](w, r, (const uint8_t *)qx + t * per, per, y + t * ldy + (r - r0), ldy, t ? r : pr);
+            tiles[T - 1][R - 1](w, r, (const uint8_t *)qx + t * per, per, y + t * ldy + (r - r0), ldy);
         }
     }
 }

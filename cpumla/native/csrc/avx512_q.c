@@ -1,14 +1,22 @@
 /* avx512_q.c: Q8 / Q4 kernels with AVX-512 VNNI (compiled as avx512.c is). Semantics: scalar_q.c
- * (kernels.h). vpdpbusd multiplies unsigned by signed bytes, 4 per int32 lane: Q8 weights go in as
- * w + 128 (w ^ 0x80) and Q4 as the nibbles themselves, and the lanes start from the per-block
- * correction quant_x stored (-128 or -8 times the activation block's code sum, in the block's first
- * lane), so the lanes of a block add up to its exact integer dot product.
- * Both formats run 4 blocks a vector pair, lanes 4j..4j+3 for block j: Q4's 64 bytes give the blocks'
- * columns 0-15 (AND) and 16-31 (shift); Q8's 128 bytes are regrouped into the same two halves with
- * vpermt2q. The activations are laid out to match (quant.h). Steps of 8 blocks per row: the 8 fp16
- * scales of a step are converted at once and spread over the lanes with vpermps; the last step of a
- * row is masked (weights and scales past the row read as zero, the activation buffer is zero-padded to
- * 256 columns). Tiles of up to 4 rows x 2 tokens. */
+ * (kernels.h), to the rounding: each block's integer sum is exact, (float)isum * (wd * xd) is rounded
+ * as the spec rounds it, and only the fp32 sums over blocks are associated differently.
+ *
+ * vpdpbusd multiplies unsigned by signed bytes, 4 per int32 lane: Q8 weights go in as w + 128
+ * (w ^ 0x80) and Q4 as the nibbles themselves; quant_x stores per block -128 (Q8) or -8 (Q4) times the
+ * activation block's code sum, the correction that makes the block's sum exact.
+ * A step is 16 blocks of a row: Q4's 4 lines give the blocks' columns 0-15 (AND) and 16-31 (shift);
+ * Q8's 8 lines are regrouped into the same halves with vpermt2q. Against the activations laid out to
+ * match (quant.h), two vpdpbusd per 4 blocks leave each block's sum in 4 lanes of one vector; two
+ * levels of in-lane unpack + add reduce the 4 vectors to one lane per block, and one vpermd puts the
+ * blocks in order. The fp32 work (the correction, the conversion, wd * xd, the product, the sum) is
+ * then one instruction per 16 blocks, on the scales and activation arrays as stored.
+ *
+ * gemv (one token) runs one row at a time: the rows of a range are one sequential stream, which the
+ * read probe shows the memory system serves best, with a software prefetch a fixed distance ahead of
+ * it (the hardware prefetchers stop at page boundaries). gemm runs tiles of up to 4 rows x 2 tokens
+ * sharing each unpacked weight. The last step of a row is masked (weights and scales past the row
+ * read as zero; the activation buffer is zero-padded to whole steps). */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -18,6 +26,11 @@
 
 #define INLINE static inline __attribute__((always_inline))
 #define UNROLL _Pragma("GCC unroll 16")
+/* the spec rounds each product: keep the compiler from fusing it into the add that follows */
+#define ROUNDED(v) __asm__("" : "+v"(v))
+#ifndef QPF_BYTES
+#define QPF_BYTES 8192     /* gemv: software prefetch distance along the row stream */
+#endif
 
 static void quant_x_avx512(int32_t wdtype, const float *x, int64_t K, void *qx) {
     int8_t *q = qx;
@@ -25,8 +38,8 @@ static void quant_x_avx512(int32_t wdtype, const float *x, int64_t K, void *qx) 
     int32_t *s = qx_s(qx, K);
     const int64_t nb = K / QK, kp = qx_kp(K);
     const int q4 = wdtype == CPUMLA_Q4;
-    memset(q, 0, (size_t)kp);
-    for (int64_t b = 0; b < kp / QK; b++) { d[b] = 0.0f; s[b] = 0; }
+    memset(q + K, 0, (size_t)(kp - K));
+    for (int64_t b = nb; b < kp / QK; b++) { d[b] = 0.0f; s[b] = 0; }
     for (int64_t b = 0; b < nb; b++) {
         __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
@@ -43,73 +56,98 @@ static void quant_x_avx512(int32_t wdtype, const float *x, int64_t K, void *qx) 
 
 INLINE __mmask64 bytes_mask(int64_t n) { return n >= 64 ? ~(__mmask64)0 : n <= 0 ? 0 : (((__mmask64)1 << n) - 1); }
 
-/* y[t*ldy + i] = row r + i . token t, i < R, t < T. pr: the row whose group to prefetch (software
- * prefetch of the lines a later group of rows reads, at the same offsets: four new row streams at a
- * time are more than the hardware prefetchers pick up on their own) */
+/* the unsigned operands of one step of a row: lo[v] / hi[v] = columns 0-15 / 16-31 of blocks
+ * 4v..4v+3 of the step; vb < 16: a masked last step of vb blocks */
+INLINE void load_step(const uint8_t *p, int q4, int64_t vb, __m512i lo[4], __m512i hi[4]) {
+    const int full = vb >= 16;
+    if (q4) {
+        const __m512i m4 = _mm512_set1_epi8(15);
+        UNROLL for (int v = 0; v < 4; v++) {
+            const __m512i wv = full ? _mm512_loadu_si512(p + 64 * v)
+                                    : _mm512_maskz_loadu_epi8(bytes_mask(vb * 16 - 64 * v), p + 64 * v);
+            lo[v] = _mm512_and_si512(wv, m4);
+            hi[v] = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
+        }
+        return;
+    }
+    const __m512i lo_half = _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13);
+    const __m512i hi_half = _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15), x80 = _mm512_set1_epi8((char)0x80);
+    UNROLL for (int v = 0; v < 4; v++) {
+        __m512i A, B;
+        if (full) {
+            A = _mm512_loadu_si512(p + 128 * v);
+            B = _mm512_loadu_si512(p + 128 * v + 64);
+        } else {
+            A = _mm512_maskz_loadu_epi8(bytes_mask(vb * 32 - 128 * v), p + 128 * v);
+            B = _mm512_maskz_loadu_epi8(bytes_mask(vb * 32 - 128 * v - 64), p + 128 * v + 64);
+        }
+        lo[v] = _mm512_xor_si512(_mm512_permutex2var_epi64(A, lo_half, B), x80);
+        hi[v] = _mm512_xor_si512(_mm512_permutex2var_epi64(A, hi_half, B), x80);
+    }
+}
+
+/* the 16 exact block sums of a step, in block order: xg = the step's 512 activation codes */
+INLINE __m512i step_sums(const __m512i lo[4], const __m512i hi[4], const uint8_t *xg, const int32_t *corr) {
+    __m512i a[4];
+    UNROLL for (int v = 0; v < 4; v++) {
+        a[v] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[v], _mm512_loadu_si512(xg + 128 * v));
+        a[v] = _mm512_dpbusd_epi32(a[v], hi[v], _mm512_loadu_si512(xg + 128 * v + 64));
+    }
+    /* a[v]: block 4v + k in lanes 4k..4k+3. Level 1: lanes of (a0, a1) and (a2, a3) pairwise; level
+     * 2: 128-bit lane k = blocks k, 4 + k, 8 + k, 12 + k */
+    const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
+    const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2], a[3]), _mm512_unpackhi_epi32(a[2], a[3]));
+    const __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_add_epi32(_mm512_permutexvar_epi32(order, s), _mm512_loadu_si512(corr));
+}
+
+/* acc += (float)isum * (wd * xd), each product rounded (kernels.h) */
+INLINE __m512 step_acc(__m512 acc, __m512i isum, __m512 wd, const float *xd) {
+    __m512 f = _mm512_mul_ps(wd, _mm512_loadu_ps(xd));
+    ROUNDED(f);
+    __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), f);
+    ROUNDED(p);
+    return _mm512_add_ps(acc, p);
+}
+
+/* y[t*ldy + i] = row r + i . token t, i < R, t < T; pf: prefetch distance in bytes (0: none) */
 INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
-                 int64_t ldy, int q4, int64_t pr) {
-    const int64_t K = w->cols, nb = K / QK;
-    const uint8_t *rp[4], *pp[4];
-    const uint16_t *sp[4], *ps[4];
+                 int64_t ldy, int q4, int64_t pf) {
+    const int64_t K = w->cols, nb = K / QK, SB = q4 ? 256 : 512;     /* weight bytes a step */
+    const uint8_t *rp[4];
+    const uint16_t *sp[4];
     UNROLL for (int i = 0; i < 4; i++) {
         rp[i] = weight_row(w, r + (i < R ? i : 0));
         sp[i] = (const uint16_t *)w->scale + (r + (i < R ? i : 0)) * w->scale_ld;
-        pp[i] = weight_row(w, pr + (i < R ? i : 0));
-        ps[i] = (const uint16_t *)w->scale + (pr + (i < R ? i : 0)) * w->scale_ld;
     }
     const uint8_t *xq[2] = {qx, qx + (T > 1 ? per : 0)};
     const float *xd[2] = {qx_d(xq[0], K), qx_d(xq[1], K)};
     const int32_t *xs[2] = {qx_s(xq[0], K), qx_s(xq[1], K)};
-    /* lane spreads of the 8 scales of a step: Q8 vector j has blocks 2j, 2j+1; Q4 vector j blocks 4j..4j+3 */
-    __m512i spread[4];
-    UNROLL for (int j = 0; j < 4; j++) {
-        spread[j] = _mm512_setr_epi32(4 * j, 4 * j, 4 * j, 4 * j, 4 * j + 1, 4 * j + 1, 4 * j + 1, 4 * j + 1,
-                                      4 * j + 2, 4 * j + 2, 4 * j + 2, 4 * j + 2, 4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 3);
-    }
-    const int NV = 2;                               /* groups of 4 blocks a step */
-    const int64_t BB = q4 ? 16 : 32;                /* weight bytes a block */
-    /* Q8: the 16-byte halves of 4 blocks (two 64-byte loads) regrouped as Q4's low / high nibbles are */
-    const __m512i lo_half = _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13), hi_half = _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15);
-    const __m512i x80 = _mm512_set1_epi8((char)0x80), m4 = _mm512_set1_epi8(15);
     __m512 acc[4][2];
     UNROLL for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b += 8) {
-        const int64_t vb = nb - b < 8 ? nb - b : 8;     /* blocks of this step */
-        __m512 sx[2][4];
-        __m512i corr[2][4];         /* each block's correction in its first lane (the spread's lanes) */
-        UNROLL for (int t = 0; t < T; t++) {
-            __m512 d8 = _mm512_castps256_ps512(_mm256_loadu_ps(xd[t] + b));
-            __m512i s8 = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xs[t] + b)));
-            UNROLL for (int j = 0; j < NV; j++) {
-                sx[t][j] = _mm512_permutexvar_ps(spread[j], d8);
-                corr[t][j] = _mm512_maskz_permutexvar_epi32(0x1111, spread[j], s8);
-            }
-        }
+    int64_t b = 0;
+    for (; b + 16 <= nb; b += 16) {
         UNROLL for (int i = 0; i < R; i++) {
-            for (int j = 0; j < NV * (q4 ? 1 : 2); j++) _mm_prefetch((const char *)(pp[i] + b * BB + 64 * j), _MM_HINT_T0);
-            if ((b & 31) == 0) _mm_prefetch((const char *)(ps[i] + b), _MM_HINT_T0);
-            __m512 w8 = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_maskz_loadu_epi16((__mmask8)((1u << vb) - 1u), sp[i] + b)));
-            UNROLL for (int j = 0; j < NV; j++) {
-                __m512i wlo, whi;            /* unsigned operands: cols 0-15 / 16-31 of blocks b+4j .. b+4j+3 */
-                if (q4) {
-                    const __m512i wv = _mm512_maskz_loadu_epi8(bytes_mask((vb - 4 * j) * 16), rp[i] + b * 16 + 64 * j);
-                    wlo = _mm512_and_si512(wv, m4);
-                    whi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
-                } else {
-                    const uint8_t *p = rp[i] + (b + 4 * j) * 32;
-                    const __m512i A = _mm512_maskz_loadu_epi8(bytes_mask((vb - 4 * j) * 32), p);
-                    const __m512i B = _mm512_maskz_loadu_epi8(bytes_mask((vb - 4 * j - 2) * 32), p + 64);
-                    wlo = _mm512_xor_si512(_mm512_permutex2var_epi64(A, lo_half, B), x80);
-                    whi = _mm512_xor_si512(_mm512_permutex2var_epi64(A, hi_half, B), x80);
-                }
-                const __m512 sw = _mm512_permutexvar_ps(spread[j], w8);
-                UNROLL for (int t = 0; t < T; t++) {
-                    const uint8_t *xg = xq[t] + (b / 4 + j) * 128;
-                    __m512i a = _mm512_dpbusd_epi32(corr[t][j], wlo, _mm512_loadu_si512(xg));
-                    a = _mm512_dpbusd_epi32(a, whi, _mm512_loadu_si512(xg + 64));
-                    acc[i][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), sx[t][j]), sw, acc[i][t]);
-                }
+            if (pf) {
+                UNROLL for (int l = 0; l < SB; l += 64) _mm_prefetch((const char *)rp[i] + (b / 16) * SB + pf + l, _MM_HINT_T0);
+                _mm_prefetch((const char *)(sp[i] + b) + pf / (q4 ? 8 : 16), _MM_HINT_T0);
             }
+            __m512i lo[4], hi[4];
+            load_step(rp[i] + (b / 16) * SB, q4, 16, lo, hi);
+            const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp[i] + b)));
+            UNROLL for (int t = 0; t < T; t++)
+                acc[i][t] = step_acc(acc[i][t], step_sums(lo, hi, xq[t] + b * QK, xs[t] + b), wd, xd[t] + b);
+        }
+    }
+    if (b < nb) {
+        const int64_t vb = nb - b;
+        UNROLL for (int i = 0; i < R; i++) {
+            __m512i lo[4], hi[4];
+            load_step(rp[i] + (b / 16) * SB, q4, vb, lo, hi);
+            const __m512 wd = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << vb) - 1u), sp[i] + b));
+            UNROLL for (int t = 0; t < T; t++)
+                acc[i][t] = step_acc(acc[i][t], step_sums(lo, hi, xq[t] + b * QK, xs[t] + b), wd, xd[t] + b);
         }
     }
     UNROLL for (int t = 0; t < T; t++)
@@ -118,24 +156,35 @@ INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, in
 
 #define TILE(R, T)                                                                   \
     static void tile_##R##_##T(const cpumla_weight *w, int64_t r, const uint8_t *qx, int64_t per, float *y, \
-                               int64_t ldy, int64_t pr) {                            \
-        if (w->dtype == CPUMLA_Q4) tile(w, r, R, qx, per, T, y, ldy, 1, pr);         \
-        else tile(w, r, R, qx, per, T, y, ldy, 0, pr);                               \
+                               int64_t ldy) {                                        \
+        if (w->dtype == CPUMLA_Q4) tile(w, r, R, qx, per, T, y, ldy, 1, 0);          \
+        else tile(w, r, R, qx, per, T, y, ldy, 0, 0);                                \
     }
 TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(1, 2) TILE(2, 2) TILE(3, 2) TILE(4, 2)
-typedef void (*tile_fn)(const cpumla_weight *, int64_t, const uint8_t *, int64_t, float *, int64_t, int64_t);
+typedef void (*tile_fn)(const cpumla_weight *, int64_t, const uint8_t *, int64_t, float *, int64_t);
 static const tile_fn tiles[2][4] = {{tile_1_1, tile_2_1, tile_3_1, tile_4_1}, {tile_1_2, tile_2_2, tile_3_2, tile_4_2}};
+
+/* one token: the rows in order, one at a time (one stream) */
+static void gemv_q8(const cpumla_weight *w, const uint8_t *qx, float *y, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) tile(w, r, 1, qx, 0, 1, y + (r - r0), 0, 0, QPF_BYTES);
+}
+static void gemv_q4(const cpumla_weight *w, const uint8_t *qx, float *y, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) tile(w, r, 1, qx, 0, 1, y + (r - r0), 0, 1, QPF_BYTES);
+}
 
 static void gemm_q_avx512(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
                           int64_t r1) {
-    const int64_t per = QX_BYTES(w->cols), data = w->dtype == CPUMLA_Q4 ? w->cols / 2 : w->cols;
-    const int64_t ahead = ((16384 + 4 * data - 1) / (4 * data)) * 4;     /* rows about 16 KiB ahead */
+    if (n == 1) {
+        if (w->dtype == CPUMLA_Q4) gemv_q4(w, qx, y, r0, r1);
+        else gemv_q8(w, qx, y, r0, r1);
+        return;
+    }
+    const int64_t per = QX_BYTES(w->cols);
     for (int64_t r = r0; r < r1; r += 4) {
         const int R = r1 - r < 4 ? (int)(r1 - r) : 4;
-        int64_t pr = r + ahead + 4 <= r1 ? r + ahead : r;                /* the range's end: nothing new */
         for (int64_t t = 0; t < n; t += 2) {
             const int T = n - t < 2 ? 1 : 2;
-            tiles[T - 1][R - 1](w, r, (const uint8_t *)qx + t * per, per, y + t * ldy + (r - r0), ldy, t ? r : pr);
+            tiles[T - 1][R - 1](w, r, (const uint8_t *)qx + t * per, per, y + t * ldy + (r - r0), ldy);
         }
     }
 }

@@ -3,7 +3,10 @@
  * neon_q_dot.c with NEON_Q_DOT defined and +dotprod (sdot: 4 int8 products into each int32 lane),
  * chosen by quant.c when the CPU has ASIMDDP. Activations in column order (quant.h). Q4 blocks are
  * unpacked to nibble - 8: low nibbles are the block's first 16 columns, high nibbles its last 16.
- * gemv_t and dequant keep the scalar spec's. Up to 4 rows a token share each activation load. */
+ * Each block's sum is exact; pairwise adds put 4 blocks' sums in one vector, and the fp32 work (wd * xd,
+ * the product, each rounded as kernels.h rounds it, and the sum) runs once per 4 blocks. gemv reads the
+ * rows in order, one at a time (one stream, prefetched ahead); gemm keeps 4 rows in cache while the
+ * tokens pass. gemv_t and dequant keep the scalar spec's. */
 #include <arm_neon.h>
 #include <math.h>
 #include <stdint.h>
@@ -20,6 +23,11 @@
 #define WHO "neon"
 #endif
 #define INLINE static inline __attribute__((always_inline))
+/* the spec rounds each product: keep the compiler from fusing it into the add that follows */
+#define ROUNDED(v) __asm__("" : "+w"(v))
+#ifndef QPF_BYTES
+#define QPF_BYTES 8192     /* gemv: software prefetch distance along the row stream */
+#endif
 
 /* int32 lanes summing to the dot product of 32 codes */
 INLINE int32x4_t dot32(int8x16_t w0, int8x16_t w1, int8x16_t x0, int8x16_t x1) {
@@ -72,40 +80,70 @@ INLINE void ld_block(const uint8_t *row, int64_t b, int q4, int8x16_t *w0, int8x
     *w1 = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), vdupq_n_s8(8));
 }
 
-INLINE void rows4(const cpumla_weight *w, int64_t r, int R, const uint8_t *xq, float *y, int q4) {
-    const int64_t K = w->cols, nb = K / QK;
+/* the exact sums of blocks b..b+3 of a row, in block order (pairwise adds of each block's lanes) */
+INLINE int32x4_t sums4(const uint8_t *row, int64_t b, int q4, const int8_t *xq) {
+    int32x4_t d[4];
+    for (int j = 0; j < 4; j++) {
+        int8x16_t w0, w1;
+        ld_block(row, b + j, q4, &w0, &w1);
+        d[j] = dot32(w0, w1, vld1q_s8(xq + (b + j) * QK), vld1q_s8(xq + (b + j) * QK + 16));
+    }
+    return vpaddq_s32(vpaddq_s32(d[0], d[1]), vpaddq_s32(d[2], d[3]));
+}
+
+/* y[i] = row r + i . xq for i < R: per 4 blocks, acc += (float)isum * (wd * xd) with each product
+ * rounded as kernels.h rounds it; the last nb % 4 blocks one by one. pf: prefetch distance (0: none) */
+INLINE void rows(const cpumla_weight *w, int64_t r, int64_t R, const uint8_t *xq, float *y, int q4, int64_t pf) {
+    const int64_t K = w->cols, nb = K / QK, bb = q4 ? 16 : 32;
     const float *xd = qx_d(xq, K);
-    const uint8_t *rp[4];
-    const uint16_t *sp[4];
-    float32x4_t acc[4];
-    for (int i = 0; i < 4; i++) {
-        rp[i] = weight_row(w, r + (i < R ? i : 0));
-        sp[i] = (const uint16_t *)w->scale + (r + (i < R ? i : 0)) * w->scale_ld;
-        acc[i] = vdupq_n_f32(0.0f);
-    }
-    for (int64_t b = 0; b < nb; b++) {
-        const int8x16_t x0 = vld1q_s8((const int8_t *)xq + b * QK), x1 = vld1q_s8((const int8_t *)xq + b * QK + 16);
-        for (int i = 0; i < R; i++) {
-            int8x16_t w0, w1;
-            ld_block(rp[i], b, q4, &w0, &w1);
-            const float s = f16_to_f32(sp[i][b]) * xd[b];
-            acc[i] = vfmaq_n_f32(acc[i], vcvtq_f32_s32(dot32(w0, w1, x0, x1)), s);
+    for (int64_t i = 0; i < R; i++) {
+        const uint8_t *rp = weight_row(w, r + i);
+        const uint16_t *sp = (const uint16_t *)w->scale + (r + i) * w->scale_ld;
+        float32x4_t acc = vdupq_n_f32(0.0f);
+        int64_t b = 0;
+        for (; b + 4 <= nb; b += 4) {
+            if (pf) {
+                for (int64_t l = 0; l < 4 * bb; l += 64) __builtin_prefetch(rp + b * bb + pf + l);
+                if ((b & 31) == 0) __builtin_prefetch((const uint8_t *)(sp + b) + pf / (q4 ? 8 : 16));
+            }
+            const int32x4_t is = sums4(rp, b, q4, (const int8_t *)xq);
+            float32x4_t f = vmulq_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(sp + b))), vld1q_f32(xd + b));
+            ROUNDED(f);
+            float32x4_t p = vmulq_f32(vcvtq_f32_s32(is), f);
+            ROUNDED(p);
+            acc = vaddq_f32(acc, p);
         }
+        float tail = 0.0f;
+        for (; b < nb; b++) {
+            int8x16_t w0, w1;
+            ld_block(rp, b, q4, &w0, &w1);
+            const int8_t *xb = (const int8_t *)xq + b * QK;
+            float f = f16_to_f32(sp[b]) * xd[b];
+            ROUNDED(f);
+            float p = (float)vaddvq_s32(dot32(w0, w1, vld1q_s8(xb), vld1q_s8(xb + 16))) * f;
+            ROUNDED(p);
+            tail += p;
+        }
+        y[i] = vaddvq_f32(acc) + tail;
     }
-    for (int i = 0; i < R; i++) y[i] = vaddvq_f32(acc[i]);
 }
 
 static void FN(gemm_q_neon)(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
                             int64_t r1) {
     const int64_t per = QX_BYTES(w->cols);
     const int q4 = w->dtype == CPUMLA_Q4;
-    for (int64_t r = r0; r < r1; r += 4) {
+    if (n == 1) {          /* one token: the rows in order, one stream prefetched ahead */
+        if (q4) rows(w, r0, r1 - r0, qx, y, 1, QPF_BYTES);
+        else rows(w, r0, r1 - r0, qx, y, 0, QPF_BYTES);
+        return;
+    }
+    for (int64_t r = r0; r < r1; r += 4) {     /* 4 rows stay in cache while the tokens pass */
         const int R = r1 - r < 4 ? (int)(r1 - r) : 4;
         for (int64_t t = 0; t < n; t++) {
             const uint8_t *xq = (const uint8_t *)qx + t * per;
             float *yt = y + t * ldy + (r - r0);
-            if (q4) rows4(w, r, R, xq, yt, 1);
-            else rows4(w, r, R, xq, yt, 0);
+            if (q4) rows(w, r, R, xq, yt, 1, 0);
+            else rows(w, r, R, xq, yt, 0, 0);
         }
     }
 }

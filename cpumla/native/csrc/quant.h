@@ -9,12 +9,13 @@
  *   16 with one shift, in column order, on every ISA.
  *
  * Quantized activations (qx, made by the table's quant_x, kernels.h: the exact rounding is there):
- * one row of K values takes QX_BYTES(K) bytes, KP = K rounded up to 256:
+ * one row of K values takes QX_BYTES(K) bytes, KP = K rounded up to 512 (whole groups of 16 blocks):
  *   [0, KP)             int8 codes, zero past K, in the implementation's order (below)
  *   [KP, KP + KP/8)     float xd per block (zero past K/32)
  *   [KP + KP/8, +KP/8)  int32 per block: the implementation's own per-block integer (below)
  * Orders: scalar, neon, avx2's Q8: codes in column order, the int32 is the block's code sum. avx2's Q4:
- * per pair of blocks [cols 0-15 of b, b+1 | cols 16-31 of b, b+1], the same sums. avx512: codes per
+ * per pair of blocks [cols 0-15 of b, b+1 | cols 16-31 of b, b+1], the int32 -8 times the code sum
+ * (the nibbles' offset). avx512: codes per
  * group of 4 blocks as [cols 0-15 of blocks 0..3 | cols 16-31 of blocks 0..3] (the order vpand / vpsrlw
  * give 64 bytes of Q4 weights, and vpermt2q 128 bytes of Q8); the int32 is -128 (Q8) or -8 (Q4) times
  * the code sum, the correction for vpdpbusd's unsigned operand (weights + 128, or the nibbles).
@@ -27,7 +28,7 @@
 #include "kernels.h"
 
 #define QK 32
-static inline int64_t qx_kp(int64_t K) { return (K + 255) & ~(int64_t)255; }
+static inline int64_t qx_kp(int64_t K) { return (K + 511) & ~(int64_t)511; }
 static inline int64_t QX_BYTES(int64_t K) { return qx_kp(K) + qx_kp(K) / 4; }
 static inline float *qx_d(const void *qx, int64_t K) { return (float *)((uint8_t *)qx + qx_kp(K)); }
 static inline int32_t *qx_s(const void *qx, int64_t K) {

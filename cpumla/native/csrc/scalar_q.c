@@ -32,7 +32,8 @@ static float row_dot_q(const cpumla_weight *w, int64_t r, const int8_t *xq, cons
         q_block(w, r, b, wq);
         int32_t isum = 0;
         for (int i = 0; i < QK; i++) isum += (int32_t)wq[i] * (int32_t)xq[b * QK + i];
-        acc += (float)isum * (q_scale(w, r, b) * xd[b]);
+        volatile float p = (float)isum * (q_scale(w, r, b) * xd[b]);    /* rounded: never fused into the sum */
+        acc += p;
     }
     return acc;
 }
