@@ -4,7 +4,8 @@
  *
  * A blocked GEMM: K in chunks of G_KC columns and tokens in chunks of at most G_TC. For each chunk the
  * activation operands are made once (BF16: bf16(x); E4M3: bf16(x * block scale * 2^8) of the row
- * block, kernels.h; F32 / F16 / E2M1: x read in place). Then each panel of G_MR = 32 weight rows is
+ * block, kernels.h; F32 / F16 / E2M1: x copied) into this thread's CPUMLA_SCRATCH_AVX512F_XR buffer
+ * (no buffer: nothing computed, the call fails). Then each panel of G_MR = 32 weight rows is
  * decoded to fp32 and transposed into [k][32] (the packing step: all widening and scaling happens
  * here, E4M3 codes as value * 2^-8 so no fp32 subnormal reaches a multiply), and a register-tiled
  * microkernel runs over it: G_MT tokens x 32 rows, 2 * G_MT zmm accumulators, each k one pair of
@@ -46,8 +47,9 @@ INLINE void bf16_mul16(const float *src, __m512 s, __mmask16 m, float *dst) {
 
 /* dst[t*ldd + k] = bf16(src[t*lds + k] * s(k)) for k < kc, zero up to the next multiple of 16, with
  * s(k) = 1 (BF16) or scale(r, c0 + k) * 2^8 (E4M3: the operand of row r's block times the decode's
- * 2^8, which is bf16(x * scale) * 2^8 exactly). Token by token: the rows of x lie a multiple of 4 KiB
- * apart in a model, and 16 columns of every token at a time missed L1 on every load. */
+ * 2^8, which is bf16(x * scale) * 2^8 exactly); other formats: x copied. Token by token: the rows of
+ * x lie a multiple of 4 KiB apart in a model, and 16 columns of every token at a time missed L1 on
+ * every load; the copy G_KC floats apart keeps the microkernel's token rows off one cache set too. */
 static void make_operands(const cpumla_weight *w, int64_t r, const float *src, int64_t lds, int64_t n,
                           int64_t c0, int64_t kc, float *dst, int64_t ldd) {
     float sv[G_KC] __attribute__((aligned(64)));
@@ -63,8 +65,12 @@ static void make_operands(const cpumla_weight *w, int64_t r, const float *src, i
         }
     }
     for (int64_t t = 0; t < n; t++)
-        for (int64_t k = 0; k < kc; k += 16)
-            bf16_mul16(src + t * lds + k, _mm512_load_ps(sv + k), tail16(kc - k), dst + t * ldd + k);
+        for (int64_t k = 0; k < kc; k += 16) {
+            if (w->dtype == CPUMLA_BF16 || e4)
+                bf16_mul16(src + t * lds + k, _mm512_load_ps(sv + k), tail16(kc - k), dst + t * ldd + k);
+            else
+                _mm512_store_ps(dst + t * ldd + k, _mm512_maskz_loadu_ps(tail16(kc - k), src + t * lds + k));
+        }
 }
 
 /* ---- packing ------------------------------------------------------------------------------------ */
@@ -235,7 +241,7 @@ static void gemm_avx512f(const cpumla_weight *w, const float *x, int64_t ldx, in
         for (int64_t t = 0; t < n; t++) memset(y + t * ldy, 0, sizeof(float) * (size_t)(r1 - r0));
         return;
     }
-    const int e4 = w->dtype == CPUMLA_E4M3, bf = w->dtype == CPUMLA_BF16;
+    const int e4 = w->dtype == CPUMLA_E4M3;
     if (e4 && (w->block_rows <= 0 || w->block_cols <= 0)) {
         for (int64_t t = 0; t < n; t++) for (int64_t r = r0; r < r1; r++) y[t * ldy + (r - r0)] = NAN;
         return;
@@ -243,28 +249,20 @@ static void gemm_avx512f(const cpumla_weight *w, const float *x, int64_t ldx, in
     /* token chunks: the fewest of at most G_TC, as even as multiples of G_MT allow */
     const int64_t nch = (n + G_TC - 1) / G_TC;
     const int64_t tc = min64(n, ((n + nch - 1) / nch + G_MT - 1) / G_MT * G_MT);
-    float *xr = NULL;            /* BF16 / E4M3: the operands of a token and K chunk, [tc][G_KC] */
-    if (e4 || bf) {
-        xr = cpumla_scratch(CPUMLA_SCRATCH_AVX512F_XR, sizeof(float) * (size_t)(tc * G_KC));
-        if (!xr) return;         /* out of memory: the call fails */
-    }
+    /* the operands of a token and K chunk, [tc][G_KC] */
+    float *xr = cpumla_scratch(CPUMLA_SCRATCH_AVX512F_XR, sizeof(float) * (size_t)(tc * G_KC));
+    if (!xr) return;             /* out of memory: the call fails */
     for (int64_t rs = r0; rs < r1;) {                /* E4M3: one row block at a time */
         const int64_t re = e4 ? min64((rs / w->block_rows + 1) * w->block_rows, r1) : r1;
         for (int64_t t0 = 0; t0 < n; t0 += tc) {
             const int64_t nt = min64(tc, n - t0);
             for (int64_t k0 = 0; k0 < K; k0 += G_KC) {
                 const int64_t kc = min64(G_KC, K - k0);
-                const float *xk = x + t0 * ldx + k0;
-                int64_t ldk = ldx;
-                if (e4 || bf) {
-                    make_operands(w, rs, x + t0 * ldx + k0, ldx, nt, k0, kc, xr, G_KC);
-                    xk = xr;
-                    ldk = G_KC;
-                }
+                make_operands(w, rs, x + t0 * ldx + k0, ldx, nt, k0, kc, xr, G_KC);
                 for (int64_t p = rs; p < re; p += G_MR) {
                     const int nr = (int)min64(G_MR, re - p);
                     pack_panel(w, p, nr, k0, kc);
-                    panel_tokens(xk, ldk, nt, kc, y + t0 * ldy + (p - r0), ldy, nr, k0 > 0);
+                    panel_tokens(xr, G_KC, nt, kc, y + t0 * ldy + (p - r0), ldy, nr, k0 > 0);
                 }
             }
         }
