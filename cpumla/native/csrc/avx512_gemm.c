@@ -24,6 +24,7 @@
 #define G_MT 14     /* tokens per microkernel: 28 accumulators + 2 weight registers + a broadcast */
 #define G_KC 256    /* columns per chunk (a multiple of 16): the panel chunk is 32 KiB */
 #define G_TC 256    /* most tokens per chunk (bounds the operand buffer) */
+#define G_RB 256    /* rows at a time (E4M3: a row block): the y tile of a token chunk stays in L2 */
 #define G_MIN_N 4   /* fewer tokens: gemv per token (packing a panel costs more than reading rows n times) */
 
 static __thread float g_pack[G_KC * G_MR] __attribute__((aligned(64)));   /* [k][32] */
@@ -64,13 +65,16 @@ static void make_operands(const cpumla_weight *w, int64_t r, const float *src, i
             for (int64_t i = 0; i < 16; i++) sv[k + i] = c + i <= last ? weight_scale(w, r, c + i) * 256.0f : 0.0f;
         }
     }
-    for (int64_t t = 0; t < n; t++)
+    for (int64_t t = 0; t < n; t++) {
+        if (t + 2 < n)            /* a token's columns are a short run that the prefetchers pick up late */
+            for (int64_t k = 0; k < kc; k += 16) _mm_prefetch((const char *)(src + (t + 2) * lds + k), _MM_HINT_T0);
         for (int64_t k = 0; k < kc; k += 16) {
             if (w->dtype == CPUMLA_BF16 || e4)
                 bf16_mul16(src + t * lds + k, _mm512_load_ps(sv + k), tail16(kc - k), dst + t * ldd + k);
             else
                 _mm512_store_ps(dst + t * ldd + k, _mm512_maskz_loadu_ps(tail16(kc - k), src + t * lds + k));
         }
+    }
 }
 
 /* ---- packing ------------------------------------------------------------------------------------ */
@@ -253,7 +257,7 @@ static void gemm_avx512f(const cpumla_weight *w, const float *x, int64_t ldx, in
     float *xr = cpumla_scratch(CPUMLA_SCRATCH_AVX512F_XR, sizeof(float) * (size_t)(tc * G_KC));
     if (!xr) return;             /* out of memory: the call fails */
     for (int64_t rs = r0; rs < r1;) {                /* E4M3: one row block at a time */
-        const int64_t re = e4 ? min64((rs / w->block_rows + 1) * w->block_rows, r1) : r1;
+        const int64_t re = e4 ? min64((rs / w->block_rows + 1) * w->block_rows, r1) : min64(rs + G_RB, r1);
         for (int64_t t0 = 0; t0 < n; t0 += tc) {
             const int64_t nt = min64(tc, n - t0);
             for (int64_t k0 = 0; k0 < K; k0 += G_KC) {
