@@ -118,7 +118,11 @@ def test_bench_kernels_json():
     assert [r["format"] for r in gemv] == ["bf16", "e4m3", "e2m1"]
     for r in gemv:
         assert r["gbs"] > 0 and r["pct_probe"] == pytest.approx(100 * r["gbs"] / d["read_probe_gbs"])
-    assert any(r["kernel"] == "gemm" and r["gflops"] > 0 for r in d["results"])
+    gemm = [r for r in d["results"] if r["kernel"] == "gemm"]
+    assert gemm and all(r["gflops"] > 0 and r["fma_peak_gflops"] > 0 for r in gemm)
+    for r in gemm:
+        assert r["pct_fma_peak"] == pytest.approx(100 * r["gflops"] / r["fma_peak_gflops"])
+    assert {r["shape"] for r in gemm} >= {"512x2048 @ 2048x2048", "48x2048 @ 1408x2048"}
 
 
 def test_bench_kernels_codes():

@@ -32,7 +32,7 @@ def _ints(text: str, flag: str) -> list[int]:
 def bench(
     model: str = typer.Argument(None, help="Model dir, cached repo id or preset (with --dummy-weights)."),
     kernels: bool = typer.Option(False, "--kernels", metavar="", help="Kernel micro-benchmark: GEMV GB/s per weight format "
-                                 "vs a read-bandwidth probe."),
+                                 "vs a read-bandwidth probe, GEMM GFLOP/s vs the fp32 FMA probe."),
     dummy_weights: bool = typer.Option(False, "--dummy-weights", metavar="", help="Deterministic random weights."),
     hf_overrides: str = typer.Option(None, "--hf-overrides", help="JSON merged into the config (as vLLM)."),
     dummy_dtype: str = typer.Option("bf16", "--dummy-dtype", help=f"Dummy weight format: {dummy_dtypes_help()}."),
@@ -196,15 +196,18 @@ def _kernels(output, threads, formats, rows, cols, seconds, stream_mb, codes="ra
         render.print_json(doc)
         _report_verdict(checked)
         return
-    render.out.print(f"read bandwidth probe: [bold]{probe:.1f} GB/s[/] ({native.get_threads()} threads, "
-                     f"implementation {native.isa()})")
+    fma = max((r.fma_peak_gflops for r in results), default=0.0)
+    render.out.print(f"read bandwidth probe: [bold]{probe:.1f} GB/s[/]"
+                     + (f", fp32 FMA probe: [bold]{fma:.0f} GFLOP/s[/]" if fma else "")
+                     + f" ({native.get_threads()} threads, implementation {native.isa()})")
     rows_out = []
     for r in results:
         gemv = r.kernel == "gemv"
         rows_out.append([r.kernel, r.format, r.codes, r.shape, r.isa, f"{r.seconds * 1e6:.0f}",
-                         f"{r.gbs:.1f}" if gemv else "", f"{r.pct_probe:.0f}%" if gemv else "", f"{r.gflops:.1f}"])
-    render.table(None, ["kernel", "weights", "codes", "shape", "impl", "us/call", "GB/s", "% of probe", "GFLOP/s"],
-                 rows_out, right={5, 6, 7, 8})
+                         f"{r.gbs:.1f}" if gemv else "", f"{r.pct_probe:.0f}%" if gemv else "", f"{r.gflops:.1f}",
+                         "" if gemv else f"{r.pct_fma_peak:.0f}%"])
+    render.table(None, ["kernel", "weights", "codes", "shape", "impl", "us/call", "GB/s", "% of probe", "GFLOP/s",
+                        "% of FMA peak"], rows_out, right={5, 6, 7, 8, 9})
     if checked:
         render.out.print()
         render.out.print("cpumla info --json:")

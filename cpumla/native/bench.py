@@ -1,5 +1,6 @@
 """Kernel micro-benchmark: GB/s of each GEMV weight format next to a read-bandwidth probe measured in
-the same run (the probe is what decode is bound by), and prefill GEMM GFLOP/s.
+the same run (the probe is what decode is bound by), and prefill GEMM GFLOP/s next to the fp32 FMA
+probe of the same run (what the GEMMs of every level but avx512's and amx's bf16 products are bound by).
 
 Each measurement cycles over enough copies of the weight that they cannot stay in the last-level
 cache, so every pass streams from memory as a real model's decode does.
@@ -36,6 +37,8 @@ class KernelResult:
     gbs: float               # weight (+ scale) bytes read per second; GEMM: 0
     pct_probe: float         # gbs / probe GB/s * 100
     gflops: float
+    fma_peak_gflops: float = 0.0   # GEMM: the fp32 FMA probe of the same run (all threads)
+    pct_fma_peak: float = 0.0      # GEMM: gflops / fma_peak_gflops * 100
 
 
 def _codes(fmt: str, codes: str, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
@@ -103,6 +106,25 @@ def read_bandwidth(min_seconds: float = 1.0, nbytes: int = STREAM_BYTES * 2) -> 
     return buf.nbytes / sec / 1e9
 
 
+def fma_peak(min_seconds: float = 0.3) -> float:
+    """GFLOP/s of the fp32 FMA probe (every thread), the best of a few passes: other work on the
+    machine only ever lowers a pass."""
+    native.ensure_init()
+    iters = 1 << 16
+    while True:                       # one pass of about a tenth of min_seconds
+        t0 = time.perf_counter()
+        native.lib.cpumla_fma_probe(iters)
+        if time.perf_counter() - t0 > min_seconds / 10 or iters > 1 << 34:
+            break
+        iters *= 2
+    best, start = 0.0, time.perf_counter()
+    while best == 0.0 or time.perf_counter() - start < min_seconds:
+        t0 = time.perf_counter()
+        flops = native.lib.cpumla_fma_probe(iters)
+        best = max(best, flops / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
 def gemv_bandwidth(fmt: str, rows: int, cols: int, min_seconds: float, probe_gbs: float,
                    rng: np.random.Generator, stream_bytes: int = STREAM_BYTES, codes: str = "random") -> KernelResult:
     first = random_weight(fmt, rows, cols, rng, codes)
@@ -132,6 +154,12 @@ def gemm_throughput(fmt: str, rows: int, cols: int, n: int, min_seconds: float,
                         native.kernel_impl(f"gemm:{fmt}"), sec, 0.0, 0.0, 2.0 * rows * cols * n / sec / 1e9)
 
 
+# GEMM shapes (tokens, weight rows, columns): prefill of a V2-Lite layer's 2048x2048 product, and an
+# expert's product with the ~48 tokens a 512-token prefill routes to each of 64 experts (6 per token)
+GEMM_SHAPES = ((128, 2048, 2048), (512, 2048, 2048), (48, 1408, 2048))
+GEMM_FORMATS = ("f32", "bf16", "e4m3", "q8", "q4")     # first shape; the others: bf16, e4m3
+
+
 def run(formats=FORMATS, rows: int = 10944, cols: int = 2048, gemm_n: int = 128,
         min_seconds: float = 1.0, seed: int = 0, progress=None,
         stream_bytes: int = STREAM_BYTES, codes=("random",)) -> tuple[float, list[KernelResult]]:
@@ -147,9 +175,18 @@ def run(formats=FORMATS, rows: int = 10944, cols: int = 2048, gemm_n: int = 128,
             step(f"gemv {fmt}" + (f" ({c} codes)" if fmt in QUANTISED else ""))
             results.append(gemv_bandwidth(fmt, rows, cols, min_seconds, probe, rng, stream_bytes, c))
     if gemm_n > 0:
-        for fmt in ("f32", "bf16", "e4m3", "q8", "q4"):
-            step(f"gemm {fmt}")
-            results.append(gemm_throughput(fmt, 2048, 2048, gemm_n, min_seconds, rng))
+        step("fma probe")
+        peak = fma_peak(min(min_seconds, 0.5))
+        gemms = []
+        for i, (n, r, c) in enumerate(GEMM_SHAPES):
+            for fmt in GEMM_FORMATS if i == 0 else ("bf16", "e4m3"):
+                step(f"gemm {fmt} {n if i else gemm_n} tokens")
+                gemms.append(gemm_throughput(fmt, r, c, gemm_n if i == 0 else n, min_seconds, rng))
+        step("fma probe")
+        peak = max(peak, fma_peak(min(min_seconds, 0.5)))       # before and after: the better one
+        for g in gemms:
+            g.fma_peak_gflops, g.pct_fma_peak = peak, 100.0 * g.gflops / peak
+        results += gemms
     return probe, results
 
 

@@ -84,7 +84,9 @@ for f in "$csrc"/*.c; do
     name=$(basename "$f")
     [[ " ${listed[*]} " == *" $name "* ]] || echo "warning: $name is not listed in FLAGS: not built" >&2
 done
-for t in test_kernels test_api test_context test_quant test_values harness; do
+test_objs=()
+for t in test_kernels test_api test_context test_quant test_values test_gemm harness; do
+    test_objs+=("$out/$t.o")
     # shellcheck disable=SC2086
     $cc $common "${san[@]}" -Wno-unused-function -I"$csrc" -c "$tests/$t.c" -o "$out/$t.o" &
     pids+=($!)
@@ -92,7 +94,7 @@ done
 status=0
 for p in "${pids[@]}"; do wait "$p" || status=1; done
 [ $status = 0 ] || { echo "build failed" >&2; exit 1; }
-$cc "${san[@]}" -o "$out/test_kernels" "$out/test_kernels.o" "$out/test_api.o" "$out/test_context.o" "$out/test_quant.o" "$out/test_values.o" "$out/harness.o" "${objs[@]}" -lm -lpthread
+$cc "${san[@]}" -o "$out/test_kernels" "${test_objs[@]}" "${objs[@]}" -lm -lpthread
 
 echo "== $target: ${runner[*]:-native} $out/test_kernels ${args[*]:-} $*"
 if [ "$target" = arm ]; then

@@ -540,6 +540,7 @@ static void test_read_sum(const cpumla_kernels *k) {
 void test_api(const char *expect_isa);   /* test_api.c */
 void test_quant(const cpumla_kernels *k);   /* test_quant.c: Q8 / Q4 */
 void test_values(void);                  /* test_values.c */
+void test_gemm_tiles(const cpumla_kernels *k);   /* test_gemm.c: the blocked GEMMs' edges */
 #if defined(__x86_64__)
 void test_daz_ftz(const cpumla_kernels *k);   /* test_values.c */
 #endif
@@ -547,7 +548,8 @@ void test_daz_ftz(const cpumla_kernels *k);   /* test_values.c */
 static void test_table(const char *name, const cpumla_kernels *k) {
     cur_isa = name;
     struct { const char *group; void (*fn)(const cpumla_kernels *); int id; } groups[] = {
-        {"gemv", test_gemv, K_GEMV}, {"gemm", test_gemm, K_GEMM}, {"gemv_t", test_gemv_t, K_GEMV_T},
+        {"gemv", test_gemv, K_GEMV}, {"gemm", test_gemm, K_GEMM}, {"gemm_tiles", test_gemm_tiles, K_GEMM},
+        {"gemv_t", test_gemv_t, K_GEMV_T},
         {"dequant_row", test_dequant, K_DEQUANT}, {"rmsnorm_row", test_rmsnorm, K_RMSNORM},
         {"swiglu_row", test_swiglu, K_SWIGLU}, {"softmax_row", test_softmax, K_SOFTMAX},
         {"attn_part", test_attn_part, K_ATTN}, {"cache_row", test_cache_row, K_CACHE_ROW},

@@ -1,12 +1,14 @@
 /* avx2_gemm.c: the AVX2 + FMA + F16C gemm (prefill): K in chunks of GM_KC columns; for each chunk,
- * 16-row panels of the weights are decoded to fp32 (dequant_row, in avx2.c; E4M3: the codes without
- * their scale, e4m3_codes) and transposed into [k][16] (tr8x8_store), then a 6-token x 16-row FMA
- * microkernel runs over them. Its activation operand is x itself, x rounded to bf16 (BF16 weights),
- * or, for E4M3, bf16(x * scale) of the panel's row block (kernels.h): E4M3 panels never straddle a
- * row block, and the operands are made once per row block, K chunk and chunk of at most GM_TC tokens
- * (which bounds the buffer). Split from avx2.c, whose cpumla_fill_avx2 calls cpumla_fill_avx2_gemm;
- * compiled with the same flags. Same semantics as scalar.c (the spec), to fp32 rounding.
- * Single-threaded: ops.c splits rows and tokens. */
+ * 16-row panels of the weights are packed once into fp32 [k][16] (gm_pack), the widening done there:
+ * full BF16 / E4M3 panels straight from the weights (gemm_pack's direct paths transpose dwords, i.e.
+ * pairs of bf16 or groups of four e4m3 codes, then widen), the rest decoded row by row (dequant_row,
+ * in avx2.c; E4M3: e4m3_codes) and transposed (tr8x8_store). Then a 6-token x 16-row FMA microkernel
+ * runs over the panel. Its activation operand is x itself, x rounded to bf16 (BF16 weights), or, for
+ * E4M3, bf16(x * scale) * 2^8 of the panel's row block (kernels.h; the codes are packed as value *
+ * 2^-8, never an fp32 subnormal): E4M3 panels never straddle a row block, and the operands are made
+ * once per row block, K chunk and chunk of at most GM_TC tokens (which bounds the buffer). Split from
+ * avx2.c, whose cpumla_fill_avx2 calls cpumla_fill_avx2_gemm; compiled with the same flags. Same
+ * semantics as scalar.c (the spec), to fp32 rounding. Single-threaded: ops.c splits rows and tokens. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -28,52 +30,108 @@ static void (*prev_gemm)(const cpumla_weight *, const float *, int64_t, int64_t,
 static __thread float gm_pack[GM_KC * GM_NR] ALIGN64;   /* [k][16] */
 static __thread float gm_tmp[GM_NR * GM_KC] ALIGN64;    /* [16][k] */
 
-INLINE void tr8x8_store(const float *src, int64_t lds, float *dst, int64_t ldd) {
-    __m256 r0 = _mm256_load_ps(src), r1 = _mm256_load_ps(src + lds), r2 = _mm256_load_ps(src + 2 * lds);
-    __m256 r3 = _mm256_load_ps(src + 3 * lds), r4 = _mm256_load_ps(src + 4 * lds);
-    __m256 r5 = _mm256_load_ps(src + 5 * lds), r6 = _mm256_load_ps(src + 6 * lds);
-    __m256 r7 = _mm256_load_ps(src + 7 * lds);
-    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
-    __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
-    __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
-    __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+/* 8x8 transpose in registers: o[j] = element j of every r[i] (lane i) */
+INLINE void tr8x8(const __m256 r[8], __m256 o[8]) {
+    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
     __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee);
     __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
     __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
     __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
-    _mm256_store_ps(dst + 0 * ldd, _mm256_permute2f128_ps(u0, u4, 0x20));
-    _mm256_store_ps(dst + 1 * ldd, _mm256_permute2f128_ps(u1, u5, 0x20));
-    _mm256_store_ps(dst + 2 * ldd, _mm256_permute2f128_ps(u2, u6, 0x20));
-    _mm256_store_ps(dst + 3 * ldd, _mm256_permute2f128_ps(u3, u7, 0x20));
-    _mm256_store_ps(dst + 4 * ldd, _mm256_permute2f128_ps(u0, u4, 0x31));
-    _mm256_store_ps(dst + 5 * ldd, _mm256_permute2f128_ps(u1, u5, 0x31));
-    _mm256_store_ps(dst + 6 * ldd, _mm256_permute2f128_ps(u2, u6, 0x31));
-    _mm256_store_ps(dst + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
+    o[0] = _mm256_permute2f128_ps(u0, u4, 0x20); o[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    o[2] = _mm256_permute2f128_ps(u2, u6, 0x20); o[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    o[4] = _mm256_permute2f128_ps(u0, u4, 0x31); o[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    o[6] = _mm256_permute2f128_ps(u2, u6, 0x31); o[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
 
-/* out[c - c0] = the value of E4M3 code row[c], without the scale, c0 <= c < c1 (NaN codes give NaN) */
+INLINE void tr8x8_store(const float *src, int64_t lds, float *dst, int64_t ldd) {
+    __m256 r[8], o[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_load_ps(src + i * lds);
+    tr8x8(r, o);
+    for (int j = 0; j < 8; j++) _mm256_store_ps(dst + j * ldd, o[j]);
+}
+
+/* BF16, 8 rows x 16 columns straight into the panel: the transpose moves column pairs (one dword
+ * each), then each pair splits into its two fp32 columns (half the shuffles of transposing fp32) */
+INLINE void pack_bf16_8x16(const cpumla_weight *w, int64_t r, int64_t c, float *out) {
+    __m256 v[8], o[8];
+    for (int i = 0; i < 8; i++) v[i] = _mm256_loadu_ps((const float *)((const uint16_t *)weight_row(w, r + i) + c));
+    tr8x8(v, o);
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    for (int j = 0; j < 8; j++) {
+        __m256i d = _mm256_castps_si256(o[j]);
+        _mm256_store_si256((__m256i *)(out + (2 * j) * GM_NR), _mm256_slli_epi32(d, 16));
+        _mm256_store_si256((__m256i *)(out + (2 * j + 1) * GM_NR), _mm256_and_si256(d, hi));
+    }
+}
+
+/* E4M3, 8 rows x 32 columns straight into the panel as value * 2^-8 (ld_e4m3x8's operand): the
+ * transpose moves groups of 4 codes (one dword); byte p of each dword becomes the fp16 bits
+ * (sign_extend(b) << 7) & 0xbf80 (the mask also clears the byte below), two positions are packed to
+ * words and widened by vcvtph2ps. Returns 0 when a NaN code was seen (the caller redoes the block). */
+INLINE int pack_e4m3_8x32(const cpumla_weight *w, int64_t r, int64_t c, float *out) {
+    __m256 v[8], o[8];
+    __m256i lo7 = _mm256_setzero_si256();
+    for (int i = 0; i < 8; i++) {
+        __m256i b = _mm256_loadu_si256((const __m256i *)(weight_row(w, r + i) + c));
+        lo7 = _mm256_max_epu8(lo7, _mm256_and_si256(b, _mm256_set1_epi8(0x7f)));
+        v[i] = _mm256_castsi256_ps(b);
+    }
+    tr8x8(v, o);
+    const __m256i m = _mm256_set1_epi32(0xbf80);
+    for (int j = 0; j < 8; j++) {
+        __m256i d = _mm256_castps_si256(o[j]);
+        __m256i h0 = _mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(d, 24), 17), m);
+        __m256i h1 = _mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(d, 16), 17), m);
+        __m256i h2 = _mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(d, 8), 17), m);
+        __m256i h3 = _mm256_and_si256(_mm256_srai_epi32(d, 17), m);
+        __m256i p01 = _mm256_permute4x64_epi64(_mm256_packus_epi32(h0, h1), 0xd8);   /* [h0 rows | h1 rows] */
+        __m256i p23 = _mm256_permute4x64_epi64(_mm256_packus_epi32(h2, h3), 0xd8);
+        _mm256_store_ps(out + (4 * j + 0) * GM_NR, _mm256_cvtph_ps(_mm256_castsi256_si128(p01)));
+        _mm256_store_ps(out + (4 * j + 1) * GM_NR, _mm256_cvtph_ps(_mm256_extracti128_si256(p01, 1)));
+        _mm256_store_ps(out + (4 * j + 2) * GM_NR, _mm256_cvtph_ps(_mm256_castsi256_si128(p23)));
+        _mm256_store_ps(out + (4 * j + 3) * GM_NR, _mm256_cvtph_ps(_mm256_extracti128_si256(p23, 1)));
+    }
+    return _mm256_movemask_epi8(_mm256_cmpeq_epi8(lo7, _mm256_set1_epi8(0x7f))) == 0;
+}
+
+/* out[c - c0] = the value of E4M3 code row[c] times 2^-8, without the scale, c0 <= c < c1 (NaN codes
+ * give NaN): ld_e4m3x8's operand, never an fp32 subnormal */
 static void e4m3_codes(const uint8_t *row, int64_t c0, int64_t c1, float *out) {
-    const __m256 k = _mm256_set1_ps(256.0f);          /* ld_e4m3x8 gives value * 2^-8 */
     int64_t c = c0;
-    for (; c + 8 <= c1; c += 8) _mm256_storeu_ps(out + c - c0, _mm256_mul_ps(ld_e4m3x8(row + c), k));
-    for (; c < c1; c++) out[c - c0] = e4m3_to_f32(row[c]);
+    for (; c + 8 <= c1; c += 8) _mm256_storeu_ps(out + c - c0, ld_e4m3x8(row + c));
+    for (; c < c1; c++) out[c - c0] = e4m3_to_f32(row[c]) * 0x1p-8f;
 }
 
 /* gm_pack[k][i] = W[r + i, k0 + k] for i < nr (zero rows above), k < kpad (zero columns past kc); E4M3:
- * the codes' values, without the scale */
+ * the codes' values times 2^-8, without the scale (both are in the activation operand). Full panels
+ * of BF16 / E4M3 go straight from the weights into the panel; the rest through gm_tmp. */
 static void gemm_pack(const cpumla_weight *w, int64_t r, int nr, int64_t k0, int64_t kc) {
     const int64_t kpad = (kc + 7) & ~(int64_t)7;
+    int64_t kf = 0;                      /* columns [0, kf) done by the direct paths */
+    if (nr == GM_NR && w->dtype == CPUMLA_BF16)
+        for (; kf + 16 <= kc; kf += 16) {
+            pack_bf16_8x16(w, r, k0 + kf, gm_pack + kf * GM_NR);
+            pack_bf16_8x16(w, r + 8, k0 + kf, gm_pack + kf * GM_NR + 8);
+        }
+    if (nr == GM_NR && w->dtype == CPUMLA_E4M3)
+        for (; kf + 32 <= kc; kf += 32)
+            if (!pack_e4m3_8x32(w, r, k0 + kf, gm_pack + kf * GM_NR) ||
+                !pack_e4m3_8x32(w, r + 8, k0 + kf, gm_pack + kf * GM_NR + 8)) break;
+    if (kf >= kc) return;
     for (int i = 0; i < GM_NR; i++) {
         float *t = gm_tmp + i * GM_KC;
         if (i < nr) {
-            if (w->dtype == CPUMLA_E4M3) e4m3_codes(weight_row(w, r + i), k0, k0 + kc, t);
-            else cpumla_avx2_dequant_row(w, r + i, k0, k0 + kc, t);
+            if (w->dtype == CPUMLA_E4M3) e4m3_codes(weight_row(w, r + i), k0 + kf, k0 + kc, t + kf);
+            else cpumla_avx2_dequant_row(w, r + i, k0 + kf, k0 + kc, t + kf);
             for (int64_t k = kc; k < kpad; k++) t[k] = 0.0f;
         } else {
-            memset(t, 0, (size_t)kpad * sizeof(float));
+            memset(t + kf, 0, (size_t)(kpad - kf) * sizeof(float));
         }
     }
-    for (int64_t k = 0; k < kpad; k += 8) {
+    for (int64_t k = kf; k < kpad; k += 8) {
         tr8x8_store(gm_tmp + k, GM_KC, gm_pack + k * GM_NR, GM_NR);
         tr8x8_store(gm_tmp + 8 * GM_KC + k, GM_KC, gm_pack + k * GM_NR + 8, GM_NR);
     }
@@ -154,7 +212,7 @@ static void gemm_avx2(const cpumla_weight *w, const float *x, int64_t ldx, int64
                 if (e4) {
                     const int64_t be = (rs / w->block_rows + 1) * w->block_rows;
                     if (be < r1) re = be;
-                    for (int64_t t = 0; t < nt; t++) e4m3_act_row(w, rs, xt + t * ldx, k0, k0 + kc, xr + t * GM_KC, 1.0f);
+                    for (int64_t t = 0; t < nt; t++) e4m3_act_row(w, rs, xt + t * ldx, k0, k0 + kc, xr + t * GM_KC, 256.0f);
                     xk = xr;
                     ldxk = GM_KC;
                 }

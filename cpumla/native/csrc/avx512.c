@@ -23,8 +23,8 @@
  * while dequantising a panel (gemm); gemv_t folds them, and E4M3's (kernels.h), into the activation.
  * The fold factors assume |scale| < 2^113 (scale * 2^14 must not overflow).
  *
- * This file holds the linear algebra (gemv, gemm, gemv_t, dequant_row); the row-wise and attention
- * kernels are in avx512_rows.c, whose fill cpumla_fill_avx512f calls. Shared helpers: avx512_common.h.
+ * This file holds the linear algebra (gemv, gemv_t, dequant_row; gemm is in avx512_gemm.c); the
+ * row-wise and attention kernels are in avx512_rows.c. cpumla_fill_avx512f calls both files' fills. Shared helpers: avx512_common.h.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -321,111 +321,6 @@ static void gemv_avx512(const cpumla_weight *w, const float *x, float *y, int64_
     for (int64_t r = r0; r < r1; r++) y[r - r0] = NAN;
 }
 
-/* ---- gemm --------------------------------------------------------------------------------------- */
-/* For each chunk of GEMM_KC columns (and, for E4M3, each row block), the activation operands are made
- * once (BF16: bf16(x); E4M3: bf16(x * scale * 2^8); others: x itself, read in place); then a panel of
- * GEMM_MP weight rows is dequantised into a stack buffer (scales applied; E4M3 codes as value * 2^-8,
- * unscaled), rows kept along k, and a 4-row x 6-token microkernel accumulates along k in zmm lanes and
- * reduces the 24 sums at the end of the chunk. */
-#define GEMM_MP 32
-#define GEMM_KC 512
-#define GEMM_NT 6
-
-/* y[t*ldy + i] (+)= sum_k wp[i*GEMM_KC + k] * x[t*ldx + k], i < mr (<= 4), t < NT, k < kc.
- * wp rows are zero-padded up to a multiple of 16. */
-INLINE void gemm_micro(const float *wp, const float *x, int64_t ldx, int64_t kc, float *y, int64_t ldy,
-                       int mr, int NT, int accumulate) {
-    __m512 acc[GEMM_NT][4];
-    UNROLL for (int t = 0; t < NT; t++)
-        UNROLL for (int i = 0; i < 4; i++) acc[t][i] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= kc; k += 16) {
-        __m512 wv[4];
-        UNROLL for (int i = 0; i < 4; i++) wv[i] = _mm512_loadu_ps(wp + i * GEMM_KC + k);
-        UNROLL for (int t = 0; t < NT; t++) {
-            __m512 xv = _mm512_loadu_ps(x + t * ldx + k);
-            UNROLL for (int i = 0; i < 4; i++) acc[t][i] = _mm512_fmadd_ps(wv[i], xv, acc[t][i]);
-        }
-    }
-    if (k < kc) {
-        __m512 wv[4];
-        UNROLL for (int i = 0; i < 4; i++) wv[i] = _mm512_loadu_ps(wp + i * GEMM_KC + k);
-        UNROLL for (int t = 0; t < NT; t++) {
-            __m512 xv = _mm512_maskz_loadu_ps(tail16(kc - k), x + t * ldx + k);
-            UNROLL for (int i = 0; i < 4; i++) acc[t][i] = _mm512_fmadd_ps(wv[i], xv, acc[t][i]);
-        }
-    }
-    __mmask8 m = (__mmask8)((1u << mr) - 1u);
-    UNROLL for (int t = 0; t < NT; t++) {
-        __m128 s = hsum4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
-        if (accumulate) s = _mm_add_ps(s, _mm_maskz_loadu_ps(m, y + t * ldy));
-        _mm_mask_storeu_ps(y + t * ldy, m, s);
-    }
-}
-
-static void gemm_avx512(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
-                        int64_t ldy, int64_t r0, int64_t r1) {
-    if (n <= 0 || r1 <= r0) return;
-    if (n < 4) {                 /* dequantising a panel costs more than reading the rows n times */
-        for (int64_t t = 0; t < n; t++) gemv_avx512(w, x + t * ldx, y + t * ldy, r0, r1);
-        return;
-    }
-    int64_t K = w->cols;
-    if (K == 0) {
-        for (int64_t t = 0; t < n; t++) memset(y + t * ldy, 0, sizeof(float) * (size_t)(r1 - r0));
-        return;
-    }
-    const int e4 = w->dtype == CPUMLA_E4M3, bf = w->dtype == CPUMLA_BF16;
-    if (e4 && (w->block_rows <= 0 || w->block_cols <= 0)) {
-        for (int64_t t = 0; t < n; t++) for (int64_t r = r0; r < r1; r++) y[t * ldy + (r - r0)] = NAN;
-        return;
-    }
-    float *xr = NULL;            /* BF16 / E4M3: the operands of a K chunk, [n][GEMM_KC] */
-    if (e4 || bf) {
-        xr = cpumla_scratch(CPUMLA_SCRATCH_AVX512F_XR, sizeof(float) * (size_t)n * GEMM_KC);
-        if (!xr) return;
-    }
-    float wp[GEMM_MP * GEMM_KC] __attribute__((aligned(64)));
-    for (int64_t rs = r0; rs < r1;) {                /* E4M3: one row block at a time */
-        int64_t re = e4 ? min64((rs / w->block_rows + 1) * w->block_rows, r1) : r1;
-        for (int64_t k0 = 0; k0 < K; k0 += GEMM_KC) {
-            int64_t kc = min64(GEMM_KC, K - k0), kc16 = (kc + 15) & ~(int64_t)15;
-            const float *xk = x + k0;
-            int64_t ldk = ldx;
-            if (bf) bf16_rows(x + k0, ldx, n, kc, xr, GEMM_KC);
-            if (e4) e4m3_acts(w, rs, x + k0, ldx, n, k0, kc, xr, GEMM_KC);
-            if (e4 || bf) { xk = xr; ldk = GEMM_KC; }
-            int acc = k0 > 0;
-            for (int64_t p0 = rs; p0 < re; p0 += GEMM_MP) {
-                int64_t mp = min64(GEMM_MP, re - p0);
-                int64_t mp4 = (mp + 3) & ~(int64_t)3;
-                for (int64_t i = 0; i < mp4; i++) {
-                    float *o = wp + i * GEMM_KC;
-                    if (i >= mp) memset(o, 0, sizeof(float) * (size_t)kc);
-                    else if (e4)       /* codes as value * 2^-8, the scale is in the operand */
-                        for (int64_t c = 0; c < kc; c += 16)
-                            _mm512_mask_storeu_ps(o + c, tail16(kc - c), dq16(CPUMLA_E4M3, weight_row(w, p0 + i), k0 + c, kc - c));
-                    else dq_range(w, p0 + i, k0, k0 + kc, o);
-                    if (kc16 > kc) memset(o + kc, 0, sizeof(float) * (size_t)(kc16 - kc));
-                }
-                for (int64_t t0 = 0; t0 < n; t0 += GEMM_NT) {
-                    int nt = (int)min64(GEMM_NT, n - t0);
-                    const float *xt = xk + t0 * ldk;
-                    for (int64_t i0 = 0; i0 < mp; i0 += 4) {
-                        float *yt = y + t0 * ldy + (p0 - r0) + i0;
-                        const float *wi = wp + i0 * GEMM_KC;
-                        int mr = (int)min64(4, mp - i0);
-#define MICRO(NT) gemm_micro(wi, xt, ldk, kc, yt, ldy, mr, NT, acc)
-                        SWITCH_NT(nt, MICRO)
-#undef MICRO
-                    }
-                }
-            }
-        }
-        rs = re;
-    }
-}
-
 /* ---- gemv_t ------------------------------------------------------------------------------------- */
 /* Rows outer (the weight streams in order), 4 at a time: y[c] += sum_i (x_i * scale_i) * q_i(c). */
 static void gemv_t_avx512(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y,
@@ -501,7 +396,7 @@ int cpumla_decode_operands_avx512f(int dtype, float *out) {
 void cpumla_fill_avx512f(cpumla_kernels *k) {
     cpumla_fill_avx512_rows(k);
     k->gemv = gemv_avx512;
-    k->gemm = gemm_avx512;
+    cpumla_fill_avx512_gemm(k);         /* avx512_gemm.c; its small-n path calls the gemv above */
     k->gemv_t = gemv_t_avx512;
     k->dequant_row = dequant_row_avx512;
     static const int ids[] = {K_GEMV, K_GEMM, K_GEMV_T, K_DEQUANT};

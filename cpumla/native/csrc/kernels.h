@@ -134,7 +134,7 @@ enum cpumla_scratch_slot {
     CPUMLA_SCRATCH_MOE,              /* moe.c: prefill activations per expert */
     CPUMLA_SCRATCH_MOE_LIST,         /* moe.c: tokens grouped by expert */
     CPUMLA_SCRATCH_AVX2_XR,          /* avx2.c, avx2_gemm.c: rounded activation operands */
-    CPUMLA_SCRATCH_AVX512F_XR,       /* avx512.c: rounded activation operands (bf16, e4m3) */
+    CPUMLA_SCRATCH_AVX512F_XR,       /* avx512.c, avx512_gemm.c: rounded activation operands (bf16, e4m3) */
     CPUMLA_SCRATCH_AVX512_XB,        /* avx512_bf16.c: bf16 activations */
     CPUMLA_SCRATCH_AVX512_E4_XS,     /* avx512_bf16.c: e4m3 activation operands */
     CPUMLA_SCRATCH_AVX512_E4_PANEL,  /* avx512_bf16.c: decoded e4m3 panel */
@@ -147,13 +147,14 @@ CPUMLA_INTERNAL void *cpumla_scratch(int slot, size_t bytes);
 
 /* Each implementation exports one function that overwrites the entries it provides. avx2, avx512 and
  * neon keep their row-wise and attention kernels apart from their linear algebra: their fill calls
- * the _rows one (and avx2's the _gemm one, its gemm being a file of its own). */
+ * the _rows one (and avx2's and avx512f's the _gemm one, their gemm being a file of its own). */
 void cpumla_fill_scalar(cpumla_kernels *k);
 void cpumla_fill_avx2(cpumla_kernels *k);
 void cpumla_fill_avx2_rows(cpumla_kernels *k);     /* avx2_rows.c; called by cpumla_fill_avx2 */
 void cpumla_fill_avx2_gemm(cpumla_kernels *k);     /* avx2_gemm.c; called by cpumla_fill_avx2 */
 void cpumla_fill_avx512f(cpumla_kernels *k);      /* avx512.c: AVX-512 F/BW/VL/DQ */
 void cpumla_fill_avx512_rows(cpumla_kernels *k);   /* avx512_rows.c; called by cpumla_fill_avx512f */
+void cpumla_fill_avx512_gemm(cpumla_kernels *k);   /* avx512_gemm.c; called by cpumla_fill_avx512f */
 void cpumla_fill_avx512(cpumla_kernels *k);        /* avx512_bf16.c: + BF16/VNNI/VBMI, over avx512f */
 void cpumla_fill_amx(cpumla_kernels *k);
 void cpumla_fill_neon(cpumla_kernels *k);

@@ -13,12 +13,14 @@
 #include "threadpool.h"
 
 #define MIN_PARALLEL_WORK 32768     /* below this many multiply-adds a call stays on one thread */
+#define GEMM_TASK_ROWS 512          /* most weight rows of a gemm task (but see linear_rows) */
 #ifndef CPUMLA_GEMV_SPLIT
 #define CPUMLA_GEMV_SPLIT 4     /* GEMV tasks per thread */
 #endif
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 /* ---- gemv / gemm ------------------------------------------------------------------------------ */
 typedef struct {
@@ -92,9 +94,15 @@ static void linear_rows(const cpumla_weight *w, int64_t r_begin, int64_t r_end, 
     }
     /* row blocks of 64 (128 for FP8 with 128-row scale blocks: the rows of a scale block share one
      * converted activation, kernels.h); with too few blocks to feed every thread, split rows finer
-     * and tokens too */
+     * and tokens too. With many rows per thread, other formats take larger blocks (at most
+     * GEMM_TASK_ROWS, multiples of 32, an even count per thread): every task converts the tokens'
+     * activations again, which 64-row tasks of a few threads pay once per 64 rows. */
     int64_t unit = w->dtype == CPUMLA_E4M3 && w->block_rows == 128 ? 128 : 64;
     j.rows_per_task = rows >= unit * 2 * threads ? unit : ceil_div(ceil_div(rows, 2 * threads), 8) * 8;
+    if (unit == 64 && rows >= unit * 2 * threads) {
+        int64_t tasks = ceil_div(max64(ceil_div(rows, GEMM_TASK_ROWS), 2 * threads), 2 * threads) * 2 * threads;
+        j.rows_per_task = ceil_div(ceil_div(rows, tasks), 32) * 32;
+    }
     j.row_tasks = ceil_div(rows, j.rows_per_task);
     int64_t token_tasks = j.row_tasks >= 2 * threads ? 1 : min64(ceil_div(2 * threads, j.row_tasks), n);
     j.tokens_per_task = ceil_div(n, token_tasks);

@@ -1,0 +1,280 @@
+/* avx512_gemm.c: the avx512f level's gemm (prefill), AVX-512 F/BW/VL/DQ only, compiled with avx512.c's
+ * flags; avx512.c's cpumla_fill_avx512f calls cpumla_fill_avx512_gemm. Same semantics as scalar.c
+ * (the spec), to fp32 rounding.
+ *
+ * A blocked GEMM: K in chunks of G_KC columns and tokens in chunks of at most G_TC. For each chunk the
+ * activation operands are made once (BF16: bf16(x); E4M3: bf16(x * block scale * 2^8) of the row
+ * block, kernels.h; F32 / F16 / E2M1: x copied) into this thread's CPUMLA_SCRATCH_AVX512F_XR buffer
+ * (no buffer: nothing computed, the call fails). Then each panel of G_MR = 32 weight rows is
+ * decoded to fp32 and transposed into [k][32] (the packing step: all widening and scaling happens
+ * here, E4M3 codes as value * 2^-8 so no fp32 subnormal reaches a multiply), and a register-tiled
+ * microkernel runs over it: G_MT tokens x 32 rows, 2 * G_MT zmm accumulators, each k one pair of
+ * weight loads and one broadcast per token. The panel chunk (32 KiB) is read from L1 by every token
+ * group; the operands of a token chunk (at most G_TC * G_KC * 4 = 256 KiB) stay in L2.
+ * Single-threaded: ops.c splits rows (and tokens) over the pool. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include "common.h"
+#include "kernels.h"
+#include "avx512_common.h"
+
+#define G_MR 32     /* weight rows per panel: two zmm */
+#define G_MT 14     /* tokens per microkernel: 28 accumulators + 2 weight registers + a broadcast */
+#define G_KC 256    /* columns per chunk (a multiple of 16): the panel chunk is 32 KiB */
+#define G_TC 256    /* most tokens per chunk (bounds the operand buffer) */
+#define G_RB 256    /* rows at a time (E4M3: a row block): the y tile of a token chunk stays in L2 */
+#define G_MIN_N 4   /* fewer tokens: gemv per token (packing a panel costs more than reading rows n times) */
+
+static __thread float g_pack[G_KC * G_MR] __attribute__((aligned(64)));   /* [k][32] */
+
+/* the avx512f gemv (for n < G_MIN_N) */
+static void (*g_gemv)(const cpumla_weight *, const float *, float *, int64_t, int64_t);
+
+/* power of two folded into each decode (dq16 gives E4M3 as value * 2^-8, E2M1 as value * 2^-14) */
+static const float g_fold[5] = {1.0f, 1.0f, 1.0f, 256.0f, 16384.0f};
+
+/* ---- activation operands (kernels.h) ------------------------------------------------------------ */
+/* dst[k] = bf16(src[k] * s[k]) as fp32 for the lanes of m, 0 elsewhere: f32_to_bf16 (common.h) */
+INLINE void bf16_mul16(const float *src, __m512 s, __mmask16 m, float *dst) {
+    __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, src), s);
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x00400000));
+    _mm512_storeu_si512(dst, _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* dst[t*ldd + k] = bf16(src[t*lds + k] * s(k)) for k < kc, zero up to the next multiple of 16, with
+ * s(k) = 1 (BF16) or scale(r, c0 + k) * 2^8 (E4M3: the operand of row r's block times the decode's
+ * 2^8, which is bf16(x * scale) * 2^8 exactly); other formats: x copied. Token by token: the rows of
+ * x lie a multiple of 4 KiB apart in a model, and 16 columns of every token at a time missed L1 on
+ * every load; the copy G_KC floats apart keeps the microkernel's token rows off one cache set too. */
+static void make_operands(const cpumla_weight *w, int64_t r, const float *src, int64_t lds, int64_t n,
+                          int64_t c0, int64_t kc, float *dst, int64_t ldd) {
+    float sv[G_KC] __attribute__((aligned(64)));
+    const int e4 = w->dtype == CPUMLA_E4M3;
+    for (int64_t k = 0; k < kc; k += 16) {
+        const int64_t c = c0 + k, last = c0 + min64(k + 15, kc - 1);
+        if (!e4) {
+            _mm512_store_ps(sv + k, _mm512_set1_ps(1.0f));
+        } else if (c / w->block_cols == last / w->block_cols) {
+            _mm512_store_ps(sv + k, _mm512_set1_ps(weight_scale(w, r, c) * 256.0f));
+        } else {                                      /* a block edge inside these 16 columns */
+            for (int64_t i = 0; i < 16; i++) sv[k + i] = c + i <= last ? weight_scale(w, r, c + i) * 256.0f : 0.0f;
+        }
+    }
+    for (int64_t t = 0; t < n; t++) {
+        if (t + 2 < n)            /* a token's columns are a short run that the prefetchers pick up late */
+            for (int64_t k = 0; k < kc; k += 16) _mm_prefetch((const char *)(src + (t + 2) * lds + k), _MM_HINT_T0);
+        for (int64_t k = 0; k < kc; k += 16) {
+            if (w->dtype == CPUMLA_BF16 || e4)
+                bf16_mul16(src + t * lds + k, _mm512_load_ps(sv + k), tail16(kc - k), dst + t * ldd + k);
+            else
+                _mm512_store_ps(dst + t * ldd + k, _mm512_maskz_loadu_ps(tail16(kc - k), src + t * lds + k));
+        }
+    }
+}
+
+/* ---- packing ------------------------------------------------------------------------------------ */
+/* columns [c, c + nc) (nc <= 16) of row r as fp32, the panel's operand: BF16 / F16 / F32 exact, E4M3
+ * codes as value * 2^-8 (the scale is in the activation), E2M1 with its block scale (lanes >= nc: 0) */
+INLINE __m512 panel_cols(const cpumla_weight *w, int32_t dt, int64_t r, int64_t c, int64_t nc) {
+    nc = nc < 16 ? nc : 16;                           /* dq16's E2M1 mask needs n <= 32 */
+    __m512 v = dq16(dt, weight_row(w, r), c, nc);
+    if (dt != CPUMLA_E2M1) return v;
+    const int64_t bc = w->block_cols, last = c + nc - 1;
+    if (c / bc == last / bc) return _mm512_mul_ps(v, _mm512_set1_ps(weight_scale(w, r, c) * g_fold[dt]));
+    float sv[16];
+    for (int64_t i = 0; i < 16; i++) sv[i] = c + i <= last ? weight_scale(w, r, c + i) * g_fold[dt] : 0.0f;
+    return _mm512_mul_ps(v, _mm512_loadu_ps(sv));
+}
+
+/* 16x16 transpose in registers: o[j] = element j of every r[i] (lane i) */
+INLINE void tr16(const __m512 r[16], __m512 o[16]) {
+    __m512 t[16], u[16];
+    UNROLL for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    UNROLL for (int i = 0; i < 16; i += 4) {
+        u[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    /* u[4g + q] holds, in each 128-bit lane L, element 4L + q of r[4g..4g+3] */
+    UNROLL for (int q = 0; q < 4; q++) {
+        __m512 a = _mm512_shuffle_f32x4(u[q], u[4 + q], 0x88), b = _mm512_shuffle_f32x4(u[q], u[4 + q], 0xdd);
+        __m512 c = _mm512_shuffle_f32x4(u[8 + q], u[12 + q], 0x88), d = _mm512_shuffle_f32x4(u[8 + q], u[12 + q], 0xdd);
+        o[q] = _mm512_shuffle_f32x4(a, c, 0x88);
+        o[q + 8] = _mm512_shuffle_f32x4(a, c, 0xdd);
+        o[q + 4] = _mm512_shuffle_f32x4(b, d, 0x88);
+        o[q + 12] = _mm512_shuffle_f32x4(b, d, 0xdd);
+    }
+}
+
+/* BF16, 16 full rows x 32 columns: the 16x16 transpose moves column pairs (one dword each), then
+ * each pair splits into its two fp32 columns: half the shuffles of transposing fp32 */
+INLINE void pack_bf16_16x32(const cpumla_weight *w, int64_t r, int64_t c, float *out) {
+    __m512 v[16], o[16];
+    UNROLL for (int i = 0; i < 16; i++) v[i] = _mm512_loadu_ps((const uint16_t *)weight_row(w, r + i) + c);
+    tr16(v, o);
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    UNROLL for (int j = 0; j < 16; j++) {
+        __m512i d = _mm512_castps_si512(o[j]);
+        _mm512_store_ps(out + (2 * j) * G_MR, _mm512_castsi512_ps(_mm512_slli_epi32(d, 16)));
+        _mm512_store_ps(out + (2 * j + 1) * G_MR, _mm512_castsi512_ps(_mm512_and_si512(d, hi)));
+    }
+}
+
+/* E4M3, 16 full rows x 64 columns: the transpose moves groups of 4 codes (one dword), then byte p of
+ * each dword becomes the fp16 bits of value * 2^-8, (sign_extend(b) << 7) & 0xbf80 (e4m3_h32; the
+ * mask also clears the bits of the byte below), which vcvtph2ps widens (e4m3 subnormals come out as normal fp32). Returns 0 when a NaN code was seen
+ * (the caller redoes the block through dq16, which decodes it to NaN). */
+INLINE int pack_e4m3_16x64(const cpumla_weight *w, int64_t r, int64_t c, float *out) {
+    __m512 v[16], o[16];
+    __m512i lo7 = _mm512_setzero_si512();
+    UNROLL for (int i = 0; i < 16; i++) {
+        __m512i b = _mm512_loadu_si512(weight_row(w, r + i) + c);
+        lo7 = _mm512_max_epu8(lo7, _mm512_and_si512(b, _mm512_set1_epi8(0x7f)));
+        v[i] = _mm512_castsi512_ps(b);
+    }
+    tr16(v, o);
+    UNROLL for (int j = 0; j < 16; j++) {
+        __m512i d = _mm512_castps_si512(o[j]);
+        UNROLL for (int p = 0; p < 4; p++) {
+            __m512i h = _mm512_and_si512(_mm512_srai_epi32(_mm512_slli_epi32(d, 24 - 8 * p), 17), _mm512_set1_epi32(0xbf80));
+            _mm512_store_ps(out + (4 * j + p) * G_MR, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)));
+        }
+    }
+    return _mm512_cmpeq_epi8_mask(lo7, _mm512_set1_epi8(0x7f)) == 0;
+}
+
+/* rows r..r+15 (zero rows from nr on), columns [c, c + 16) (zero columns past c1) through dq16 */
+INLINE void pack_16x16(const cpumla_weight *w, int64_t r, int nr, int64_t c, int64_t c1, float *out) {
+    __m512 v[16], o[16];
+    const int32_t dt = w->dtype;
+    for (int i = 0; i < 16; i++) v[i] = i < nr ? panel_cols(w, dt, r + i, c, c1 - c) : _mm512_setzero_ps();
+    tr16(v, o);
+    UNROLL for (int j = 0; j < 16; j++) _mm512_store_ps(out + j * G_MR, o[j]);
+}
+
+/* g_pack[k][i] = operand of W[r + i, k0 + k] for i < nr (zero rows past nr), k < kc rounded up to 16
+ * (zero columns past kc) */
+static void pack_panel(const cpumla_weight *w, int64_t r, int nr, int64_t k0, int64_t kc) {
+    for (int h = 0; h < G_MR; h += 16) {
+        const int hr = nr - h;
+        int64_t k = 0;
+        if (hr >= 16 && w->dtype == CPUMLA_BF16)
+            for (; k + 32 <= kc; k += 32) pack_bf16_16x32(w, r + h, k0 + k, g_pack + k * G_MR + h);
+        if (hr >= 16 && w->dtype == CPUMLA_E4M3)
+            for (; k + 64 <= kc; k += 64)
+                if (!pack_e4m3_16x64(w, r + h, k0 + k, g_pack + k * G_MR + h))
+                    for (int64_t j = k; j < k + 64; j += 16) pack_16x16(w, r + h, 16, k0 + j, k0 + kc, g_pack + j * G_MR + h);
+        for (; k < kc; k += 16) pack_16x16(w, r + h, hr, k0 + k, k0 + kc, g_pack + k * G_MR + h);
+    }
+}
+
+/* ---- microkernel -------------------------------------------------------------------------------- */
+/* y[t*ldy + i] (+)= sum_k x[t*ldx + k] * wp[k*32 + i] for t < NT, lanes of m0 / m1 (rows 0-15 / 16-31).
+ * The next tile's y rows (pf, ldy apart) are prefetched first: when accumulating they come back
+ * from L3 (y of a long token chunk outgrows L2), and the accumulators cannot start before them. */
+INLINE void micro(const int NT, const float *wp, int64_t kc, const float *x, int64_t ldx, float *y,
+                  int64_t ldy, __mmask16 m0, __mmask16 m1, int accumulate, const float *pf) {
+    __m512 a[G_MT], b[G_MT];
+    if (pf)
+        UNROLL for (int t = 0; t < G_MT; t++) {
+            _mm_prefetch((const char *)(pf + t * ldy), _MM_HINT_T0);
+            _mm_prefetch((const char *)(pf + t * ldy + 16), _MM_HINT_T0);
+        }
+    UNROLL for (int t = 0; t < NT; t++) {
+        a[t] = accumulate ? _mm512_maskz_loadu_ps(m0, y + t * ldy) : _mm512_setzero_ps();
+        b[t] = accumulate ? _mm512_maskz_loadu_ps(m1, y + t * ldy + 16) : _mm512_setzero_ps();
+    }
+    for (int64_t k = 0; k < kc; k++) {
+        __m512 w0 = _mm512_load_ps(wp + k * G_MR), w1 = _mm512_load_ps(wp + k * G_MR + 16);
+        UNROLL for (int t = 0; t < NT; t++) {
+            __m512 s = _mm512_set1_ps(x[t * ldx + k]);
+            a[t] = _mm512_fmadd_ps(s, w0, a[t]);
+            b[t] = _mm512_fmadd_ps(s, w1, b[t]);
+        }
+    }
+    UNROLL for (int t = 0; t < NT; t++) {
+        _mm512_mask_storeu_ps(y + t * ldy, m0, a[t]);
+        _mm512_mask_storeu_ps(y + t * ldy + 16, m1, b[t]);
+    }
+}
+
+/* one out-of-line instance per token count, so that each gets the whole register file */
+typedef void (*micro_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, __mmask16, __mmask16,
+                         int, const float *);
+#define MICRO(N)                                                                                         \
+    __attribute__((noinline)) static void micro##N(const float *wp, int64_t kc, const float *x, int64_t ldx, \
+                                                   float *y, int64_t ldy, __mmask16 m0, __mmask16 m1, int acc, \
+                                                   const float *pf) {                                   \
+        micro(N, wp, kc, x, ldx, y, ldy, m0, m1, acc, pf);                                               \
+    }
+MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8) MICRO(9) MICRO(10) MICRO(11) MICRO(12)
+MICRO(13) MICRO(14)
+#undef MICRO
+static const micro_fn micros[G_MT + 1] = {NULL, micro1, micro2, micro3, micro4, micro5, micro6, micro7, micro8,
+                                          micro9, micro10, micro11, micro12, micro13, micro14};
+
+/* tokens [0, nt) of a chunk against the packed panel, G_MT at a time */
+static void panel_tokens(const float *x, int64_t ldx, int64_t nt, int64_t kc, float *y, int64_t ldy, int nr,
+                         int accumulate) {
+    const __mmask16 m0 = tail16(nr), m1 = tail16(nr - 16);
+    for (int64_t t = 0; t < nt; t += G_MT) {
+        const int64_t c = min64(G_MT, nt - t);
+        const float *pf = accumulate && t + G_MT < nt ? y + (t + G_MT) * ldy : NULL;
+        micros[c](g_pack, kc, x + t * ldx, ldx, y + t * ldy, ldy, m0, m1, accumulate, pf);
+    }
+}
+
+static void gemm_avx512f(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy,
+                         int64_t r0, int64_t r1) {
+    if (n <= 0 || r1 <= r0) return;
+    if (n < G_MIN_N) {
+        for (int64_t t = 0; t < n; t++) g_gemv(w, x + t * ldx, y + t * ldy, r0, r1);
+        return;
+    }
+    const int64_t K = w->cols;
+    if (K <= 0) {
+        for (int64_t t = 0; t < n; t++) memset(y + t * ldy, 0, sizeof(float) * (size_t)(r1 - r0));
+        return;
+    }
+    const int e4 = w->dtype == CPUMLA_E4M3;
+    if (e4 && (w->block_rows <= 0 || w->block_cols <= 0)) {
+        for (int64_t t = 0; t < n; t++) for (int64_t r = r0; r < r1; r++) y[t * ldy + (r - r0)] = NAN;
+        return;
+    }
+    /* token chunks: the fewest of at most G_TC, as even as multiples of G_MT allow */
+    const int64_t nch = (n + G_TC - 1) / G_TC;
+    const int64_t tc = min64(n, ((n + nch - 1) / nch + G_MT - 1) / G_MT * G_MT);
+    /* the operands of a token and K chunk, [tc][G_KC] */
+    float *xr = cpumla_scratch(CPUMLA_SCRATCH_AVX512F_XR, sizeof(float) * (size_t)(tc * G_KC));
+    if (!xr) return;             /* out of memory: the call fails */
+    for (int64_t rs = r0; rs < r1;) {                /* E4M3: one row block at a time */
+        const int64_t re = e4 ? min64((rs / w->block_rows + 1) * w->block_rows, r1) : min64(rs + G_RB, r1);
+        for (int64_t t0 = 0; t0 < n; t0 += tc) {
+            const int64_t nt = min64(tc, n - t0);
+            for (int64_t k0 = 0; k0 < K; k0 += G_KC) {
+                const int64_t kc = min64(G_KC, K - k0);
+                make_operands(w, rs, x + t0 * ldx + k0, ldx, nt, k0, kc, xr, G_KC);
+                for (int64_t p = rs; p < re; p += G_MR) {
+                    const int nr = (int)min64(G_MR, re - p);
+                    pack_panel(w, p, nr, k0, kc);
+                    panel_tokens(xr, G_KC, nt, kc, y + t0 * ldy + (p - r0), ldy, nr, k0 > 0);
+                }
+            }
+        }
+        rs = re;
+    }
+}
+
+void cpumla_fill_avx512_gemm(cpumla_kernels *k) {
+    g_gemv = k->gemv;
+    k->gemm = gemm_avx512f;
+}
