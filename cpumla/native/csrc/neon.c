@@ -2,7 +2,8 @@
  *
  * Same semantics as scalar.c (the spec); only the order of fp32 additions differs.
  *   FP8 e4m3 is widened through fp16: the bits ((b & 0x7f) << 7) | ((b & 0x80) << 8) are an fp16
- *   equal to value * 2^-8 exactly (subnormals included). The block scale goes into the activation
+ *   equal to value * 2^-8 exactly (subnormals included; the NaN code is made an fp16 NaN). The block
+ *   scale goes into the activation
  *   (e4m3_act, common.h): bf16_round(x * scale), computed once per row block and column; the codes
  *   are used unscaled and no block scale touches partial sums. The decode's 2^-8 is undone by one
  *   multiply by 256 of each finished sum: sums of products scaled by a power of two round alike
@@ -29,7 +30,10 @@ const char cpumla_flags_neon[] = CPUMLA_FLAGS;
 /* 8 e4m3 bytes -> fp16 bit patterns of value * 2^-8 */
 static inline uint16x8_t e4m3_as_f16(uint8x8_t b) {
     int16x8_t s = vmovl_s8(vreinterpret_s8_u8(b));          /* bits 7..15 = sign */
-    return vandq_u16(vreinterpretq_u16_s16(vshlq_n_s16(s, 7)), vdupq_n_u16(0xbfff));
+    uint16x8_t h = vandq_u16(vreinterpretq_u16_s16(vshlq_n_s16(s, 7)), vdupq_n_u16(0xbfff));
+    /* the NaN code S.1111.111 shifts to 0x3f80 (a finite fp16): make it an fp16 NaN, as the spec's */
+    uint16x8_t nan = vceqq_u16(vandq_u16(h, vdupq_n_u16(0x7fff)), vdupq_n_u16(0x3f80));
+    return vorrq_u16(h, vandq_u16(nan, vdupq_n_u16(0x7e00)));
 }
 
 /* 16 e4m3 bytes -> 4 x 4 floats (value * 2^-8) */
