@@ -91,10 +91,10 @@ def test_dequant_q_exact(isa, case):
 
 @pytest.mark.parametrize("src", ["f32", "bf16", "f16", "e4m3"])
 @pytest.mark.parametrize("fmt", ["q8", "q4"])
-def test_quantize_matches_definition(src, fmt):
-    """cpumla_quantize, bit for bit against cpumla.h's definition, from every checkpoint format, with an
-    all-zero block, a block whose largest |v| is negative and a tie for the largest |v|."""
-    native.init("")
+def test_quantize_matches_definition(isa, src, fmt):
+    """cpumla_quantize on every implementation, bit for bit against cpumla.h's definition, from every
+    checkpoint format, with an all-zero block, a block whose largest |v| is negative, a tie for the
+    largest |v|, a huge outlier and ties at .5 after scaling."""
     rng = np.random.default_rng(21)
     rows, cols = 67, 320
     if src == "e4m3":
@@ -105,6 +105,10 @@ def test_quantize_matches_definition(src, fmt):
         v[1, 32:64] = np.linspace(-1, 0.5, 32)
         v[2, 64:96] = 0.25
         v[2, 70] = -0.25
+        v[4, 32:64] = rng.standard_normal(32) * 1e-3
+        v[4, 40] = 1e3
+        v[5, :32] = np.arange(-16, 16) + 0.5    # halves and .5 ties after scaling
+        v[6, :32] = np.arange(-16, 16) * 0.5
         data = {"f32": v.astype(np.float32), "f16": v.astype(np.float16), "bf16": ref.bf16_bits(v)}[src]
         scale = block = None
     w = native.Weight(data, src, scale, block)

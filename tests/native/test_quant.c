@@ -1,8 +1,13 @@
 /* test_quant.c: the Q8 / Q4 entries of a kernel table (gemv, gemm, gemv_t, dequant_row with cpumla's
  * own formats) against double-precision references written from cpumla.h and kernels.h, independently
  * of scalar_q.c / quant.h: weights are generated with their codes and fp16 scales, the activations
- * quantized here as kernels.h defines it, the integer block sums taken exactly. */
+ * quantized here as kernels.h defines it, the integer block sums taken exactly. quantize_row (cpumla_quantize)
+ * is checked bit for bit against its spec, scalar_q.c's, on random and edge-case blocks. */
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include "kernels.h"
+#include "quant.h"
 #include "ref.h"
 
 #define QSENT 12345.0f
@@ -127,7 +132,115 @@ static float spec_qdot32(const qweight *t, int64_t r, const float *x) {
 }
 #define N_QCASES ((int)(sizeof qcases / sizeof qcases[0]))
 
+/* ---- quantize_row against the spec --------------------------------------------------------------- */
+static float qz_pow2(int e) { return (float)ldexp(1.0, e); }
+
+/* one block of kind `kind` (see the cases) into v[32] */
+static void qz_block(int kind, float *v) {
+    const int e = (int)(rng_u64() % 200) - 110;         /* 2^-110 .. 2^89: fp16 scales from 0 to inf */
+    const float s = qz_pow2(e);
+    switch (kind) {
+    case 0:                                              /* random, any magnitude */
+        for (int i = 0; i < QK; i++) v[i] = rng_sym(1.0f) * s;
+        break;
+    case 1: for (int i = 0; i < QK; i++) v[i] = 0.0f; break;
+    case 2: for (int i = 0; i < QK; i++) v[i] = -0.0f; break;
+    case 3: for (int i = 0; i < QK; i++) v[i] = (rng_u64() & 1) ? -0.0f : 0.0f; break;
+    case 4: {                                            /* exact .5 ties after scaling by a power of two */
+        const int q8 = rng_u64() & 1;
+        const float d = qz_pow2((int)(rng_u64() % 40) - 30);
+        for (int i = 0; i < QK; i++) v[i] = ((float)((int)(rng_u64() % 15) - 7) + 0.5f) * d;
+        v[rng_u64() % QK] = q8 ? 127.0f * d : -8.0f * d;
+        break;
+    }
+    case 5:                                              /* one huge outlier */
+        for (int i = 0; i < QK; i++) v[i] = rng_sym(1e-3f);
+        v[rng_u64() % QK] = (rng_u64() & 1) ? 1e30f : -1e30f;
+        break;
+    case 6: {                                            /* ties for the largest |v|, either sign */
+        for (int i = 0; i < QK; i++) v[i] = rng_sym(0.5f) * s;
+        for (int t = 0; t < 3; t++) v[rng_u64() % QK] = (rng_u64() & 1) ? s : -s;
+        break;
+    }
+    case 7:                                              /* scales near and below the fp16 subnormals */
+        for (int i = 0; i < QK; i++) v[i] = rng_sym(1.0f) * (float)(127.0 * ldexp(1.0, -24) * (0.2 + 3.0 * rng_unit()));
+        break;
+    case 8:                                              /* scales near fp16 overflow (65504) */
+        for (int i = 0; i < QK; i++) v[i] = rng_sym(1.0f) * (float)(8.0e6 * (0.9 + 0.2 * rng_unit()));
+        break;
+    default:                                             /* values that clamp: tiny amax, rest mid-size */
+        for (int i = 0; i < QK; i++) v[i] = rng_sym(1.0f) * s;
+        v[QK - 1] = -s * 1.000001f;
+        break;
+    }
+}
+
+#if defined(__x86_64__)
+/* vcvtps2ph with round-to-nearest-even, as avx512f_q.c uses it, against f32_to_f16 for every positive
+ * fp32 from below half the smallest fp16 subnormal to past fp16 overflow, and every 7th negative one */
+__attribute__((target("avx512f,f16c"))) static long qz_f16_exhaustive(void) {
+    long bad = 0;
+    for (uint32_t u = 0x32000000u; u < 0x47900000u && bad < 5; u += 16) {
+        uint32_t lanes[16];
+        for (int i = 0; i < 16; i++) lanes[i] = u + (uint32_t)i;
+        uint16_t got[16];
+        __m512 x = _mm512_loadu_ps((const float *)lanes);
+        _mm256_storeu_si256((__m256i *)got, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        for (int i = 0; i < 16; i++) {
+            float f;
+            memcpy(&f, &lanes[i], 4);
+            if (got[i] != f32_to_f16(f)) bad++;
+            if (i % 7 == 0 && f32_to_f16(-f) != (uint16_t)(got[i] | 0x8000u)) bad++;
+        }
+    }
+    return bad;
+}
+#endif
+
+static void test_quantize_row(const cpumla_kernels *k) {
+#if defined(__x86_64__)
+    static int f16_done;
+    if (!f16_done && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c")) {
+        f16_done = 1;
+        check(qz_f16_exhaustive() == 0, "vcvtps2ph (nearest even) differs from f32_to_f16");
+    }
+#endif
+    cpumla_kernels spec;
+    memset(&spec, 0, sizeof spec);
+    cpumla_fill_scalar_q(&spec);
+    check(k->quantize_row != NULL, "quantize_row missing");
+    if (!k->quantize_row) return;
+    static const int64_t nbs[] = {1, 2, 15, 16, 17, 31, 33, 64, 100};
+    for (int dt = CPUMLA_Q8; dt <= CPUMLA_Q4; dt++)
+        for (size_t t = 0; t < sizeof nbs / sizeof nbs[0]; t++)
+            for (int rep = 0; rep < (small_mode ? 4 : 40); rep++) {
+                const int64_t nb = nbs[t], bb = dt == CPUMLA_Q8 ? QK : QK / 2;
+                float *row = xalloc(sizeof(float) * (size_t)(nb * QK));
+                /* one kind per row, or every kind mixed */
+                const int fixed = rep < 10 ? rep : -1;
+                for (int64_t b = 0; b < nb; b++) qz_block(fixed >= 0 ? fixed : (int)(rng_u64() % 10), row + b * QK);
+                uint8_t *qa = xalloc((size_t)(nb * bb) + 1), *qb = xalloc((size_t)(nb * bb) + 1);
+                uint16_t *sa = xalloc(sizeof(uint16_t) * (size_t)(nb + 1)), *sb = xalloc(sizeof(uint16_t) * (size_t)(nb + 1));
+                memset(qa, 0xa5, (size_t)(nb * bb) + 1);
+                memset(sa, 0xa5, sizeof(uint16_t) * (size_t)(nb + 1));
+                spec.quantize_row(dt, row, nb, qb, sb);
+                case_begin();
+                k->quantize_row(dt, row, nb, qa, sa);
+                int64_t bad = -1;
+                for (int64_t b = 0; b < nb && bad < 0; b++)
+                    if (sa[b] != sb[b] || memcmp(qa + b * bb, qb + b * bb, (size_t)bb)) bad = b;
+                check(bad < 0, "quantize_row %s nb %lld kind %d: block %lld differs from the spec (scale %04x, want %04x)",
+                      dt == CPUMLA_Q8 ? "Q8" : "Q4", (long long)nb, fixed, (long long)bad,
+                      bad < 0 ? 0 : sa[bad], bad < 0 ? 0 : sb[bad]);
+                check(qa[nb * bb] == 0xa5 && sa[nb] == 0xa5a5, "quantize_row %s nb %lld wrote past the row",
+                      dt == CPUMLA_Q8 ? "Q8" : "Q4", (long long)nb);
+                case_end();
+                free(row); free(qa); free(qb); free(sa); free(sb);
+            }
+}
+
 void test_quant(const cpumla_kernels *k) {
+    test_quantize_row(k);
     for (int dt = CPUMLA_Q8; dt <= CPUMLA_Q4; dt++)
         for (int ci = 0; ci < N_QCASES; ci++) {
             int64_t R = qcases[ci].rows, C = qcases[ci].cols;

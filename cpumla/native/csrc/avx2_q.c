@@ -236,7 +236,69 @@ static void gemv_t_q_avx2(const cpumla_weight *w, int64_t r0, int64_t nr, const 
     }
 }
 
+/* cpumla_quantize's quantize_row, bit-identical to scalar_q.c's spec: the block max, the scale (the
+ * same scalar fp32 divisions and f32_to_f16 / f16_to_f32), and the codes, v * id in fp32 rounded to
+ * nearest even by vcvtps2dq (the spec's magic-number round under the same MXCSR mode, exact for
+ * |v * id| < 2^22) then clamped as integers (the same as clamping the rounded float). */
+static void quantize_row_avx2(int32_t dtype, const float *row, int64_t nb, uint8_t *q, uint16_t *scales) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i lo8 = _mm256_set1_epi32(dtype == CPUMLA_Q8 ? -127 : -8);
+    const __m256i hi8 = _mm256_set1_epi32(dtype == CPUMLA_Q8 ? 127 : 7);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);   /* undoes the packs' lane interleave */
+    for (int64_t b = 0; b < nb; b++) {
+        const float *v = row + b * QK;
+        __m256 x[4], a[4];
+        for (int j = 0; j < 4; j++) {
+            x[j] = _mm256_loadu_ps(v + 8 * j);
+            a[j] = _mm256_and_ps(x[j], absm);
+        }
+        __m256 mx = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        float id;
+        if (dtype == CPUMLA_Q8) {
+            const uint16_t d16 = f32_to_f16(amax / 127.0f);
+            const float d = f16_to_f32(d16);
+            id = d > 0.0f ? 1.0f / d : 0.0f;
+            scales[b] = d16;
+        } else {
+            float m = 0.0f;
+            if (amax > 0.0f) {    /* the first value of largest magnitude */
+                const __m256 am = _mm256_set1_ps(amax);
+                uint32_t eq = 0;
+                for (int j = 0; j < 4; j++)
+                    eq |= (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(a[j], am, _CMP_EQ_OQ)) << (8 * j);
+                m = v[__builtin_ctz(eq)];
+            }
+            const uint16_t d16 = f32_to_f16(m / -8.0f);
+            const float d = f16_to_f32(d16);
+            id = d != 0.0f ? 1.0f / d : 0.0f;
+            scales[b] = d16;
+        }
+        const __m256 vid = _mm256_set1_ps(id);
+        __m256i c[4];
+        for (int j = 0; j < 4; j++) {
+            c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(x[j], vid));
+            c[j] = _mm256_max_epi32(_mm256_min_epi32(c[j], hi8), lo8);
+            if (dtype != CPUMLA_Q8) c[j] = _mm256_sub_epi32(c[j], lo8);    /* nibble = code + 8 */
+        }
+        /* values fit int8, so the saturating packs are exact */
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+        p = _mm256_permutevar8x32_epi32(p, order);
+        if (dtype == CPUMLA_Q8) {
+            _mm256_storeu_si256((__m256i *)(q + b * QK), p);
+        } else {
+            /* column i in the low half of byte i, column 16 + i in the high half */
+            const __m128i n = _mm_or_si128(_mm256_castsi256_si128(p), _mm_slli_epi16(_mm256_extracti128_si256(p, 1), 4));
+            _mm_storeu_si128((__m128i *)(q + b * (QK / 2)), n);
+        }
+    }
+}
+
 void cpumla_fill_avx2_q(cpumla_kernels *k) {
+    k->quantize_row = quantize_row_avx2;
     k->quant_x = quant_x_avx2;
     k->gemm_q = gemm_q_avx2;
     k->gemv_t_q = gemv_t_q_avx2;

@@ -108,6 +108,10 @@ typedef struct cpumla_kernels {
     void (*gemv_t_q)(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y, int64_t c0,
                      int64_t c1);
     void (*dequant_q)(const cpumla_weight *w, int64_t r, int64_t c0, int64_t c1, float *out);
+    /* cpumla_quantize's step: nb blocks of 32 fp32 values -> codes q (Q8: 32 bytes a block, Q4: 16,
+     * quant.h) and fp16 scales[nb]. scalar_q.c is the spec; every implementation is bit-identical to it
+     * for NaN- and inf-free input. */
+    void (*quantize_row)(int32_t dtype, const float *row, int64_t nb, uint8_t *q, uint16_t *scales);
 
     const char *who[K_COUNT];
 

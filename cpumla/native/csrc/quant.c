@@ -5,7 +5,7 @@
  * those four entries: a Q8 / Q4 weight goes to the q entries (quant_x + gemm_q for gemv and gemm:
  * the activation rows of the call are quantized once per task into this thread's scratch), any other
  * weight to the entry that was there. The q entries themselves come from each layer's q fill
- * (scalar_q.c, avx2_q.c, avx512_q.c, neon_q.c / neon_q_dot.c), best last, and are never touched by
+ * (scalar_q.c, avx2_q.c, avx512f_q.c, avx512_q.c, neon_q.c / neon_q_dot.c), best last, and are never touched by
  * the other fills, so who_fmt[..][CPUMLA_Q8 / Q4] names the file that really serves them. */
 #include <stdio.h>
 #include <string.h>
@@ -71,6 +71,7 @@ void cpumla_fill_quant(cpumla_kernels *k, const char *isa) {
     }
 #if defined(__x86_64__)
     else if (!strcmp(isa, "avx2")) cpumla_fill_avx2_q(k);
+    else if (!strcmp(isa, "avx512f")) cpumla_fill_avx512f_q(k);
     else if (!strcmp(isa, "avx512")) cpumla_fill_avx512_q(k);
 #elif defined(__aarch64__)
     else if (!strcmp(isa, "neon")) {
@@ -85,51 +86,6 @@ void cpumla_fill_quant(cpumla_kernels *k, const char *isa) {
 }
 
 /* ---- cpumla_quantize ------------------------------------------------------------------------------ */
-/* Round to nearest, ties to even, for |x| < 2^22 (every product rounded here is at most ~128): adding
- * and taking away 1.5 * 2^23 leaves the integer, as rintf does, in two adds the compiler vectorises
- * (a libm rintf call per value was the quantizer's whole cost on the baseline build). */
-static inline float round_even(float x) {
-    const float magic = 12582912.0f;
-    return (x + magic) - magic;
-}
-
-/* One block of 32 fp32 values -> codes (Q8: int8; Q4: the 16 packed bytes) and the fp16 scale. */
-static uint16_t quantize_block(int32_t dtype, const float *v, uint8_t *out) {
-    if (dtype == CPUMLA_Q8) {
-        float amax = 0.0f;
-        for (int i = 0; i < QK; i++) {
-            float a = fabsf(v[i]);
-            amax = a > amax ? a : amax;
-        }
-        uint16_t d16 = f32_to_f16(amax / 127.0f);
-        float d = f16_to_f32(d16), id = d > 0.0f ? 1.0f / d : 0.0f;
-        for (int i = 0; i < QK; i++) {
-            float q = round_even(v[i] * id);
-            q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
-            out[i] = (uint8_t)(int8_t)(int)q;
-        }
-        return d16;
-    }
-    /* m: the first value of largest magnitude (two passes, so the max vectorises) */
-    float amax = 0.0f, m = 0.0f;
-    for (int i = 0; i < QK; i++) {
-        float a = fabsf(v[i]);
-        amax = a > amax ? a : amax;
-    }
-    for (int i = 0; amax > 0.0f && i < QK; i++)
-        if (fabsf(v[i]) == amax) { m = v[i]; break; }
-    uint16_t d16 = f32_to_f16(m / -8.0f);
-    float d = f16_to_f32(d16), id = d != 0.0f ? 1.0f / d : 0.0f;
-    uint8_t n[QK];
-    for (int i = 0; i < QK; i++) {
-        float q = round_even(v[i] * id);
-        q = q > 7.0f ? 7.0f : q < -8.0f ? -8.0f : q;
-        n[i] = (uint8_t)((int)q + 8);
-    }
-    for (int i = 0; i < 16; i++) out[i] = (uint8_t)(n[i] | (n[16 + i] << 4));
-    return d16;
-}
-
 typedef struct {
     const cpumla_weight *src, *dst;
     int64_t r0, r1, rows_per_task;
@@ -142,12 +98,11 @@ static void quantize_task(void *p, int64_t t, int tid) {
     float *row = cpumla_scratch(CPUMLA_SCRATCH_QX, sizeof(float) * (size_t)K);
     if (!row) return;
     const int64_t a = j->r0 + t * j->rows_per_task, b = a + j->rows_per_task < j->r1 ? a + j->rows_per_task : j->r1;
-    const int64_t bb = j->dst->dtype == CPUMLA_Q8 ? QK : QK / 2;     /* bytes per block */
     for (int64_t r = a; r < b; r++) {
         cpumla_k.dequant_row(j->src, r, 0, K, row);
         uint8_t *q = (uint8_t *)j->dst->data + r * j->dst->row_bytes;
         uint16_t *s = (uint16_t *)j->dst->scale + r * j->dst->scale_ld;
-        for (int64_t blk = 0; blk < nb; blk++) s[blk] = quantize_block(j->dst->dtype, row + blk * QK, q + blk * bb);
+        cpumla_k.quantize_row(j->dst->dtype, row, nb, q, s);
     }
 }
 

@@ -66,7 +66,58 @@ static void dequant_q_scalar(const cpumla_weight *w, int64_t r, int64_t c0, int6
     for (int64_t c = c0; c < c1; c++) out[c - c0] = weight_at(w, r, c);
 }
 
+/* ---- quantize_row: the spec of cpumla_quantize (cpumla.h) ---------------------------------------- */
+/* Round to nearest, ties to even, for |x| < 2^22 (every product rounded here is at most ~190): adding
+ * and taking away 1.5 * 2^23 leaves the integer, as rintf does, in two adds the compiler vectorises. */
+static inline float round_even(float x) {
+    const float magic = 12582912.0f;
+    return (x + magic) - magic;
+}
+
+/* One block of 32 fp32 values -> codes (Q8: int8; Q4: the 16 packed bytes) and the fp16 scale. */
+static uint16_t quantize_block(int32_t dtype, const float *v, uint8_t *out) {
+    if (dtype == CPUMLA_Q8) {
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) {
+            float a = fabsf(v[i]);
+            amax = a > amax ? a : amax;
+        }
+        uint16_t d16 = f32_to_f16(amax / 127.0f);
+        float d = f16_to_f32(d16), id = d > 0.0f ? 1.0f / d : 0.0f;
+        for (int i = 0; i < QK; i++) {
+            float q = round_even(v[i] * id);
+            q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+            out[i] = (uint8_t)(int8_t)(int)q;
+        }
+        return d16;
+    }
+    /* m: the first value of largest magnitude (two passes, so the max vectorises) */
+    float amax = 0.0f, m = 0.0f;
+    for (int i = 0; i < QK; i++) {
+        float a = fabsf(v[i]);
+        amax = a > amax ? a : amax;
+    }
+    for (int i = 0; amax > 0.0f && i < QK; i++)
+        if (fabsf(v[i]) == amax) { m = v[i]; break; }
+    uint16_t d16 = f32_to_f16(m / -8.0f);
+    float d = f16_to_f32(d16), id = d != 0.0f ? 1.0f / d : 0.0f;
+    uint8_t n[QK];
+    for (int i = 0; i < QK; i++) {
+        float q = round_even(v[i] * id);
+        q = q > 7.0f ? 7.0f : q < -8.0f ? -8.0f : q;
+        n[i] = (uint8_t)((int)q + 8);
+    }
+    for (int i = 0; i < 16; i++) out[i] = (uint8_t)(n[i] | (n[16 + i] << 4));
+    return d16;
+}
+
+static void quantize_row_scalar(int32_t dtype, const float *row, int64_t nb, uint8_t *q, uint16_t *scales) {
+    const int64_t bb = dtype == CPUMLA_Q8 ? QK : QK / 2;     /* bytes per block */
+    for (int64_t b = 0; b < nb; b++) scales[b] = quantize_block(dtype, row + b * QK, q + b * bb);
+}
+
 void cpumla_fill_scalar_q(cpumla_kernels *k) {
+    k->quantize_row = quantize_row_scalar;
     k->quant_x = quant_x_scalar;
     k->gemm_q = gemm_q_scalar;
     k->gemv_t_q = gemv_t_q_scalar;
