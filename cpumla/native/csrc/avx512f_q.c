@@ -67,7 +67,9 @@ static void quantize_row_avx512f(int32_t dtype, const float *row, int64_t nb, ui
         const __m256i d16 = _mm512_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         const __m512 d = _mm512_cvtph_ps(d16);
         /* Q8: id = d > 0 ? 1 / d : 0; Q4: d != 0 ? 1 / d : 0 */
-        const __mmask16 ok = _mm512_cmp_ps_mask(d, _mm512_setzero_ps(), q8 ? _CMP_GT_OQ : _CMP_NEQ_OQ);
+        /* the predicate must be an immediate even in unoptimised (sanitizer) builds: two compares */
+        const __mmask16 ok = q8 ? _mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_GT_OQ)
+                                : _mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_NEQ_OQ);
         const __m512 idv = _mm512_maskz_div_ps(ok, _mm512_set1_ps(1.0f), d);
         _mm256_mask_storeu_epi16(scales + b0, (__mmask16)((1u << n) - 1), d16);
         float id[16];
