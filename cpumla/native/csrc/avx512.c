@@ -224,15 +224,6 @@ INLINE void e4m3_64(const uint8_t *p, __m512 f[4]) {
 }
 
 /* ---- activation operands (kernels.h) ------------------------------------------------------------ */
-/* dst[k] = bf16(src[k] * s[k]) as fp32 for the lanes of m, 0 elsewhere: f32_to_bf16 (common.h) */
-INLINE void bf16_mul16(const float *src, __m512 s, __mmask16 m, float *dst) {
-    __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, src), s);
-    __m512i u = _mm512_castps_si512(v);
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x00400000));
-    _mm512_storeu_si512(dst, _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
-}
 
 /* dst[t*ldd + k] = bf16(src[t*lds + k]) for k < K, zero up to the next multiple of 16 */
 static void bf16_rows(const float *src, int64_t lds, int64_t n, int64_t K, float *dst, int64_t ldd) {

@@ -139,4 +139,14 @@ INLINE __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+/* activation operands (kernels.h): dst[k] = bf16(src[k] * s[k]) as fp32 for the lanes of m, 0 elsewhere: f32_to_bf16 (common.h) */
+INLINE void bf16_mul16(const float *src, __m512 s, __mmask16 m, float *dst) {
+    __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, src), s);
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x00400000));
+    _mm512_storeu_si512(dst, _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
 #endif

@@ -75,6 +75,16 @@ static const sample_passes *passes(void) {
     return &sample_passes_baseline;
 }
 
+/* the row's max into *m, or -1 with the row's error (NaN, or no finite logit) set */
+static int checked_max(const sample_passes *ps, const float *logits, int64_t n, float *m) {
+    int st = ps->row_max(logits, n, m);
+    if (st != SAMPLE_ROW_OK) {
+        cpumla_set_error(row_error(st));
+        return -1;
+    }
+    return 0;
+}
+
 int cpumla_sample_probs(const float *logits, int64_t n, double temperature, float *p) {
     if (n < 1 || !(temperature > 0) || !logits || !p) {
         cpumla_set_error("sample_probs: needs n >= 1, temperature > 0 and both buffers");
@@ -82,11 +92,7 @@ int cpumla_sample_probs(const float *logits, int64_t n, double temperature, floa
     }
     const sample_passes *ps = passes();
     float m;
-    int st = ps->row_max(logits, n, &m);
-    if (st != SAMPLE_ROW_OK) {
-        cpumla_set_error(row_error(st));
-        return -1;
-    }
+    if (checked_max(ps, logits, n, &m) != 0) return -1;
     ps->probs(logits, n, m, inv_temperature(temperature), p);
     return 0;
 }
@@ -236,11 +242,7 @@ int64_t cpumla_sample(const float *logits, int64_t n, double temperature, int64_
     }
     const sample_passes *ps = passes();
     float m;
-    int st = ps->row_max(logits, n, &m);
-    if (st != SAMPLE_ROW_OK) {
-        cpumla_set_error(row_error(st));
-        return -1;
-    }
+    if (checked_max(ps, logits, n, &m) != 0) return -1;
     if (temperature == 0) return first_equal(logits, n, m);
 
     level1 *h = (level1 *)(((uintptr_t)work + 63) & ~(uintptr_t)63);
