@@ -1,0 +1,47 @@
+/* quant_driver.h: the q8 / q4 GEMV and GEMM drivers over an ISA file's row x token tile, shared by
+ * avx2_q.c and avx512_q.c, which are compiled with different flags and so cannot share a function.
+ * Include it after defining
+ *   tile(w, r, R, qx, per, T, y, ldy, q4, prefetch): R rows from r times T tokens of quantized
+ *   activations (per bytes apart) into y (T rows ldy apart), always inlined so its constant arguments
+ *   specialise it,
+ * and QDRIVER_GEMM, the name the GEMM entry gets. */
+#ifndef QDRIVER_GEMM
+#error "define QDRIVER_GEMM before including quant_driver.h"
+#endif
+
+#define TILE(R, T)                                                                   \
+    static void tile_##R##_##T(const cpumla_weight *w, int64_t r, const uint8_t *qx, int64_t per, float *y, \
+                               int64_t ldy) {                                        \
+        if (w->dtype == CPUMLA_Q4) tile(w, r, R, qx, per, T, y, ldy, 1, 0);          \
+        else tile(w, r, R, qx, per, T, y, ldy, 0, 0);                                \
+    }
+TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(1, 2) TILE(2, 2) TILE(3, 2) TILE(4, 2)
+#undef TILE
+typedef void (*tile_fn)(const cpumla_weight *, int64_t, const uint8_t *, int64_t, float *, int64_t);
+static const tile_fn tiles[2][4] = {{tile_1_1, tile_2_1, tile_3_1, tile_4_1}, {tile_1_2, tile_2_2, tile_3_2, tile_4_2}};
+
+/* one token: the rows in order, one at a time (one stream) */
+static void gemv_q8(const cpumla_weight *w, const uint8_t *qx, float *y, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) tile(w, r, 1, qx, 0, 1, y + (r - r0), 0, 0, QPF_BYTES);
+}
+static void gemv_q4(const cpumla_weight *w, const uint8_t *qx, float *y, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) tile(w, r, 1, qx, 0, 1, y + (r - r0), 0, 1, QPF_BYTES);
+}
+
+/* gemm: rows in groups of 4 (outer: they stay in cache), tokens in pairs */
+static void QDRIVER_GEMM(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
+                         int64_t r1) {
+    if (n == 1) {
+        if (w->dtype == CPUMLA_Q4) gemv_q4(w, qx, y, r0, r1);
+        else gemv_q8(w, qx, y, r0, r1);
+        return;
+    }
+    const int64_t per = QX_BYTES(w->cols);
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int R = r1 - r < 4 ? (int)(r1 - r) : 4;
+        for (int64_t t = 0; t < n; t += 2) {
+            const int T = n - t < 2 ? 1 : 2;
+            tiles[T - 1][R - 1](w, r, (const uint8_t *)qx + t * per, per, y + t * ldy + (r - r0), ldy);
+        }
+    }
+}
