@@ -163,6 +163,8 @@ void cpumla_fill_avx512(cpumla_kernels *k);        /* avx512_bf16.c: + BF16/VNNI
 void cpumla_fill_amx(cpumla_kernels *k);
 void cpumla_fill_neon(cpumla_kernels *k);
 void cpumla_fill_neon_rows(cpumla_kernels *k);     /* neon_rows.c; called by cpumla_fill_neon */
+void cpumla_neon_gemv_e2m1(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1);
+int cpumla_neon_e2m1_operands(float *out);        /* neon_fp4.c: FP4 gemv and its decode operands */
 /* Q8 / Q4 (quant.c): called by dispatch.c once per layer of the chosen chain, after every layer's fill;
  * "scalar" installs the spec and wraps gemv / gemm / gemv_t / dequant_row so that Q8 / Q4 weights go
  * to the q entries, the others fill the q entries they implement (unknown names: none). */
