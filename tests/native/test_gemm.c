@@ -4,7 +4,8 @@
  *   row ranges that start and end inside a panel; columns past and between the K chunks (not a
  *   multiple of 16); x and y with strides (ldx, ldy) whose gaps must stay untouched;
  *   FP8 with partial 128x128 blocks in both directions, row ranges starting inside a block, E8M0 and
- *   F32 scales; NaN codes inside a packed panel (their rows, and only those, give NaN). */
+ *   F32 scales; NaN codes inside a packed panel (their rows, and only those, give NaN); FP8 rows
+ *   long enough that the activations are converted in several chunks of tokens. */
 #include "kernels.h"
 #include "ref.h"
 
@@ -54,6 +55,28 @@ static void name_of(const gcase *c, char *buf, size_t n) {
         snprintf(buf, n, "%s %lldx%lld", dtype_name(c->dtype), (long long)c->rows, (long long)c->cols);
 }
 
+/* FP8 rows long enough that a gemm converts its activations in several chunks of tokens
+ * (avx512_bf16.c: 2 MiB of bf16 per chunk, 26 tokens of 40000 columns), one row block of 8 rows. */
+static void gemm_e4m3_token_chunks(const cpumla_kernels *k) {
+    if (small_mode) return;
+    int64_t R = 8, C = 40000, n = 30, ldx = C + 1;
+    tweight t = make_weight(R, C, CPUMLA_E4M3, CPUMLA_F32, 128, 128, 0);
+    float *x = nan_floats((size_t)(n * ldx + 64));
+    for (int64_t i = 0; i < n * ldx; i++) if (i % ldx < C) x[i] = rng_sym(1.0f);
+    float *y = xalloc(sizeof(float) * (size_t)(n * R));
+    case_begin();
+    k->gemm(&t.w, x, ldx, n, y, R, 0, R);
+    int bad = 0;
+    for (int64_t tt = 0; tt < n && bad < 3; tt++)
+        for (int64_t r = 0; r < R && bad < 3; r++) {
+            double mag, ref = ref_row_dot(&t, r, x + tt * ldx, &mag);
+            if (!check(close_to(y[tt * R + r], ref, mag, TOL), "gemm E4M3 8x40000 n=30: y[%lld,%lld] = %.9g, want %.9g",
+                       (long long)tt, (long long)r, y[tt * R + r], ref)) bad++;
+        }
+    case_end();
+    free(x); free(y); free_weight(&t);
+}
+
 void test_gemm_tiles(const cpumla_kernels *k) {
     static const gcase cs[] = {
         {77, 600, CPUMLA_BF16, 0, 0, 0, 2},        /* K chunks of 256 / 512 and a tail of 8 */
@@ -101,4 +124,5 @@ void test_gemm_tiles(const cpumla_kernels *k) {
     t.qd[45 * 320 + 200] = t.wd[45 * 320 + 200] = NAN;
     run_case(k, &t, "E4M3 64x320 with NaN codes", 7, 0, 64);
     free_weight(&t);
+    gemm_e4m3_token_chunks(k);
 }

@@ -124,8 +124,6 @@ static void test_gemv(const cpumla_kernels *k) {
     }
 }
 
-static void test_gemm_e4m3_token_chunks(const cpumla_kernels *k);
-
 static void test_gemm(const cpumla_kernels *k) {
     static const int64_t ns[] = {1, 3, 6};
     for (int ci = 0; ci < N_WCASES; ci++) {
@@ -161,30 +159,8 @@ static void test_gemm(const cpumla_kernels *k) {
         }
         free_weight(&t);
     }
-    test_gemm_e4m3_token_chunks(k);
 }
 
-/* FP8 rows long enough that a gemm converts its activations in several chunks of tokens
- * (avx512_bf16.c: 2 MiB of bf16 per chunk, 26 tokens of 40000 columns), one row block of 8 rows. */
-static void test_gemm_e4m3_token_chunks(const cpumla_kernels *k) {
-    if (small_mode) return;
-    int64_t R = 8, C = 40000, n = 30, ldx = C + 1;
-    tweight t = make_weight(R, C, CPUMLA_E4M3, CPUMLA_F32, 128, 128, 0);
-    float *x = nan_floats((size_t)(n * ldx + 64));
-    for (int64_t i = 0; i < n * ldx; i++) if (i % ldx < C) x[i] = rng_sym(1.0f);
-    float *y = xalloc(sizeof(float) * (size_t)(n * R));
-    case_begin();
-    k->gemm(&t.w, x, ldx, n, y, R, 0, R);
-    int bad = 0;
-    for (int64_t tt = 0; tt < n && bad < 3; tt++)
-        for (int64_t r = 0; r < R && bad < 3; r++) {
-            double mag, ref = ref_row_dot(&t, r, x + tt * ldx, &mag);
-            if (!check(close_to(y[tt * R + r], ref, mag, TOL_DOT), "gemm E4M3 8x40000 n=30: y[%lld,%lld] = %.9g, want %.9g",
-                       (long long)tt, (long long)r, y[tt * R + r], ref)) bad++;
-        }
-    case_end();
-    free(x); free(y); free_weight(&t);
-}
 
 static void test_gemv_t(const cpumla_kernels *k) {
     for (int ci = 0; ci < N_WCASES; ci++) {
