@@ -194,7 +194,7 @@ def _e8m0(amax: torch.Tensor, top: float) -> torch.Tensor:
 def quantize_v4(saved: Path, out: Path, cfg_extra: dict | None = None):
     """The official release format of a V4 model saved by save_pretrained: official names, FP8 e4m3
     linears with E8M0 `.scale` per 128x128 block, FP4 e2m1 experts (two per byte, low nibble first,
-    I8 on disk) with E8M0 `.scale` per 1x32, bf16 compressor / indexer / router projections, embeddings
+    I8 on disk) with E8M0 `.scale` per 1x32 (FP8 like the linears with cfg_extra expert_dtype fp8), bf16 compressor / indexer / router projections, embeddings
     and norms, fp32 mHC / sink / ape / bias, I64 tid2eid. Writes it to `out` and returns the dequantised
     weights under the saved names (the reference's weights)."""
     from safetensors.torch import load_file, save_file
@@ -203,6 +203,9 @@ def quantize_v4(saved: Path, out: Path, cfg_extra: dict | None = None):
 
     sd = load_file(saved / "model.safetensors")
     cfg_json = json.loads((saved / "config.json").read_text())
+    cfg_json.update({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                             "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+                     "expert_dtype": "fp4", **(cfg_extra or {})})
     kinds = v4.tensors(v4.Config.from_dict(cfg_json))
     new, deq = {}, {}
     for name, (shape, kind) in kinds.items():
@@ -236,8 +239,5 @@ def quantize_v4(saved: Path, out: Path, cfg_extra: dict | None = None):
             new[name], deq[hf] = t, t
     out.mkdir(parents=True, exist_ok=True)
     save_file(new, out / "model.safetensors", metadata={"format": "pt"})
-    cfg_json.update({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
-                                             "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
-                     "expert_dtype": "fp4", **(cfg_extra or {})})
     (out / "config.json").write_text(json.dumps(cfg_json))
     return deq

@@ -113,19 +113,21 @@ def test_hf_prefill_decode_agrees(tiny):
     check_fp32(torch.cat(steps).numpy(), ref)
 
 
-def test_official_fp8_fp4(tmp_path):
+@pytest.mark.parametrize("experts", ["fp4", "fp8"])
+def test_official_fp8_fp4(tmp_path, experts):
     """The release format read in place (FP8 + E8M0 scales on partial 128x128 blocks, FP4 experts, bf16
     projections and norms) against transformers on the dequantised weights: no further from the fp32
     reference than transformers' own bf16 forward of them (loaded as transformers loads V4, its mHC,
     sinks, norms and biases kept fp32). Every decision here is one that bf16 rounding cannot flip: the
     layers are hash-routed (a biased top-2 of 8 experts has near-ties that bf16's ~1% moves across, in
     transformers' bf16 forward as in ours) and the indexer keeps every entry (index_topk 16 >= 11); the
-    biased routing and the sparse selection are checked in fp32 above."""
+    biased routing and the sparse selection are checked in fp32 above. With experts fp8: the -Base
+    releases' format, routed experts in FP8 like the other linears."""
     from safetensors.torch import save_file
     from transformers import DeepseekV4ForCausalLM
 
     models.build_v4(tmp_path / "f32", num_hash_layers=5, index_topk=16)
-    deq = models.quantize_v4(tmp_path / "f32", tmp_path / "official")
+    deq = models.quantize_v4(tmp_path / "f32", tmp_path / "official", {"expert_dtype": experts})
     (tmp_path / "deq").mkdir()
     shutil.copy(tmp_path / "f32" / "config.json", tmp_path / "deq" / "config.json")
     save_file({k: v.contiguous() for k, v in deq.items()}, tmp_path / "deq" / "model.safetensors",
@@ -135,7 +137,7 @@ def test_official_fp8_fp4(tmp_path):
         DeepseekV4ForCausalLM.from_pretrained(tmp_path / "deq", dtype=torch.bfloat16).eval(), IDS)
     eng = cpumla.load(str(tmp_path / "official"))
     L = eng.model.layers[1]
-    assert (eng.matmul_format, L["experts"]._keep[0][0].dtype, L["attn"][5].dtype) == ("e4m3", "e2m1", "bf16")
+    assert (eng.matmul_format, L["experts"]._keep[0][0].dtype, L["attn"][5].dtype) == ("e4m3", {"fp4": "e2m1", "fp8": "e4m3"}[experts], "bf16")
     got = eng.forward(IDS)
     check_bf16_drift(got, ref, hf_bf16)
     eng.reset()                        # and cached decode stays as close

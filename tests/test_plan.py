@@ -99,6 +99,18 @@ def test_v4_cache_grows_with_compressed_entries():
     assert np.isfinite(p.cache_per_1k) and p.cache > p.cache_per_1k
 
 
+def test_v4_base_ships_fp8_experts():
+    """The -Base presets differ from V4-Flash / -Pro in the routed experts' format only: FP8 with a
+    128x128 E8M0 grid (1 byte a weight + a scale per block) instead of FP4 with one per 32 (0.5 + 1/32)."""
+    for repo in ("deepseek-ai/DeepSeek-V4-Flash", "deepseek-ai/DeepSeek-V4-Pro"):
+        fp4, fp8 = plan(repo), plan(repo + "-Base")
+        cfg, _ = loader.load_config(repo)
+        D, I = cfg.hidden_size, cfg.moe_intermediate_size
+        n = 3 * cfg.n_routed_experts * cfg.num_hidden_layers
+        per = (D * I + -(-D // 128) * -(-I // 128)) - (D * I // 2 + D * I // 32)
+        assert fp8.params == fp4.params and fp8.weights["stored"] - fp4.weights["stored"] == n * per
+
+
 def test_peak_rss_of_a_quantized_model():
     """Quantized on load, a model's peak RSS stays within its q4 weights + cache + 300 MB: the dummy
     bf16 weights it came from are not kept resident (in a fresh process, measured by the kernel)."""

@@ -16,7 +16,8 @@ EXPECTED_PRESETS = [
     "deepseek-ai/DeepSeek-V3.1", "deepseek-ai/DeepSeek-V3.2-Exp", "deepseek-ai/DeepSeek-V3.2",
     "moonshotai/Moonlight-16B-A3B", "moonshotai/Moonlight-16B-A3B-Instruct",
 ]
-V4_PRESETS = ["deepseek-ai/DeepSeek-V4-Flash", "deepseek-ai/DeepSeek-V4-Pro"]
+V4_PRESETS = ["deepseek-ai/DeepSeek-V4-Flash", "deepseek-ai/DeepSeek-V4-Pro", "deepseek-ai/DeepSeek-V4-Flash-Base",
+              "deepseek-ai/DeepSeek-V4-Pro-Base"]
 MLA_FIELDS = [
     "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
     "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank",
@@ -70,23 +71,32 @@ def test_every_preset_is_present_and_complete():
 
 
 def test_v4_values():
-    """V4's presets: the published sizes, the layer schedule (the MTP layer's ratio last) and formats."""
+    """V4's presets: the published sizes, the layer schedule (the MTP layer's ratio last) and formats; the
+    -Base ones the same architecture with FP8 experts."""
     from cpumla.models import deepseek_v4 as v4
 
     want = {"deepseek-ai/DeepSeek-V4-Flash": (4096, 43, 64, 1024, 8, 256, 2048, 512, 1.5, [0, 0] + [4, 128] * 20 + [4, 0]),
             "deepseek-ai/DeepSeek-V4-Pro": (7168, 61, 128, 1536, 16, 384, 3072, 1024, 2.5,
                                             [128, 128] + [4, 128] * 29 + [4, 0])}
-    for repo, w in want.items():
+    for repo, w in [*want.items(), *((r + "-Base", w) for r, w in want.items())]:
         c = preset_config(repo)
+        expert = "fp8" if repo.endswith("-Base") else "fp4"
         assert c["model_type"] == "deepseek_v4" and c["architectures"] == ["DeepseekV4ForCausalLM"]
         got = (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["q_lora_rank"], c["o_groups"],
                c["n_routed_experts"], c["moe_intermediate_size"], c["index_topk"], c["routed_scaling_factor"],
                c["compress_ratios"])
         assert got == w
         assert (c["head_dim"], c["qk_rope_head_dim"], c["o_lora_rank"], c["sliding_window"], c["num_hash_layers"],
-                c["hc_mult"], c["expert_dtype"], c["quantization_config"]["scale_fmt"]) == (512, 64, 1024, 128, 3, 4, "fp4", "ue8m0")
+                c["hc_mult"], c["expert_dtype"], c["quantization_config"]["scale_fmt"]) == (512, 64, 1024, 128, 3, 4, expert, "ue8m0")
         cfg = v4.Config.from_dict(c)
+        assert cfg.expert_kind == {"fp4": "e2m1", "fp8": "e4m3"}[expert]
         assert cfg.ratios == c["compress_ratios"][:-1] and cfg.hash == [True] * 3 + [False] * (cfg.num_hidden_layers - 3)
+    with pytest.raises(CpumlaError, match="'expert_dtype' 'int4' is not fp4 or fp8"):
+        v4.Config.from_dict({**preset_config("deepseek-ai/DeepSeek-V4-Flash"), "expert_dtype": "int4"})
+    # transformers moves the key into quantization_config
+    c = preset_config("deepseek-ai/DeepSeek-V4-Flash-Base")
+    c["quantization_config"]["expert_dtype"] = c.pop("expert_dtype")
+    assert v4.Config.from_dict(c).expert_kind == "e4m3"
 
 
 def test_v32_values():

@@ -7,8 +7,9 @@ Cross-read with transformers/models/deepseek_v4 (modeling and configuration).
 
 Checkpoints: the official release names (`layers.N.attn.wq_a.weight`, no `model.` prefix) with FP8
 e4m3 linears (E8M0 `.scale` per 128x128 block), FP4 e2m1 routed experts (two per byte, stored as I8,
-E8M0 `.scale` per 1x32), bf16 compressor / indexer projections, fp32 mHC / sink / `ape` / bias tensors
-and an I64 `tid2eid`; `mtp.*` is never read. A checkpoint written by transformers' save_pretrained uses
+E8M0 `.scale` per 1x32; the -Base releases ship them as FP8 e4m3 like the other linears, `expert_dtype`
+fp8), bf16 compressor / indexer projections, fp32 mHC / sink / `ape` / bias tensors and an I64
+`tid2eid`; `mtp.*` is never read. A checkpoint written by transformers' save_pretrained uses
 the same names under `model.` (except `head.weight`), `model.embed_tokens`, `model.hc_head.hc_*` and
 `attn.norm` for the attention's `attn.kv_norm`; both spellings are accepted, tensor by tensor.
 
@@ -171,6 +172,11 @@ class Config(ConfigBase):
         qc = self.quantization_config
         need(not qc or qc.get("quant_method") in (None, "fp8"), f"quantization '{(qc or {}).get('quant_method')}' is not supported")
         self.block = tuple((qc or {}).get("weight_block_size") or (128, 128))
+        # the routed experts' release format: fp4 (V4-Flash / -Pro) or fp8 (the -Base releases); transformers
+        # moves the key into quantization_config
+        ed = self.expert_dtype if self.expert_dtype is not None else (qc or {}).get("expert_dtype", "fp4")
+        need(ed in ("fp4", "fp8"), f"'expert_dtype' {ed!r} is not fp4 or fp8")
+        self.expert_kind = "e2m1" if ed == "fp4" else "e4m3"
         self.main_inv_freq, self.main_scale = self._rope(self.rope_theta, None, source)
         rp = self.rope_parameters if isinstance(self.rope_parameters, dict) else {}
         comp = rp.get("compress") if isinstance(rp.get("compress"), dict) else None
@@ -293,9 +299,9 @@ def layer_tensors(cfg: Config, l: int) -> dict[str, tuple[tuple[int, ...], str]]
     else:
         out[f + "gate.bias"] = ((E,), "bias")
     for e in range(E):
-        out[f"{f}experts.{e}.w1.weight"] = ((I, D), "e2m1")
-        out[f"{f}experts.{e}.w3.weight"] = ((I, D), "e2m1")
-        out[f"{f}experts.{e}.w2.weight"] = ((D, I), "e2m1")
+        out[f"{f}experts.{e}.w1.weight"] = ((I, D), cfg.expert_kind)
+        out[f"{f}experts.{e}.w3.weight"] = ((I, D), cfg.expert_kind)
+        out[f"{f}experts.{e}.w2.weight"] = ((D, I), cfg.expert_kind)
     SI = I * cfg.n_shared_experts
     if SI:
         out.update({f + "shared_experts.w1.weight": ((SI, D), "e4m3"), f + "shared_experts.w3.weight": ((SI, D), "e4m3"),

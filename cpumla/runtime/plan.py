@@ -33,14 +33,14 @@ def _released_dtype(kind: str, fp8: bool) -> str:
     return "BF16"
 
 
-def _bytes(shape, dtype: str, block) -> int:
-    """Bytes of one tensor stored as dtype, its scale grid included (FP8: fp32 per block; FP4: E8M0
-    per 32 inputs)."""
+def _bytes(shape, dtype: str, block, scale_bytes: int = 4) -> int:
+    """Bytes of one tensor stored as dtype, its scale grid included (FP8: scale_bytes per block, fp32
+    or E8M0; FP4: E8M0 per 32 inputs)."""
     n = math.prod(shape)
     if dtype == "E2M1":
         return n // 2 + shape[0] * -(-shape[-1] // 32)
     if dtype == "F8_E4M3" and len(shape) == 2:
-        return n + 4 * -(-shape[0] // block[0]) * -(-shape[1] // block[1])
+        return n + scale_bytes * -(-shape[0] // block[0]) * -(-shape[1] // block[1])
     return ITEM.get(dtype, 2) * n
 
 
@@ -110,6 +110,7 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None) -> Plan:
     quantizable = getattr(fam, "QUANTIZABLE", True) and W.quantized_as(cfg) is None
     qc = getattr(cfg, "quantization_config", None) or {}
     fp8 = qc.get("quant_method") == "fp8"
+    scale_bytes = 1 if qc.get("scale_fmt") == "ue8m0" else 4
     src = None
     if resolved.directory is not None:
         from cpumla.runtime.safetensors import Checkpoint
@@ -126,7 +127,7 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None) -> Plan:
                 shape = tuple(got) if dtype != "U8" else tuple(shape)
             else:
                 dtype = _released_dtype(kind, fp8)
-                stored = _bytes(shape, dtype, block)
+                stored = _bytes(shape, dtype, block, scale_bytes)
             sizes["stored"] += stored * count
             if not quantizable:
                 continue

@@ -8,7 +8,10 @@ with model_type deepseek_v32, index_n_heads 64, index_head_dim 128, index_topk 2
 layout, without the remote-code `auto_map`. The two V4 files (Flash, Pro) carry the published V4
 values (official keys: `compress_ratios` with the MTP layer's entry, `num_hash_layers`,
 `qk_rope_head_dim`, YaRN `rope_scaling` for the compressed layers, FP8 `quantization_config` with
-`expert_dtype` fp4) in the same layout.
+`expert_dtype` fp4) in the same layout. Their -Base files are the same architecture with `expert_dtype`
+fp8: the base releases ship the routed experts in FP8 e4m3 with 128x128 E8M0 blocks (about 283 GiB
+for Flash-Base against about 160 GB for Flash), which is what `--dummy-weights` then makes; a real
+checkpoint is read in whatever format its files hold.
 """
 
 from pathlib import Path
