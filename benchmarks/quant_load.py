@@ -9,9 +9,10 @@ for each build, one process that maps the checkpoint's safetensors files and rea
 probe (the best of three passes after one that maps the pages), then loads the model `--loads` times
 in each variant (as stored, q8, q4, in turn; each model freed before the next load) and times
 cpumla.load. Prints, per build and variant, the fastest load and the median over all rounds, both
-also as a multiple of that process's probe time. The first loads of a process take memory the kernel
-has not handed out recently (on a virtual machine that can cost far more than the work itself); the
-fastest load is the one that shows the work.
+also as a multiple of that process's probe time. Memory the kernel has not handed out recently can
+cost far more than the work itself on a virtual machine (a hypervisor that took it back supplies it
+again on first touch), so right before each load `--warm-gb` GB of memory is faulted in and freed:
+the load then gets pages the kernel has just had back, as a machine with the memory to itself would.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 VARIANTS = ("stored", "q8", "q4")
 
 
-def child(model: str, loads: int, threads: int) -> dict:
+def child(model: str, loads: int, threads: int, warm: int) -> dict:
     import gc
     import mmap
     import time
@@ -53,11 +54,23 @@ def child(model: str, loads: int, threads: int) -> dict:
             native.lib.cpumla_read_probe(native.ffi.cast("char *", a.ctypes.data), a.nbytes & ~63)
         return time.perf_counter() - t0
 
+    def warm_memory():
+        """Fault in and free `warm` bytes of huge-page memory, so that the load's own memory is pages
+        the kernel has just had back rather than pages a hypervisor must supply again"""
+        if warm <= 0:
+            return
+        m = mmap.mmap(-1, warm, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            m.madvise(mmap.MADV_HUGEPAGE)
+        np.frombuffer(m, np.uint8)[::4096] = 1
+        m.close()
+
     probe()
     probe_s = min(probe() for _ in range(3))
     times = {v: [] for v in VARIANTS}
     for _ in range(loads):
         for v in VARIANTS:
+            warm_memory()
             t0 = time.perf_counter()
             eng = cpumla.load(model, quant=None if v == "stored" else v, threads=threads, max_seq_len=256)
             times[v].append(time.perf_counter() - t0)
@@ -73,10 +86,12 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--loads", type=int, default=3, help="loads of each variant per process")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--warm-gb", type=float, default=3.0,
+                    help="GB of memory faulted in and freed right before each load (0: none)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
-        print(json.dumps(child(a.model, a.loads, a.threads)))
+        print(json.dumps(child(a.model, a.loads, a.threads, int(a.warm_gb * 1e9))))
         return
     builds = [str(Path(b).resolve()) for b in a.builds.split(",")]
     runs = {b: [] for b in builds}
@@ -84,7 +99,7 @@ def main(argv=None) -> None:
         for b in builds:
             env = dict(os.environ, PYTHONPATH=b)
             out = subprocess.run([sys.executable, __file__, a.model, "--child", "--loads", str(a.loads),
-                                  "--threads", str(a.threads)], env=env, capture_output=True, text=True, check=True)
+                                  "--threads", str(a.threads), "--warm-gb", str(a.warm_gb)], env=env, capture_output=True, text=True, check=True)
             res = json.loads(out.stdout.strip().splitlines()[-1])
             if not res["cpumla"].startswith(b):
                 sys.exit(f"{b}: the child imported cpumla from {res['cpumla']}")
