@@ -69,20 +69,25 @@ static void quantize_row_avx512f(int32_t dtype, const float *row, int64_t nb, ui
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {
         const int n = nb - b0 < 16 ? (int)(nb - b0) : 16;
         const float *v = row + b0 * QK;
-        __m512 mx[16], px[16], nx[16];
-        for (int j = 0; j < 16; j++) {
-            const __m512 a = j < n ? _mm512_loadu_ps(v + j * QK) : _mm512_setzero_ps();
-            const __m512 b = j < n ? _mm512_loadu_ps(v + j * QK + 16) : _mm512_setzero_ps();
-            mx[j] = _mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b));
-            if (!q8) {
-                px[j] = _mm512_max_ps(a, b);
-                nx[j] = _mm512_min_ps(a, b);
-            }
+        /* one pass over the blocks per tree (the loads hit L1), so no tree's inputs spill */
+        __m512 x[16];
+#define BLOCKS_(OP, A, B)                                                                            \
+    for (int j = 0; j < 16; j++)                                                                     \
+        x[j] = j < n ? OP(A(_mm512_loadu_ps(v + j * QK)), A(_mm512_loadu_ps(v + j * QK + 16))) : _mm512_setzero_ps();
+#define ID_(y) (y)
+        BLOCKS_(_mm512_max_ps, _mm512_abs_ps, _mm512_abs_ps)
+        const __m512 amax = max_tree16(x);
+        __m512 s;
+        if (q8) {
+            s = _mm512_div_ps(amax, _mm512_set1_ps(127.0f));
+        } else {
+            BLOCKS_(_mm512_max_ps, ID_, ID_)
+            const __m512 pmax = max_tree16(x);
+            BLOCKS_(_mm512_min_ps, ID_, ID_)
+            s = _mm512_div_ps(q4_first_max(v, n, amax, pmax, min_tree16(x)), _mm512_set1_ps(-8.0f));
         }
-        const __m512 amax = max_tree16(mx);
-        const __m512 s = q8 ? _mm512_div_ps(amax, _mm512_set1_ps(127.0f))
-                            : _mm512_div_ps(q4_first_max(v, n, amax, max_tree16(px), min_tree16(nx)),
-                                            _mm512_set1_ps(-8.0f));
+#undef BLOCKS_
+#undef ID_
         const __m256i d16 = _mm512_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         const __m512 d = _mm512_cvtph_ps(d16);
         /* Q8: id = d > 0 ? 1 / d : 0; Q4: d != 0 ? 1 / d : 0 */
