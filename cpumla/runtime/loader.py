@@ -135,9 +135,8 @@ def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: in
     progress(done, total) (elements) as it goes. Raises CpumlaError, also when the model cannot fit in
     memory (checked before anything is allocated)."""
     from cpumla import native
-    from cpumla.runtime.engine import PREFILL_CHUNK, Engine, context_length
-    from cpumla.runtime.plan import check_fits, plan
-    from cpumla.runtime.weights import DummySource, Quantizer, quantized_as
+    from cpumla.runtime.engine import context_length
+    from cpumla.runtime.weights import Quantizer, quantized_as
 
     if threads is not None:        # quantizing runs on the pool: size it first
         native.ensure_init()
@@ -152,8 +151,31 @@ def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: in
             raise CpumlaError(f"{model} is already quantized ({quantized_as(cfg)}): leave out --quant")
         if not getattr(fam, "QUANTIZABLE", True):
             raise CpumlaError(f"--quant is not supported for {cfg.model_type} yet")
+    ckpt = None
+    if quantizer is not None and resolved.directory is not None and not dummy_weights:
+        from cpumla.runtime.safetensors import Checkpoint
+
+        ckpt = Checkpoint(resolved.directory)    # its headers serve both the plan and the load
+    try:
+        return _load(model, hf_overrides, cfg, resolved, fam, ctx, where, quantizer, ckpt, dummy_weights,
+                     dummy_dtype, seed, threads)
+    except BaseException:
+        if ckpt is not None:
+            ckpt.close()
+        raise
+
+
+def _load(model, hf_overrides, cfg, resolved, fam, ctx, where, quantizer, ckpt, dummy_weights, dummy_dtype, seed,
+          threads):
+    """load() past its first checks; ckpt: the checkpoint already open for a quantizing load, else None"""
+    from cpumla.runtime.engine import PREFILL_CHUNK, Engine
+    from cpumla.runtime.plan import check_fits, plan
+    from cpumla.runtime.weights import DummySource
+
+    if quantizer is not None:
         # the quantized weights are made in memory: they, the caches and the scratch must fit
-        check_fits(plan(model, hf_overrides, ctx), quant, f"{quant} weights")
+        check_fits(plan(model, hf_overrides, ctx, loaded=(cfg, resolved, ckpt)), quantizer.fmt,
+                   f"{quantizer.fmt} weights")
     if dummy_weights:
         if dummy_dtype not in DUMMY_DTYPES:
             raise CpumlaError(f"dummy weight dtype must be {', '.join(DUMMY_DTYPES)}, got {dummy_dtype!r}")
@@ -168,7 +190,7 @@ def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: in
         from cpumla.runtime.safetensors import Checkpoint
 
         check_memory(fam.memory_bytes(cfg, ctx, "bf16", PREFILL_CHUNK), False, where)
-        src = Checkpoint(resolved.directory)
+        src = ckpt if ckpt is not None else Checkpoint(resolved.directory)
     if quantizer is not None:
         quantizer.plan_total(src, fam.tensors(cfg))
         src.quantizer = quantizer

@@ -94,14 +94,15 @@ class Plan:
                 "fits": {f: self.fits(f) for f in self.weights}, "notes": self.notes}
 
 
-def plan(model: str, hf_overrides=None, max_seq_len: int | None = None) -> Plan:
+def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=None) -> Plan:
     """The Plan of `model` (a directory, a cached repo id or a preset). Raises CpumlaError as load does
-    for a model it cannot resolve."""
+    for a model it cannot resolve. loaded: (cfg, resolved, checkpoint or None) the caller already made
+    of this model and overrides (load_config, and its directory's Checkpoint, left open here)."""
     from cpumla.models import family
     from cpumla.runtime.engine import PREFILL_CHUNK, context_length
     from cpumla.runtime.loader import available_memory, load_config
 
-    cfg, resolved = load_config(model, hf_overrides)
+    cfg, resolved, src = loaded if loaded is not None else (*load_config(model, hf_overrides), None)
     fam = family(cfg.model_type)
     ctx = context_length(cfg, max_seq_len)
     groups = fam.weight_groups(cfg) if hasattr(fam, "weight_groups") else \
@@ -111,8 +112,8 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None) -> Plan:
     qc = getattr(cfg, "quantization_config", None) or {}
     fp8 = qc.get("quant_method") == "fp8"
     scale_bytes = 1 if qc.get("scale_fmt") == "ue8m0" else 4
-    src = None
-    if resolved.directory is not None:
+    own = src is None and resolved.directory is not None
+    if own:
         from cpumla.runtime.safetensors import Checkpoint
 
         src = Checkpoint(resolved.directory)
@@ -136,7 +137,7 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None) -> Plan:
                 to = W.quant_plan(name, dtype, shape, fmt) if kind in ("linear", "plain") else None
                 sizes[fmt] += count * (_as(shape, to) if to else stored)
     finally:
-        if src is not None:
+        if own:
             src.close()
     mem = fam.memory_bytes(cfg, ctx, "bf16", PREFILL_CHUNK)
     # the cache grows by this much per 1000 tokens (V4 also holds fixed rings: that part is in `cache`)

@@ -151,6 +151,9 @@ class Quantizer:
         self.fmt, self.progress = fmt, progress
         self.done, self.total = 0, 0
         self.formats: dict[str, int] = {}          # format -> weights made in it
+        # every code and scale array in huge pages (small ones too), in mappings of this load's own that
+        # go away with the last of its weights
+        self.arena = _HugeArena()
 
     def plan_total(self, src, table: dict) -> int:
         """Elements the model's tensors (family tensors()) will quantize, for the progress total."""
@@ -171,8 +174,9 @@ class Quantizer:
                          (w.rows, w.cols), self.fmt)
         if fmt is None:
             return w
-        data = _quant_arena.empty((w.rows, w.cols // (2 if fmt == "q4" else 1)), np.int8 if fmt == "q8" else np.uint8)
-        scale = np.empty((w.rows, w.cols // native.QBLOCK), np.float16)
+        data = self.arena.empty((w.rows, w.cols // (2 if fmt == "q4" else 1)), np.int8 if fmt == "q8" else np.uint8,
+                                small=True)
+        scale = self.arena.empty((w.rows, w.cols // native.QBLOCK), np.float16, small=True)
         step = max(1, self.STEP // max(1, w.cols))
         out = None
         for r0 in range(0, w.rows, step):
@@ -322,9 +326,10 @@ class _HugeArena:
         raw = np.frombuffer(m, dtype=np.uint8)       # arrays made from it keep the mapping alive
         return raw[(-raw.ctypes.data) % HUGE:]
 
-    def empty(self, shape, dtype) -> np.ndarray:
+    def empty(self, shape, dtype, small: bool = False) -> np.ndarray:
+        """An uninitialised array; under 2 MiB a plain numpy one unless `small` (then packed in the arena)."""
         n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        if n < HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        if (n < HUGE and not small) or not hasattr(mmap, "MADV_HUGEPAGE"):
             return np.empty(shape, dtype)
         if n > ARENA // 4:                            # big tensors get a mapping of their own
             raw = self._map((n + HUGE - 1) & ~(HUGE - 1))
@@ -338,9 +343,6 @@ class _HugeArena:
 
 _arena = _HugeArena()
 hugepage_empty = _arena.empty
-# q8 / q4 weights made on load get arenas of their own: the source tensors they replace (dummy weights
-# in the arena above) then free their mappings when they die instead of sharing them with what stays
-_quant_arena = _HugeArena()
 
 
 def random_normal(shape, std: float, rng: np.random.Generator, bf16: bool) -> np.ndarray:

@@ -12,58 +12,82 @@
 #include "kernels.h"
 #include "quant.h"
 
-/* m[j] = the largest lane of x[j]; returns them as one vector, in block order */
-static inline __m512 max_tree16(const __m512 x[16]) {
-    __m512 l1[8], l2[4], l3[2];
-    for (int i = 0; i < 8; i++)     /* lanes 0-1 (128-bit): x[2i] halved, lanes 2-3: x[2i+1] halved */
-        l1[i] = _mm512_max_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x44),
-                              _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xee));
-    for (int i = 0; i < 4; i++)     /* lane k: one of x[4i .. 4i+3], 4 partial maxima */
-        l2[i] = _mm512_max_ps(_mm512_shuffle_f32x4(l1[2 * i], l1[2 * i + 1], 0x88),
-                              _mm512_shuffle_f32x4(l1[2 * i], l1[2 * i + 1], 0xdd));
-    for (int i = 0; i < 2; i++)     /* in each lane, 2 partials of one block of l2[2i], then 2 of l2[2i+1] */
-        l3[i] = _mm512_max_ps(_mm512_shuffle_ps(l2[2 * i], l2[2 * i + 1], 0x44),
-                              _mm512_shuffle_ps(l2[2 * i], l2[2 * i + 1], 0xee));
-    const __m512 m = _mm512_max_ps(_mm512_shuffle_ps(l3[0], l3[1], 0x88), _mm512_shuffle_ps(l3[0], l3[1], 0xdd));
-    /* lane 4k + e of m is block 4e + k for the blocks' order above */
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(order, m);
+/* lane j of the result: the largest (smallest) lane of x[j], the 16 lanes of block j folded by a
+ * transposing tree of max (min) */
+#define TREE16(NAME, OP)                                                                                   \
+    static inline __m512 NAME(const __m512 x[16]) {                                                        \
+        __m512 l1[8], l2[4], l3[2];                                                                        \
+        for (int i = 0; i < 8; i++) /* lanes 0-1 (128-bit): x[2i] halved, lanes 2-3: x[2i+1] halved */     \
+            l1[i] = OP(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x44),                                 \
+                       _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xee));                                \
+        for (int i = 0; i < 4; i++) /* lane k: one of x[4i .. 4i+3], 4 partials */                         \
+            l2[i] = OP(_mm512_shuffle_f32x4(l1[2 * i], l1[2 * i + 1], 0x88),                               \
+                       _mm512_shuffle_f32x4(l1[2 * i], l1[2 * i + 1], 0xdd));                              \
+        for (int i = 0; i < 2; i++) /* per lane, 2 partials of one block of l2[2i], then 2 of l2[2i+1] */  \
+            l3[i] = OP(_mm512_shuffle_ps(l2[2 * i], l2[2 * i + 1], 0x44),                                  \
+                       _mm512_shuffle_ps(l2[2 * i], l2[2 * i + 1], 0xee));                                 \
+        const __m512 m = OP(_mm512_shuffle_ps(l3[0], l3[1], 0x88), _mm512_shuffle_ps(l3[0], l3[1], 0xdd)); \
+        /* lane 4k + e of m is block 4e + k for the blocks' order above */                                 \
+        const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);     \
+        return _mm512_permutexvar_ps(order, m);                                                            \
+    }
+TREE16(max_tree16, _mm512_max_ps)
+TREE16(min_tree16, _mm512_min_ps)
+
+/* Q4's m for 16 blocks: the first value of largest magnitude, 0 for an all-zero block. The largest
+ * magnitude amax is either the largest value or minus the smallest; a block holding both +amax and
+ * -amax (a tie of opposite signs) takes the spec's search for the first. */
+static inline __m512 q4_first_max(const float *v, int n, __m512 amax, __m512 pmax, __m512 nmin) {
+    const __mmask16 valid = (__mmask16)((1u << n) - 1);
+    const __m512 namax = _mm512_sub_ps(_mm512_setzero_ps(), amax);
+    const __mmask16 nz = _mm512_mask_cmp_ps_mask(valid, amax, _mm512_setzero_ps(), _CMP_GT_OQ);
+    const __mmask16 pos = _mm512_mask_cmp_ps_mask(nz, pmax, amax, _CMP_EQ_OQ);
+    const __mmask16 neg = _mm512_mask_cmp_ps_mask(nz, nmin, namax, _CMP_EQ_OQ);
+    __m512 m = _mm512_mask_mov_ps(_mm512_setzero_ps(), (__mmask16)(pos & ~neg), amax);
+    m = _mm512_mask_mov_ps(m, (__mmask16)(neg & ~pos), namax);
+    unsigned search = nz & ~(pos ^ neg);
+    if (search) {
+        float am[16], mm[16];
+        _mm512_storeu_ps(am, amax);
+        _mm512_storeu_ps(mm, m);
+        for (; search; search &= search - 1) {
+            const int j = __builtin_ctz(search);
+            const __m512 a = _mm512_set1_ps(am[j]);
+            const uint32_t eq =
+                (uint32_t)_mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(v + j * QK)), a, _CMP_EQ_OQ) |
+                (uint32_t)_mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(v + j * QK + 16)), a, _CMP_EQ_OQ) << 16;
+            mm[j] = eq ? v[j * QK + __builtin_ctz(eq)] : 0.0f;
+        }
+        m = _mm512_loadu_ps(mm);
+    }
+    return m;
 }
 
 static void quantize_row_avx512f(int32_t dtype, const float *row, int64_t nb, uint8_t *q, uint16_t *scales) {
     const int q8 = dtype == CPUMLA_Q8;
-    const __m512i lo8 = _mm512_set1_epi32(q8 ? -127 : -8), hi8 = _mm512_set1_epi32(q8 ? 127 : 7);
     const int64_t bb = q8 ? QK : QK / 2;     /* bytes per block */
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {
         const int n = nb - b0 < 16 ? (int)(nb - b0) : 16;
         const float *v = row + b0 * QK;
-        __m512 mx[16];
-        for (int j = 0; j < 16; j++)
-            mx[j] = j < n ? _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(v + j * QK)),
-                                          _mm512_abs_ps(_mm512_loadu_ps(v + j * QK + 16)))
-                          : _mm512_setzero_ps();
-        const __m512 amax = max_tree16(mx);
+        /* one pass over the blocks per tree (the loads hit L1), so no tree's inputs spill */
+        __m512 x[16];
+#define BLOCKS_(OP, A, B)                                                                            \
+    for (int j = 0; j < 16; j++)                                                                     \
+        x[j] = j < n ? OP(A(_mm512_loadu_ps(v + j * QK)), A(_mm512_loadu_ps(v + j * QK + 16))) : _mm512_setzero_ps();
+#define ID_(y) (y)
+        BLOCKS_(_mm512_max_ps, _mm512_abs_ps, _mm512_abs_ps)
+        const __m512 amax = max_tree16(x);
         __m512 s;
         if (q8) {
             s = _mm512_div_ps(amax, _mm512_set1_ps(127.0f));
         } else {
-            /* m: the first value of largest magnitude, 0 for an all-zero block */
-            float am[16], m[16];
-            _mm512_storeu_ps(am, amax);
-            for (int j = 0; j < n; j++) {
-                m[j] = 0.0f;
-                if (am[j] > 0.0f) {
-                    const __m512 a = _mm512_set1_ps(am[j]);
-                    const uint32_t eq =
-                        (uint32_t)_mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(v + j * QK)), a, _CMP_EQ_OQ) |
-                        (uint32_t)_mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(v + j * QK + 16)), a, _CMP_EQ_OQ)
-                            << 16;
-                    m[j] = v[j * QK + __builtin_ctz(eq)];
-                }
-            }
-            for (int j = n; j < 16; j++) m[j] = 0.0f;
-            s = _mm512_div_ps(_mm512_loadu_ps(m), _mm512_set1_ps(-8.0f));
+            BLOCKS_(_mm512_max_ps, ID_, ID_)
+            const __m512 pmax = max_tree16(x);
+            BLOCKS_(_mm512_min_ps, ID_, ID_)
+            s = _mm512_div_ps(q4_first_max(v, n, amax, pmax, min_tree16(x)), _mm512_set1_ps(-8.0f));
         }
+#undef BLOCKS_
+#undef ID_
         const __m256i d16 = _mm512_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         const __m512 d = _mm512_cvtph_ps(d16);
         /* Q8: id = d > 0 ? 1 / d : 0; Q4: d != 0 ? 1 / d : 0 */
@@ -75,20 +99,28 @@ static void quantize_row_avx512f(int32_t dtype, const float *row, int64_t nb, ui
         float id[16];
         _mm512_storeu_ps(id, idv);
         uint8_t *qb = q + b0 * bb;
-        for (int j = 0; j < n; j++) {
-            const __m512 vid = _mm512_set1_ps(id[j]);
-            __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + j * QK), vid));
-            __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + j * QK + 16), vid));
-            i0 = _mm512_max_epi32(_mm512_min_epi32(i0, hi8), lo8);
-            i1 = _mm512_max_epi32(_mm512_min_epi32(i1, hi8), lo8);
-            if (q8) {
-                _mm_storeu_si128((__m128i *)(qb + j * QK), _mm512_cvtepi32_epi8(i0));
-                _mm_storeu_si128((__m128i *)(qb + j * QK + 16), _mm512_cvtepi32_epi8(i1));
-            } else {
-                /* nibbles 0..15: column i in the low half of byte i, column 16 + i in the high half */
-                const __m128i n0 = _mm512_cvtepi32_epi8(_mm512_sub_epi32(i0, lo8));
-                const __m128i n1 = _mm512_cvtepi32_epi8(_mm512_sub_epi32(i1, lo8));
-                _mm_storeu_si128((__m128i *)(qb + j * (QK / 2)), _mm_or_si128(n0, _mm_slli_epi16(n1, 4)));
+        if (q8) {
+            /* clamped below at -127 as integers; vpmovsdb saturates above at 127 */
+            const __m512i lo = _mm512_set1_epi32(-127);
+            for (int j = 0; j < n; j++) {
+                const __m512 vid = _mm512_set1_ps(id[j]);
+                const __m512i i0 = _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + j * QK), vid)), lo);
+                const __m512i i1 =
+                    _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + j * QK + 16), vid)), lo);
+                _mm_storeu_si128((__m128i *)(qb + j * QK), _mm512_cvtsepi32_epi8(i0));
+                _mm_storeu_si128((__m128i *)(qb + j * QK + 16), _mm512_cvtsepi32_epi8(i1));
+            }
+        } else {
+            /* codes c0 (column i) and c1 (column 16 + i) in [-8, 7]: byte i = (c0 + 8) + 16 * (c1 + 8) */
+            const __m512i lo = _mm512_set1_epi32(-8), hi = _mm512_set1_epi32(7), off = _mm512_set1_epi32(136);
+            for (int j = 0; j < n; j++) {
+                const __m512 vid = _mm512_set1_ps(id[j]);
+                __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + j * QK), vid));
+                __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + j * QK + 16), vid));
+                i0 = _mm512_max_epi32(_mm512_min_epi32(i0, hi), lo);
+                i1 = _mm512_max_epi32(_mm512_min_epi32(i1, hi), lo);
+                const __m512i t = _mm512_add_epi32(_mm512_add_epi32(i0, _mm512_slli_epi32(i1, 4)), off);
+                _mm_storeu_si128((__m128i *)(qb + j * (QK / 2)), _mm512_cvtepi32_epi8(t));
             }
         }
     }

@@ -128,7 +128,14 @@ int cpumla_quantize(const cpumla_weight *src, const cpumla_weight *dst, int64_t 
     }
     cpumla_enter(NULL);
     cpumla_ensure_init();
-    quant_job j = {src, dst, r0, r1, 16};
-    cpumla_pool_run((r1 - r0 + 15) / 16, quantize_task, &j);
+    /* tasks of ~256 KiB of source rows (at least 16 rows, and at least 4 tasks per thread): two threads
+     * faulting in the same 2 MiB of a mapping wait on each other's page-table lock */
+    const int64_t rows = r1 - r0, threads = cpumla_pool_threads();
+    int64_t per = ((int64_t)256 << 10) / (src->row_bytes > 0 ? src->row_bytes : 1);
+    const int64_t most = (rows + 4 * threads - 1) / (4 * threads);
+    per = per < most ? per : most;
+    per = per > 16 ? per : 16;
+    quant_job j = {src, dst, r0, r1, per};
+    cpumla_pool_run((rows + per - 1) / per, quantize_task, &j);
     return cpumla_leave(0);
 }
