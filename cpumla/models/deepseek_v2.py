@@ -524,23 +524,48 @@ class Model(NativeModel):
         row = 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         return total + cfg.num_hidden_layers * row * self.attended(depth)
 
+    @property
+    def mha_min_tokens(self) -> int:
+        """Prefill chunks of at least this many tokens (and more than one) attend in the un-absorbed form
+        (cpumla_mla_mha); 0 stands for the library's default, CPUMLA_DSV2_MHA_MIN_TOKENS."""
+        return self._c.mha_min_tokens
+
+    @mha_min_tokens.setter
+    def mha_min_tokens(self, k: int) -> None:
+        self._c.mha_min_tokens = int(k)
+
+    def unabsorbed(self, n: int) -> bool:
+        """Whether the native forward attends a chunk of n tokens in the un-absorbed form."""
+        return n > 1 and n >= (self._c.mha_min_tokens or native.lib.CPUMLA_DSV2_MHA_MIN_TOKENS)
+
     def prefill_flops(self, n: int, depth: int) -> float:
-        """Multiply-adds x 2 of a prefill of n tokens after `depth` cached ones: the weight products of
-        every token (routed experts at top_k) plus latent attention (R+P scores, R values per pair)."""
+        """Multiply-adds x 2 of a prefill of n tokens after `depth` cached ones, in chunks of
+        PREFILL_CHUNK: the weight products of every token (routed experts at top_k) plus, per chunk,
+        the attention in the form the forward takes: absorbed (absorb + un-absorb per token, R+P scores
+        and R values per pair) or un-absorbed (kv_b over every cached row, dn+P scores and dv values
+        per pair)."""
+        from cpumla.runtime.engine import PREFILL_CHUNK
+
         cfg = self.config
         macs = self.lm_head.rows * self.lm_head.cols / n       # lm_head on the last token only
         H, dn, dv, R = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        P = cfg.qk_rope_head_dim
         for L in self.layers:
             macs += sum(w.rows * w.cols for w in self.layer_weights(L) if w is not None and w is not L.kv_b)
-            macs += H * (dn + dv) * R                          # absorb + un-absorb
             for t in (L.mlp, L.shared):
                 if t is not None:
                     macs += 3 * t.hidden * t.intermediate * t.n
             if L.experts is not None:
                 macs += 3 * L.experts.hidden * L.experts.intermediate * cfg.num_experts_per_tok
-        pairs = sum(self.attended(depth + i) for i in range(n))   # (query, key) pairs
-        attn = 2.0 * pairs * H * (2 * R + cfg.qk_rope_head_dim) * cfg.num_hidden_layers
-        return 2.0 * macs * n + attn
+        attn = 0.0
+        for c0 in range(0, n, PREFILL_CHUNK):
+            c, d = min(PREFILL_CHUNK, n - c0), depth + c0
+            pairs = sum(self.attended(d + i) for i in range(c))   # (query, key) pairs
+            if self.unabsorbed(c):
+                attn += (d + c) * H * (dn + dv) * R + pairs * H * (dn + P + dv)
+            else:
+                attn += c * H * (dn + dv) * R + pairs * H * (2 * R + P)
+        return 2.0 * macs * n + 2.0 * attn * cfg.num_hidden_layers
 
     # ---- the native description, built once ----
     def describe_base(self, m) -> None:
