@@ -143,6 +143,8 @@ enum cpumla_scratch_slot {
     CPUMLA_SCRATCH_F32ACT,           /* ops.c: cpumla_gemm_f32act's parts and products */
     CPUMLA_SCRATCH_ATTN,             /* ops.c: attention parts */
     CPUMLA_SCRATCH_MHA,              /* mla_mha.c: decompressed keys and values, scores of a block */
+    CPUMLA_SCRATCH_MHA_STATE,        /* mla_mha.c: softmax state per head and query */
+    CPUMLA_SCRATCH_MHA_XB,           /* mla_mha.c: a span of latents in bf16 */
     CPUMLA_SCRATCH_ROUTE,            /* moe.c: routing scores */
     CPUMLA_SCRATCH_MOE1,             /* moe.c: one token's expert activations */
     CPUMLA_SCRATCH_MOE,              /* moe.c: prefill activations per expert */
