@@ -17,11 +17,11 @@ import models
 from cpumla import native
 from cpumla.errors import CpumlaError
 
-# (name, n_q, H, R, P, dn, dv, pos0, cache, kv_b format, kv_len): odd widths everywhere; 150 queries at
-# depth 300 cross the 256-row key blocks and the 128-query score blocks; 4200 rows cross a span.
+# (name, n_q, H, R, P, dn, dv, pos0, cache, kv_b format, kv_len): odd widths everywhere; 270 queries at
+# depth 300 cross the 256-row key blocks and the 256-query score blocks; 4200 rows cross a span.
 CASES = [
-    ("causal-f32", 150, 3, 40, 6, 10, 7, 300, "f32", "f32", "causal"),
-    ("causal-bf16", 150, 3, 40, 6, 10, 7, 300, "bf16", "bf16", "causal"),
+    ("causal-f32", 270, 3, 40, 6, 10, 7, 300, "f32", "f32", "causal"),
+    ("causal-bf16", 270, 3, 40, 6, 10, 7, 300, "bf16", "bf16", "causal"),
     ("f32-cache-bf16-kv_b", 37, 2, 33, 4, 9, 12, 263, "f32", "bf16", "causal"),
     ("bf16-cache-f32-kv_b", 37, 2, 33, 4, 9, 12, 263, "bf16", "f32", "causal"),
     ("e4m3-kv_b", 20, 2, 48, 4, 8, 8, 50, "f32", "e4m3", "causal"),
@@ -154,7 +154,7 @@ def test_unabsorbed_bf16(tmp_path, variant):
 
 @pytest.mark.parametrize("variant", ["v2-lite", "v3"])
 def test_unabsorbed_long_prompt(tmp_path, variant):
-    """300 tokens in one chunk (two blocks of keys, three of queries), then 40 at depth 300, at the
+    """300 tokens in one chunk (two blocks of keys and of queries), then 40 at depth 300, at the
     default threshold: the first chunk goes un-absorbed, the second absorbed."""
     m = models.build(variant, tmp_path)
     ids = np.random.default_rng(5).integers(0, models.BASE["vocab_size"], 340).tolist()

@@ -183,7 +183,7 @@ void test_api_mla_mha(void) {
     static const mha_case cs[] = {
         {1, 1, 8, 2, 4, 4, 0, CPUMLA_F32, 0, 0},          {7, 3, 40, 6, 10, 7, 20, CPUMLA_BF16, 0, 0},
         {5, 2, 33, 4, 8, 9, 30, CPUMLA_E4M3, 1, 0},       {9, 2, 24, 4, 8, 6, 40, CPUMLA_F32, 2, 0},
-        {140, 2, 24, 4, 8, 6, 200, CPUMLA_BF16, 0, 1},    /* two blocks of keys and of queries */
+        {270, 2, 24, 4, 8, 6, 200, CPUMLA_BF16, 0, 1},    /* two blocks of keys and of queries */
         {3, 1, 32, 4, 8, 8, 4200, CPUMLA_BF16, 0, 1},     /* past one span of rows */
     };
     for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {

@@ -30,8 +30,12 @@ typedef struct cpumla_dsv2_layer {
 } cpumla_dsv2_layer;
 
 /* Prefill chunks of at least this many tokens attend in the un-absorbed form (cpumla_mla_mha), shorter
- * ones and decode in the absorbed (latent) form: around the measured crossover of their costs. */
-enum { CPUMLA_DSV2_MHA_MIN_TOKENS = 160 };
+ * ones and decode in the absorbed (latent) form. The crossover of their costs: per head, the absorbed
+ * form spends n * R * (dn + dv) + pairs * (2R + P) multiply-adds, the un-absorbed one T * R * (dn + dv)
+ * + pairs * (dn + P + dv); at V2-Lite's widths and equal efficiency they meet near n = 170 tokens at
+ * any depth well above n, measured (the latent attention being the less efficient) at 100-130 tokens
+ * at depth 2048 on avx2, avx512f and avx512 (docs/benchmarks.md). */
+enum { CPUMLA_DSV2_MHA_MIN_TOKENS = 128 };
 
 typedef struct cpumla_dsv2_model {
     int64_t n_layers, hidden, n_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,

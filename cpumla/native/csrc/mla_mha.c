@@ -23,7 +23,7 @@
 #include "threadpool.h"
 
 #define MHA_KB 256          /* latent rows per block */
-#define MHA_QB 128          /* queries per score block */
+#define MHA_QB 256          /* queries per score block */
 #define MHA_SPAN 4096       /* latent rows per span (bounds the bf16 copy) */
 #define MHA_MIN_QUERIES 64  /* fewest queries a task takes when queries are split too */
 
