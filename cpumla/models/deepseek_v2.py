@@ -367,6 +367,9 @@ def memory_bytes(cfg: Config, ctx: int, dtype: str, chunk: int = 512, shapes=lay
     state = n * (3 * D + (cfg.q_lora_rank or 0) + H * cfg.qk_head_dim + (R + P) * (H + 1) + H * R
                  + H * cfg.v_head_dim + E + 2 * K + 8)
     attention = n * H * (R + 2) + H * -(-ctx // 64) * (R + 2)
+    # the un-absorbed form (mla_mha.c): softmax state, a span of bf16 latents, a thread's block
+    dk, dv = cfg.qk_nope_head_dim + P, cfg.v_head_dim
+    attention += 2 * H * n + min(ctx, 4096) * R // 2 + 256 * (R + dk + 2 * dv + 256) + 256 * (dv + 1)
     experts = n * K * (2 * D + 2 * inter)
     return {"weights": weights, "cache": 4 * (R + P) * ctx * L,
             "scratch": 4 * (state + attention + experts + n * V)}
