@@ -529,8 +529,7 @@ class Model(NativeModel):
 
     @property
     def mha_min_tokens(self) -> int:
-        """Prefill chunks of at least this many tokens (and more than one) attend in the un-absorbed form
-        (cpumla_mla_mha); 0 stands for the library's default, CPUMLA_DSV2_MHA_MIN_TOKENS."""
+        """Chunks of n > 1 tokens with n >= this attend un-absorbed (cpumla_mla_mha); 0: the default."""
         return self._c.mha_min_tokens
 
     @mha_min_tokens.setter
@@ -538,15 +537,13 @@ class Model(NativeModel):
         self._c.mha_min_tokens = int(k)
 
     def unabsorbed(self, n: int) -> bool:
-        """Whether the native forward attends a chunk of n tokens in the un-absorbed form."""
         return n > 1 and n >= (self._c.mha_min_tokens or native.lib.CPUMLA_DSV2_MHA_MIN_TOKENS)
 
     def prefill_flops(self, n: int, depth: int) -> float:
-        """Multiply-adds x 2 of a prefill of n tokens after `depth` cached ones, in chunks of
-        PREFILL_CHUNK: the weight products of every token (routed experts at top_k) plus, per chunk,
-        the attention in the form the forward takes: absorbed (absorb + un-absorb per token, R+P scores
-        and R values per pair) or un-absorbed (kv_b over every cached row, dn+P scores and dv values
-        per pair)."""
+        """Multiply-adds x 2 of a prefill of n tokens after `depth` cached ones, in PREFILL_CHUNK chunks:
+        the weight products of every token (routed experts at top_k) plus each chunk's attention in its
+        form: absorbed (absorb + un-absorb per token, R+P scores and R values per pair) or un-absorbed
+        (kv_b over every cached row, dn+P scores and dv values per pair)."""
         from cpumla.runtime.engine import PREFILL_CHUNK
 
         cfg = self.config
