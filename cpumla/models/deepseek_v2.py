@@ -367,6 +367,9 @@ def memory_bytes(cfg: Config, ctx: int, dtype: str, chunk: int = 512, shapes=lay
     state = n * (3 * D + (cfg.q_lora_rank or 0) + H * cfg.qk_head_dim + (R + P) * (H + 1) + H * R
                  + H * cfg.v_head_dim + E + 2 * K + 8)
     attention = n * H * (R + 2) + H * -(-ctx // 64) * (R + 2)
+    # the un-absorbed form (mla_mha.c): softmax state, a span of bf16 latents, a thread's block
+    dk, dv = cfg.qk_nope_head_dim + P, cfg.v_head_dim
+    attention += 2 * H * n + min(ctx, 4096) * R // 2 + 256 * (R + dk + 2 * dv + 256) + 256 * (dv + 1)
     experts = n * K * (2 * D + 2 * inter)
     return {"weights": weights, "cache": 4 * (R + P) * ctx * L,
             "scratch": 4 * (state + attention + experts + n * V)}
@@ -524,23 +527,45 @@ class Model(NativeModel):
         row = 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         return total + cfg.num_hidden_layers * row * self.attended(depth)
 
+    @property
+    def mha_min_tokens(self) -> int:
+        """Chunks of n > 1 tokens with n >= this attend un-absorbed (cpumla_mla_mha); 0: the default."""
+        return self._c.mha_min_tokens
+
+    @mha_min_tokens.setter
+    def mha_min_tokens(self, k: int) -> None:
+        self._c.mha_min_tokens = int(k)
+
+    def unabsorbed(self, n: int) -> bool:
+        return n > 1 and n >= (self._c.mha_min_tokens or native.lib.CPUMLA_DSV2_MHA_MIN_TOKENS)
+
     def prefill_flops(self, n: int, depth: int) -> float:
-        """Multiply-adds x 2 of a prefill of n tokens after `depth` cached ones: the weight products of
-        every token (routed experts at top_k) plus latent attention (R+P scores, R values per pair)."""
+        """Multiply-adds x 2 of a prefill of n tokens after `depth` cached ones, in PREFILL_CHUNK chunks:
+        the weight products of every token (routed experts at top_k) plus each chunk's attention in its
+        form: absorbed (absorb + un-absorb per token, R+P scores and R values per pair) or un-absorbed
+        (kv_b over every cached row, dn+P scores and dv values per pair)."""
+        from cpumla.runtime.engine import PREFILL_CHUNK
+
         cfg = self.config
         macs = self.lm_head.rows * self.lm_head.cols / n       # lm_head on the last token only
         H, dn, dv, R = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        P = cfg.qk_rope_head_dim
         for L in self.layers:
             macs += sum(w.rows * w.cols for w in self.layer_weights(L) if w is not None and w is not L.kv_b)
-            macs += H * (dn + dv) * R                          # absorb + un-absorb
             for t in (L.mlp, L.shared):
                 if t is not None:
                     macs += 3 * t.hidden * t.intermediate * t.n
             if L.experts is not None:
                 macs += 3 * L.experts.hidden * L.experts.intermediate * cfg.num_experts_per_tok
-        pairs = sum(self.attended(depth + i) for i in range(n))   # (query, key) pairs
-        attn = 2.0 * pairs * H * (2 * R + cfg.qk_rope_head_dim) * cfg.num_hidden_layers
-        return 2.0 * macs * n + attn
+        attn = 0.0
+        for c0 in range(0, n, PREFILL_CHUNK):
+            c, d = min(PREFILL_CHUNK, n - c0), depth + c0
+            pairs = sum(self.attended(d + i) for i in range(c))   # (query, key) pairs
+            if self.unabsorbed(c):
+                attn += (d + c) * H * (dn + dv) * R + pairs * H * (dn + P + dv)
+            else:
+                attn += c * H * (dn + dv) * R + pairs * H * (2 * R + P)
+        return 2.0 * macs * n + 2.0 * attn * cfg.num_hidden_layers
 
     # ---- the native description, built once ----
     def describe_base(self, m) -> None:

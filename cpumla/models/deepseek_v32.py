@@ -143,6 +143,10 @@ class Model(v2.Model):
         cfg = self.config
         return super().decode_bytes(depth) + 4.0 * cfg.index_head_dim * (depth + 1) * cfg.num_hidden_layers
 
+    def unabsorbed(self, n: int) -> bool:
+        """Never: the indexer's selection is attended in the absorbed form."""
+        return False
+
     def prefill_flops(self, n: int, depth: int) -> float:
         """As V3's over the selected pairs, plus the index scores of every causal pair."""
         cfg = self.config

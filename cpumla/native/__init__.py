@@ -485,6 +485,36 @@ def mla_attention(q: np.ndarray, kv: np.ndarray, dk: int, dv: int, scale: float,
     return (out, lse) if want_lse else out
 
 
+def mla_mha(q: np.ndarray, kv: np.ndarray, kv_b: Weight, rank: int, dn: int, dv: int, scale: float,
+            kv_len: np.ndarray | None = None) -> np.ndarray:
+    """Un-absorbed MLA attention (cpumla_mla_mha): q [n_q, H, dn + P] against the latent rows kv
+    [T, >= rank + P] (float32 or bf16 as uint16; P = q's width - dn), keys and values decompressed with
+    kv_b [H * (dn + dv), rank] -> out [n_q, H, dv]. Query i sees rows [0, kv_len[i]) (all T without)."""
+    ensure_init()
+    checks.array(q, "q", F32, 3)
+    checks.array(kv, "kv", _KV, 2)
+    rank, dn, dv = (checks.integer(v, name) for v, name in ((rank, "rank"), (dn, "dn"), (dv, "dv")))
+    scale = checks.real(scale, "scale")
+    n_q, H = q.shape[0], q.shape[1]
+    if kv.shape[1] < rank + q.shape[2] - dn:
+        raise CpumlaError(f"kv rows ({kv.shape[1]}) are narrower than rank + rope width ({rank + q.shape[2] - dn})")
+    a = ffi.new("cpumla_mla_mha_args *")
+    a.q, a.ldq_t, a.ldq_h, a.n_q, a.n_heads = fptr(q), ld(q, 0), ld(q, 1), n_q, H
+    a.kv = vptr(kv)
+    a.kv_dtype = lib.CPUMLA_BF16 if kv.dtype == np.uint16 else lib.CPUMLA_F32
+    a.ld_kv, a.n_kv, a.rank, a.rope_dim = ld(kv), kv.shape[0], rank, q.shape[2] - dn
+    a.kv_b, a.dn, a.dv = _weight(kv_b).c, dn, dv
+    if kv_len is not None:
+        checks.array(np.asarray(kv_len), "kv_len", (np.int64, np.int32), 1, (n_q,))
+        kv_len = np.ascontiguousarray(kv_len, dtype=np.int64)
+        a.kv_len = vptr(kv_len, "int64_t *")
+    a.scale = scale
+    out = np.empty((n_q, H, max(dv, 0)), F32)
+    a.out, a.ldo_t, a.ldo_h = fptr(out), ld(out, 0), ld(out, 1)
+    _check(lib.cpumla_mla_mha(a))
+    return out
+
+
 def read_probe(buf: np.ndarray) -> float:
     """Sum of buf's bytes read as float64 by every thread (the tail past a multiple of 64 is ignored)."""
     ensure_init()

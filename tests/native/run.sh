@@ -85,7 +85,7 @@ for f in "$csrc"/*.c; do
     [[ " ${listed[*]} " == *" $name "* ]] || echo "warning: $name is not listed in FLAGS: not built" >&2
 done
 test_objs=()
-for t in test_kernels test_api test_context test_quant test_values test_gemm harness; do
+for t in test_kernels test_api test_context test_quant test_values test_gemm test_attn_block harness; do
     test_objs+=("$out/$t.o")
     # shellcheck disable=SC2086
     $cc $common "${san[@]}" -Wno-unused-function -I"$csrc" -c "$tests/$t.c" -o "$out/$t.o" &

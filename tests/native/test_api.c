@@ -558,6 +558,7 @@ static void test_attention(void) {
 }
 
 void test_api_context(void);   /* test_context.c */
+void test_api_mla_mha(void);    /* test_attn_block.c */
 
 void test_api(const char *expect_isa) {
     watchdog("cpumla_init");
@@ -578,7 +579,7 @@ void test_api(const char *expect_isa) {
             group_begin(); test_linear(); group_end("api linear");
             group_begin(); test_rows(); test_rope(); group_end("api rows");
             group_begin(); test_topk(); test_route(); group_end("api route");
-            group_begin(); test_cache_store(); test_attention(); group_end("api attention");
+            group_begin(); test_cache_store(); test_attention(); test_api_mla_mha(); group_end("api attention");
             group_begin(); test_api_context(); group_end("api context");
             watchdog(NULL);
         }

@@ -517,6 +517,7 @@ void test_api(const char *expect_isa);   /* test_api.c */
 void test_quant(const cpumla_kernels *k);   /* test_quant.c: Q8 / Q4 */
 void test_values(void);                  /* test_values.c */
 void test_gemm_tiles(const cpumla_kernels *k);   /* test_gemm.c: the blocked GEMMs' edges */
+void test_softmax_block(const cpumla_kernels *k);   /* test_attn_block.c */
 #if defined(__x86_64__)
 void test_daz_ftz(const cpumla_kernels *k);   /* test_values.c */
 #endif
@@ -528,7 +529,8 @@ static void test_table(const char *name, const cpumla_kernels *k) {
         {"gemv_t", test_gemv_t, K_GEMV_T},
         {"dequant_row", test_dequant, K_DEQUANT}, {"rmsnorm_row", test_rmsnorm, K_RMSNORM},
         {"swiglu_row", test_swiglu, K_SWIGLU}, {"softmax_row", test_softmax, K_SOFTMAX},
-        {"attn_part", test_attn_part, K_ATTN}, {"cache_row", test_cache_row, K_CACHE_ROW},
+        {"attn_part", test_attn_part, K_ATTN}, {"softmax_block", test_softmax_block, K_SOFTMAX_BLOCK},
+        {"cache_row", test_cache_row, K_CACHE_ROW},
         {"read_sum", test_read_sum, K_READ}, {"q8/q4", test_quant, K_GEMV},
 #if defined(__x86_64__)
         {"daz_ftz", test_daz_ftz, K_GEMV},

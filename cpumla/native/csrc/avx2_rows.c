@@ -339,6 +339,36 @@ static double fma_loop_avx2(int64_t iters, float *sink) {
     return 2.0 * 12.0 * 8.0 * (double)iters;
 }
 
+/* kernels.h: one online-softmax step over a block of scores (cpumla_mla_mha) */
+static float softmax_block_avx2(float *s, int64_t n, int64_t valid, float scale, float *m, float *l) {
+    const __m256 sc = _mm256_set1_ps(scale), tiny = _mm256_set1_ps(1.17549435e-38f);
+    const float mo = *m;
+    __m256 mv = _mm256_set1_ps(mo);
+    for (int64_t j = 0; j < valid; j += 8) {
+        __m256i k = tail_mask(valid - j < 8 ? valid - j : 8);
+        __m256 x = _mm256_mul_ps(_mm256_maskload_ps(s + j, k), sc);
+        mv = _mm256_blendv_ps(mv, _mm256_max_ps(x, mv), _mm256_castsi256_ps(k));   /* NaN never wins */
+    }
+    __m128 h = _mm_max_ps(_mm256_extractf128_ps(mv, 1), _mm256_castps256_ps128(mv));
+    h = _mm_max_ps(_mm_movehl_ps(h, h), h);
+    h = _mm_max_ps(_mm_movehdup_ps(h), h);
+    const float mn = _mm_cvtss_f32(h);
+    const __m256 mnv = _mm256_set1_ps(mn);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j += 8) {
+        __m256i kv = tail_mask(valid - j < 0 ? 0 : valid - j < 8 ? valid - j : 8);
+        __m256 e = exp256(_mm256_sub_ps(_mm256_mul_ps(_mm256_maskload_ps(s + j, kv), sc), mnv));
+        e = _mm256_and_ps(_mm256_andnot_ps(_mm256_cmp_ps(e, tiny, _CMP_LT_OQ), e), _mm256_castsi256_ps(kv));
+        if (n - j >= 8) _mm256_storeu_ps(s + j, e);
+        else _mm256_maskstore_ps(s + j, tail_mask(n - j), e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    const float c = mn == -INFINITY ? 1.0f : flush_tiny(expf(mo - mn));
+    *l = *l * c + hsum8(sum);
+    *m = mn;
+    return c;
+}
+
 void cpumla_fill_avx2_rows(cpumla_kernels *k) {
     k->fma_loop = fma_loop_avx2;
     k->dot_loop = fma_loop_avx2;           /* avx2.c decodes BF16 weights to fp32 for its FMAs */
@@ -348,8 +378,10 @@ void cpumla_fill_avx2_rows(cpumla_kernels *k) {
     k->softmax_row = softmax_row_avx2;
     if (k->attn_part != attn_part_avx2) prev_attn_part = k->attn_part;
     k->attn_part = attn_part_avx2;
+    k->softmax_block = softmax_block_avx2;
     k->cache_row = cache_row_avx2;
     k->read_sum = read_sum_avx2;
     for (int i = K_RMSNORM; i <= K_READ; i++) k->who[i] = "avx2";
+    k->who[K_SOFTMAX_BLOCK] = "avx2";
     k->who[K_ATTN] = "avx2 (scalar for BF16 rows wider than 16384)";     /* AT_BUF */
 }

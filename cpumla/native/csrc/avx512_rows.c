@@ -256,6 +256,31 @@ static void attn_part_avx512(const cpumla_attn_args *a, int64_t qi, int64_t h0, 
     }
 }
 
+/* kernels.h: one online-softmax step over a block of scores (cpumla_mla_mha) */
+static float softmax_block_avx512(float *s, int64_t n, int64_t valid, float scale, float *m, float *l) {
+    const __m512 sc = _mm512_set1_ps(scale), tiny = _mm512_set1_ps(1.17549435e-38f);
+    const float mo = *m;
+    __m512 mv = _mm512_set1_ps(mo);
+    for (int64_t j = 0; j < valid; j += 16) {
+        __mmask16 k = tail16(valid - j);
+        mv = _mm512_mask_max_ps(mv, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), sc), mv);   /* NaN never wins */
+    }
+    const float mn = _mm512_reduce_max_ps(mv);
+    const __m512 mnv = _mm512_set1_ps(mn);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+        __mmask16 kv = tail16(valid - j);
+        __m512 e = exp512(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(kv, s + j), sc), mnv));
+        e = _mm512_maskz_mov_ps(kv & ~_mm512_cmp_ps_mask(e, tiny, _CMP_LT_OQ), e);    /* below FLT_MIN: 0 */
+        _mm512_mask_storeu_ps(s + j, tail16(n - j), e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    const float c = mn == -INFINITY ? 1.0f : flush_tiny(expf(mo - mn));
+    *l = *l * c + _mm512_reduce_add_ps(sum);
+    *m = mn;
+    return c;
+}
+
 /* ---- cache row, read probe ---------------------------------------------------------------------- */
 static void cache_row_avx512(void *dst, int32_t dtype, const float *src, int64_t width) {
     if (dtype != CPUMLA_BF16) { memcpy(dst, src, (size_t)width * sizeof(float)); return; }
@@ -319,9 +344,10 @@ void cpumla_fill_avx512_rows(cpumla_kernels *k) {
     k->swiglu_row = swiglu_row_avx512;
     k->softmax_row = softmax_row_avx512;
     k->attn_part = attn_part_avx512;
+    k->softmax_block = softmax_block_avx512;
     k->cache_row = cache_row_avx512;
     k->read_sum = read_sum_avx512;
-    static const int ids[] = {K_RMSNORM, K_SWIGLU, K_SOFTMAX, K_ATTN, K_CACHE_ROW, K_READ};
+    static const int ids[] = {K_RMSNORM, K_SWIGLU, K_SOFTMAX, K_ATTN, K_CACHE_ROW, K_READ, K_SOFTMAX_BLOCK};
     for (size_t i = 0; i < sizeof ids / sizeof ids[0]; i++) k->who[ids[i]] = "avx512f";
     k->who[K_ATTN] = "avx512f (avx2 for rows wider than 16384, scalar if BF16)";   /* ATT_BUF */
 }

@@ -135,6 +135,9 @@ static inline const void *attn_kv_row(const cpumla_attn_args *a, int64_t qi, int
     return (const uint8_t *)a->kv + (size_t)row * (size_t)a->ld_kv * esz;
 }
 
+/* 0 for |x| below FLT_MIN (a subnormal), else x; NaN stays NaN */
+static inline float flush_tiny(float x) { return x > -1.17549435e-38f && x < 1.17549435e-38f ? 0.0f : x; }
+
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
 /* One element of cpumla_swiglu: silu(min(g, limit)) * clamp(u, -limit, limit), unclamped when

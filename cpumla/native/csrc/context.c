@@ -30,6 +30,8 @@ struct cpumla_ctx {
 static const char *slot_names[CPUMLA_SCRATCH_COUNT] = {
     [CPUMLA_SCRATCH_X_BF16] = "gemm activations", [CPUMLA_SCRATCH_F32ACT] = "fp32-activation product",
     [CPUMLA_SCRATCH_ATTN] = "attention parts",    [CPUMLA_SCRATCH_ROUTE] = "routing",
+    [CPUMLA_SCRATCH_MHA] = "un-absorbed MLA attention", [CPUMLA_SCRATCH_MHA_STATE] = "MLA softmax state",
+    [CPUMLA_SCRATCH_MHA_XB] = "MLA latents in bf16",
     [CPUMLA_SCRATCH_MOE1] = "MoE decode",         [CPUMLA_SCRATCH_MOE] = "MoE prefill",
     [CPUMLA_SCRATCH_MOE_LIST] = "MoE token lists",
     [CPUMLA_SCRATCH_AVX2_XR] = "avx2 activations", [CPUMLA_SCRATCH_AVX512_XB] = "avx512 bf16 activations",

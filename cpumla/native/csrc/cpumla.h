@@ -289,6 +289,35 @@ typedef struct cpumla_attn_args {
 } cpumla_attn_args;
 int cpumla_mla_attention(const cpumla_attn_args *a);
 
+/* MLA attention in the un-absorbed form, for prefill: keys and values are decompressed from the
+ * latent rows with kv_b instead of absorbing W_UK into the queries and W_UV into the output.
+ *   latent row j = kv row j: c_j [0, rank) then k_pe_j [rank, rank + rope_dim), F32 or BF16;
+ *   head h: W_UK = kv_b rows h*(dn+dv) + [0, dn), W_UV = the next dv rows (kv_b has rank columns);
+ *   key_hj = [W_UK c_j | k_pe_j] (dn + rope_dim), value_hj = W_UV c_j (dv), both products as
+ *   cpumla_gemm computes them (kernels.h: rounded activations for BF16 / E4M3 weights);
+ *   q_ih = [q_nope | q_pe] (dn + rope_dim);  s_h(i, j) = scale * q_ih . key_hj;
+ *   out_ih = sum_j softmax_j(s_h(i, j)) value_hj over rows j < kv_len[i] (kv_len NULL: n_kv rows);
+ *   a query that sees nothing gets zeros.
+ * Mathematically cpumla_mla_attention over the absorbed queries followed by the un-absorb, at
+ * (n_kv * rank * (dn + dv) + pairs * (dn + rope_dim + dv)) multiply-adds per head instead of
+ * (n_q * rank * (dn + dv) + pairs * (2 * rank + rope_dim)): the cheaper form for a prefill chunk of
+ * more than a few hundred tokens. Keys and values are made per head in blocks of a few hundred rows
+ * (scratch bounded by the block, not the context), and the products are GEMMs (cpumla_gemm's
+ * kernels); one task per head (and query range when there are fewer heads than threads).
+ * Returns 0, or -1 for bad arguments (cpumla_last_error) or out of memory. */
+typedef struct cpumla_mla_mha_args {
+    const float *q; int64_t ldq_t, ldq_h;              /* [n_q, H, dn + rope_dim] */
+    int64_t n_q, n_heads;
+    const void *kv; int32_t kv_dtype; int64_t ld_kv;   /* [n_kv, ld_kv], F32 or BF16 */
+    int64_t n_kv, rank, rope_dim;
+    const cpumla_weight *kv_b;                         /* [n_heads * (dn + dv), rank] */
+    int64_t dn, dv;
+    const int64_t *kv_len;                             /* [n_q] or NULL */
+    float scale;
+    float *out; int64_t ldo_t, ldo_h;                  /* [n_q, H, dv] */
+} cpumla_mla_mha_args;
+int cpumla_mla_mha(const cpumla_mla_mha_args *a);
+
 /* ---- model descriptions ------------------------------------------------------------------------ */
 /* A vector as stored (norm weights, biases): F32, BF16 or F16. Each model family's forward, its
  * structs and its state live in a header of its own (deepseek_v2.h, deepseek_v32.h). */

@@ -115,7 +115,7 @@ int dsv2_attn_in(cpumla_dsv2_state *s, int64_t l, int64_t n) {
     const cpumla_dsv2_model *m = s->m;
     const cpumla_dsv2_layer *L = &m->layers[l];
     int64_t D = m->hidden, H = m->n_heads, R = m->kv_lora_rank, P = m->qk_rope_head_dim;
-    int64_t dn = m->qk_nope_head_dim, dv = m->v_head_dim, qk = dn + P;
+    int64_t dn = m->qk_nope_head_dim, qk = dn + P;
     float eps = m->rms_norm_eps;
     cpumla_rmsnorm(s->h, D, s->x, D, n, D, L->input_ln.data, L->input_ln.dtype, eps);
     if (L->q) {
@@ -130,12 +130,19 @@ int dsv2_attn_in(cpumla_dsv2_state *s, int64_t l, int64_t n) {
     cpumla_rmsnorm(s->latent, R + P, s->latent, R + P, n, R, L->kv_a_ln.data, L->kv_a_ln.dtype, eps);
     cpumla_rope(s->latent, n, R + P, 1, 0, R, P, s->pos, m->inv_freq, m->rope_attn_scale, CPUMLA_ROPE_INTERLEAVED);
     cpumla_rope(s->q, n, H * qk, H, qk, dn, P, s->pos, m->inv_freq, m->rope_attn_scale, CPUMLA_ROPE_INTERLEAVED);
-    /* absorb: q~_h[:R] = q_nope_h @ W_UK[h]; q~_h[R:] = q_pe_h */
-    TRY(cpumla_head_gemv_t(L->kv_b, 0, dn + dv, dn, H, n, s->q, H * qk, qk, s->q_abs, H * (R + P), R + P));
-    for (int64_t t = 0; t < n; t++)
-        for (int64_t hh = 0; hh < H; hh++)
-            memcpy(s->q_abs + (t * H + hh) * (R + P) + R, s->q + t * H * qk + hh * qk + dn, sizeof(float) * (size_t)P);
     TRY(cpumla_cache_store(s->cache[l], CPUMLA_F32, R + P, s->latent, R + P, n, R + P, s->pos));
+    return 0;
+}
+
+int dsv2_unabsorbed(const cpumla_dsv2_model *m, int64_t n) {
+    return n > 1 && n >= (m->mha_min_tokens > 0 ? m->mha_min_tokens : CPUMLA_DSV2_MHA_MIN_TOKENS);
+}
+
+/* h += o_proj(o) */
+static int attn_proj(cpumla_dsv2_state *s, const cpumla_dsv2_layer *L, int64_t n) {
+    int64_t D = s->m->hidden;
+    TRY(cpumla_gemm(L->o_proj, s->o, s->m->n_heads * s->m->v_head_dim, n, s->t, D));
+    for (int64_t i = 0; i < n * D; i++) s->h[i] += s->t[i];
     return 0;
 }
 
@@ -143,8 +150,23 @@ int dsv2_attn_out(cpumla_dsv2_state *s, int64_t l, int64_t n, int64_t pos0, cons
                   const int64_t *kv_count) {
     const cpumla_dsv2_model *m = s->m;
     const cpumla_dsv2_layer *L = &m->layers[l];
-    int64_t D = m->hidden, H = m->n_heads, R = m->kv_lora_rank, P = m->qk_rope_head_dim;
-    int64_t dn = m->qk_nope_head_dim, dv = m->v_head_dim;
+    int64_t H = m->n_heads, R = m->kv_lora_rank, P = m->qk_rope_head_dim;
+    int64_t dn = m->qk_nope_head_dim, dv = m->v_head_dim, qk = dn + P;
+    if (!kv_idx && dsv2_unabsorbed(m, n)) {
+        /* un-absorbed: keys and values decompressed from the cache, o written straight */
+        cpumla_mla_mha_args b = {.q = s->q, .ldq_t = H * qk, .ldq_h = qk, .n_q = n, .n_heads = H,
+                                 .kv = s->cache[l], .kv_dtype = CPUMLA_F32, .ld_kv = R + P, .n_kv = pos0 + n,
+                                 .rank = R, .rope_dim = P, .kv_b = L->kv_b, .dn = dn, .dv = dv,
+                                 .kv_len = s->kv_len, .scale = m->softmax_scale, .out = s->o,
+                                 .ldo_t = H * dv, .ldo_h = dv};
+        TRY(cpumla_mla_mha(&b));
+        return attn_proj(s, L, n);
+    }
+    /* absorb: q~_h[:R] = q_nope_h @ W_UK[h]; q~_h[R:] = q_pe_h */
+    TRY(cpumla_head_gemv_t(L->kv_b, 0, dn + dv, dn, H, n, s->q, H * qk, qk, s->q_abs, H * (R + P), R + P));
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t hh = 0; hh < H; hh++)
+            memcpy(s->q_abs + (t * H + hh) * (R + P) + R, s->q + t * H * qk + hh * qk + dn, sizeof(float) * (size_t)P);
     cpumla_attn_args a;
     memset(&a, 0, sizeof a);
     a.q = s->q_abs; a.ldq_t = H * (R + P); a.ldq_h = R + P; a.n_q = n; a.n_heads = H;
@@ -155,9 +177,7 @@ int dsv2_attn_out(cpumla_dsv2_state *s, int64_t l, int64_t n, int64_t pos0, cons
     TRY(cpumla_mla_attention(&a));
     /* un-absorb: o_h = W_UV[h] o~_h */
     TRY(cpumla_head_gemv(L->kv_b, dn, dn + dv, dv, H, n, s->o_lat, H * R, R, s->o, H * dv, dv));
-    TRY(cpumla_gemm(L->o_proj, s->o, H * dv, n, s->t, D));
-    for (int64_t i = 0; i < n * D; i++) s->h[i] += s->t[i];
-    return 0;
+    return attn_proj(s, L, n);
 }
 
 int dsv2_ffn(cpumla_dsv2_state *s, int64_t l, int64_t n) {

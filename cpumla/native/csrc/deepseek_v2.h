@@ -29,9 +29,19 @@ typedef struct cpumla_dsv2_layer {
     const cpumla_expert *mlp;      /* dense MLP (gate NULL) or the shared experts (or NULL): a table of one */
 } cpumla_dsv2_layer;
 
+/* Prefill chunks of at least this many tokens attend in the un-absorbed form (cpumla_mla_mha), shorter
+ * ones and decode in the absorbed (latent) form. The crossover of their costs: per head, the absorbed
+ * form spends n * R * (dn + dv) + pairs * (2R + P) multiply-adds, the un-absorbed one T * R * (dn + dv)
+ * + pairs * (dn + P + dv); at V2-Lite's widths and equal efficiency they meet near n = 170 tokens at
+ * any depth well above n, measured (the latent attention being the less efficient) at 90-140 tokens
+ * at depth 2048 on avx512, avx2 and avx512f (docs/benchmarks.md). */
+enum { CPUMLA_DSV2_MHA_MIN_TOKENS = 128 };
+
 typedef struct cpumla_dsv2_model {
     int64_t n_layers, hidden, n_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
         v_head_dim, vocab;
+    int64_t mha_min_tokens;        /* chunks of n > 1 tokens with n >= this attend un-absorbed; 0: the
+                                    * default CPUMLA_DSV2_MHA_MIN_TOKENS */
     float rms_norm_eps, softmax_scale, rope_attn_scale;
     const float *inv_freq;         /* [P/2] */
     const cpumla_weight *embed;    /* [V, D] (F32/BF16/F16) */
@@ -50,7 +60,8 @@ void cpumla_dsv2_free(cpumla_dsv2_state *s);
 
 /* Appends n <= max_tokens tokens at positions pos0 .. pos0+n-1 to every layer's latent cache and writes
  * logits [n, vocab] (last_only: [1, vocab] of the last token): embedding, MLA (absorbed, latent-space
- * prefill with causal lengths), MoE, final norm, lm_head. Returns 0, or -1 (cpumla_last_error: bad
+ * attention with causal lengths; un-absorbed for a chunk of mha_min_tokens or more), MoE, final norm,
+ * lm_head. Returns 0, or -1 (cpumla_last_error: bad
  * token id, context full, routing error, out of memory). */
 int cpumla_dsv2_forward(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int64_t pos0, float *logits,
                         int32_t last_only);

@@ -21,7 +21,7 @@ struct cpumla_dsv2_state {
     float *qa;       /* [n, QL] q LoRA latent after its norm */
     float *q;        /* [n, H*qk] */
     float *latent;   /* [n, R+P] = [c_kv | k_pe] */
-    float *q_abs;    /* [n, H, R+P] absorbed queries */
+    float *q_abs;    /* [n, H, R+P] absorbed queries (the absorbed form only) */
     float *o_lat;    /* [n, H, R] */
     float *o;        /* [n, H*dv] */
     float *gate;     /* [n, E] router logits */
@@ -40,11 +40,15 @@ CPUMLA_INTERNAL void dsv2_state_release(cpumla_dsv2_state *s);
 
 /* Checks the call, fills positions and embeds ids into s->h. 0 or -1. */
 CPUMLA_INTERNAL int dsv2_begin(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int64_t pos0);
-/* Attention inputs of layer l: s->x = input norm of h; s->qa (q LoRA); queries absorbed into s->q_abs;
+/* Attention inputs of layer l: s->x = input norm of h; s->qa (q LoRA); queries (RoPE applied) in s->q;
  * the new latent rows stored in the cache at their positions. */
 CPUMLA_INTERNAL int dsv2_attn_in(cpumla_dsv2_state *s, int64_t l, int64_t n);
-/* Attention of the n queries over the cache, then h += o_proj(W_UV o~). kv_idx NULL: causal over every
- * cached row; else query i sees rows kv_idx[i*ld_idx + j], j < kv_count[i] (cpumla_attn_args). */
+/* Whether a chunk of n tokens attends un-absorbed (kv_idx NULL): n > 1 and n >= m->mha_min_tokens. */
+CPUMLA_INTERNAL int dsv2_unabsorbed(const cpumla_dsv2_model *m, int64_t n);
+/* Attention of the n queries over the cache, then h += o_proj(o). kv_idx NULL: causal over every cached
+ * row, un-absorbed (cpumla_mla_mha) when dsv2_unabsorbed, else absorbed (queries through W_UK into
+ * s->q_abs, latent attention, o = W_UV o~); with kv_idx (always absorbed) query i sees rows
+ * kv_idx[i*ld_idx + j], j < kv_count[i] (cpumla_attn_args). */
 CPUMLA_INTERNAL int dsv2_attn_out(cpumla_dsv2_state *s, int64_t l, int64_t n, int64_t pos0,
                                   const int32_t *kv_idx, int64_t ld_idx, const int64_t *kv_count);
 /* h += MoE or dense MLP of the post-attention norm of h. */

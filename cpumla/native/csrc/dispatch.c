@@ -292,7 +292,7 @@ const char *cpumla_isa(void) {
 static const struct { const char *name; int id; } kernel_names[] = {
     {"gemv", K_GEMV}, {"gemm", K_GEMM}, {"head_gemv", K_GEMM}, {"head_gemv_t", K_GEMV_T},
     {"dequant", K_DEQUANT}, {"rmsnorm", K_RMSNORM}, {"swiglu", K_SWIGLU}, {"softmax", K_SOFTMAX},
-    {"mla_attention", K_ATTN}, {"cache_store", K_CACHE_ROW}, {"read_probe", K_READ},
+    {"mla_attention", K_ATTN}, {"mla_mha", K_SOFTMAX_BLOCK}, {"cache_store", K_CACHE_ROW}, {"read_probe", K_READ},
     {"fma_probe", K_FMA}, {"bf16_probe", K_DOT}, {"moe", -1},
     {"rope", -1}, {"topk", -1}, {"route", -1},
 };

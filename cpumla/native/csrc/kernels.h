@@ -37,7 +37,7 @@
 
 enum cpumla_kernel_id {
     K_GEMV, K_GEMM, K_GEMV_T, K_DEQUANT, K_RMSNORM, K_SWIGLU, K_SOFTMAX, K_ATTN, K_CACHE_ROW,
-    K_READ, K_FMA, K_DOT, K_COUNT
+    K_READ, K_FMA, K_DOT, K_SOFTMAX_BLOCK, K_COUNT
 };
 
 typedef struct cpumla_kernels {
@@ -81,6 +81,15 @@ typedef struct cpumla_kernels {
      * here: ops.c adds them when it merges the parts. */
     void (*attn_part)(const cpumla_attn_args *a, int64_t qi, int64_t h0, int64_t h1, int64_t j0,
                       int64_t j1, float *acc, float *m, float *l);
+
+    /* One query's step of an online softmax over a block of n keys (cpumla_mla_mha), in place: the
+     * first `valid` scores s[j] are visible, the rest masked. With x_j = s[j] * scale (j < valid) and
+     * mn = max(*m, max_j x_j) (a NaN x_j never wins):  s[j] = exp(x_j - mn) for j < valid, 0 for
+     * valid <= j < n;  *l = *l * c + sum_j s[j];  *m = mn;  returns c = exp(m_old - mn), which the
+     * query's running output must be scaled by (0 when m_old is -INFINITY; 1 when mn is -INFINITY,
+     * nothing visible yet). Every exp below FLT_MIN (s[j] and c) is 0 (flush_tiny, common.h): the
+     * probabilities are the next product's operands, and no subnormal may reach it. */
+    float (*softmax_block)(float *s, int64_t n, int64_t valid, float scale, float *m, float *l);
 
     /* dst[0..width) = src in dtype (CPUMLA_F32, or CPUMLA_BF16 rounded to nearest even) */
     void (*cache_row)(void *dst, int32_t dtype, const float *src, int64_t width);
@@ -133,6 +142,9 @@ enum cpumla_scratch_slot {
     CPUMLA_SCRATCH_X_BF16,           /* ops.c: a gemm's activations in bf16, for gemm_xb */
     CPUMLA_SCRATCH_F32ACT,           /* ops.c: cpumla_gemm_f32act's parts and products */
     CPUMLA_SCRATCH_ATTN,             /* ops.c: attention parts */
+    CPUMLA_SCRATCH_MHA,              /* mla_mha.c: decompressed keys and values, scores of a block */
+    CPUMLA_SCRATCH_MHA_STATE,        /* mla_mha.c: softmax state per head and query */
+    CPUMLA_SCRATCH_MHA_XB,           /* mla_mha.c: a span of latents in bf16 */
     CPUMLA_SCRATCH_ROUTE,            /* moe.c: routing scores */
     CPUMLA_SCRATCH_MOE1,             /* moe.c: one token's expert activations */
     CPUMLA_SCRATCH_MOE,              /* moe.c: prefill activations per expert */

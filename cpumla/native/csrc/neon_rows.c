@@ -243,11 +243,41 @@ static double read_sum_neon(const void *buf, int64_t bytes) {
     return s;
 }
 
+/* kernels.h: one online-softmax step over a block of scores (cpumla_mla_mha) */
+static float softmax_block_neon(float *s, int64_t n, int64_t valid, float scale, float *m, float *l) {
+    const float32x4_t sc = vdupq_n_f32(scale), tiny = vdupq_n_f32(1.17549435e-38f);
+    const float mo = *m;
+    float32x4_t mv = vdupq_n_f32(mo);
+    int64_t j = 0;
+    for (; j + 4 <= valid; j += 4) mv = vmaxnmq_f32(mv, vmulq_f32(vld1q_f32(s + j), sc));   /* NaN never wins */
+    float mn = vmaxnmvq_f32(mv);
+    for (; j < valid; j++) {
+        float x = s[j] * scale;
+        mn = x > mn ? x : mn;
+    }
+    const float32x4_t mnv = vdupq_n_f32(mn);
+    float32x4_t sv = vdupq_n_f32(0);
+    for (j = 0; j + 4 <= valid; j += 4) {
+        float32x4_t e = exp_f32x4(vsubq_f32(vmulq_f32(vld1q_f32(s + j), sc), mnv));
+        e = vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(e), vcltq_f32(e, tiny)));   /* below FLT_MIN: 0 */
+        vst1q_f32(s + j, e);
+        sv = vaddq_f32(sv, e);
+    }
+    float sum = vaddvq_f32(sv);
+    for (; j < valid; j++) { s[j] = flush_tiny(expf(s[j] * scale - mn)); sum += s[j]; }
+    for (; j < n; j++) s[j] = 0.0f;
+    const float c = mn == -INFINITY ? 1.0f : flush_tiny(expf(mo - mn));
+    *l = *l * c + sum;
+    *m = mn;
+    return c;
+}
+
 void cpumla_fill_neon_rows(cpumla_kernels *k) {
     k->rmsnorm_row = rmsnorm_row_neon; k->who[K_RMSNORM] = "neon";
     k->swiglu_row = swiglu_row_neon;   k->who[K_SWIGLU] = "neon";
     k->softmax_row = softmax_row_neon; k->who[K_SOFTMAX] = "neon";
     k->attn_part = attn_part_neon;     k->who[K_ATTN] = "neon";
+    k->softmax_block = softmax_block_neon; k->who[K_SOFTMAX_BLOCK] = "neon";
     k->cache_row = cache_row_neon;     k->who[K_CACHE_ROW] = "neon";
     k->read_sum = read_sum_neon;       k->who[K_READ] = "neon";
 }

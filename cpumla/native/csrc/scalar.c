@@ -127,6 +127,25 @@ static void attn_part_scalar(const cpumla_attn_args *a, int64_t qi, int64_t h0, 
     }
 }
 
+/* kernels.h: one online-softmax step over a block of scores (cpumla_mla_mha) */
+static float softmax_block_scalar(float *s, int64_t n, int64_t valid, float scale, float *m, float *l) {
+    float mo = *m, mn = mo;
+    for (int64_t j = 0; j < valid; j++) {
+        float x = s[j] * scale;
+        mn = x > mn ? x : mn;                   /* a NaN never wins */
+    }
+    float sum = 0.0f;
+    for (int64_t j = 0; j < valid; j++) {
+        s[j] = flush_tiny(expf(s[j] * scale - mn));
+        sum += s[j];
+    }
+    for (int64_t j = valid; j < n; j++) s[j] = 0.0f;
+    float c = mn == -INFINITY ? 1.0f : flush_tiny(expf(mo - mn));
+    *l = *l * c + sum;
+    *m = mn;
+    return c;
+}
+
 static void cache_row_scalar(void *dst, int32_t dtype, const float *src, int64_t width) {
     if (dtype == CPUMLA_BF16) {
         for (int64_t i = 0; i < width; i++) ((uint16_t *)dst)[i] = f32_to_bf16(src[i]);
@@ -165,6 +184,7 @@ void cpumla_fill_scalar(cpumla_kernels *k) {
     k->swiglu_row = swiglu_row_scalar;
     k->softmax_row = softmax_row_scalar;
     k->attn_part = attn_part_scalar;
+    k->softmax_block = softmax_block_scalar;
     k->cache_row = cache_row_scalar;
     k->read_sum = read_sum_scalar;
     k->fma_loop = fma_loop_scalar;
