@@ -10,7 +10,8 @@
  * here, E4M3 codes as value * 2^-8 so no fp32 subnormal reaches a multiply), and a register-tiled
  * microkernel runs over it: G_MT tokens x 32 rows, 2 * G_MT zmm accumulators, each k one pair of
  * weight loads and one broadcast per token. The panel chunk (32 KiB) is read from L1 by every token
- * group; the operands of a token chunk (at most G_TC * G_KC * 4 = 256 KiB) stay in L2.
+ * group; the operands of a token chunk (at most G_TC * G_KC * 4 = 256 KiB) stay in L2. The last token
+ * group of a panel prefetches the weight lines of the panel packed next (pf_plan).
  * Single-threaded: ops.c splits rows (and tokens) over the pool. */
 #include <immintrin.h>
 #include <math.h>
@@ -169,11 +170,27 @@ static void pack_panel(const cpumla_weight *w, int64_t r, int nr, int64_t k0, in
 }
 
 /* ---- microkernel -------------------------------------------------------------------------------- */
+/* The weight lines of the panel packed next, prefetched while this one is multiplied: the panel's rows
+ * are short runs (256 columns) a row apart, too short for the hardware prefetchers, and the packing
+ * otherwise waits on each of them from memory. Line j of the plan is line j >> 5 of row j & 31. */
+typedef struct {
+    const char *base;       /* the first row's first byte, or NULL: nothing to prefetch */
+    int64_t row_bytes;
+    int64_t lines;          /* 32 * lines per row */
+    int rows;               /* rows of that panel (1..32); rows past it repeat its last */
+} pf_plan;
+
+INLINE void pf_line(const pf_plan *pp, int64_t j) {
+    const int64_t i = min64(j & 31, pp->rows - 1);
+    _mm_prefetch(pp->base + i * pp->row_bytes + (j >> 5) * 64, _MM_HINT_T0);
+}
+
 /* y[t*ldy + i] (+)= sum_k x[t*ldx + k] * wp[k*32 + i] for t < NT, lanes of m0 / m1 (rows 0-15 / 16-31).
  * The next tile's y rows (pf, ldy apart) are prefetched first: when accumulating they come back
- * from L3 (y of a long token chunk outgrows L2), and the accumulators cannot start before them. */
+ * from L3 (y of a long token chunk outgrows L2), and the accumulators cannot start before them.
+ * pp (or NULL): one weight line of the next panel per k. */
 INLINE void micro(const int NT, const float *wp, int64_t kc, const float *x, int64_t ldx, float *y,
-                  int64_t ldy, __mmask16 m0, __mmask16 m1, int accumulate, const float *pf) {
+                  int64_t ldy, __mmask16 m0, __mmask16 m1, int accumulate, const float *pf, const pf_plan *pp) {
     __m512 a[G_MT], b[G_MT];
     if (pf)
         UNROLL for (int t = 0; t < G_MT; t++) {
@@ -184,14 +201,23 @@ INLINE void micro(const int NT, const float *wp, int64_t kc, const float *x, int
         a[t] = accumulate ? _mm512_maskz_loadu_ps(m0, y + t * ldy) : _mm512_setzero_ps();
         b[t] = accumulate ? _mm512_maskz_loadu_ps(m1, y + t * ldy + 16) : _mm512_setzero_ps();
     }
-    for (int64_t k = 0; k < kc; k++) {
-        __m512 w0 = _mm512_load_ps(wp + k * G_MR), w1 = _mm512_load_ps(wp + k * G_MR + 16);
-        UNROLL for (int t = 0; t < NT; t++) {
-            __m512 s = _mm512_set1_ps(x[t * ldx + k]);
-            a[t] = _mm512_fmadd_ps(s, w0, a[t]);
-            b[t] = _mm512_fmadd_ps(s, w1, b[t]);
-        }
+    const int64_t kp = pp ? min64(kc, pp->lines) : 0;
+#define MICRO_STEP                                                                                       \
+    {                                                                                                    \
+        __m512 w0 = _mm512_load_ps(wp + k * G_MR), w1 = _mm512_load_ps(wp + k * G_MR + 16);             \
+        UNROLL for (int t = 0; t < NT; t++) {                                                            \
+            __m512 s = _mm512_set1_ps(x[t * ldx + k]);                                                   \
+            a[t] = _mm512_fmadd_ps(s, w0, a[t]);                                                         \
+            b[t] = _mm512_fmadd_ps(s, w1, b[t]);                                                         \
+        }                                                                                                \
     }
+    int64_t k = 0;
+    for (; k < kp; k++) {
+        pf_line(pp, k);
+        MICRO_STEP
+    }
+    for (; k < kc; k++) MICRO_STEP
+#undef MICRO_STEP
     UNROLL for (int t = 0; t < NT; t++) {
         _mm512_mask_storeu_ps(y + t * ldy, m0, a[t]);
         _mm512_mask_storeu_ps(y + t * ldy + 16, m1, b[t]);
@@ -200,12 +226,12 @@ INLINE void micro(const int NT, const float *wp, int64_t kc, const float *x, int
 
 /* one out-of-line instance per token count, so that each gets the whole register file */
 typedef void (*micro_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, __mmask16, __mmask16,
-                         int, const float *);
+                         int, const float *, const pf_plan *);
 #define MICRO(N)                                                                                         \
     __attribute__((noinline)) static void micro##N(const float *wp, int64_t kc, const float *x, int64_t ldx, \
                                                    float *y, int64_t ldy, __mmask16 m0, __mmask16 m1, int acc, \
-                                                   const float *pf) {                                   \
-        micro(N, wp, kc, x, ldx, y, ldy, m0, m1, acc, pf);                                               \
+                                                   const float *pf, const pf_plan *pp) {                \
+        micro(N, wp, kc, x, ldx, y, ldy, m0, m1, acc, pf, pp);                                           \
     }
 MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8) MICRO(9) MICRO(10) MICRO(11) MICRO(12)
 MICRO(13) MICRO(14)
@@ -213,15 +239,28 @@ MICRO(13) MICRO(14)
 static const micro_fn micros[G_MT + 1] = {NULL, micro1, micro2, micro3, micro4, micro5, micro6, micro7, micro8,
                                           micro9, micro10, micro11, micro12, micro13, micro14};
 
-/* tokens [0, nt) of a chunk against the packed panel, G_MT at a time */
+/* tokens [0, nt) of a chunk against the packed panel, G_MT at a time; the last group prefetches pp
+ * (earlier, the operands of the later groups would push those lines out of L1 before the packing) */
 static void panel_tokens(const float *x, int64_t ldx, int64_t nt, int64_t kc, float *y, int64_t ldy, int nr,
-                         int accumulate) {
+                         int accumulate, const pf_plan *pp) {
     const __mmask16 m0 = tail16(nr), m1 = tail16(nr - 16);
     for (int64_t t = 0; t < nt; t += G_MT) {
         const int64_t c = min64(G_MT, nt - t);
         const float *pf = accumulate && t + G_MT < nt ? y + (t + G_MT) * ldy : NULL;
-        micros[c](g_pack, kc, x + t * ldx, ldx, y + t * ldy, ldy, m0, m1, accumulate, pf);
+        micros[c](g_pack, kc, x + t * ldx, ldx, y + t * ldy, ldy, m0, m1, accumulate, pf, t + G_MT >= nt && pp->base ? pp : NULL);
     }
+}
+
+/* the plan for the panel of rows [p, min(p + 32, r1)), columns [k0, k0 + kc) (none when p >= r1) */
+static pf_plan plan_panel(const cpumla_weight *w, int64_t p, int64_t r1, int64_t k0, int64_t kc) {
+    static const int bits[5] = {32, 16, 16, 8, 4};
+    pf_plan pp = {NULL, w->row_bytes, 0, 1};
+    if (p >= r1 || w->dtype < 0 || w->dtype > CPUMLA_E2M1) return pp;
+    const int64_t b0 = k0 * bits[w->dtype] / 8, b1 = ((k0 + kc) * bits[w->dtype] + 7) / 8;
+    pp.base = (const char *)weight_row(w, p) + (b0 & ~(int64_t)63);
+    pp.lines = 32 * ((b1 - (b0 & ~(int64_t)63) + 63) / 64);
+    pp.rows = (int)min64(G_MR, r1 - p);
+    return pp;
 }
 
 static void gemm_avx512f(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy,
@@ -256,8 +295,20 @@ static void gemm_avx512f(const cpumla_weight *w, const float *x, int64_t ldx, in
                 make_operands(w, rs, x + t0 * ldx + k0, ldx, nt, k0, kc, xr, G_KC);
                 for (int64_t p = rs; p < re; p += G_MR) {
                     const int nr = (int)min64(G_MR, re - p);
+                    /* the panel after this one: the next of the row block, else the next K chunk's
+                     * first, else the next token chunk's or row block's first */
+                    int64_t np = p + G_MR, nk = k0;
+                    if (np >= re) {
+                        np = rs;
+                        nk = k0 + G_KC;
+                        if (nk >= K) {
+                            nk = 0;
+                            if (t0 + nt >= n) np = re;
+                        }
+                    }
+                    const pf_plan pp = plan_panel(w, np, r1, nk, min64(G_KC, K - nk));
                     pack_panel(w, p, nr, k0, kc);
-                    panel_tokens(xr, G_KC, nt, kc, y + t0 * ldy + (p - r0), ldy, nr, k0 > 0);
+                    panel_tokens(xr, G_KC, nt, kc, y + t0 * ldy + (p - r0), ldy, nr, k0 > 0, &pp);
                 }
             }
         }
