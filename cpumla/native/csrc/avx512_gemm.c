@@ -185,11 +185,12 @@ INLINE void pf_line(const pf_plan *pp, int64_t j) {
     _mm_prefetch(pp->base + i * pp->row_bytes + (j >> 5) * 64, _MM_HINT_T0);
 }
 
-/* y[t*ldy + i] (+)= sum_k x[t*ldx + k] * wp[k*32 + i] for t < NT, lanes of m0 / m1 (rows 0-15 / 16-31).
+/* y[t*ldy + i] (+)= sum_k x[t*G_KC + k] * wp[k*32 + i] for t < NT, lanes of m0 / m1 (rows 0-15 / 16-31).
+ * The operands' fixed stride addresses every token from one register (no spills in the loop).
  * The next tile's y rows (pf, ldy apart) are prefetched first: when accumulating they come back
  * from L3 (y of a long token chunk outgrows L2), and the accumulators cannot start before them.
  * pp (or NULL): one weight line of the next panel per k. */
-INLINE void micro(const int NT, const float *wp, int64_t kc, const float *x, int64_t ldx, float *y,
+INLINE void micro(const int NT, const float *wp, int64_t kc, const float *x, float *y,
                   int64_t ldy, __mmask16 m0, __mmask16 m1, int accumulate, const float *pf, const pf_plan *pp) {
     __m512 a[G_MT], b[G_MT];
     if (pf)
@@ -206,7 +207,7 @@ INLINE void micro(const int NT, const float *wp, int64_t kc, const float *x, int
     {                                                                                                    \
         __m512 w0 = _mm512_load_ps(wp + k * G_MR), w1 = _mm512_load_ps(wp + k * G_MR + 16);             \
         UNROLL for (int t = 0; t < NT; t++) {                                                            \
-            __m512 s = _mm512_set1_ps(x[t * ldx + k]);                                                   \
+            __m512 s = _mm512_set1_ps(x[t * G_KC + k]);                                                  \
             a[t] = _mm512_fmadd_ps(s, w0, a[t]);                                                         \
             b[t] = _mm512_fmadd_ps(s, w1, b[t]);                                                         \
         }                                                                                                \
@@ -225,13 +226,13 @@ INLINE void micro(const int NT, const float *wp, int64_t kc, const float *x, int
 }
 
 /* one out-of-line instance per token count, so that each gets the whole register file */
-typedef void (*micro_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, __mmask16, __mmask16,
+typedef void (*micro_fn)(const float *, int64_t, const float *, float *, int64_t, __mmask16, __mmask16,
                          int, const float *, const pf_plan *);
 #define MICRO(N)                                                                                         \
-    __attribute__((noinline)) static void micro##N(const float *wp, int64_t kc, const float *x, int64_t ldx, \
+    __attribute__((noinline)) static void micro##N(const float *wp, int64_t kc, const float *x,              \
                                                    float *y, int64_t ldy, __mmask16 m0, __mmask16 m1, int acc, \
                                                    const float *pf, const pf_plan *pp) {                \
-        micro(N, wp, kc, x, ldx, y, ldy, m0, m1, acc, pf, pp);                                           \
+        micro(N, wp, kc, x, y, ldy, m0, m1, acc, pf, pp);                                                \
     }
 MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8) MICRO(9) MICRO(10) MICRO(11) MICRO(12)
 MICRO(13) MICRO(14)
@@ -241,13 +242,13 @@ static const micro_fn micros[G_MT + 1] = {NULL, micro1, micro2, micro3, micro4, 
 
 /* tokens [0, nt) of a chunk against the packed panel, G_MT at a time; the last group prefetches pp
  * (earlier, the operands of the later groups would push those lines out of L1 before the packing) */
-static void panel_tokens(const float *x, int64_t ldx, int64_t nt, int64_t kc, float *y, int64_t ldy, int nr,
+static void panel_tokens(const float *x, int64_t nt, int64_t kc, float *y, int64_t ldy, int nr,
                          int accumulate, const pf_plan *pp) {
     const __mmask16 m0 = tail16(nr), m1 = tail16(nr - 16);
     for (int64_t t = 0; t < nt; t += G_MT) {
         const int64_t c = min64(G_MT, nt - t);
         const float *pf = accumulate && t + G_MT < nt ? y + (t + G_MT) * ldy : NULL;
-        micros[c](g_pack, kc, x + t * ldx, ldx, y + t * ldy, ldy, m0, m1, accumulate, pf, t + G_MT >= nt && pp->base ? pp : NULL);
+        micros[c](g_pack, kc, x + t * G_KC, y + t * ldy, ldy, m0, m1, accumulate, pf, t + G_MT >= nt && pp->base ? pp : NULL);
     }
 }
 
@@ -308,7 +309,7 @@ static void gemm_avx512f(const cpumla_weight *w, const float *x, int64_t ldx, in
                     }
                     const pf_plan pp = plan_panel(w, np, r1, nk, min64(G_KC, K - nk));
                     pack_panel(w, p, nr, k0, kc);
-                    panel_tokens(xr, G_KC, nt, kc, y + t0 * ldy + (p - r0), ldy, nr, k0 > 0, &pp);
+                    panel_tokens(xr, nt, kc, y + t0 * ldy + (p - r0), ldy, nr, k0 > 0, &pp);
                 }
             }
         }
