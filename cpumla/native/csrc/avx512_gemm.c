@@ -6,12 +6,13 @@
  * activation operands are made once (BF16: bf16(x); E4M3: bf16(x * block scale * 2^8) of the row
  * block, kernels.h; F32 / F16 / E2M1: x copied) into this thread's CPUMLA_SCRATCH_AVX512F_XR buffer
  * (no buffer: nothing computed, the call fails). Then each panel of G_MR = 32 weight rows is
- * decoded to fp32 and transposed into [k][32] (the packing step: all widening and scaling happens
- * here, E4M3 codes as value * 2^-8 so no fp32 subnormal reaches a multiply), and a register-tiled
- * microkernel runs over it: G_MT tokens x 32 rows, 2 * G_MT zmm accumulators, each k one pair of
- * weight loads and one broadcast per token. The panel chunk (32 KiB) is read from L1 by every token
- * group; the operands of a token chunk (at most G_TC * G_KC * 4 = 256 KiB) stay in L2. The last token
- * group of a panel prefetches the weight lines of the panel packed next (pf_plan).
+ * decoded and transposed into [k][32] (the packing step: fp32 with all widening and scaling done, or
+ * for E4M3 the fp16 bits of value * 2^-8, which the microkernel widens with vcvtph2ps as it loads
+ * them; either way no fp32 subnormal reaches a multiply), and a register-tiled microkernel runs over
+ * it: G_MT tokens x 32 rows, 2 * G_MT zmm accumulators, each k one pair of weight loads and one
+ * broadcast per token. The panel chunk (32 KiB, E4M3 16 KiB) is read from L1 by every token group;
+ * the operands of a token chunk (at most G_TC * G_KC * 4 = 256 KiB) stay in L2. The last token group
+ * of a panel prefetches the weight lines of the panel packed next (pf_plan).
  * Single-threaded: ops.c splits rows (and tokens) over the pool. */
 #include <immintrin.h>
 #include <math.h>
@@ -26,12 +27,6 @@
 #define G_KC 256    /* columns per chunk (a multiple of 16): the panel chunk is 32 KiB */
 #define G_TC 256    /* most tokens per chunk (bounds the operand buffer) */
 #define G_RB 256    /* rows at a time (E4M3: a row block): the y tile of a token chunk stays in L2 */
-#ifndef PF_GROUPS
-#define PF_GROUPS 1
-#endif
-#ifndef OP_AHEAD
-#define OP_AHEAD 2
-#endif
 #define G_MIN_N 4   /* fewer tokens: gemv per token (packing a panel costs more than reading rows n times) */
 
 static __thread float g_pack[G_KC * G_MR] __attribute__((aligned(64)));   /* [k][32] fp32, or fp16 (pack_panel) */
@@ -65,8 +60,8 @@ static void make_operands(const cpumla_weight *w, int64_t r, const float *src, i
     }
     const int round = w->dtype == CPUMLA_BF16 || e4;
     for (int64_t t = 0; t < n; t++) {
-        if (t + OP_AHEAD < n)     /* a token's columns are a short run that the prefetchers pick up late */
-            for (int64_t k = 0; k < kc; k += 16) _mm_prefetch((const char *)(src + (t + OP_AHEAD) * lds + k), _MM_HINT_T0);
+        if (t + 2 < n)            /* a token's columns are a short run that the prefetchers pick up late */
+            for (int64_t k = 0; k < kc; k += 16) _mm_prefetch((const char *)(src + (t + 2) * lds + k), _MM_HINT_T0);
         const float *s = src + t * lds;
         float *d = dst + t * ldd;
         int64_t k = 0;
@@ -202,7 +197,7 @@ static void pack_panel(const cpumla_weight *w, int64_t r, int nr, int64_t k0, in
 typedef struct {
     const char *base;       /* the first row's first byte, or NULL: nothing to prefetch */
     int64_t row_bytes;
-    int64_t j0, j1;         /* the lines [j0, j1) of the plan to prefetch: of 32 * lines per row */
+    int64_t lines;          /* 32 * lines per row */
     int rows;               /* rows of that panel (1..32); rows past it repeat its last */
 } pf_plan;
 
@@ -229,7 +224,7 @@ INLINE void micro(const int NT, const int H, const float *wp, int64_t kc, const 
         a[t] = accumulate ? _mm512_maskz_loadu_ps(m0, y + t * ldy) : _mm512_setzero_ps();
         b[t] = accumulate ? _mm512_maskz_loadu_ps(m1, y + t * ldy + 16) : _mm512_setzero_ps();
     }
-    const int64_t kp = pp ? min64(kc, pp->j1 - pp->j0) : 0;
+    const int64_t kp = pp ? min64(kc, pp->lines) : 0;
 #define MICRO_STEP                                                                                       \
     {                                                                                                    \
         __m512 w0 = H ? _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)((const uint16_t *)wp + k * G_MR))) \
@@ -244,7 +239,7 @@ INLINE void micro(const int NT, const int H, const float *wp, int64_t kc, const 
     }
     int64_t k = 0;
     for (; k < kp; k++) {
-        pf_line(pp, pp->j0 + k);
+        pf_line(pp, k);
         MICRO_STEP
     }
     for (; k < kc; k++) MICRO_STEP
@@ -286,22 +281,19 @@ static void panel_tokens(const float *x, int64_t nt, int64_t kc, float *y, int64
     for (int64_t t = 0; t < nt; t += G_MT) {
         const int64_t c = min64(G_MT, nt - t);
         const float *pf = accumulate && t + G_MT < nt ? y + (t + G_MT) * ldy : NULL;
-        const int64_t g = t / G_MT, ng = (nt + G_MT - 1) / G_MT, gs = ng > PF_GROUPS ? ng - PF_GROUPS : 0;
-        pf_plan q = *pp;
-        q.j0 = g < gs ? 0 : pp->j1 * (g - gs) / (ng - gs);
-        q.j1 = g < gs ? 0 : pp->j1 * (g - gs + 1) / (ng - gs);
-        micros[half][c](g_pack, kc, x + t * G_KC, y + t * ldy, ldy, m0, m1, accumulate, pf, q.base && q.j1 > q.j0 ? &q : NULL);
+        micros[half][c](g_pack, kc, x + t * G_KC, y + t * ldy, ldy, m0, m1, accumulate, pf,
+                        t + G_MT >= nt && pp->base ? pp : NULL);
     }
 }
 
 /* the plan for the panel of rows [p, min(p + 32, r1)), columns [k0, k0 + kc) (none when p >= r1) */
 static pf_plan plan_panel(const cpumla_weight *w, int64_t p, int64_t r1, int64_t k0, int64_t kc) {
     static const int bits[5] = {32, 16, 16, 8, 4};
-    pf_plan pp = {NULL, w->row_bytes, 0, 0, 1};
+    pf_plan pp = {NULL, w->row_bytes, 0, 1};
     if (p >= r1 || w->dtype < 0 || w->dtype > CPUMLA_E2M1) return pp;
     const int64_t b0 = k0 * bits[w->dtype] / 8, b1 = ((k0 + kc) * bits[w->dtype] + 7) / 8;
     pp.base = (const char *)weight_row(w, p) + (b0 & ~(int64_t)63);
-    pp.j1 = 32 * ((b1 - (b0 & ~(int64_t)63) + 63) / 64);
+    pp.lines = 32 * ((b1 - (b0 & ~(int64_t)63) + 63) / 64);
     pp.rows = (int)min64(G_MR, r1 - p);
     return pp;
 }
