@@ -70,6 +70,7 @@ static void test_linear(void) {
         {200, 300, CPUMLA_E4M3, CPUMLA_F32, 128, 128}, {129, 385, CPUMLA_E4M3, CPUMLA_E8M0, 128, 128},
         {129, 1031, CPUMLA_BF16, 0, 0, 0}, {65, 77, CPUMLA_F16, 0, 0, 0}, {33, 100, CPUMLA_E2M1, CPUMLA_E8M0, 1, 32},
         {300, 64, CPUMLA_F32, 0, 0, 0},
+        {1300, 40, CPUMLA_E4M3, CPUMLA_F32, 128, 128},   /* 11 row blocks over 4 threads: the last ones halved */
     };
     for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
         tweight t = make_weight(cs[ci].rows, cs[ci].cols, cs[ci].dt, cs[ci].sdt, cs[ci].br, cs[ci].bc, 4);

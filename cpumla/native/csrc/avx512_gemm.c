@@ -6,11 +6,13 @@
  * activation operands are made once (BF16: bf16(x); E4M3: bf16(x * block scale * 2^8) of the row
  * block, kernels.h; F32 / F16 / E2M1: x copied) into this thread's CPUMLA_SCRATCH_AVX512F_XR buffer
  * (no buffer: nothing computed, the call fails). Then each panel of G_MR = 32 weight rows is
- * decoded to fp32 and transposed into [k][32] (the packing step: all widening and scaling happens
- * here, E4M3 codes as value * 2^-8 so no fp32 subnormal reaches a multiply), and a register-tiled
- * microkernel runs over it: G_MT tokens x 32 rows, 2 * G_MT zmm accumulators, each k one pair of
- * weight loads and one broadcast per token. The panel chunk (32 KiB) is read from L1 by every token
- * group; the operands of a token chunk (at most G_TC * G_KC * 4 = 256 KiB) stay in L2.
+ * decoded and transposed into [k][32] (the packing step: fp32 with all widening and scaling done, or
+ * for E4M3 the fp16 bits of value * 2^-8, which the microkernel widens with vcvtph2ps as it loads
+ * them; either way no fp32 subnormal reaches a multiply), and a register-tiled microkernel runs over
+ * it: G_MT tokens x 32 rows, 2 * G_MT zmm accumulators, each k one pair of weight loads and one
+ * broadcast per token. The panel chunk (32 KiB, E4M3 16 KiB) is read from L1 by every token group;
+ * the operands of a token chunk (at most G_TC * G_KC * 4 = 256 KiB) stay in L2. The last token group
+ * of a panel prefetches the weight lines of the panel packed next (pf_plan).
  * Single-threaded: ops.c splits rows (and tokens) over the pool. */
 #include <immintrin.h>
 #include <math.h>
@@ -27,7 +29,7 @@
 #define G_RB 256    /* rows at a time (E4M3: a row block): the y tile of a token chunk stays in L2 */
 #define G_MIN_N 4   /* fewer tokens: gemv per token (packing a panel costs more than reading rows n times) */
 
-static __thread float g_pack[G_KC * G_MR] __attribute__((aligned(64)));   /* [k][32] */
+static __thread float g_pack[G_KC * G_MR] __attribute__((aligned(64)));   /* [k][32] fp32, or fp16 (pack_panel) */
 
 /* the avx512f gemv (for n < G_MIN_N) */
 static void (*g_gemv)(const cpumla_weight *, const float *, float *, int64_t, int64_t);
@@ -56,14 +58,18 @@ static void make_operands(const cpumla_weight *w, int64_t r, const float *src, i
             for (int64_t i = 0; i < 16; i++) sv[k + i] = c + i <= last ? weight_scale(w, r, c + i) * 256.0f : 0.0f;
         }
     }
+    const int round = w->dtype == CPUMLA_BF16 || e4;
     for (int64_t t = 0; t < n; t++) {
         if (t + 2 < n)            /* a token's columns are a short run that the prefetchers pick up late */
             for (int64_t k = 0; k < kc; k += 16) _mm_prefetch((const char *)(src + (t + 2) * lds + k), _MM_HINT_T0);
-        for (int64_t k = 0; k < kc; k += 16) {
-            if (w->dtype == CPUMLA_BF16 || e4)
-                bf16_mul16(src + t * lds + k, _mm512_load_ps(sv + k), tail16(kc - k), dst + t * ldd + k);
-            else
-                _mm512_store_ps(dst + t * ldd + k, _mm512_maskz_loadu_ps(tail16(kc - k), src + t * lds + k));
+        const float *s = src + t * lds;
+        float *d = dst + t * ldd;
+        int64_t k = 0;
+        if (round) {
+            for (; k + 16 <= kc; k += 16) bf16_mul16(s + k, _mm512_load_ps(sv + k), 0xffff, d + k);
+            if (k < kc) bf16_mul16(s + k, _mm512_load_ps(sv + k), tail16(kc - k), d + k);
+        } else {
+            for (; k < kc; k += 16) _mm512_store_ps(d + k, _mm512_maskz_loadu_ps(tail16(kc - k), s + k));
         }
     }
 }
@@ -120,11 +126,12 @@ INLINE void pack_bf16_16x32(const cpumla_weight *w, int64_t r, int64_t c, float 
     }
 }
 
-/* E4M3, 16 full rows x 64 columns: the transpose moves groups of 4 codes (one dword), then byte p of
- * each dword becomes the fp16 bits of value * 2^-8, (sign_extend(b) << 7) & 0xbf80 (e4m3_h32; the
- * mask also clears the bits of the byte below), which vcvtph2ps widens (e4m3 subnormals come out as normal fp32). Returns 0 when a NaN code was seen
- * (the caller redoes the block through dq16, which decodes it to NaN). */
-INLINE int pack_e4m3_16x64(const cpumla_weight *w, int64_t r, int64_t c, float *out) {
+/* E4M3 into the fp16 panel, 16 full rows x 64 columns: the transpose moves groups of 4 codes (one
+ * dword); a byte shuffle and a dword permute gather in 128-bit lane p the 16 rows' codes of column
+ * 4j + p, which widen 32 at a time to the fp16 bits of value * 2^-8 (e4m3_h32; e4m3 subnormals are
+ * fp16 subnormals, which vcvtph2ps makes normal fp32). Returns 0 when a NaN code was seen (the
+ * caller redoes the block through dq16, which decodes it to NaN). */
+INLINE int pack_e4m3_16x64(const cpumla_weight *w, int64_t r, int64_t c, uint16_t *out) {
     __m512 v[16], o[16];
     __m512i lo7 = _mm512_setzero_si512();
     UNROLL for (int i = 0; i < 16; i++) {
@@ -133,47 +140,80 @@ INLINE int pack_e4m3_16x64(const cpumla_weight *w, int64_t r, int64_t c, float *
         v[i] = _mm512_castsi512_ps(b);
     }
     tr16(v, o);
+    /* in each 128-bit lane, dword p <- byte p of its 4 dwords; then lane p <- dword p of every lane */
+    const __m512i bytes = _mm512_set4_epi32(0x0f0b0703, 0x0e0a0602, 0x0d090501, 0x0c080400);
+    const __m512i lanes = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     UNROLL for (int j = 0; j < 16; j++) {
-        __m512i d = _mm512_castps_si512(o[j]);
-        UNROLL for (int p = 0; p < 4; p++) {
-            __m512i h = _mm512_and_si512(_mm512_srai_epi32(_mm512_slli_epi32(d, 24 - 8 * p), 17), _mm512_set1_epi32(0xbf80));
-            _mm512_store_ps(out + (4 * j + p) * G_MR, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)));
-        }
+        __m512i d = _mm512_permutexvar_epi32(lanes, _mm512_shuffle_epi8(_mm512_castps_si512(o[j]), bytes));
+        __m512i h01 = e4m3_h32(_mm512_castsi512_si256(d)), h23 = e4m3_h32(_mm512_extracti64x4_epi64(d, 1));
+        _mm256_store_si256((__m256i *)(out + (4 * j) * G_MR), _mm512_castsi512_si256(h01));
+        _mm256_store_si256((__m256i *)(out + (4 * j + 1) * G_MR), _mm512_extracti64x4_epi64(h01, 1));
+        _mm256_store_si256((__m256i *)(out + (4 * j + 2) * G_MR), _mm512_castsi512_si256(h23));
+        _mm256_store_si256((__m256i *)(out + (4 * j + 3) * G_MR), _mm512_extracti64x4_epi64(h23, 1));
     }
     return _mm512_cmpeq_epi8_mask(lo7, _mm512_set1_epi8(0x7f)) == 0;
 }
 
-/* rows r..r+15 (zero rows from nr on), columns [c, c + 16) (zero columns past c1) through dq16 */
-INLINE void pack_16x16(const cpumla_weight *w, int64_t r, int nr, int64_t c, int64_t c1, float *out) {
+/* rows r..r+15 (zero rows from nr on), columns [c, c + 16) (zero columns past c1) through dq16: into
+ * the fp32 panel, or (out16) the fp16 one (E4M3: value * 2^-8 is exact in fp16, NaN stays NaN) */
+INLINE void pack_16x16(const cpumla_weight *w, int64_t r, int nr, int64_t c, int64_t c1, float *out, uint16_t *out16) {
     __m512 v[16], o[16];
     const int32_t dt = w->dtype;
     for (int i = 0; i < 16; i++) v[i] = i < nr ? panel_cols(w, dt, r + i, c, c1 - c) : _mm512_setzero_ps();
     tr16(v, o);
-    UNROLL for (int j = 0; j < 16; j++) _mm512_store_ps(out + j * G_MR, o[j]);
+    UNROLL for (int j = 0; j < 16; j++) {
+        if (out16)
+            _mm256_store_si256((__m256i *)(out16 + j * G_MR), _mm512_cvtps_ph(o[j], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        else
+            _mm512_store_ps(out + j * G_MR, o[j]);
+    }
 }
 
-/* g_pack[k][i] = operand of W[r + i, k0 + k] for i < nr (zero rows past nr), k < kc rounded up to 16
- * (zero columns past kc) */
+/* The panel of rows [r, r + nr) (zero rows past nr), columns [k0, k0 + kc) rounded up to 16 (zero
+ * columns past kc), in g_pack: [k][32] fp32 operands (BF16, F32, F16, E2M1), or (E4M3) [k][32] fp16
+ * bits of the codes' value * 2^-8, which the microkernel widens as it loads them: half the stores
+ * here, and half the panel's room in L1 */
 static void pack_panel(const cpumla_weight *w, int64_t r, int nr, int64_t k0, int64_t kc) {
+    uint16_t *p16 = w->dtype == CPUMLA_E4M3 ? (uint16_t *)g_pack : NULL;
     for (int h = 0; h < G_MR; h += 16) {
         const int hr = nr - h;
         int64_t k = 0;
         if (hr >= 16 && w->dtype == CPUMLA_BF16)
             for (; k + 32 <= kc; k += 32) pack_bf16_16x32(w, r + h, k0 + k, g_pack + k * G_MR + h);
-        if (hr >= 16 && w->dtype == CPUMLA_E4M3)
+        if (hr >= 16 && p16)
             for (; k + 64 <= kc; k += 64)
-                if (!pack_e4m3_16x64(w, r + h, k0 + k, g_pack + k * G_MR + h))
-                    for (int64_t j = k; j < k + 64; j += 16) pack_16x16(w, r + h, 16, k0 + j, k0 + kc, g_pack + j * G_MR + h);
-        for (; k < kc; k += 16) pack_16x16(w, r + h, hr, k0 + k, k0 + kc, g_pack + k * G_MR + h);
+                if (!pack_e4m3_16x64(w, r + h, k0 + k, p16 + k * G_MR + h))
+                    for (int64_t j = k; j < k + 64; j += 16)
+                        pack_16x16(w, r + h, 16, k0 + j, k0 + kc, NULL, p16 + j * G_MR + h);
+        for (; k < kc; k += 16)
+            pack_16x16(w, r + h, hr, k0 + k, k0 + kc, g_pack + k * G_MR + h, p16 ? p16 + k * G_MR + h : NULL);
     }
 }
 
 /* ---- microkernel -------------------------------------------------------------------------------- */
-/* y[t*ldy + i] (+)= sum_k x[t*ldx + k] * wp[k*32 + i] for t < NT, lanes of m0 / m1 (rows 0-15 / 16-31).
+/* The weight lines of the panel packed next, prefetched while this one is multiplied: the panel's rows
+ * are short runs (256 columns) a row apart, too short for the hardware prefetchers, and the packing
+ * otherwise waits on each of them from memory. Line j of the plan is line j >> 5 of row j & 31. */
+typedef struct {
+    const char *base;       /* the first row's first byte, or NULL: nothing to prefetch */
+    int64_t row_bytes;
+    int64_t lines;          /* 32 * lines per row */
+    int rows;               /* rows of that panel (1..32); rows past it repeat its last */
+} pf_plan;
+
+INLINE void pf_line(const pf_plan *pp, int64_t j) {
+    const int64_t i = min64(j & 31, pp->rows - 1);
+    _mm_prefetch(pp->base + i * pp->row_bytes + (j >> 5) * 64, _MM_HINT_T0);
+}
+
+/* y[t*ldy + i] (+)= sum_k x[t*G_KC + k] * wp[k*32 + i] for t < NT, lanes of m0 / m1 (rows 0-15 / 16-31);
+ * H: wp is the fp16 panel (E4M3), widened here (vcvtph2ps runs beside the FMAs).
+ * The operands' fixed stride addresses every token from one register (no spills in the loop).
  * The next tile's y rows (pf, ldy apart) are prefetched first: when accumulating they come back
- * from L3 (y of a long token chunk outgrows L2), and the accumulators cannot start before them. */
-INLINE void micro(const int NT, const float *wp, int64_t kc, const float *x, int64_t ldx, float *y,
-                  int64_t ldy, __mmask16 m0, __mmask16 m1, int accumulate, const float *pf) {
+ * from L3 (y of a long token chunk outgrows L2), and the accumulators cannot start before them.
+ * pp (or NULL): one weight line of the next panel per k. */
+INLINE void micro(const int NT, const int H, const float *wp, int64_t kc, const float *x, float *y,
+                  int64_t ldy, __mmask16 m0, __mmask16 m1, int accumulate, const float *pf, const pf_plan *pp) {
     __m512 a[G_MT], b[G_MT];
     if (pf)
         UNROLL for (int t = 0; t < G_MT; t++) {
@@ -184,14 +224,26 @@ INLINE void micro(const int NT, const float *wp, int64_t kc, const float *x, int
         a[t] = accumulate ? _mm512_maskz_loadu_ps(m0, y + t * ldy) : _mm512_setzero_ps();
         b[t] = accumulate ? _mm512_maskz_loadu_ps(m1, y + t * ldy + 16) : _mm512_setzero_ps();
     }
-    for (int64_t k = 0; k < kc; k++) {
-        __m512 w0 = _mm512_load_ps(wp + k * G_MR), w1 = _mm512_load_ps(wp + k * G_MR + 16);
-        UNROLL for (int t = 0; t < NT; t++) {
-            __m512 s = _mm512_set1_ps(x[t * ldx + k]);
-            a[t] = _mm512_fmadd_ps(s, w0, a[t]);
-            b[t] = _mm512_fmadd_ps(s, w1, b[t]);
-        }
+    const int64_t kp = pp ? min64(kc, pp->lines) : 0;
+#define MICRO_STEP                                                                                       \
+    {                                                                                                    \
+        __m512 w0 = H ? _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)((const uint16_t *)wp + k * G_MR))) \
+                      : _mm512_load_ps(wp + k * G_MR);                                                   \
+        __m512 w1 = H ? _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)((const uint16_t *)wp + k * G_MR + 16))) \
+                      : _mm512_load_ps(wp + k * G_MR + 16);                                              \
+        UNROLL for (int t = 0; t < NT; t++) {                                                            \
+            __m512 s = _mm512_set1_ps(x[t * G_KC + k]);                                                  \
+            a[t] = _mm512_fmadd_ps(s, w0, a[t]);                                                         \
+            b[t] = _mm512_fmadd_ps(s, w1, b[t]);                                                         \
+        }                                                                                                \
     }
+    int64_t k = 0;
+    for (; k < kp; k++) {
+        pf_line(pp, k);
+        MICRO_STEP
+    }
+    for (; k < kc; k++) MICRO_STEP
+#undef MICRO_STEP
     UNROLL for (int t = 0; t < NT; t++) {
         _mm512_mask_storeu_ps(y + t * ldy, m0, a[t]);
         _mm512_mask_storeu_ps(y + t * ldy + 16, m1, b[t]);
@@ -199,29 +251,51 @@ INLINE void micro(const int NT, const float *wp, int64_t kc, const float *x, int
 }
 
 /* one out-of-line instance per token count, so that each gets the whole register file */
-typedef void (*micro_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, __mmask16, __mmask16,
-                         int, const float *);
+typedef void (*micro_fn)(const float *, int64_t, const float *, float *, int64_t, __mmask16, __mmask16,
+                         int, const float *, const pf_plan *);
 #define MICRO(N)                                                                                         \
-    __attribute__((noinline)) static void micro##N(const float *wp, int64_t kc, const float *x, int64_t ldx, \
+    __attribute__((noinline)) static void micro##N(const float *wp, int64_t kc, const float *x,              \
                                                    float *y, int64_t ldy, __mmask16 m0, __mmask16 m1, int acc, \
-                                                   const float *pf) {                                   \
-        micro(N, wp, kc, x, ldx, y, ldy, m0, m1, acc, pf);                                               \
+                                                   const float *pf, const pf_plan *pp) {                \
+        micro(N, 0, wp, kc, x, y, ldy, m0, m1, acc, pf, pp);                                             \
+    }                                                                                                    \
+    __attribute__((noinline)) static void microh##N(const float *wp, int64_t kc, const float *x,             \
+                                                    float *y, int64_t ldy, __mmask16 m0, __mmask16 m1, int acc, \
+                                                    const float *pf, const pf_plan *pp) {               \
+        micro(N, 1, wp, kc, x, y, ldy, m0, m1, acc, pf, pp);                                             \
     }
 MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8) MICRO(9) MICRO(10) MICRO(11) MICRO(12)
 MICRO(13) MICRO(14)
 #undef MICRO
-static const micro_fn micros[G_MT + 1] = {NULL, micro1, micro2, micro3, micro4, micro5, micro6, micro7, micro8,
-                                          micro9, micro10, micro11, micro12, micro13, micro14};
+static const micro_fn micros[2][G_MT + 1] = {
+    {NULL, micro1, micro2, micro3, micro4, micro5, micro6, micro7, micro8, micro9, micro10, micro11, micro12,
+     micro13, micro14},
+    {NULL, microh1, microh2, microh3, microh4, microh5, microh6, microh7, microh8, microh9, microh10, microh11,
+     microh12, microh13, microh14}};
 
-/* tokens [0, nt) of a chunk against the packed panel, G_MT at a time */
-static void panel_tokens(const float *x, int64_t ldx, int64_t nt, int64_t kc, float *y, int64_t ldy, int nr,
-                         int accumulate) {
+/* tokens [0, nt) of a chunk against the packed panel, G_MT at a time; the last group prefetches pp
+ * (earlier, the operands of the later groups would push those lines out of L1 before the packing) */
+static void panel_tokens(const float *x, int64_t nt, int64_t kc, float *y, int64_t ldy, int nr,
+                         int accumulate, const pf_plan *pp, int half) {
     const __mmask16 m0 = tail16(nr), m1 = tail16(nr - 16);
     for (int64_t t = 0; t < nt; t += G_MT) {
         const int64_t c = min64(G_MT, nt - t);
         const float *pf = accumulate && t + G_MT < nt ? y + (t + G_MT) * ldy : NULL;
-        micros[c](g_pack, kc, x + t * ldx, ldx, y + t * ldy, ldy, m0, m1, accumulate, pf);
+        micros[half][c](g_pack, kc, x + t * G_KC, y + t * ldy, ldy, m0, m1, accumulate, pf,
+                        t + G_MT >= nt && pp->base ? pp : NULL);
     }
+}
+
+/* the plan for the panel of rows [p, min(p + 32, r1)), columns [k0, k0 + kc) (none when p >= r1) */
+static pf_plan plan_panel(const cpumla_weight *w, int64_t p, int64_t r1, int64_t k0, int64_t kc) {
+    static const int bits[5] = {32, 16, 16, 8, 4};
+    pf_plan pp = {NULL, w->row_bytes, 0, 1};
+    if (p >= r1 || w->dtype < 0 || w->dtype > CPUMLA_E2M1) return pp;
+    const int64_t b0 = k0 * bits[w->dtype] / 8, b1 = ((k0 + kc) * bits[w->dtype] + 7) / 8;
+    pp.base = (const char *)weight_row(w, p) + (b0 & ~(int64_t)63);
+    pp.lines = 32 * ((b1 - (b0 & ~(int64_t)63) + 63) / 64);
+    pp.rows = (int)min64(G_MR, r1 - p);
+    return pp;
 }
 
 static void gemm_avx512f(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy,
@@ -256,8 +330,20 @@ static void gemm_avx512f(const cpumla_weight *w, const float *x, int64_t ldx, in
                 make_operands(w, rs, x + t0 * ldx + k0, ldx, nt, k0, kc, xr, G_KC);
                 for (int64_t p = rs; p < re; p += G_MR) {
                     const int nr = (int)min64(G_MR, re - p);
+                    /* the panel after this one: the next of the row block, else the next K chunk's
+                     * first, else the next token chunk's or row block's first */
+                    int64_t np = p + G_MR, nk = k0;
+                    if (np >= re) {
+                        np = rs;
+                        nk = k0 + G_KC;
+                        if (nk >= K) {
+                            nk = 0;
+                            if (t0 + nt >= n) np = re;
+                        }
+                    }
+                    const pf_plan pp = plan_panel(w, np, r1, nk, min64(G_KC, K - nk));
                     pack_panel(w, p, nr, k0, kc);
-                    panel_tokens(xr, G_KC, nt, kc, y + t0 * ldy + (p - r0), ldy, nr, k0 > 0);
+                    panel_tokens(xr, nt, kc, y + t0 * ldy + (p - r0), ldy, nr, k0 > 0, &pp, e4);
                 }
             }
         }
