@@ -1,11 +1,14 @@
-/* avx512_q.c: Q8 / Q4 kernels with AVX-512 VNNI (compiled as avx512.c is). Semantics: scalar_q.c
- * (kernels.h), to the rounding: each block's integer sum is exact, (float)isum * (wd * xd) is rounded
- * as the spec rounds it, and only the fp32 sums over blocks are associated differently.
+/* avx512_q.c: the integer kernels (Q8 / Q4 / E2M1) with AVX-512 VNNI (compiled as avx512.c is).
+ * Semantics: scalar_q.c (kernels.h), to the rounding: each block's integer sum is exact,
+ * (float)isum * (wd * xd) is rounded as the spec rounds it, and only the fp32 sums over blocks are
+ * associated differently.
  *
  * vpdpbusd multiplies unsigned by signed bytes, 4 per int32 lane: Q8 weights go in as w + 128
- * (w ^ 0x80) and Q4 as the nibbles themselves; quant_x stores per block -128 (Q8) or -8 (Q4) times the
- * activation block's code sum, the correction that makes the block's sum exact.
- * A step is 16 blocks of a row: Q4's 4 lines give the blocks' columns 0-15 (AND) and 16-31 (shift);
+ * (w ^ 0x80), Q4 as the nibbles themselves, E2M1 as w2 + 12 (one vpshufb per 64 nibbles); quant_x
+ * stores per block -128 (Q8), -8 (Q4) or -12 (E2M1) times the activation block's code sum, the
+ * correction that makes the block's sum exact.
+ * A step is 16 blocks of a row: Q4's 4 lines give the blocks' columns 0-15 (AND) and 16-31 (shift),
+ * E2M1's their even and odd columns (quant.h: its activations are laid out to match);
  * Q8's 8 lines are regrouped into the same halves with vpermt2q. Against the activations laid out to
  * match (quant.h), two vpdpbusd per 4 blocks leave each block's sum in 4 lanes of one vector; two
  * levels of in-lane unpack + add reduce the 4 vectors to one lane per block, and one vpermd puts the
@@ -37,7 +40,9 @@ static void quant_x_avx512(int32_t wdtype, const float *x, int64_t K, void *qx) 
     float *d = qx_d(qx, K);
     int32_t *s = qx_s(qx, K);
     const int64_t nb = K / QK, kp = qx_kp(K);
-    const int q4 = wdtype == CPUMLA_Q4;
+    const int fp4 = wdtype == CPUMLA_E2M1, q4 = wdtype == CPUMLA_Q4 || fp4;
+    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     memset(q + K, 0, (size_t)(kp - K));
     for (int64_t b = nb; b < kp / QK; b++) { d[b] = 0.0f; s[b] = 0; }
     for (int64_t b = 0; b < nb; b++) {
@@ -47,7 +52,12 @@ static void quant_x_avx512(int32_t wdtype, const float *x, int64_t K, void *qx) 
         d[b] = amax / 127.0f;
         __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));    /* nearest even */
         __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
-        s[b] = (q4 ? -8 : -128) * _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+        s[b] = (fp4 ? -12 : q4 ? -8 : -128) * _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+        if (fp4) {            /* [even columns | odd columns]: the low and high nibbles' order */
+            const __m512i e = _mm512_permutex2var_epi32(i0, ev, i1);
+            i1 = _mm512_permutex2var_epi32(i0, od, i1);
+            i0 = e;
+        }
         int8_t *lo = q + (b / 4) * 128 + (b % 4) * 16, *hi = lo + 64;
         _mm_storeu_si128((__m128i *)lo, _mm512_cvtepi32_epi8(i0));
         _mm_storeu_si128((__m128i *)hi, _mm512_cvtepi32_epi8(i1));
@@ -56,17 +66,24 @@ static void quant_x_avx512(int32_t wdtype, const float *x, int64_t K, void *qx) 
 
 INLINE __mmask64 bytes_mask(int64_t n) { return n >= 64 ? ~(__mmask64)0 : n <= 0 ? 0 : (((__mmask64)1 << n) - 1); }
 
-/* the unsigned operands of one step of a row: lo[v] / hi[v] = columns 0-15 / 16-31 of blocks
- * 4v..4v+3 of the step; vb < 16: a masked last step of vb blocks */
-INLINE void load_step(const uint8_t *p, int q4, int64_t vb, __m512i lo[4], __m512i hi[4]) {
+enum { F_Q8, F_Q4, F_FP4 };     /* the weight format a tile is specialised for */
+
+/* the unsigned operands of one step of a row: lo[v] / hi[v] = columns 0-15 / 16-31 (E2M1: the even /
+ * odd columns, as w2 + 12) of blocks 4v..4v+3 of the step; vb < 16: a masked last step of vb blocks */
+INLINE void load_step(const uint8_t *p, int fmt, int64_t vb, __m512i lo[4], __m512i hi[4]) {
     const int full = vb >= 16;
-    if (q4) {
+    if (fmt != F_Q8) {
         const __m512i m4 = _mm512_set1_epi8(15);
         UNROLL for (int v = 0; v < 4; v++) {
             const __m512i wv = full ? _mm512_loadu_si512(p + 64 * v)
                                     : _mm512_maskz_loadu_epi8(bytes_mask(vb * 16 - 64 * v), p + 64 * v);
             lo[v] = _mm512_and_si512(wv, m4);
             hi[v] = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
+            if (fmt == F_FP4) {
+                const __m512i u = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+                lo[v] = _mm512_shuffle_epi8(u, lo[v]);
+                hi[v] = _mm512_shuffle_epi8(u, hi[v]);
+            }
         }
         return;
     }
@@ -111,15 +128,28 @@ INLINE __m512 step_acc(__m512 acc, __m512i isum, __m512 wd, const float *xd) {
     return _mm512_add_ps(acc, p);
 }
 
+/* the scales wd of the m-masked blocks of 16 from p (the rest 0): fp16 (Q8 / Q4), or E8M0 bytes as
+ * 2^(e - 128) (e8m0_half: the normal (e - 1) << 23, the subnormals 2^-127 and 2^-128 for e = 1 and
+ * 0, NaN for 0xff) */
+INLINE __m512 ld_wd(const uint8_t *p, int fmt, __mmask16 m) {
+    if (fmt != F_FP4) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, p));
+    __m512i v = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    v = _mm512_mask_sllv_epi32(v, _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), _mm512_set1_epi32(0x00200000), e);
+    v = _mm512_mask_mov_epi32(v, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7fc00000));
+    return _mm512_castsi512_ps(v);
+}
+
 /* y[t*ldy + i] = row r + i . token t, i < R, t < T; pf: prefetch distance in bytes (0: none) */
 INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
-                 int64_t ldy, int q4, int64_t pf) {
-    const int64_t K = w->cols, nb = K / QK, SB = q4 ? 256 : 512;     /* weight bytes a step */
+                 int64_t ldy, int fmt, int64_t pf) {
+    const int64_t K = w->cols, nb = K / QK, SB = fmt != F_Q8 ? 256 : 512;     /* weight bytes a step */
+    const int64_t ss = fmt == F_FP4 ? 1 : 2;                                   /* scale bytes a block */
     const uint8_t *rp[4];
-    const uint16_t *sp[4];
+    const uint8_t *sp[4];
     UNROLL for (int i = 0; i < 4; i++) {
         rp[i] = weight_row(w, r + (i < R ? i : 0));
-        sp[i] = (const uint16_t *)w->scale + (r + (i < R ? i : 0)) * w->scale_ld;
+        sp[i] = q_scale_row(w, r + (i < R ? i : 0));
     }
     const uint8_t *xq[2] = {qx, qx + (T > 1 ? per : 0)};
     const float *xd[2] = {qx_d(xq[0], K), qx_d(xq[1], K)};
@@ -131,11 +161,11 @@ INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, in
         UNROLL for (int i = 0; i < R; i++) {
             if (pf) {
                 UNROLL for (int l = 0; l < SB; l += 64) _mm_prefetch((const char *)rp[i] + (b / 16) * SB + pf + l, _MM_HINT_T0);
-                _mm_prefetch((const char *)(sp[i] + b) + pf / (q4 ? 8 : 16), _MM_HINT_T0);
+                _mm_prefetch((const char *)(sp[i] + ss * b) + pf * ss / (SB / 16), _MM_HINT_T0);
             }
             __m512i lo[4], hi[4];
-            load_step(rp[i] + (b / 16) * SB, q4, 16, lo, hi);
-            const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp[i] + b)));
+            load_step(rp[i] + (b / 16) * SB, fmt, 16, lo, hi);
+            const __m512 wd = ld_wd(sp[i] + ss * b, fmt, 0xffff);
             UNROLL for (int t = 0; t < T; t++)
                 acc[i][t] = step_acc(acc[i][t], step_sums(lo, hi, xq[t] + b * QK, xs[t] + b), wd, xd[t] + b);
         }
@@ -144,8 +174,8 @@ INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, in
         const int64_t vb = nb - b;
         UNROLL for (int i = 0; i < R; i++) {
             __m512i lo[4], hi[4];
-            load_step(rp[i] + (b / 16) * SB, q4, vb, lo, hi);
-            const __m512 wd = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << vb) - 1u), sp[i] + b));
+            load_step(rp[i] + (b / 16) * SB, fmt, vb, lo, hi);
+            const __m512 wd = ld_wd(sp[i] + ss * b, fmt, (__mmask16)((1u << vb) - 1u));
             UNROLL for (int t = 0; t < T; t++)
                 acc[i][t] = step_acc(acc[i][t], step_sums(lo, hi, xq[t] + b * QK, xs[t] + b), wd, xd[t] + b);
         }
@@ -161,4 +191,5 @@ void cpumla_fill_avx512_q(cpumla_kernels *k) {
     k->quant_x = quant_x_avx512;
     k->gemm_q = gemm_q_avx512;
     for (int f = CPUMLA_Q8; f <= CPUMLA_Q4; f++) k->who_fmt[K_GEMV][f] = k->who_fmt[K_GEMM][f] = "avx512";
+    k->who_fmt[K_GEMV][CPUMLA_E2M1] = k->who_fmt[K_GEMM][CPUMLA_E2M1] = E2M1_WHO("avx512");
 }

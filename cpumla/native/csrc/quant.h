@@ -1,4 +1,5 @@
-/* quant.h: cpumla's Q8 and Q4 weight formats and the quantized activations their products use.
+/* quant.h: the integer products: cpumla's Q8 and Q4 weight formats, FP4 (E2M1) checkpoint weights,
+ * and the quantized activations their products use.
  *
  * Weights (cpumla.h): block 1x32 along a row, one fp16 scale d per block in a separate grid
  * (scale [rows, cols/32], scale_dtype CPUMLA_F16), cols a multiple of 32.
@@ -7,6 +8,11 @@
  *       high nibble (unsigned n); W = d * (n - 8). 18 bytes per 32 weights: 4.5 bits each.
  *   The low / high split means a block's 16 bytes give its first 16 columns with one AND and its last
  *   16 with one shift, in column order, on every ISA.
+ *   E2M1 (the checkpoint's FP4, is_e2m1_q below: 1x32 blocks of E8M0 scales, cols a multiple of 32):
+ *       byte i of a block holds column 2i in its low nibble and 2i + 1 in its high nibble; the integer
+ *       code is w2 = e2m1_w2[nibble] = 2 * the e2m1 value, in {0, +-1, +-2, +-3, +-4, +-6, +-8, +-12},
+ *       and the scale wd = 2^(e - 128) (e8m0_half: the E8M0 scale halved, exact; e = 0xff is NaN; for
+ *       e <= 1 it is the fp32 subnormal 2^-127 or 2^-128, applied as it is). W = wd * w2.
  *
  * Quantized activations (qx, made by the table's quant_x, kernels.h: the exact rounding is there):
  * one row of K values takes QX_BYTES(K) bytes, KP = K rounded up to 512 (whole groups of 16 blocks):
@@ -19,6 +25,10 @@
  * group of 4 blocks as [cols 0-15 of blocks 0..3 | cols 16-31 of blocks 0..3] (the order vpand / vpsrlw
  * give 64 bytes of Q4 weights, and vpermt2q 128 bytes of Q8); the int32 is -128 (Q8) or -8 (Q4) times
  * the code sum, the correction for vpdpbusd's unsigned operand (weights + 128, or the nibbles).
+ * E2M1: the same orders as Q4 with each block's columns taken as [even columns | odd columns] (what
+ * the low and high nibbles give) where Q4 has [0-15 | 16-31]: avx2 and avx512 as their Q4 with the
+ * int32 -12 times the code sum (their unsigned operand is w2 + 12, from a vpshufb table); neon per
+ * block [even | odd] (its table gives w2 itself), the int32 the code sum; scalar in column order.
  */
 #ifndef CPUMLA_QUANT_H
 #define CPUMLA_QUANT_H
@@ -49,16 +59,49 @@ static inline uint16_t f32_to_f16(float f) {
     return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
 }
 
-/* the fp16 scale of block b of row r */
+/* 2 * the e2m1 value of each code (bit 3 is the sign): the integer operand of the E2M1 products */
+static const int8_t e2m1_w2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* an E8M0 scale byte halved, 2^(e - 128) as fp32: (e - 1) << 23 for e >= 2, the subnormals 2^-127
+ * and 2^-128 for e = 1 and 0, NaN for 0xff */
+static inline float e8m0_half(uint8_t e) {
+    if (e == 0xff) return NAN;
+    if (e <= 1) return f32_from_bits(0x00200000u << e);
+    return f32_from_bits((uint32_t)(e - 1) << 23);
+}
+
+/* E2M1 weights the integer products take (is_q in quant.c): 1x32 blocks (any block_rows) of E8M0
+ * scales and whole blocks. Others (partial edge blocks, wider blocks, F32 scales) stay on the
+ * fp32-activation entries: the scalar spec's row_dot, for gemv and gemm alike. */
+static inline int is_e2m1_q(const cpumla_weight *w) {
+    return w->dtype == CPUMLA_E2M1 && w->scale_dtype == CPUMLA_E8M0 && w->block_cols == QK && w->block_rows >= 1 &&
+           w->cols > 0 && w->cols % QK == 0;
+}
+
+/* the scale bytes (E2M1: E8M0) or halves (Q8 / Q4: fp16) of row r's blocks */
+static inline const void *q_scale_row(const cpumla_weight *w, int64_t r) {
+    if (w->dtype == CPUMLA_E2M1) return (const uint8_t *)w->scale + (r / w->block_rows) * w->scale_ld;
+    return (const uint16_t *)w->scale + r * w->scale_ld;
+}
+
+/* the scale wd of block b of row r: the fp16 scale (Q8 / Q4), e8m0_half (E2M1) */
 static inline float q_scale(const cpumla_weight *w, int64_t r, int64_t b) {
+    if (w->dtype == CPUMLA_E2M1) return e8m0_half(((const uint8_t *)q_scale_row(w, r))[b]);
     return f16_to_f32(((const uint16_t *)w->scale)[r * w->scale_ld + b]);
 }
 
-/* the 32 signed codes of block b of row r (Q4: nibble - 8) */
+/* the 32 signed codes of block b of row r, in column order (Q4: nibble - 8, E2M1: w2) */
 static inline void q_block(const cpumla_weight *w, int64_t r, int64_t b, int8_t out[QK]) {
     const uint8_t *row = weight_row(w, r);
     if (w->dtype == CPUMLA_Q8) {
         memcpy(out, row + b * QK, QK);
+        return;
+    }
+    if (w->dtype == CPUMLA_E2M1) {
+        for (int i = 0; i < 16; i++) {
+            out[2 * i] = e2m1_w2[row[b * 16 + i] & 15];
+            out[2 * i + 1] = e2m1_w2[row[b * 16 + i] >> 4];
+        }
         return;
     }
     for (int i = 0; i < 16; i++) {
@@ -75,6 +118,9 @@ static inline float q_act_block(const float *x, int8_t *q) {
     for (int i = 0; i < QK; i++) q[i] = (int8_t)rintf(x[i] * id);
     return amax / 127.0f;
 }
+
+/* who_fmt of gemv / gemm for E2M1: the integer kernel's file, and where the other layouts go */
+#define E2M1_WHO(isa) isa " (scalar fp32 when not 1x32 E8M0 blocks over cols % 32 == 0)"
 
 /* Implementations' q fills (quant.c calls them by name) */
 void cpumla_fill_scalar_q(cpumla_kernels *k);

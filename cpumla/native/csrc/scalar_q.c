@@ -1,6 +1,8 @@
-/* scalar_q.c: the spec of the Q8 / Q4 kernels (kernels.h, quant.h), portable C. The activation row is
- * quantized per block of 32 (q_act_block, quant.h); each block's integer dot product is exact, scaled
- * by wd * xd and added in block order. gemv_t and dequant_row keep fp32. */
+/* scalar_q.c: the spec of the integer kernels (Q8 / Q4 / E2M1 weights; kernels.h, quant.h), portable
+ * C. The activation row is quantized per block of 32 (q_act_block, quant.h); each block's integer dot
+ * product (weight codes q_block: Q8 q, Q4 nibble - 8, E2M1 w2 = 2 * value) is exact, scaled by
+ * wd * xd (q_scale: the fp16 scale, or the E8M0 scale halved) and added in block order. gemv_t and
+ * dequant_row keep fp32 (Q8 / Q4 here; E2M1 stays on the fp32 entries, scalar.c and its twins). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -8,7 +10,8 @@
 #include "kernels.h"
 #include "quant.h"
 
-/* codes in column order, xd per block, the int32 is the block's code sum; zero padding past K */
+/* codes in column order, xd per block, the int32 is the block's code sum; zero padding past K (the
+ * same for every weight format) */
 static void quant_x_scalar(int32_t wdtype, const float *x, int64_t K, void *qx) {
     (void)wdtype;
     int8_t *q = qx;
@@ -123,4 +126,5 @@ void cpumla_fill_scalar_q(cpumla_kernels *k) {
     k->gemv_t_q = gemv_t_q_scalar;
     k->dequant_q = dequant_q_scalar;
     for (int i = K_GEMV; i <= K_DEQUANT; i++) k->who_fmt[i][CPUMLA_Q8] = k->who_fmt[i][CPUMLA_Q4] = "scalar";
+    k->who_fmt[K_GEMV][CPUMLA_E2M1] = k->who_fmt[K_GEMM][CPUMLA_E2M1] = "scalar";
 }
