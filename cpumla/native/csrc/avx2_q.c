@@ -24,7 +24,9 @@
 #define QPF_BYTES 8192     /* gemv: software prefetch distance along the row stream */
 #endif
 
-enum { F_Q8, F_Q4, F_FP4 };     /* the weight format a tile is specialised for */
+/* the weight format a tile is specialised for: F_FP4X is E2M1 with scale bytes 0, 1 or 0xff somewhere
+ * in the tile's rows (their full conversion), F_FP4 with none */
+enum { F_Q8, F_Q4, F_FP4, F_FP4X };
 
 /* the 32 signed codes of block b of a row (Q8 / Q4) */
 INLINE __m256i ld_block(const uint8_t *row, int64_t b, int q4) {
@@ -49,7 +51,10 @@ static void quant_x_avx2(int32_t wdtype, const float *x, int64_t K, void *qx) {
     const int64_t nb = K / QK, kp = qx_kp(K);
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     if (q4) memset(q, 0, (size_t)kp);         /* the pair layout leaves a gap after an odd last block */
+    for (int64_t b = nb; b < kp / QK; b++) { d[b] = 0.0f; s[b] = 0; }
     for (int64_t b = 0; b < nb; b++) {
+        /* E2M1: xd and the int32 per 8 blocks in the order the tile's sums come out (0 2 4 6 1 3 5 7) */
+        const int64_t at = fp4 ? (b & ~(int64_t)7) | ((b & 1) << 2) | ((b & 7) >> 1) : b;
         const float *xb = x + b * QK;
         __m256 v[4];
         for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps(xb + 8 * k);
@@ -59,7 +64,7 @@ static void quant_x_avx2(int32_t wdtype, const float *x, int64_t K, void *qx) {
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
         const float amax = _mm_cvtss_f32(m4), id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        d[b] = amax / 127.0f;
+        d[at] = amax / 127.0f;
         const __m256 vid = _mm256_set1_ps(id);
         __m256i i[4];
         for (int k = 0; k < 4; k++) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], vid));   /* nearest even */
@@ -67,7 +72,7 @@ static void quant_x_avx2(int32_t wdtype, const float *x, int64_t K, void *qx) {
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-        s[b] = (fp4 ? -12 : q4 ? -8 : 1) * _mm_cvtsi128_si32(s4);
+        s[at] = (fp4 ? -12 : q4 ? -8 : 1) * _mm_cvtsi128_si32(s4);
         /* packs interleave 128-bit lanes: [0a 1a 0b 1b] -> fix with a dword permute */
         __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
         p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -84,7 +89,6 @@ static void quant_x_avx2(int32_t wdtype, const float *x, int64_t K, void *qx) {
         }
     }
     if (!q4) memset(q + K, 0, (size_t)(kp - K));
-    for (int64_t b = nb; b < kp / QK; b++) { d[b] = 0.0f; s[b] = 0; }
 }
 
 /* acc += (float)isum * (wd * xd) for 8 blocks, each product rounded (kernels.h) */
@@ -113,7 +117,7 @@ INLINE void load_step(const uint8_t *p, int fmt, int64_t vb, __m256i lo[4], __m2
         else wv = _mm256_setzero_si256();
         lo[v] = _mm256_and_si256(wv, m4);
         hi[v] = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
-        if (fmt == F_FP4) {
+        if (fmt >= F_FP4) {
             const __m256i u = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
                                                12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
             lo[v] = _mm256_shuffle_epi8(u, lo[v]);
@@ -149,27 +153,44 @@ INLINE __m256i step_sums(const __m256i lo[4], const __m256i hi[4], int fmt, cons
     else
         h = _mm256_hadd_epi32(_mm256_madd_epi16(_mm256_hadd_epi16(p[0], p[1]), ones),
                               _mm256_madd_epi16(_mm256_hadd_epi16(p[2], p[3]), ones));
-    /* lanes: blocks 0 2 4 6 | 1 3 5 7 */
-    const __m256i s = _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    return _mm256_add_epi32(s, _mm256_loadu_si256((const __m256i *)corr));
+    /* lanes: blocks 0 2 4 6 | 1 3 5 7 (E2M1 keeps that order: its xd, int32 and scales follow it) */
+    if (fmt < F_FP4) h = _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    return _mm256_add_epi32(h, _mm256_loadu_si256((const __m256i *)corr));
 }
 
 /* the scales wd of 8 blocks from p: fp16 (Q8 / Q4), or E8M0 bytes as 2^(e - 128) (e8m0_half: the
- * normal (e - 1) << 23, the subnormals 2^-127 and 2^-128 for e = 1 and 0, NaN for 0xff) */
+ * normal (e - 1) << 23; F_FP4X also the subnormals 2^-127 and 2^-128 for e = 1 and 0, NaN for 0xff) */
 INLINE __m256 ld_wd(const uint8_t *p, int fmt) {
-    if (fmt != F_FP4) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    if (fmt < F_FP4) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    /* the 8 bytes zero-extended in the sums' block order, 0 2 4 6 1 3 5 7 */
+    const __m256i e = _mm256_shuffle_epi8(_mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)p)),
+                                          _mm256_setr_epi8(0, -1, -1, -1, 2, -1, -1, -1, 4, -1, -1, -1, 6, -1, -1, -1,
+                                                           1, -1, -1, -1, 3, -1, -1, -1, 5, -1, -1, -1, 7, -1, -1, -1));
     const __m256i norm = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    if (fmt == F_FP4) return _mm256_castsi256_ps(norm);       /* every e in [2, 254] */
     const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
     const __m256i v = _mm256_blendv_epi8(norm, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e));
     return _mm256_castsi256_ps(_mm256_or_si256(v, _mm256_cmpeq_epi32(e, _mm256_set1_epi32(255))));
 }
 
+/* 1 when every E8M0 byte of s[0..n) is in [2, 254] (F_FP4 then serves those rows) */
+INLINE int e8m0_plain(const uint8_t *s, int64_t n) {
+    __m256i bad = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {         /* e - 2 (mod 256) > 252: e is 0, 1 or 255 */
+        const __m256i t = _mm256_sub_epi8(_mm256_loadu_si256((const __m256i *)(s + i)), _mm256_set1_epi8(2));
+        bad = _mm256_or_si256(bad, _mm256_cmpeq_epi8(_mm256_max_epu8(t, _mm256_set1_epi8((char)253)), t));
+    }
+    int ok = _mm256_testz_si256(bad, bad);
+    for (; i < n; i++) ok &= (uint8_t)(s[i] - 2) <= 252;
+    return ok;
+}
+
 /* y[t*ldy + i] = row r + i . token t, i < R, t < T; pf: software prefetch distance (0: none) */
-INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
-                 int64_t ldy, int fmt, int64_t pf) {
+INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
+                    int64_t ldy, int fmt, int64_t pf) {
     const int64_t K = w->cols, nb = K / QK, SB = fmt != F_Q8 ? 128 : 256;     /* weight bytes a step */
-    const int64_t ss = fmt == F_FP4 ? 1 : 2;                                   /* scale bytes a block */
+    const int64_t ss = fmt >= F_FP4 ? 1 : 2;                                   /* scale bytes a block */
     const uint8_t *rp[4];
     const uint8_t *sp[4];
     for (int i = 0; i < 4; i++) {
@@ -200,7 +221,8 @@ INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, in
         for (int i = 0; i < R; i++) {
             __m256i lo[4], hi[4];
             load_step(rp[i] + (b / 8) * SB, fmt, vb, lo, hi);
-            uint8_t s8[16] = {0};      /* blocks past the row: scale 0 (their sums and xd are 0) */
+            uint8_t s8[16];      /* blocks past the row: a normal scale (their sums and xd are 0) */
+            memset(s8, fmt >= F_FP4 ? 2 : 0, sizeof s8);
             memcpy(s8, sp[i] + ss * b, (size_t)(ss * vb));
             const __m256 wd = ld_wd(s8, fmt);
             for (int t = 0; t < T; t++)
@@ -209,6 +231,17 @@ INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, in
     }
     for (int t = 0; t < T; t++)
         for (int i = 0; i < R; i++) y[t * ldy + i] = hsum8(acc[i][t]);
+}
+
+/* tile_run; E2M1 rows with a scale byte 0, 1 or 0xff (never in a released checkpoint) take the full
+ * scale conversion (F_FP4X), the others the short one */
+INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
+                 int64_t ldy, int fmt, int64_t pf) {
+    if (fmt == F_FP4)
+        for (int i = 0; i < R; i++)
+            if (!e8m0_plain(q_scale_row(w, r + i), w->cols / QK)) fmt = F_FP4X;
+    if (fmt == F_FP4X) tile_run(w, r, R, qx, per, T, y, ldy, F_FP4X, pf);
+    else tile_run(w, r, R, qx, per, T, y, ldy, fmt, pf);
 }
 
 #define QDRIVER_GEMM gemm_q_avx2

@@ -66,7 +66,9 @@ static void quant_x_avx512(int32_t wdtype, const float *x, int64_t K, void *qx) 
 
 INLINE __mmask64 bytes_mask(int64_t n) { return n >= 64 ? ~(__mmask64)0 : n <= 0 ? 0 : (((__mmask64)1 << n) - 1); }
 
-enum { F_Q8, F_Q4, F_FP4 };     /* the weight format a tile is specialised for */
+/* the weight format a tile is specialised for: F_FP4X is E2M1 with scale bytes 0, 1 or 0xff somewhere
+ * in the tile's rows (their full conversion), F_FP4 with none */
+enum { F_Q8, F_Q4, F_FP4, F_FP4X };
 
 /* the unsigned operands of one step of a row: lo[v] / hi[v] = columns 0-15 / 16-31 (E2M1: the even /
  * odd columns, as w2 + 12) of blocks 4v..4v+3 of the step; vb < 16: a masked last step of vb blocks */
@@ -79,7 +81,7 @@ INLINE void load_step(const uint8_t *p, int fmt, int64_t vb, __m512i lo[4], __m5
                                     : _mm512_maskz_loadu_epi8(bytes_mask(vb * 16 - 64 * v), p + 64 * v);
             lo[v] = _mm512_and_si512(wv, m4);
             hi[v] = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
-            if (fmt == F_FP4) {
+            if (fmt >= F_FP4) {
                 const __m512i u = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
                 lo[v] = _mm512_shuffle_epi8(u, lo[v]);
                 hi[v] = _mm512_shuffle_epi8(u, hi[v]);
@@ -129,22 +131,35 @@ INLINE __m512 step_acc(__m512 acc, __m512i isum, __m512 wd, const float *xd) {
 }
 
 /* the scales wd of the m-masked blocks of 16 from p (the rest 0): fp16 (Q8 / Q4), or E8M0 bytes as
- * 2^(e - 128) (e8m0_half: the normal (e - 1) << 23, the subnormals 2^-127 and 2^-128 for e = 1 and
- * 0, NaN for 0xff) */
+ * 2^(e - 128) (e8m0_half: the normal (e - 1) << 23; F_FP4X also the subnormals 2^-127 and 2^-128
+ * for e = 1 and 0, NaN for 0xff) */
 INLINE __m512 ld_wd(const uint8_t *p, int fmt, __mmask16 m) {
-    if (fmt != F_FP4) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
-    const __m512i e = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, p));
+    if (fmt < F_FP4) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+    /* blocks past the row (m's zeros): e = 2, a normal scale (their sums and xd are 0) */
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_mask_loadu_epi8(_mm_set1_epi8(2), m, p));
     __m512i v = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    if (fmt == F_FP4) return _mm512_castsi512_ps(v);          /* every e in [2, 254] */
     v = _mm512_mask_sllv_epi32(v, _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), _mm512_set1_epi32(0x00200000), e);
     v = _mm512_mask_mov_epi32(v, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7fc00000));
     return _mm512_castsi512_ps(v);
 }
 
+/* 1 when every E8M0 byte of s[0..n) is in [2, 254] (F_FP4 then serves those rows) */
+INLINE int e8m0_plain(const uint8_t *s, int64_t n) {
+    __mmask64 bad = 0;
+    for (int64_t i = 0; i < n; i += 64) {   /* e - 2 (mod 256) > 252: e is 0, 1 or 255 */
+        const __m512i e = _mm512_maskz_loadu_epi8(bytes_mask(n - i), s + i);
+        bad |= _mm512_mask_cmpgt_epu8_mask(bytes_mask(n - i), _mm512_sub_epi8(e, _mm512_set1_epi8(2)),
+                                           _mm512_set1_epi8((char)252));
+    }
+    return !bad;
+}
+
 /* y[t*ldy + i] = row r + i . token t, i < R, t < T; pf: prefetch distance in bytes (0: none) */
-INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
+INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
                  int64_t ldy, int fmt, int64_t pf) {
     const int64_t K = w->cols, nb = K / QK, SB = fmt != F_Q8 ? 256 : 512;     /* weight bytes a step */
-    const int64_t ss = fmt == F_FP4 ? 1 : 2;                                   /* scale bytes a block */
+    const int64_t ss = fmt >= F_FP4 ? 1 : 2;                                   /* scale bytes a block */
     const uint8_t *rp[4];
     const uint8_t *sp[4];
     UNROLL for (int i = 0; i < 4; i++) {
@@ -182,6 +197,17 @@ INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, in
     }
     UNROLL for (int t = 0; t < T; t++)
         UNROLL for (int i = 0; i < R; i++) y[t * ldy + i] = _mm512_reduce_add_ps(acc[i][t]);
+}
+
+/* tile_run; E2M1 rows with a scale byte 0, 1 or 0xff (never in a released checkpoint) take the full
+ * scale conversion (F_FP4X), the others the short one */
+INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
+                 int64_t ldy, int fmt, int64_t pf) {
+    if (fmt == F_FP4)
+        for (int i = 0; i < R; i++)
+            if (!e8m0_plain(q_scale_row(w, r + i), w->cols / QK)) fmt = F_FP4X;
+    if (fmt == F_FP4X) tile_run(w, r, R, qx, per, T, y, ldy, F_FP4X, pf);
+    else tile_run(w, r, R, qx, per, T, y, ldy, fmt, pf);
 }
 
 #define QDRIVER_GEMM gemm_q_avx512
