@@ -51,7 +51,8 @@ static void quant_x_avx2(int32_t wdtype, const float *x, int64_t K, void *qx) {
     const int64_t nb = K / QK, kp = qx_kp(K);
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     if (q4) memset(q, 0, (size_t)kp);         /* the pair layout leaves a gap after an odd last block */
-    for (int64_t b = nb; b < kp / QK; b++) { d[b] = 0.0f; s[b] = 0; }
+    /* zero past the row: E2M1 from the last group of 8 on (its blocks are stored permuted, below) */
+    for (int64_t b = fp4 ? nb & ~(int64_t)7 : nb; b < kp / QK; b++) { d[b] = 0.0f; s[b] = 0; }
     for (int64_t b = 0; b < nb; b++) {
         /* E2M1: xd and the int32 per 8 blocks in the order the tile's sums come out (0 2 4 6 1 3 5 7) */
         const int64_t at = fp4 ? (b & ~(int64_t)7) | ((b & 1) << 2) | ((b & 7) >> 1) : b;
