@@ -1,8 +1,10 @@
 /* neon_q.c: Q8 / Q4 kernels for aarch64 (semantics: scalar_q.c, kernels.h). Built twice: here at
  * baseline armv8-a (widening multiplies vmull_s8 + pairwise adds, exact in int32), and as
  * neon_q_dot.c with NEON_Q_DOT defined and +dotprod (sdot: 4 int8 products into each int32 lane),
- * chosen by quant.c when the CPU has ASIMDDP. Activations in column order (quant.h). Q4 blocks are
- * unpacked to nibble - 8: low nibbles are the block's first 16 columns, high nibbles its last 16.
+ * chosen by quant.c when the CPU has ASIMDDP. Activations in column order (quant.h; E2M1 per block
+ * [even | odd columns]). Q4 blocks are unpacked to nibble - 8: low nibbles are the block's first 16
+ * columns, high nibbles its last 16; E2M1's nibbles go through a tbl to w2, low nibbles the even
+ * columns, high the odd (signed codes: no correction), and its E8M0 scales through e8m0_half.
  * Each block's sum is exact; pairwise adds put 4 blocks' sums in one vector, and the fp32 work (wd * xd,
  * the product, each rounded as kernels.h rounds it, and the sum) runs once per 4 blocks. gemv reads the
  * rows in order, one at a time (one stream, prefetched ahead); gemm keeps 4 rows in cache while the
@@ -41,8 +43,10 @@ INLINE int32x4_t dot32(int8x16_t w0, int8x16_t w1, int8x16_t x0, int8x16_t x1) {
 #endif
 }
 
+/* codes in column order (E2M1: per block [even columns | odd columns], the order of its low and high
+ * nibbles), xd per block, the int32 the block's code sum */
 static void FN(quant_x_neon)(int32_t wdtype, const float *x, int64_t K, void *qx) {
-    (void)wdtype;
+    const int fp4 = wdtype == CPUMLA_E2M1;
     int8_t *q = qx;
     float *d = qx_d(qx, K);
     int32_t *s = qx_s(qx, K);
@@ -64,12 +68,26 @@ static void FN(quant_x_neon)(int32_t wdtype, const float *x, int64_t K, void *qx
             int16x8_t h = vcombine_s16(vmovn_s32(iv[k]), vmovn_s32(iv[k + 1]));
             vst1_s8(q + b * QK + 4 * k, vmovn_s16(h));
         }
+        if (fp4) {
+            const int8x16x2_t c = vld2q_s8(q + b * QK);          /* de-interleave: even, odd columns */
+            vst1q_s8(q + b * QK, c.val[0]);
+            vst1q_s8(q + b * QK + 16, c.val[1]);
+        }
     }
     memset(q + K, 0, (size_t)(kp - K));
     for (int64_t b = nb; b < kp / QK; b++) { d[b] = 0.0f; s[b] = 0; }
 }
 
+/* the weight codes of block b of a row as two halves: Q8 columns 0-15 / 16-31, Q4 the nibbles - 8
+ * (the same halves), E2M1 (q4 == 2) w2 of the even / odd columns (the low / high nibbles) */
 INLINE void ld_block(const uint8_t *row, int64_t b, int q4, int8x16_t *w0, int8x16_t *w1) {
+    if (q4 == 2) {
+        const uint8x16_t v = vld1q_u8(row + 16 * b);
+        const int8x16_t tab = vld1q_s8(e2m1_w2);
+        *w0 = vqtbl1q_s8(tab, vandq_u8(v, vdupq_n_u8(15)));
+        *w1 = vqtbl1q_s8(tab, vshrq_n_u8(v, 4));
+        return;
+    }
     if (!q4) {
         *w0 = vld1q_s8((const int8_t *)row + 32 * b);
         *w1 = vld1q_s8((const int8_t *)row + 32 * b + 16);
@@ -99,15 +117,23 @@ INLINE void rows(const cpumla_weight *w, int64_t r, int64_t R, const uint8_t *xq
     for (int64_t i = 0; i < R; i++) {
         const uint8_t *rp = weight_row(w, r + i);
         const uint16_t *sp = (const uint16_t *)w->scale + (r + i) * w->scale_ld;
+        const uint8_t *ep = q4 == 2 ? q_scale_row(w, r + i) : NULL;      /* E2M1: E8M0 bytes */
         float32x4_t acc = vdupq_n_f32(0.0f);
         int64_t b = 0;
         for (; b + 4 <= nb; b += 4) {
             if (pf) {
                 for (int64_t l = 0; l < 4 * bb; l += 64) __builtin_prefetch(rp + b * bb + pf + l);
-                if ((b & 31) == 0) __builtin_prefetch((const uint8_t *)(sp + b) + pf / (q4 ? 8 : 16));
+                if ((b & 31) == 0 && q4 != 2) __builtin_prefetch((const uint8_t *)(sp + b) + pf / (q4 ? 8 : 16));
             }
             const int32x4_t is = sums4(rp, b, q4, (const int8_t *)xq);
-            float32x4_t f = vmulq_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(sp + b))), vld1q_f32(xd + b));
+            float32x4_t wd;
+            if (q4 == 2) {
+                const float e4[4] = {e8m0_half(ep[b]), e8m0_half(ep[b + 1]), e8m0_half(ep[b + 2]), e8m0_half(ep[b + 3])};
+                wd = vld1q_f32(e4);
+            } else {
+                wd = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(sp + b)));
+            }
+            float32x4_t f = vmulq_f32(wd, vld1q_f32(xd + b));
             ROUNDED(f);
             float32x4_t p = vmulq_f32(vcvtq_f32_s32(is), f);
             ROUNDED(p);
@@ -118,7 +144,7 @@ INLINE void rows(const cpumla_weight *w, int64_t r, int64_t R, const uint8_t *xq
             int8x16_t w0, w1;
             ld_block(rp, b, q4, &w0, &w1);
             const int8_t *xb = (const int8_t *)xq + b * QK;
-            float f = f16_to_f32(sp[b]) * xd[b];
+            float f = (q4 == 2 ? e8m0_half(ep[b]) : f16_to_f32(sp[b])) * xd[b];
             ROUNDED(f);
             float p = (float)vaddvq_s32(dot32(w0, w1, vld1q_s8(xb), vld1q_s8(xb + 16))) * f;
             ROUNDED(p);
@@ -131,9 +157,10 @@ INLINE void rows(const cpumla_weight *w, int64_t r, int64_t R, const uint8_t *xq
 static void FN(gemm_q_neon)(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
                             int64_t r1) {
     const int64_t per = QX_BYTES(w->cols);
-    const int q4 = w->dtype == CPUMLA_Q4;
+    const int q4 = w->dtype == CPUMLA_Q4 ? 1 : w->dtype == CPUMLA_E2M1 ? 2 : 0;
     if (n == 1) {          /* one token: the rows in order, one stream prefetched ahead */
-        if (q4) rows(w, r0, r1 - r0, qx, y, 1, QPF_BYTES);
+        if (q4 == 2) rows(w, r0, r1 - r0, qx, y, 2, QPF_BYTES);
+        else if (q4) rows(w, r0, r1 - r0, qx, y, 1, QPF_BYTES);
         else rows(w, r0, r1 - r0, qx, y, 0, QPF_BYTES);
         return;
     }
@@ -142,7 +169,8 @@ static void FN(gemm_q_neon)(const cpumla_weight *w, const void *qx, int64_t n, f
         for (int64_t t = 0; t < n; t++) {
             const uint8_t *xq = (const uint8_t *)qx + t * per;
             float *yt = y + t * ldy + (r - r0);
-            if (q4) rows(w, r, R, xq, yt, 1, 0);
+            if (q4 == 2) rows(w, r, R, xq, yt, 2, 0);
+            else if (q4) rows(w, r, R, xq, yt, 1, 0);
             else rows(w, r, R, xq, yt, 0, 0);
         }
     }
@@ -152,4 +180,5 @@ void FN(cpumla_fill_neon_q)(cpumla_kernels *k) {
     k->quant_x = FN(quant_x_neon);
     k->gemm_q = FN(gemm_q_neon);
     for (int f = CPUMLA_Q8; f <= CPUMLA_Q4; f++) k->who_fmt[K_GEMV][f] = k->who_fmt[K_GEMM][f] = WHO;
+    k->who_fmt[K_GEMV][CPUMLA_E2M1] = k->who_fmt[K_GEMM][CPUMLA_E2M1] = E2M1_WHO(WHO);
 }

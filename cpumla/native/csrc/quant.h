@@ -120,7 +120,7 @@ static inline float q_act_block(const float *x, int8_t *q) {
 }
 
 /* who_fmt of gemv / gemm for E2M1: the integer kernel's file, and where the other layouts go */
-#define E2M1_WHO(isa) isa " (scalar fp32 when not 1x32 E8M0 blocks over cols % 32 == 0)"
+#define E2M1_WHO(isa) isa " (scalar when cols % 32 != 0 or blocks not 1x32 E8M0)"
 
 /* Implementations' q fills (quant.c calls them by name) */
 void cpumla_fill_scalar_q(cpumla_kernels *k);
