@@ -29,22 +29,11 @@
 const char cpumla_flags_avx2[] = CPUMLA_FLAGS;
 
 /* ---- helpers ---------------------------------------------------------------------------------- */
-/* Scales of row r for blocks [b0, b0 + nb) into out */
-static void row_scales(const cpumla_weight *w, int64_t r, int64_t b0, int64_t nb, float *out) {
-    int64_t base = (r / w->block_rows) * w->scale_ld + b0, i = 0;
-    if (w->scale_dtype == CPUMLA_E8M0) {
-        const uint8_t *s = (const uint8_t *)w->scale + base;
-        for (; i + 8 <= nb; i += 8) _mm256_storeu_ps(out + i, ld_e8m0x8(s + i));
-        for (; i < nb; i++) out[i] = e8m0_to_f32(s[i]);
-    } else {
-        memcpy(out, (const float *)w->scale + base, (size_t)nb * sizeof(float));
-    }
-}
-
 /* Layouts the fast paths do not cover go to the entry this one replaced (the scalar spec): E2M1 (every
- * layout: quant.c sends 1x32 E8M0 blocks to the integer product first), and degenerate block shapes. The activation
- * operands of BF16 and E4M3 weights (kernels.h) go to the thread's CPUMLA_SCRATCH_AVX2_XR buffer
- * (avx2_gemm.c's too); without it a kernel does nothing (the call then fails). */
+ * layout: quant.c sends 1x32 E8M0 blocks to the integer product first), and degenerate block shapes.
+ * The activation operands of BF16 and E4M3 weights (kernels.h) go to the thread's
+ * CPUMLA_SCRATCH_AVX2_XR buffer (avx2_gemm.c's too); without it a kernel does nothing (the call then
+ * fails). */
 static void (*prev_gemv)(const cpumla_weight *, const float *, float *, int64_t, int64_t);
 
 /* ---- dequant_row -------------------------------------------------------------------------------- */
