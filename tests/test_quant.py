@@ -208,3 +208,22 @@ def test_fp4_integer_product(isa, codes, scales):
             assert np.array_equal(y.view(np.uint32)[~np.isnan(y)], p[0, :, 0].astype(np.float32).view(np.uint32)[~np.isnan(y)])
         ok = (ym[0].view(np.uint32) == y.view(np.uint32)) | (np.isnan(ym[0]) & np.isnan(y))
         assert ok.all(), f"{isa}: gemm's token 0 differs from gemv"
+
+
+def test_fp4_other_layouts_are_scalars_fp32_product(isa):
+    """FP4 weights the integer product does not take (a partial last block: cols % 32 != 0; 64-wide
+    blocks; F32 scales) go to scalar's fp32 product on every level, gemv and gemm alike: its bits."""
+    rng = np.random.default_rng(5)
+    cases = [((1, 32), 100, "e8m0"), ((1, 64), 256, "e8m0"), ((2, 32), 96, "f32")]
+    for block, cols, sk in cases:
+        rows = 13
+        data = rng.integers(0, 256, (rows, (cols + 1) // 2)).astype(np.uint8)
+        grid = (-(-rows // block[0]), -(-cols // block[1]))
+        scale = rng.integers(120, 130, grid).astype(np.uint8) if sk == "e8m0" else rng.uniform(0.5, 2, grid).astype(np.float32)
+        w = native.Weight(data, "e2m1", scale, block)
+        x = rng.standard_normal((3, cols)).astype(np.float32)
+        native.init("scalar")
+        want_v, want_m = native.gemv(w, x[0]), native.gemm(w, x)
+        native.init(isa)
+        assert np.array_equal(native.gemv(w, x[0]).view(np.uint32), want_v.view(np.uint32)), (isa, block, cols, sk)
+        assert np.array_equal(native.gemm(w, x).view(np.uint32), want_m.view(np.uint32)), (isa, block, cols, sk)
