@@ -8,8 +8,8 @@
  * even / odd columns for Q4's first / last 16 (quant.h) and a vpshufb table from each nibble to
  * w2 + 12 (0..24): one vphaddw level stays below 2^15, vpmaddwd and vphaddd do the rest, and the
  * correction is -12 times the code sum; the E8M0 scales become 2^(e - 128) with integer operations.
- * The fp32 work runs once per 8 blocks. gemv reads the rows in order, one at a time (one stream, prefetched ahead); gemm runs tiles
- * of up to 4 rows x 2 tokens sharing each unpacked block. */
+ * The fp32 work runs once per 8 blocks. gemv reads the rows in order, one at a time (one stream,
+ * prefetched ahead); gemm runs tiles of up to 4 rows x 2 tokens sharing each unpacked block. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>

@@ -5,7 +5,7 @@
  * algebra with vdpbf16ps; everything else it leaves to this file.
  *
  * Generic weight decoding, 16 columns at a time into fp32 (dq16; used by gemv, gemv_t, the gemm panel,
- * dequant_row), with a power of two folded into the block scale:
+ * dequant_row; E2M1 by gemv_t and dequant_row only), with a power of two folded into the block scale:
  *   BF16: shift left 16.                    F16: vcvtph2ps.
  *   E4M3: fp16 bits ((b & 0x7f) << 7) | (b & 0x80) << 8 are exactly value * 2^-8, built as
  *         (sign_extend(b) << 7) & 0xbfff; vcvtph2ps widens them to fp32 (the fp16 subnormals, e4m3's
@@ -18,9 +18,10 @@
  * call fails). E4M3's operand is made as bf16(x * (scale * 2^8)), which is bf16(x * scale) * 2^8
  * exactly, so the code operand value * 2^-8 times it is the spec's product, and no multiply sees a
  * subnormal weight operand.
- * gemv has its own streaming loops per format (E2M1 with 1x32 blocks here, 4 rows at a time with
- * software prefetch). FP4 block scales (1x32) are applied once per block to a partial sum (gemv) or
- * while dequantising a panel (gemm); gemv_t folds them, and E4M3's (kernels.h), into the activation.
+ * gemv has its own streaming loops per format (4 rows at a time with software prefetch). E2M1 gemv and
+ * gemm go back to the entries below (kernels.h: quant.c takes 1x32 E8M0 blocks to the integer
+ * product, the other layouts go to the spec's fp32 one); gemv_t folds FP4 block scales, and E4M3's
+ * (kernels.h), into the activation.
  * The fold factors assume |scale| < 2^113 (scale * 2^14 must not overflow).
  *
  * This file holds the linear algebra (gemv, gemv_t, dequant_row; gemm is in avx512_gemm.c); the
