@@ -155,7 +155,7 @@ def expected_owner(isa, kernel, fmt):
             return "scalar"
         if isa == "neon":
             return None                      # "neon" or "neon (sdot)", with the hand-back
-        return ("avx2" if isa in ("avx2", "avx512f") else "avx512") + FP4_HANDBACK
+        return ("avx512" if isa == "amx" else isa) + FP4_HANDBACK     # avx512f: avx512f_qi.c
     if fmt in native.QUANT_FORMATS:          # quant.c's q entries (test_quant.py checks them by name)
         if kernel == "dequant" or isa == "scalar":
             return "scalar"

@@ -27,6 +27,17 @@
 #include "kernels.h"
 #include "quant.h"
 
+#ifdef AVX512_NO_VNNI
+/* avx512f_qi.c: the avx512f level (no VNNI) builds this file for E2M1 only, vpdpbusd replaced by
+ * vpmaddubsw + vpmaddwd by ones + vpaddd: exact while no vpmaddubsw pair sum saturates, which holds for
+ * E2M1's operands (24 * 127 * 2 = 6096) but not Q8's (w + 128 up to 255): Q8 / Q4 stay avx2's. */
+static inline __m512i dpbusd(__m512i acc, __m512i u, __m512i x) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), _mm512_set1_epi16(1)));
+}
+#else
+#define dpbusd _mm512_dpbusd_epi32
+#endif
+
 #define INLINE static inline __attribute__((always_inline))
 #define UNROLL _Pragma("GCC unroll 16")
 /* the spec rounds each product: keep the compiler from fusing it into the add that follows */
@@ -109,8 +120,8 @@ INLINE void load_step(const uint8_t *p, int fmt, int64_t vb, __m512i lo[4], __m5
 INLINE __m512i step_sums(const __m512i lo[4], const __m512i hi[4], const uint8_t *xg, const int32_t *corr) {
     __m512i a[4];
     UNROLL for (int v = 0; v < 4; v++) {
-        a[v] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[v], _mm512_loadu_si512(xg + 128 * v));
-        a[v] = _mm512_dpbusd_epi32(a[v], hi[v], _mm512_loadu_si512(xg + 128 * v + 64));
+        a[v] = dpbusd(_mm512_setzero_si512(), lo[v], _mm512_loadu_si512(xg + 128 * v));
+        a[v] = dpbusd(a[v], hi[v], _mm512_loadu_si512(xg + 128 * v + 64));
     }
     /* a[v]: block 4v + k in lanes 4k..4k+3. Level 1: lanes of (a0, a1) and (a2, a3) pairwise; level
      * 2: 128-bit lane k = blocks k, 4 + k, 8 + k, 12 + k */
@@ -213,9 +224,33 @@ INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, in
 #define QDRIVER_GEMM gemm_q_avx512
 #include "quant_driver.h"
 
+#ifdef AVX512_NO_VNNI
+/* the entries below (avx2's), for Q8 / Q4 */
+static void (*prev_quant_x)(int32_t, const float *, int64_t, void *);
+static void (*prev_gemm_q)(const cpumla_weight *, const void *, int64_t, float *, int64_t, int64_t, int64_t);
+
+static void quant_x_f(int32_t wdtype, const float *x, int64_t K, void *qx) {
+    if (wdtype == CPUMLA_E2M1) quant_x_avx512(wdtype, x, K, qx);
+    else prev_quant_x(wdtype, x, K, qx);
+}
+
+static void gemm_q_f(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0, int64_t r1) {
+    if (w->dtype == CPUMLA_E2M1) gemm_q_avx512(w, qx, n, y, ldy, r0, r1);
+    else prev_gemm_q(w, qx, n, y, ldy, r0, r1);
+}
+
+void cpumla_fill_avx512f_int(cpumla_kernels *k) {
+    if (k->quant_x != quant_x_f) prev_quant_x = k->quant_x;
+    if (k->gemm_q != gemm_q_f) prev_gemm_q = k->gemm_q;
+    k->quant_x = quant_x_f;
+    k->gemm_q = gemm_q_f;
+    k->who_fmt[K_GEMV][CPUMLA_E2M1] = k->who_fmt[K_GEMM][CPUMLA_E2M1] = E2M1_WHO("avx512f");
+}
+#else
 void cpumla_fill_avx512_q(cpumla_kernels *k) {
     k->quant_x = quant_x_avx512;
     k->gemm_q = gemm_q_avx512;
     for (int f = CPUMLA_Q8; f <= CPUMLA_Q4; f++) k->who_fmt[K_GEMV][f] = k->who_fmt[K_GEMM][f] = "avx512";
     k->who_fmt[K_GEMV][CPUMLA_E2M1] = k->who_fmt[K_GEMM][CPUMLA_E2M1] = E2M1_WHO("avx512");
 }
+#endif

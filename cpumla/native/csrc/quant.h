@@ -125,7 +125,8 @@ static inline float q_act_block(const float *x, int8_t *q) {
 /* Implementations' q fills (quant.c calls them by name) */
 void cpumla_fill_scalar_q(cpumla_kernels *k);
 void cpumla_fill_avx2_q(cpumla_kernels *k);
-void cpumla_fill_avx512f_q(cpumla_kernels *k);     /* avx512f_q.c: quantize_row only */
+void cpumla_fill_avx512f_q(cpumla_kernels *k);     /* avx512f_q.c: quantize_row, and avx512f_qi.c's */
+void cpumla_fill_avx512f_int(cpumla_kernels *k);   /* avx512f_qi.c: E2M1 (avx512_q.c without VNNI) */
 void cpumla_fill_avx512_q(cpumla_kernels *k);
 void cpumla_fill_neon_q(cpumla_kernels *k);
 void cpumla_fill_neon_q_dot(cpumla_kernels *k);    /* neon_q.c with +dotprod, as neon_q_dot.c */
