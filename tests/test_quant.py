@@ -181,7 +181,7 @@ def test_owners_name_the_q_files():
 @pytest.mark.parametrize("codes", ["zero", "random", "every"])
 @pytest.mark.parametrize("scales", ["normal", "low", "high", "nan"])
 def test_fp4_integer_product(isa, codes, scales):
-    """gemv and gemm of FP4 weights against reference.fp4_terms (x quantized to int8 per block, codes
+    """gemv and gemm of FP4 weights against reference.fp4_terms (x quantized to int16 per block, codes
     2 * value, E8M0 scale halved): one-block rows give the definition's fp32 term bit for bit (exact
     integer sums), whole rows are within fp32 summation of it, and gemm's tokens are gemv's bits."""
     rng = np.random.default_rng(21)

@@ -141,7 +141,7 @@ static double ref_qdot(const qweight *t, int64_t r, const float *x, double *mag)
     double s = 0, a = 0;
     for (int64_t b = 0; b < nb; b++) {
         int q[32];
-        double xd = ref_qact(x + 32 * b, q);
+        double xd = ref_qact(x + 32 * b, q, ref_qmax(t->w.dtype));
         long long isum = 0;
         for (int i = 0; i < 32; i++) isum += (long long)t->codes[r * t->w.cols + 32 * b + i] * q[i];
         const double p = ref_qterm(isum, t->d[r * nb + b], xd);
@@ -167,7 +167,7 @@ static float spec_qdot32(const qweight *t, int64_t r, const float *x) {
     volatile float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
         int q[32];
-        volatile float xd = (float)ref_qact(x + 32 * b, q);
+        volatile float xd = (float)ref_qact(x + 32 * b, q, ref_qmax(t->w.dtype));
         long long isum = 0;
         for (int i = 0; i < 32; i++) isum += (long long)t->codes[r * t->w.cols + 32 * b + i] * q[i];
         volatile float f = (float)t->d[r * nb + b] * xd;

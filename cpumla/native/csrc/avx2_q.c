@@ -6,8 +6,10 @@
  * the nibbles are vpmaddubsw's unsigned operand as they are, two vphaddw levels stay below 2^15, and
  * the per-block correction (-8 times the activation code sum) makes the sums exact. E2M1 is Q4 with
  * even / odd columns for Q4's first / last 16 (quant.h) and a vpshufb table from each nibble to
- * w2 + 12 (0..24): one vphaddw level stays below 2^15, vpmaddwd and vphaddd do the rest, and the
- * correction is -12 times the code sum; the E8M0 scales become 2^(e - 128) with integer operations.
+ * w2 + 12 (0..24) against its int16 activation codes' two int8 halves (quant.h): per half one vphaddw
+ * level stays below 2^15, vpmaddwd by 256 (high bytes) or 1 (low bytes) widens, vpaddd and vphaddd do
+ * the rest, and the correction is -12 times the code sum; the E8M0 scales become 2^(e - 128) with
+ * integer operations.
  * The fp32 work runs once per 8 blocks. gemv reads the rows in order, one at a time (one stream,
  * prefetched ahead); gemm runs tiles of up to 4 rows x 2 tokens sharing each unpacked block. */
 #include <immintrin.h>
@@ -43,14 +45,33 @@ INLINE float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* one block's 32 codes (int32, each fitting int8) stored at q in the format's order (quant.h) */
+INLINE void put_codes(const __m256i i[4], int fp4, int q4, int8_t *q, int64_t b) {
+    /* packs interleave 128-bit lanes: [0a 1a 0b 1b] -> fix with a dword permute */
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if (fp4) {            /* [even columns | odd columns], the order of the low and high nibbles */
+        const __m128i eo = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+        p = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(p, _mm256_set_m128i(eo, eo)), 0xd8);
+    }
+    if (q4) {             /* pairs of blocks: [cols 0-15 of b, b+1 | cols 16-31 of b, b+1] */
+        int8_t *g = q + (b / 2) * 64 + (b % 2) * 16;
+        _mm_storeu_si128((__m128i *)g, _mm256_castsi256_si128(p));
+        _mm_storeu_si128((__m128i *)(g + 32), _mm256_extracti128_si256(p, 1));
+    } else {
+        _mm256_storeu_si256((__m256i *)(q + b * QK), p);
+    }
+}
+
 static void quant_x_avx2(int32_t wdtype, const float *x, int64_t K, void *qx) {
     const int fp4 = wdtype == CPUMLA_E2M1, q4 = wdtype == CPUMLA_Q4 || fp4;
-    int8_t *q = qx;
+    int8_t *q = qx, *ql = qx_lo(qx, K);
     float *d = qx_d(qx, K);
     int32_t *s = qx_s(qx, K);
     const int64_t nb = K / QK, kp = qx_kp(K);
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     if (q4) memset(q, 0, (size_t)kp);         /* the pair layout leaves a gap after an odd last block */
+    if (fp4) memset(ql, 0, (size_t)kp);
     /* zero past the row: E2M1 from the last group of 8 on (its blocks are stored permuted, below) */
     for (int64_t b = fp4 ? nb & ~(int64_t)7 : nb; b < kp / QK; b++) { d[b] = 0.0f; s[b] = 0; }
     for (int64_t b = 0; b < nb; b++) {
@@ -64,8 +85,8 @@ static void quant_x_avx2(int32_t wdtype, const float *x, int64_t K, void *qx) {
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float amax = _mm_cvtss_f32(m4), id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        d[at] = amax / 127.0f;
+        const float amax = _mm_cvtss_f32(m4), qmax = qact_max(wdtype), id = amax > 0.0f ? qmax / amax : 0.0f;
+        d[at] = amax / qmax;
         const __m256 vid = _mm256_set1_ps(id);
         __m256i i[4];
         for (int k = 0; k < 4; k++) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], vid));   /* nearest even */
@@ -74,20 +95,15 @@ static void quant_x_avx2(int32_t wdtype, const float *x, int64_t K, void *qx) {
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
         s[at] = (fp4 ? -12 : q4 ? -8 : 1) * _mm_cvtsi128_si32(s4);
-        /* packs interleave 128-bit lanes: [0a 1a 0b 1b] -> fix with a dword permute */
-        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        if (fp4) {            /* [even columns | odd columns], the order of the low and high nibbles */
-            const __m128i eo = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-            p = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(p, _mm256_set_m128i(eo, eo)), 0xd8);
+        if (fp4) {            /* q = 256 * hi + lo: lo the sign-extended low byte (quant.h's q_lo, q_hi) */
+            __m256i l[4];
+            for (int k = 0; k < 4; k++) {
+                l[k] = _mm256_srai_epi32(_mm256_slli_epi32(i[k], 24), 24);
+                i[k] = _mm256_srai_epi32(_mm256_sub_epi32(i[k], l[k]), 8);
+            }
+            put_codes(l, 1, 1, ql, b);
         }
-        if (q4) {             /* pairs of blocks: [cols 0-15 of b, b+1 | cols 16-31 of b, b+1] */
-            int8_t *g = q + (b / 2) * 64 + (b % 2) * 16;
-            _mm_storeu_si128((__m128i *)g, _mm256_castsi256_si128(p));
-            _mm_storeu_si128((__m128i *)(g + 32), _mm256_extracti128_si256(p, 1));
-        } else {
-            _mm256_storeu_si256((__m256i *)(q + b * QK), p);
-        }
+        put_codes(i, fp4, q4, q, b);
     }
     if (!q4) memset(q + K, 0, (size_t)(kp - K));
 }
@@ -127,8 +143,17 @@ INLINE void load_step(const uint8_t *p, int fmt, int64_t vb, __m256i lo[4], __m2
     }
 }
 
-/* the 8 exact block sums of a step, in block order; xg: the step's 256 activation codes */
-INLINE __m256i step_sums(const __m256i lo[4], const __m256i hi[4], int fmt, const uint8_t *xg, const int32_t *corr) {
+/* int16 lanes of 4 vectors' (u * x) pair sums over 8 blocks: p[v] = lo[v] . x + hi[v] . (x + 32) */
+INLINE void pair_sums(const __m256i lo[4], const __m256i hi[4], const uint8_t *xg, __m256i p[4]) {
+    for (int v = 0; v < 4; v++)
+        p[v] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[v], _mm256_loadu_si256((const __m256i *)(xg + 64 * v))),
+                                _mm256_maddubs_epi16(hi[v], _mm256_loadu_si256((const __m256i *)(xg + 64 * v + 32))));
+}
+
+/* the 8 exact block sums of a step, in block order (E2M1: 0 2 4 6 1 3 5 7); xg: the step's 256
+ * activation codes (E2M1: their high bytes, the low at xl) */
+INLINE __m256i step_sums(const __m256i lo[4], const __m256i hi[4], int fmt, const uint8_t *xg, const uint8_t *xl,
+                         const int32_t *corr) {
     if (fmt == F_Q8) {            /* |w| times x with w's sign: pair sums fit int16, vpmaddwd makes them int32 */
         const __m256i ones = _mm256_set1_epi16(1);
         __m256i p[8];
@@ -142,20 +167,25 @@ INLINE __m256i step_sums(const __m256i lo[4], const __m256i hi[4], int fmt, cons
         return _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
     }
     /* Q4: int16 lanes of (nibble * x) pairs, |.| <= 7620; two vphaddw levels stay below 2^15. E2M1:
-     * (w2 + 12) * x pairs, |.| <= 12192; one vphaddw level (24384), then vpmaddwd and vphaddd */
+     * (w2 + 12) * x pairs per half, |.| <= 12288 (x >= -128); one vphaddw level (24576), then vpmaddwd
+     * by 256 (high bytes) and 1 (low bytes), vpaddd, vphaddd */
     __m256i p[4];
-    for (int v = 0; v < 4; v++)
-        p[v] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[v], _mm256_loadu_si256((const __m256i *)(xg + 64 * v))),
-                                _mm256_maddubs_epi16(hi[v], _mm256_loadu_si256((const __m256i *)(xg + 64 * v + 32))));
+    pair_sums(lo, hi, xg, p);
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i h;
-    if (fmt == F_Q4)
+    if (fmt == F_Q4) {
         h = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3])), ones);
-    else
-        h = _mm256_hadd_epi32(_mm256_madd_epi16(_mm256_hadd_epi16(p[0], p[1]), ones),
-                              _mm256_madd_epi16(_mm256_hadd_epi16(p[2], p[3]), ones));
-    /* lanes: blocks 0 2 4 6 | 1 3 5 7 (E2M1 keeps that order: its xd, int32 and scales follow it) */
-    if (fmt < F_FP4) h = _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        h = _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    } else {
+        __m256i pl[4];
+        pair_sums(lo, hi, xl, pl);
+        const __m256i s256 = _mm256_set1_epi16(256);
+        const __m256i g01 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_hadd_epi16(p[0], p[1]), s256),
+                                             _mm256_madd_epi16(_mm256_hadd_epi16(pl[0], pl[1]), ones));
+        const __m256i g23 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_hadd_epi16(p[2], p[3]), s256),
+                                             _mm256_madd_epi16(_mm256_hadd_epi16(pl[2], pl[3]), ones));
+        h = _mm256_hadd_epi32(g01, g23);    /* blocks 0 2 4 6 | 1 3 5 7: its xd, int32 and scales follow */
+    }
     return _mm256_add_epi32(h, _mm256_loadu_si256((const __m256i *)corr));
 }
 
@@ -201,6 +231,7 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
     const uint8_t *xq[2] = {qx, qx + (T > 1 ? per : 0)};
     const float *xd[2] = {qx_d(xq[0], K), qx_d(xq[1], K)};
     const int32_t *xs[2] = {qx_s(xq[0], K), qx_s(xq[1], K)};
+    const uint8_t *xl[2] = {(const uint8_t *)qx_lo(xq[0], K), (const uint8_t *)qx_lo(xq[1], K)};
     __m256 acc[4][2];
     for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     int64_t b = 0;
@@ -214,7 +245,7 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
             load_step(rp[i] + (b / 8) * SB, fmt, 8, lo, hi);
             const __m256 wd = ld_wd(sp[i] + ss * b, fmt);
             for (int t = 0; t < T; t++)
-                acc[i][t] = step_acc(acc[i][t], step_sums(lo, hi, fmt, xq[t] + b * QK, xs[t] + b), wd, xd[t] + b);
+                acc[i][t] = step_acc(acc[i][t], step_sums(lo, hi, fmt, xq[t] + b * QK, xl[t] + b * QK, xs[t] + b), wd, xd[t] + b);
         }
     }
     if (b < nb) {
@@ -227,7 +258,7 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
             memcpy(s8, sp[i] + ss * b, (size_t)(ss * vb));
             const __m256 wd = ld_wd(s8, fmt);
             for (int t = 0; t < T; t++)
-                acc[i][t] = step_acc(acc[i][t], step_sums(lo, hi, fmt, xq[t] + b * QK, xs[t] + b), wd, xd[t] + b);
+                acc[i][t] = step_acc(acc[i][t], step_sums(lo, hi, fmt, xq[t] + b * QK, xl[t] + b * QK, xs[t] + b), wd, xd[t] + b);
         }
     }
     for (int t = 0; t < T; t++)

@@ -6,7 +6,9 @@
  * vpdpbusd multiplies unsigned by signed bytes, 4 per int32 lane: Q8 weights go in as w + 128
  * (w ^ 0x80), Q4 as the nibbles themselves, E2M1 as w2 + 12 (one vpshufb per 64 nibbles); quant_x
  * stores per block -128 (Q8), -8 (Q4) or -12 (E2M1) times the activation block's code sum, the
- * correction that makes the block's sum exact.
+ * correction that makes the block's sum exact. E2M1's int16 activation codes come as two int8 halves
+ * (quant.h): the same weights go through vpdpbusd against the high bytes, the lanes are shifted left
+ * by 8, and the low bytes' products added (4 vpdpbusd and one shift per 64 weight bytes).
  * A step is 16 blocks of a row: Q4's 4 lines give the blocks' columns 0-15 (AND) and 16-31 (shift),
  * E2M1's their even and odd columns (quant.h: its activations are laid out to match);
  * Q8's 8 lines are regrouped into the same halves with vpermt2q. Against the activations laid out to
@@ -28,14 +30,13 @@
 #include "quant.h"
 
 #ifdef AVX512_NO_VNNI
-/* avx512f_qi.c: the avx512f level (no VNNI) builds this file for E2M1 only, vpdpbusd replaced by
- * vpmaddubsw + vpmaddwd by ones + vpaddd: exact while no vpmaddubsw pair sum saturates, which holds for
- * E2M1's operands (24 * 127 * 2 = 6096) but not Q8's (w + 128 up to 255): Q8 / Q4 stay avx2's. */
-static inline __m512i dpbusd(__m512i acc, __m512i u, __m512i x) {
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), _mm512_set1_epi16(1)));
-}
+/* avx512f_qi.c: the avx512f level (no VNNI) builds this file for E2M1 only, with vpmaddubsw for
+ * vpdpbusd: exact while no vpmaddubsw pair sum saturates, which holds for E2M1's operands (w2 + 12 <= 24
+ * against bytes >= -128: 24 * 128 * 2 = 6144, two such added in int16 12288) but not Q8's (w + 128 up
+ * to 255): Q8 / Q4 stay avx2's. vpmaddwd by 256 (the high bytes) and by 1 (the low) widens to int32. */
+#define NO_VNNI 1
 #else
-#define dpbusd _mm512_dpbusd_epi32
+#define NO_VNNI 0
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
@@ -47,7 +48,7 @@ static inline __m512i dpbusd(__m512i acc, __m512i u, __m512i x) {
 #endif
 
 static void quant_x_avx512(int32_t wdtype, const float *x, int64_t K, void *qx) {
-    int8_t *q = qx;
+    int8_t *q = qx, *ql = qx_lo(qx, K);
     float *d = qx_d(qx, K);
     int32_t *s = qx_s(qx, K);
     const int64_t nb = K / QK, kp = qx_kp(K);
@@ -55,23 +56,31 @@ static void quant_x_avx512(int32_t wdtype, const float *x, int64_t K, void *qx) 
     const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     memset(q + K, 0, (size_t)(kp - K));
+    if (fp4) memset(ql + K, 0, (size_t)(kp - K));
     for (int64_t b = nb; b < kp / QK; b++) { d[b] = 0.0f; s[b] = 0; }
     for (int64_t b = 0; b < nb; b++) {
         __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        d[b] = amax / 127.0f;
+        const float qmax = qact_max(wdtype), id = amax > 0.0f ? qmax / amax : 0.0f;
+        d[b] = amax / qmax;
         __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));    /* nearest even */
         __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
         s[b] = (fp4 ? -12 : q4 ? -8 : -128) * _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+        const int64_t at = (b / 4) * 128 + (b % 4) * 16;
         if (fp4) {            /* [even columns | odd columns]: the low and high nibbles' order */
             const __m512i e = _mm512_permutex2var_epi32(i0, ev, i1);
             i1 = _mm512_permutex2var_epi32(i0, od, i1);
             i0 = e;
+            /* q = 256 * hi + lo: lo the sign-extended low byte (quant.h's q_lo, q_hi) */
+            const __m512i l0 = _mm512_srai_epi32(_mm512_slli_epi32(i0, 24), 24);
+            const __m512i l1 = _mm512_srai_epi32(_mm512_slli_epi32(i1, 24), 24);
+            _mm_storeu_si128((__m128i *)(ql + at), _mm512_cvtepi32_epi8(l0));
+            _mm_storeu_si128((__m128i *)(ql + at + 64), _mm512_cvtepi32_epi8(l1));
+            i0 = _mm512_srai_epi32(_mm512_sub_epi32(i0, l0), 8);
+            i1 = _mm512_srai_epi32(_mm512_sub_epi32(i1, l1), 8);
         }
-        int8_t *lo = q + (b / 4) * 128 + (b % 4) * 16, *hi = lo + 64;
-        _mm_storeu_si128((__m128i *)lo, _mm512_cvtepi32_epi8(i0));
-        _mm_storeu_si128((__m128i *)hi, _mm512_cvtepi32_epi8(i1));
+        _mm_storeu_si128((__m128i *)(q + at), _mm512_cvtepi32_epi8(i0));
+        _mm_storeu_si128((__m128i *)(q + at + 64), _mm512_cvtepi32_epi8(i1));
     }
 }
 
@@ -116,13 +125,41 @@ INLINE void load_step(const uint8_t *p, int fmt, int64_t vb, __m512i lo[4], __m5
     }
 }
 
-/* the 16 exact block sums of a step, in block order: xg = the step's 512 activation codes */
-INLINE __m512i step_sums(const __m512i lo[4], const __m512i hi[4], const uint8_t *xg, const int32_t *corr) {
+/* one vector of 4 blocks' sums (lanes 4k..4k+3: block k), u0 / u1 against the codes at x / x + 64 */
+INLINE __m512i dot4(const __m512i u0, const __m512i u1, const uint8_t *x) {
+#if NO_VNNI
+    return _mm512_madd_epi16(_mm512_add_epi16(_mm512_maddubs_epi16(u0, _mm512_loadu_si512(x)),
+                                              _mm512_maddubs_epi16(u1, _mm512_loadu_si512(x + 64))),
+                             _mm512_set1_epi16(1));
+#else
+    const __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u0, _mm512_loadu_si512(x));
+    return _mm512_dpbusd_epi32(a, u1, _mm512_loadu_si512(x + 64));
+#endif
+}
+
+/* the same for E2M1's int16 codes: 256 times the sums against the high bytes xh plus those against the
+ * low bytes xl */
+INLINE __m512i dot4_16(const __m512i u0, const __m512i u1, const uint8_t *xh, const uint8_t *xl) {
+#if NO_VNNI
+    const __m512i h = _mm512_add_epi16(_mm512_maddubs_epi16(u0, _mm512_loadu_si512(xh)),
+                                       _mm512_maddubs_epi16(u1, _mm512_loadu_si512(xh + 64)));
+    const __m512i l = _mm512_add_epi16(_mm512_maddubs_epi16(u0, _mm512_loadu_si512(xl)),
+                                       _mm512_maddubs_epi16(u1, _mm512_loadu_si512(xl + 64)));
+    return _mm512_add_epi32(_mm512_madd_epi16(h, _mm512_set1_epi16(256)), _mm512_madd_epi16(l, _mm512_set1_epi16(1)));
+#else
+    __m512i a = _mm512_slli_epi32(dot4(u0, u1, xh), 8);
+    a = _mm512_dpbusd_epi32(a, u0, _mm512_loadu_si512(xl));
+    return _mm512_dpbusd_epi32(a, u1, _mm512_loadu_si512(xl + 64));
+#endif
+}
+
+/* the 16 exact block sums of a step, in block order: xg = the step's 512 activation codes (E2M1: their
+ * high bytes, the low at xl) */
+INLINE __m512i step_sums(const __m512i lo[4], const __m512i hi[4], int fmt, const uint8_t *xg, const uint8_t *xl,
+                         const int32_t *corr) {
     __m512i a[4];
-    UNROLL for (int v = 0; v < 4; v++) {
-        a[v] = dpbusd(_mm512_setzero_si512(), lo[v], _mm512_loadu_si512(xg + 128 * v));
-        a[v] = dpbusd(a[v], hi[v], _mm512_loadu_si512(xg + 128 * v + 64));
-    }
+    UNROLL for (int v = 0; v < 4; v++)
+        a[v] = fmt >= F_FP4 ? dot4_16(lo[v], hi[v], xg + 128 * v, xl + 128 * v) : dot4(lo[v], hi[v], xg + 128 * v);
     /* a[v]: block 4v + k in lanes 4k..4k+3. Level 1: lanes of (a0, a1) and (a2, a3) pairwise; level
      * 2: 128-bit lane k = blocks k, 4 + k, 8 + k, 12 + k */
     const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
@@ -180,6 +217,7 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
     const uint8_t *xq[2] = {qx, qx + (T > 1 ? per : 0)};
     const float *xd[2] = {qx_d(xq[0], K), qx_d(xq[1], K)};
     const int32_t *xs[2] = {qx_s(xq[0], K), qx_s(xq[1], K)};
+    const uint8_t *xl[2] = {(const uint8_t *)qx_lo(xq[0], K), (const uint8_t *)qx_lo(xq[1], K)};
     __m512 acc[4][2];
     UNROLL for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     int64_t b = 0;
@@ -193,7 +231,7 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
             load_step(rp[i] + (b / 16) * SB, fmt, 16, lo, hi);
             const __m512 wd = ld_wd(sp[i] + ss * b, fmt, 0xffff);
             UNROLL for (int t = 0; t < T; t++)
-                acc[i][t] = step_acc(acc[i][t], step_sums(lo, hi, xq[t] + b * QK, xs[t] + b), wd, xd[t] + b);
+                acc[i][t] = step_acc(acc[i][t], step_sums(lo, hi, fmt, xq[t] + b * QK, xl[t] + b * QK, xs[t] + b), wd, xd[t] + b);
         }
     }
     if (b < nb) {
@@ -203,7 +241,7 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
             load_step(rp[i] + (b / 16) * SB, fmt, vb, lo, hi);
             const __m512 wd = ld_wd(sp[i] + ss * b, fmt, (__mmask16)((1u << vb) - 1u));
             UNROLL for (int t = 0; t < T; t++)
-                acc[i][t] = step_acc(acc[i][t], step_sums(lo, hi, xq[t] + b * QK, xs[t] + b), wd, xd[t] + b);
+                acc[i][t] = step_acc(acc[i][t], step_sums(lo, hi, fmt, xq[t] + b * QK, xl[t] + b * QK, xs[t] + b), wd, xd[t] + b);
         }
     }
     UNROLL for (int t = 0; t < T; t++)

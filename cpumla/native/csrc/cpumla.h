@@ -53,7 +53,8 @@ enum cpumla_dtype {
  *   Q4: data [rows, cols/2] bytes; in block b of a row (bytes 16b .. 16b+15) byte i holds column
  *   32b+i in its low nibble and column 32b+16+i in its high nibble; W[r, c] = d[r, c/32] * (nib - 8).
  *   Products with Q8 / Q4 weights, and gemv / gemm with E2M1 weights of 1x32 E8M0 blocks over whole
- *   blocks (FP4 experts), quantize the activations to int8 per block of 32 (kernels.h). */
+ *   blocks (FP4 experts), quantize the activations per block of 32 (kernels.h): to int8 for Q8 / Q4,
+ *   to int16 for E2M1. */
 typedef struct cpumla_weight {
     const void *data;
     const void *scale;      /* NULL unless dtype is E4M3 or E2M1 */

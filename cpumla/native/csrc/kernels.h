@@ -20,12 +20,13 @@
  * F32 and F16 weights multiply x as given.
  *
  * Q8 / Q4 weights (cpumla.h; quant.h has the layouts), and E2M1 (FP4) weights of 1x32 E8M0 blocks
- * over whole blocks in gemv and gemm: the activation row is quantized to int8 per block of 32 first
- * (quant_x): amax = max |x_i| over the block, xd = amax / 127 (fp32 division), id = amax > 0 ?
- * 127 / amax : 0 (fp32 division), xq_i = nearest_even(x_i * id) (fp32 product), so |xq_i| <= 127.
- * Then, in fp32,
+ * over whole blocks in gemv and gemm: the activation row is quantized per block of 32 first (quant_x),
+ * to int8 for Q8 / Q4 (M = 127) and to int16 for E2M1 (M = 32512 = 127 * 256; int8 codes lose too
+ * much against the fp32 forward there): amax = max |x_i| over the block, xd = amax / M (fp32
+ * division), id = amax > 0 ? M / amax : 0 (fp32 division), xq_i = nearest_even(x_i * id) (fp32
+ * product), so |xq_i| <= M. Then, in fp32,
  *   y_r = sum over blocks b, in order, of (float)(sum_i wq_{r,b,i} * xq_{b,i}) * (wd_{r,b} * xd_b)
- * with the integer sums exact (|sum| < 2^16, so (float) is exact too): wq = q for Q8, nibble - 8 for
+ * with the integer sums exact (|sum| < 2^24, so (float) is exact too): wq = q for Q8, nibble - 8 for
  * Q4, w2 = 2 * the e2m1 value for E2M1 (0, +-1, +-2, +-3, +-4, +-6, +-8, +-12); wd the fp16 scale as
  * fp32, or for E2M1 the E8M0 scale halved, 2^(e - 128) (e = 0xff: NaN; e <= 1: the fp32 subnormals
  * 2^-127 and 2^-128, which never occur in a released checkpoint and are applied as they are: the

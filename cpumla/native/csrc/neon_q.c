@@ -4,7 +4,9 @@
  * chosen by quant.c when the CPU has ASIMDDP. Activations in column order (quant.h; E2M1 per block
  * [even | odd columns]). Q4 blocks are unpacked to nibble - 8: low nibbles are the block's first 16
  * columns, high nibbles its last 16; E2M1's nibbles go through a tbl to w2, low nibbles the even
- * columns, high the odd (signed codes: no correction), and its E8M0 scales through e8m0_half.
+ * columns, high the odd (signed codes: no correction), against its int16 activation codes' two int8
+ * halves (quant.h: 256 times the sum over the high bytes plus the sum over the low), and its E8M0
+ * scales through e8m0_half.
  * Each block's sum is exact; pairwise adds put 4 blocks' sums in one vector, and the fp32 work (wd * xd,
  * the product, each rounded as kernels.h rounds it, and the sum) runs once per 4 blocks. gemv reads the
  * rows in order, one at a time (one stream, prefetched ahead); gemm keeps 4 rows in cache while the
@@ -43,11 +45,25 @@ INLINE int32x4_t dot32(int8x16_t w0, int8x16_t w1, int8x16_t x0, int8x16_t x1) {
 #endif
 }
 
+/* one block's 32 codes (int32, each fitting int8) at q, in column order (fp4: [even | odd]) */
+INLINE void put_codes(const int32x4_t iv[8], int fp4, int8_t *q) {
+    for (int k = 0; k < 8; k += 2) {
+        int16x8_t h = vcombine_s16(vmovn_s32(iv[k]), vmovn_s32(iv[k + 1]));
+        vst1_s8(q + 4 * k, vmovn_s16(h));
+    }
+    if (fp4) {
+        const int8x16x2_t c = vld2q_s8(q);          /* de-interleave: even, odd columns */
+        vst1q_s8(q, c.val[0]);
+        vst1q_s8(q + 16, c.val[1]);
+    }
+}
+
 /* codes in column order (E2M1: per block [even columns | odd columns], the order of its low and high
- * nibbles), xd per block, the int32 the block's code sum */
+ * nibbles; its int16 codes split, high bytes here, low in qx_lo), xd per block, the int32 the block's
+ * code sum */
 static void FN(quant_x_neon)(int32_t wdtype, const float *x, int64_t K, void *qx) {
     const int fp4 = wdtype == CPUMLA_E2M1;
-    int8_t *q = qx;
+    int8_t *q = qx, *ql = qx_lo(qx, K);
     float *d = qx_d(qx, K);
     int32_t *s = qx_s(qx, K);
     const int64_t nb = K / QK, kp = qx_kp(K);
@@ -56,25 +72,26 @@ static void FN(quant_x_neon)(int32_t wdtype, const float *x, int64_t K, void *qx
         for (int k = 0; k < 8; k++) v[k] = vld1q_f32(x + b * QK + 4 * k);
         float32x4_t m = vabsq_f32(v[0]);
         for (int k = 1; k < 8; k++) m = vmaxq_f32(m, vabsq_f32(v[k]));
-        const float amax = vmaxvq_f32(m), id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        d[b] = amax / 127.0f;
+        const float amax = vmaxvq_f32(m), qmax = qact_max(wdtype), id = amax > 0.0f ? qmax / amax : 0.0f;
+        d[b] = amax / qmax;
         int32x4_t iv[8], sum = vdupq_n_s32(0);
         for (int k = 0; k < 8; k++) {
             iv[k] = vcvtnq_s32_f32(vmulq_n_f32(v[k], id));          /* nearest even */
             sum = vaddq_s32(sum, iv[k]);
         }
         s[b] = vaddvq_s32(sum);
-        for (int k = 0; k < 8; k += 2) {
-            int16x8_t h = vcombine_s16(vmovn_s32(iv[k]), vmovn_s32(iv[k + 1]));
-            vst1_s8(q + b * QK + 4 * k, vmovn_s16(h));
+        if (fp4) {          /* q = 256 * hi + lo: lo the sign-extended low byte (quant.h's q_lo, q_hi) */
+            int32x4_t lv[8];
+            for (int k = 0; k < 8; k++) {
+                lv[k] = vshrq_n_s32(vshlq_n_s32(iv[k], 24), 24);
+                iv[k] = vshrq_n_s32(vsubq_s32(iv[k], lv[k]), 8);
+            }
+            put_codes(lv, 1, ql + b * QK);
         }
-        if (fp4) {
-            const int8x16x2_t c = vld2q_s8(q + b * QK);          /* de-interleave: even, odd columns */
-            vst1q_s8(q + b * QK, c.val[0]);
-            vst1q_s8(q + b * QK + 16, c.val[1]);
-        }
+        put_codes(iv, fp4, q + b * QK);
     }
     memset(q + K, 0, (size_t)(kp - K));
+    if (fp4) memset(ql + K, 0, (size_t)(kp - K));
     for (int64_t b = nb; b < kp / QK; b++) { d[b] = 0.0f; s[b] = 0; }
 }
 
@@ -98,14 +115,20 @@ INLINE void ld_block(const uint8_t *row, int64_t b, int q4, int8x16_t *w0, int8x
     *w1 = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), vdupq_n_s8(8));
 }
 
+/* int32 lanes summing to block b's exact dot product with the codes xq (E2M1: the high bytes, 256
+ * times, plus the low bytes xl) */
+INLINE int32x4_t block_dot(const uint8_t *row, int64_t b, int q4, const int8_t *xq, const int8_t *xl) {
+    int8x16_t w0, w1;
+    ld_block(row, b, q4, &w0, &w1);
+    const int32x4_t h = dot32(w0, w1, vld1q_s8(xq + b * QK), vld1q_s8(xq + b * QK + 16));
+    if (q4 != 2) return h;
+    return vaddq_s32(vshlq_n_s32(h, 8), dot32(w0, w1, vld1q_s8(xl + b * QK), vld1q_s8(xl + b * QK + 16)));
+}
+
 /* the exact sums of blocks b..b+3 of a row, in block order (pairwise adds of each block's lanes) */
-INLINE int32x4_t sums4(const uint8_t *row, int64_t b, int q4, const int8_t *xq) {
+INLINE int32x4_t sums4(const uint8_t *row, int64_t b, int q4, const int8_t *xq, const int8_t *xl) {
     int32x4_t d[4];
-    for (int j = 0; j < 4; j++) {
-        int8x16_t w0, w1;
-        ld_block(row, b + j, q4, &w0, &w1);
-        d[j] = dot32(w0, w1, vld1q_s8(xq + (b + j) * QK), vld1q_s8(xq + (b + j) * QK + 16));
-    }
+    for (int j = 0; j < 4; j++) d[j] = block_dot(row, b + j, q4, xq, xl);
     return vpaddq_s32(vpaddq_s32(d[0], d[1]), vpaddq_s32(d[2], d[3]));
 }
 
@@ -114,6 +137,7 @@ INLINE int32x4_t sums4(const uint8_t *row, int64_t b, int q4, const int8_t *xq) 
 INLINE void rows(const cpumla_weight *w, int64_t r, int64_t R, const uint8_t *xq, float *y, int q4, int64_t pf) {
     const int64_t K = w->cols, nb = K / QK, bb = q4 ? 16 : 32;
     const float *xd = qx_d(xq, K);
+    const int8_t *xl = qx_lo(xq, K);
     for (int64_t i = 0; i < R; i++) {
         const uint8_t *rp = weight_row(w, r + i);
         const uint16_t *sp = (const uint16_t *)w->scale + (r + i) * w->scale_ld;
@@ -125,7 +149,7 @@ INLINE void rows(const cpumla_weight *w, int64_t r, int64_t R, const uint8_t *xq
                 for (int64_t l = 0; l < 4 * bb; l += 64) __builtin_prefetch(rp + b * bb + pf + l);
                 if ((b & 31) == 0 && q4 != 2) __builtin_prefetch((const uint8_t *)(sp + b) + pf / (q4 ? 8 : 16));
             }
-            const int32x4_t is = sums4(rp, b, q4, (const int8_t *)xq);
+            const int32x4_t is = sums4(rp, b, q4, (const int8_t *)xq, xl);
             float32x4_t wd;
             if (q4 == 2) {
                 const float e4[4] = {e8m0_half(ep[b]), e8m0_half(ep[b + 1]), e8m0_half(ep[b + 2]), e8m0_half(ep[b + 3])};
@@ -141,12 +165,9 @@ INLINE void rows(const cpumla_weight *w, int64_t r, int64_t R, const uint8_t *xq
         }
         float tail = 0.0f;
         for (; b < nb; b++) {
-            int8x16_t w0, w1;
-            ld_block(rp, b, q4, &w0, &w1);
-            const int8_t *xb = (const int8_t *)xq + b * QK;
             float f = (q4 == 2 ? e8m0_half(ep[b]) : f16_to_f32(sp[b])) * xd[b];
             ROUNDED(f);
-            float p = (float)vaddvq_s32(dot32(w0, w1, vld1q_s8(xb), vld1q_s8(xb + 16))) * f;
+            float p = (float)vaddvq_s32(block_dot(rp, b, q4, (const int8_t *)xq, xl)) * f;
             ROUNDED(p);
             tail += p;
         }

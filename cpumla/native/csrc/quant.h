@@ -16,10 +16,15 @@
  *
  * Quantized activations (qx, made by the table's quant_x, kernels.h: the exact rounding is there):
  * one row of K values takes QX_BYTES(K) bytes, KP = K rounded up to 512 (whole groups of 16 blocks):
- *   [0, KP)             int8 codes, zero past K, in the implementation's order (below)
- *   [KP, KP + KP/8)     float xd per block (zero past K/32)
- *   [KP + KP/8, +KP/8)  int32 per block: the implementation's own per-block integer (below)
- * Orders: scalar, neon, avx2's Q8: codes in column order, the int32 is the block's code sum. avx2's Q4:
+ *   [0, KP)                  int8 codes, zero past K, in the implementation's order (below)
+ *   [KP, KP + KP/8)          float xd per block (zero past K/32)
+ *   [KP + KP/8, +KP/8)       int32 per block: the implementation's own per-block integer (below)
+ *   [KP + KP/4, 2KP + KP/4)  E2M1 only: the low bytes of its int16 codes (qx_lo), the same order
+ * Q8 / Q4 codes are int8 (|q| <= 127). E2M1's are int16 (|q| <= 32512 = 127 * 256), stored as two
+ * int8 halves q = 256 * hi + lo (q_lo, q_hi: lo the sign-extended low byte, in [-128, 127]; hi in
+ * [-127, 127]), hi in the first array, lo in qx_lo, so its block sums are 256 times a sum over hi plus
+ * a sum over lo, each an int8 product. Orders: scalar, neon, avx2's Q8: codes in column order, the
+ * int32 is the block's code sum. avx2's Q4:
  * per pair of blocks [cols 0-15 of b, b+1 | cols 16-31 of b, b+1], the int32 -8 times the code sum
  * (the nibbles' offset). avx512: codes per
  * group of 4 blocks as [cols 0-15 of blocks 0..3 | cols 16-31 of blocks 0..3] (the order vpand / vpsrlw
@@ -27,8 +32,8 @@
  * the code sum, the correction for vpdpbusd's unsigned operand (weights + 128, or the nibbles).
  * E2M1: the same orders as Q4 with each block's columns taken as [even columns | odd columns] (what
  * the low and high nibbles give) where Q4 has [0-15 | 16-31]: avx2 and avx512 as their Q4 with the
- * int32 -12 times the code sum (their unsigned operand is w2 + 12, from a vpshufb table); neon per
- * block [even | odd] (its table gives w2 itself), the int32 the code sum; scalar in column order.
+ * int32 -12 times the (int16) code sum (their unsigned operand is w2 + 12, from a vpshufb table); neon
+ * per block [even | odd] (its table gives w2 itself), the int32 the code sum; scalar in column order.
  */
 #ifndef CPUMLA_QUANT_H
 #define CPUMLA_QUANT_H
@@ -39,11 +44,12 @@
 
 #define QK 32
 static inline int64_t qx_kp(int64_t K) { return (K + 511) & ~(int64_t)511; }
-static inline int64_t QX_BYTES(int64_t K) { return qx_kp(K) + qx_kp(K) / 4; }
+static inline int64_t QX_BYTES(int64_t K) { return 2 * qx_kp(K) + qx_kp(K) / 4; }
 static inline float *qx_d(const void *qx, int64_t K) { return (float *)((uint8_t *)qx + qx_kp(K)); }
 static inline int32_t *qx_s(const void *qx, int64_t K) {
     return (int32_t *)((uint8_t *)qx + qx_kp(K) + qx_kp(K) / 8);
 }
+static inline int8_t *qx_lo(const void *qx, int64_t K) { return (int8_t *)qx + qx_kp(K) + qx_kp(K) / 4; }
 
 /* fp32 -> fp16 bits, round to nearest even (overflow to inf; NaN stays NaN) */
 static inline uint16_t f32_to_f16(float f) {
@@ -110,14 +116,24 @@ static inline void q_block(const cpumla_weight *w, int64_t r, int64_t b, int8_t 
     }
 }
 
-/* The spec's activation quantization of one block (kernels.h): codes into q, returns xd. */
-static inline float q_act_block(const float *x, int8_t *q) {
+/* The codes' range: Q8 / Q4 activations int8 (127), E2M1's int16 (127 * 256: q_hi fits int8) */
+#define QACT_MAX8 127.0f
+#define QACT_MAX16 32512.0f
+static inline float qact_max(int32_t wdtype) { return wdtype == CPUMLA_E2M1 ? QACT_MAX16 : QACT_MAX8; }
+
+/* The spec's activation quantization of one block (kernels.h), codes in [-qmax, qmax]: codes into q,
+ * returns xd */
+static inline float q_act_block(const float *x, float qmax, int32_t *q) {
     float amax = 0.0f;
     for (int i = 0; i < QK; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-    float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int i = 0; i < QK; i++) q[i] = (int8_t)rintf(x[i] * id);
-    return amax / 127.0f;
+    float id = amax > 0.0f ? qmax / amax : 0.0f;
+    for (int i = 0; i < QK; i++) q[i] = (int32_t)rintf(x[i] * id);
+    return amax / qmax;
 }
+
+/* an int16 code q as 256 * hi + lo, lo its sign-extended low byte (quant.h's E2M1 layout) */
+static inline int8_t q_lo(int32_t q) { return (int8_t)(uint8_t)(q & 0xff); }
+static inline int8_t q_hi(int32_t q) { return (int8_t)((q - q_lo(q)) / 256); }
 
 /* who_fmt of gemv / gemm for E2M1: the integer kernel's file, and where the other layouts go */
 #define E2M1_WHO(isa) isa " (scalar when cols % 32 != 0 or blocks not 1x32 E8M0)"
