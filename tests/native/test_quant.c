@@ -24,6 +24,22 @@ typedef struct {
     double *d;         /* [rows, cols/32]: scale values (E2M1: the E8M0 scale halved) */
 } qweight;
 
+/* t's weight over data (t->scale already set): 1x32 blocks of brows rows */
+static void set_w(qweight *t, uint8_t *data, int64_t rows, int64_t cols, int64_t rb, int64_t sld, int dtype,
+                  int sdtype, int brows) {
+    t->data = data;
+    t->w.data = data;
+    t->w.scale = t->scale;
+    t->w.rows = rows;
+    t->w.cols = cols;
+    t->w.row_bytes = rb;
+    t->w.scale_ld = sld;
+    t->w.dtype = dtype;
+    t->w.scale_dtype = sdtype;
+    t->w.block_rows = brows;
+    t->w.block_cols = 32;
+}
+
 /* FP4 weights: code distributions and scale kinds */
 enum { FC_ZERO, FC_RANDOM, FC_EVERY, FC_N };
 enum { FS_NORMAL, FS_LOW, FS_LOW_BIGX, FS_HIGH_TINYX, FS_NAN, FS_N };
@@ -65,18 +81,8 @@ static qweight make_fp4(int64_t rows, int64_t cols, int brows, int64_t pad, int 
             t.codes[r * cols + c] = (int)((nib & 8) ? -mag[nib & 7] : mag[nib & 7]);
         }
     }
-    t.data = data;
     t.scale = sc;
-    t.w.data = data;
-    t.w.scale = sc;
-    t.w.rows = rows;
-    t.w.cols = cols;
-    t.w.row_bytes = rb;
-    t.w.scale_ld = sld;
-    t.w.dtype = CPUMLA_E2M1;
-    t.w.scale_dtype = CPUMLA_E8M0;
-    t.w.block_rows = brows;
-    t.w.block_cols = 32;
+    set_w(&t, data, rows, cols, rb, sld, CPUMLA_E2M1, CPUMLA_E8M0, brows);
     return t;
 }
 
@@ -114,17 +120,7 @@ static qweight make_qweight(int64_t rows, int64_t cols, int dtype, int64_t pad) 
             }
         }
     }
-    t.data = data;
-    t.w.data = data;
-    t.w.scale = t.scale;
-    t.w.rows = rows;
-    t.w.cols = cols;
-    t.w.row_bytes = rb;
-    t.w.scale_ld = sld;
-    t.w.dtype = dtype;
-    t.w.scale_dtype = CPUMLA_F16;
-    t.w.block_rows = 1;
-    t.w.block_cols = 32;
+    set_w(&t, data, rows, cols, rb, sld, dtype, CPUMLA_F16, 1);
     return t;
 }
 
@@ -285,6 +281,24 @@ static void test_quantize_row(const cpumla_kernels *k) {
             }
 }
 
+/* n activation rows ldx apart (uniform in +-amp, the second at amp / 1000, a zero block in the third,
+ * NaN past the row) through gemv (n = 1) or gemm over rows [r0, r1): returns y (n rows ldy apart,
+ * QSENT where nothing was written), *xo the activations */
+static float *run_q(const cpumla_kernels *k, const cpumla_weight *w, int64_t n, int64_t ldx, float amp, int64_t r0,
+                    int64_t r1, int64_t ldy, float **xo) {
+    float *x = nan_floats((size_t)(n * ldx + 64));
+    for (int64_t tt = 0; tt < n; tt++)
+        for (int64_t i = 0; i < w->cols; i++) x[tt * ldx + i] = rng_sym(tt == 1 ? amp * 1e-3f : amp);
+    for (int64_t i = 0; i < 32 && n > 2; i++) x[2 * ldx + i] = 0.0f;      /* a zero block */
+    float *y = xalloc(sizeof(float) * (size_t)(n * ldy));
+    for (int64_t i = 0; i < n * ldy; i++) y[i] = QSENT;
+    case_begin();
+    if (n == 1) k->gemv(w, x, y, r0, r1);
+    else k->gemm(w, x, ldx, n, y, ldy, r0, r1);
+    *xo = x;
+    return y;
+}
+
 /* got against want: NaN and infinities exactly, the rest within 1e-5 of the terms' magnitude */
 static int q_close(float got, double want, double mag) {
     if (isnan(want)) return isnan(got);
@@ -310,15 +324,7 @@ static void test_fp4(const cpumla_kernels *k) {
                 static const int64_t ns[] = {1, 2, 5};
                 for (int ni = 0; ni < 3; ni++) {
                     const int64_t n = ns[ni], ldx = C + 3, r0 = R / 4, r1 = R - R / 5, nr = r1 - r0, ldy = nr + 2;
-                    float *x = nan_floats((size_t)(n * ldx + 64));
-                    for (int64_t tt = 0; tt < n; tt++)
-                        for (int64_t i = 0; i < C; i++) x[tt * ldx + i] = rng_sym(tt == 1 ? amp * 1e-3f : amp);
-                    for (int64_t i = 0; i < 32 && n > 2; i++) x[2 * ldx + i] = 0.0f;      /* a zero block */
-                    float *y = xalloc(sizeof(float) * (size_t)(n * ldy));
-                    for (int64_t i = 0; i < n * ldy; i++) y[i] = QSENT;
-                    case_begin();
-                    if (n == 1) k->gemv(&t.w, x, y, r0, r1);
-                    else k->gemm(&t.w, x, ldx, n, y, ldy, r0, r1);
+                    float *x, *y = run_q(k, &t.w, n, ldx, amp, r0, r1, ldy, &x);
                     int bad = 0, gap_ok = 1, same = 1, agree = 1;
                     for (int64_t tt = 0; tt < n; tt++) {
                         for (int64_t i = 0; i < nr && bad < 3; i++) {
@@ -370,15 +376,7 @@ void test_quant(const cpumla_kernels *k) {
             static const int64_t ns[] = {1, 2, 5};
             for (int ni = 0; ni < 3; ni++) {
                 int64_t n = ns[ni], ldx = C + 3, r0 = R / 4, r1 = R - R / 5, nr = r1 - r0, ldy = nr + 2;
-                float *x = nan_floats((size_t)(n * ldx + 64));
-                for (int64_t tt = 0; tt < n; tt++)
-                    for (int64_t i = 0; i < C; i++) x[tt * ldx + i] = rng_sym(tt == 1 ? 1e-3f : 2.0f);
-                for (int64_t i = 0; i < 32 && n > 2; i++) x[2 * ldx + i] = 0.0f;      /* a zero block */
-                float *y = xalloc(sizeof(float) * (size_t)(n * ldy));
-                for (int64_t i = 0; i < n * ldy; i++) y[i] = QSENT;
-                case_begin();
-                if (n == 1) k->gemv(&t.w, x, y, r0, r1);
-                else k->gemm(&t.w, x, ldx, n, y, ldy, r0, r1);
+                float *x, *y = run_q(k, &t.w, n, ldx, 2.0f, r0, r1, ldy, &x);
                 int bad = 0, gap_ok = 1;
                 for (int64_t tt = 0; tt < n; tt++) {
                     for (int64_t i = 0; i < nr && bad < 3; i++) {

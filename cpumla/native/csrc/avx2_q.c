@@ -265,17 +265,6 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
         for (int i = 0; i < R; i++) y[t * ldy + i] = hsum8(acc[i][t]);
 }
 
-/* tile_run; E2M1 rows with a scale byte 0, 1 or 0xff (never in a released checkpoint) take the full
- * scale conversion (F_FP4X), the others the short one */
-INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
-                 int64_t ldy, int fmt, int64_t pf) {
-    if (fmt == F_FP4)
-        for (int i = 0; i < R; i++)
-            if (!e8m0_plain(q_scale_row(w, r + i), w->cols / QK)) fmt = F_FP4X;
-    if (fmt == F_FP4X) tile_run(w, r, R, qx, per, T, y, ldy, F_FP4X, pf);
-    else tile_run(w, r, R, qx, per, T, y, ldy, fmt, pf);
-}
-
 #define QDRIVER_GEMM gemm_q_avx2
 #include "quant_driver.h"
 

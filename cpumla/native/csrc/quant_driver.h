@@ -1,13 +1,26 @@
 /* quant_driver.h: the integer (q8 / q4 / e2m1) GEMV and GEMM drivers over an ISA file's row x token
  * tile, shared by avx2_q.c and avx512_q.c, which are compiled with different flags and so cannot share
  * a function. Include it after defining
- *   tile(w, r, R, qx, per, T, y, ldy, fmt, prefetch): R rows from r times T tokens of quantized
- *   activations (per bytes apart) into y (T rows ldy apart), fmt F_Q8 / F_Q4 / F_FP4, always inlined
- *   so its constant arguments specialise it,
+ *   tile_run(w, r, R, qx, per, T, y, ldy, fmt, prefetch): R rows from r times T tokens of quantized
+ *   activations (per bytes apart) into y (T rows ldy apart), fmt F_Q8 / F_Q4 / F_FP4 / F_FP4X, always
+ *   inlined so its constant arguments specialise it,
+ *   e8m0_plain(s, n): 1 when every E8M0 byte of s[0..n) is in [2, 254],
  * and QDRIVER_GEMM, the name the GEMM entry gets. */
 #ifndef QDRIVER_GEMM
 #error "define QDRIVER_GEMM before including quant_driver.h"
 #endif
+
+/* tile_run; E2M1 rows with a scale byte 0, 1 or 0xff (never in a released checkpoint) take the full
+ * scale conversion (F_FP4X), the others the short one */
+INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
+                 int64_t ldy, int fmt, int64_t pf) {
+    if (fmt == F_FP4)
+        for (int i = 0; i < R; i++)
+            if (!e8m0_plain(q_scale_row(w, r + i), w->cols / QK)) fmt = F_FP4X;
+    if (fmt == F_FP4X) tile_run(w, r, R, qx, per, T, y, ldy, F_FP4X, pf);
+    else tile_run(w, r, R, qx, per, T, y, ldy, fmt, pf);
+}
+
 
 #define TILE(R, T)                                                                   \
     static void tile_##R##_##T(const cpumla_weight *w, int64_t r, const uint8_t *qx, int64_t per, float *y, \
