@@ -160,15 +160,6 @@ INLINE float e2m1_at(const uint8_t *row, int64_t c) {
     return cpumla_e2m1_lut[(c & 1) ? (b >> 4) : (b & 15)];
 }
 
-/* 8 E8M0 scale bytes -> floats (0 -> 2^-127, 0xff -> NaN, as e8m0_to_f32) */
-INLINE __m256 ld_e8m0x8(const uint8_t *p) {
-    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    __m256i f = _mm256_slli_epi32(v, 23);
-    f = _mm256_blendv_epi8(f, _mm256_set1_epi32(0x00400000), _mm256_cmpeq_epi32(v, _mm256_setzero_si256()));
-    f = _mm256_or_si256(f, _mm256_cmpeq_epi32(v, _mm256_set1_epi32(255)));
-    return _mm256_castsi256_ps(f);
-}
-
 /* ---- avx2.c, for avx2_gemm.c ------------------------------------------------------------------- */
 /* the table's gemv (gemm of one token) and dequant_row (gemm's panel decoding) */
 CPUMLA_INTERNAL void cpumla_avx2_gemv(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1);

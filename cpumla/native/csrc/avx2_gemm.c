@@ -177,6 +177,7 @@ static void gemm_micro(int nt, const float *wp, int64_t kc, const float *x, int6
 static void gemm_avx2(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
                       int64_t ldy, int64_t r0, int64_t r1) {
     if (n <= 0 || r1 <= r0) return;
+    if (w->dtype == CPUMLA_E2M1) { prev_gemm(w, x, ldx, n, y, ldy, r0, r1); return; }   /* as gemv does */
     if (n == 1) { cpumla_avx2_gemv(w, x, y, r0, r1); return; }
     const int64_t K = w->cols;
     if (K <= 0) {

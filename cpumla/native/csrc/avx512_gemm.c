@@ -4,9 +4,9 @@
  *
  * A blocked GEMM: K in chunks of G_KC columns and tokens in chunks of at most G_TC. For each chunk the
  * activation operands are made once (BF16: bf16(x); E4M3: bf16(x * block scale * 2^8) of the row
- * block, kernels.h; F32 / F16 / E2M1: x copied) into this thread's CPUMLA_SCRATCH_AVX512F_XR buffer
- * (no buffer: nothing computed, the call fails). Then each panel of G_MR = 32 weight rows is
- * decoded and transposed into [k][32] (the packing step: fp32 with all widening and scaling done, or
+ * block, kernels.h; F32 / F16: x copied) into this thread's CPUMLA_SCRATCH_AVX512F_XR buffer (no
+ * buffer: nothing computed, the call fails; E2M1 goes to the entry below, as the gemv does). Then
+ * each panel of G_MR = 32 weight rows is decoded and transposed into [k][32] (the packing step: fp32 with all widening and scaling done, or
  * for E4M3 the fp16 bits of value * 2^-8, which the microkernel widens with vcvtph2ps as it loads
  * them; either way no fp32 subnormal reaches a multiply), and a register-tiled microkernel runs over
  * it: G_MT tokens x 32 rows, 2 * G_MT zmm accumulators, each k one pair of weight loads and one
@@ -34,8 +34,6 @@ static __thread float g_pack[G_KC * G_MR] __attribute__((aligned(64)));   /* [k]
 /* the avx512f gemv (for n < G_MIN_N) */
 static void (*g_gemv)(const cpumla_weight *, const float *, float *, int64_t, int64_t);
 
-/* power of two folded into each decode (dq16 gives E4M3 as value * 2^-8, E2M1 as value * 2^-14) */
-static const float g_fold[5] = {1.0f, 1.0f, 1.0f, 256.0f, 16384.0f};
 
 /* ---- activation operands (kernels.h) ------------------------------------------------------------ */
 
@@ -76,16 +74,9 @@ static void make_operands(const cpumla_weight *w, int64_t r, const float *src, i
 
 /* ---- packing ------------------------------------------------------------------------------------ */
 /* columns [c, c + nc) (nc <= 16) of row r as fp32, the panel's operand: BF16 / F16 / F32 exact, E4M3
- * codes as value * 2^-8 (the scale is in the activation), E2M1 with its block scale (lanes >= nc: 0) */
+ * codes as value * 2^-8 (the scale is in the activation); lanes >= nc: 0. (E2M1 never comes here.) */
 INLINE __m512 panel_cols(const cpumla_weight *w, int32_t dt, int64_t r, int64_t c, int64_t nc) {
-    nc = nc < 16 ? nc : 16;                           /* dq16's E2M1 mask needs n <= 32 */
-    __m512 v = dq16(dt, weight_row(w, r), c, nc);
-    if (dt != CPUMLA_E2M1) return v;
-    const int64_t bc = w->block_cols, last = c + nc - 1;
-    if (c / bc == last / bc) return _mm512_mul_ps(v, _mm512_set1_ps(weight_scale(w, r, c) * g_fold[dt]));
-    float sv[16];
-    for (int64_t i = 0; i < 16; i++) sv[i] = c + i <= last ? weight_scale(w, r, c + i) * g_fold[dt] : 0.0f;
-    return _mm512_mul_ps(v, _mm512_loadu_ps(sv));
+    return dq16(dt, weight_row(w, r), c, nc < 16 ? nc : 16);
 }
 
 /* 16x16 transpose in registers: o[j] = element j of every r[i] (lane i) */
@@ -170,7 +161,7 @@ INLINE void pack_16x16(const cpumla_weight *w, int64_t r, int nr, int64_t c, int
 }
 
 /* The panel of rows [r, r + nr) (zero rows past nr), columns [k0, k0 + kc) rounded up to 16 (zero
- * columns past kc), in g_pack: [k][32] fp32 operands (BF16, F32, F16, E2M1), or (E4M3) [k][32] fp16
+ * columns past kc), in g_pack: [k][32] fp32 operands (BF16, F32, F16), or (E4M3) [k][32] fp16
  * bits of the codes' value * 2^-8, which the microkernel widens as it loads them: half the stores
  * here, and half the panel's room in L1 */
 static void pack_panel(const cpumla_weight *w, int64_t r, int nr, int64_t k0, int64_t kc) {
@@ -286,6 +277,10 @@ static void panel_tokens(const float *x, int64_t nt, int64_t kc, float *y, int64
     }
 }
 
+/* the gemm below this level's: E2M1 goes there (the integer product is quant.c's; other layouts the
+ * spec's fp32 product, as gemv) */
+static void (*g_prev)(const cpumla_weight *, const float *, int64_t, int64_t, float *, int64_t, int64_t, int64_t);
+
 /* the plan for the panel of rows [p, min(p + 32, r1)), columns [k0, k0 + kc) (none when p >= r1) */
 static pf_plan plan_panel(const cpumla_weight *w, int64_t p, int64_t r1, int64_t k0, int64_t kc) {
     static const int bits[5] = {32, 16, 16, 8, 4};
@@ -301,6 +296,7 @@ static pf_plan plan_panel(const cpumla_weight *w, int64_t p, int64_t r1, int64_t
 static void gemm_avx512f(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy,
                          int64_t r0, int64_t r1) {
     if (n <= 0 || r1 <= r0) return;
+    if (w->dtype == CPUMLA_E2M1) { g_prev(w, x, ldx, n, y, ldy, r0, r1); return; }     /* as gemv does */
     if (n < G_MIN_N) {
         for (int64_t t = 0; t < n; t++) g_gemv(w, x + t * ldx, y + t * ldy, r0, r1);
         return;
@@ -353,5 +349,6 @@ static void gemm_avx512f(const cpumla_weight *w, const float *x, int64_t ldx, in
 
 void cpumla_fill_avx512_gemm(cpumla_kernels *k) {
     g_gemv = k->gemv;
+    if (k->gemm != gemm_avx512f) g_prev = k->gemm;
     k->gemm = gemm_avx512f;
 }
