@@ -262,18 +262,13 @@ def test_nan_and_bad_settings_are_one_line_errors():
     with pytest.raises(CpumlaError, match="-inf"):
         S.Sampler(temperature=0.5).choose(np.full(4, -np.inf, np.float32))
     y = np.zeros(129280, np.float32)
-    y[100000] = np.inf
-    for t in (0.0, 0.7):
-        with pytest.raises(CpumlaError, match="infinite"):
-            S.Sampler(temperature=t).choose(y)
-        with pytest.raises(CpumlaError, match="infinite"):
-            S.sample_numpy(y, t)
-    y[100000] = np.nan
-    for t in (0.0, 0.7):
-        with pytest.raises(CpumlaError, match="NaN"):
-            S.Sampler(temperature=t, repeat_penalty=1.3).choose(y)
-        with pytest.raises(CpumlaError, match="NaN"):
-            S.sample_numpy(y, t)
+    for bad, word, kw in ((np.inf, "infinite", {}), (np.nan, "NaN", {"repeat_penalty": 1.3})):
+        y[100000] = bad
+        for t in (0.0, 0.7):
+            with pytest.raises(CpumlaError, match=word):
+                S.Sampler(temperature=t, **kw).choose(y)
+            with pytest.raises(CpumlaError, match=word):
+                S.sample_numpy(y, t)
     for kw in (dict(temperature=float("nan")), dict(temperature=-1), dict(top_p=0), dict(top_p=float("nan")),
                dict(min_p=1), dict(top_k=-1), dict(seed=-1), dict(repeat_penalty=0),
                dict(presence_penalty=3), dict(frequency_penalty=float("inf")), dict(repeat_last_n=-2)):

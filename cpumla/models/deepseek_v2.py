@@ -537,7 +537,7 @@ class Model(NativeModel):
         self._c.mha_min_tokens = int(k)
 
     def unabsorbed(self, n: int) -> bool:
-        return n > 1 and n >= (self._c.mha_min_tokens or native.lib.CPUMLA_DSV2_MHA_MIN_TOKENS)
+        return bool(native.lib.cpumla_dsv2_unabsorbed(self._c, n))
 
     def prefill_flops(self, n: int, depth: int) -> float:
         """Multiply-adds x 2 of a prefill of n tokens after `depth` cached ones, in PREFILL_CHUNK chunks:

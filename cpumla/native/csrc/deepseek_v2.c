@@ -134,7 +134,7 @@ int dsv2_attn_in(cpumla_dsv2_state *s, int64_t l, int64_t n) {
     return 0;
 }
 
-int dsv2_unabsorbed(const cpumla_dsv2_model *m, int64_t n) {
+int cpumla_dsv2_unabsorbed(const cpumla_dsv2_model *m, int64_t n) {
     return n > 1 && n >= (m->mha_min_tokens > 0 ? m->mha_min_tokens : CPUMLA_DSV2_MHA_MIN_TOKENS);
 }
 
@@ -152,7 +152,7 @@ int dsv2_attn_out(cpumla_dsv2_state *s, int64_t l, int64_t n, int64_t pos0, cons
     const cpumla_dsv2_layer *L = &m->layers[l];
     int64_t H = m->n_heads, R = m->kv_lora_rank, P = m->qk_rope_head_dim;
     int64_t dn = m->qk_nope_head_dim, dv = m->v_head_dim, qk = dn + P;
-    if (!kv_idx && dsv2_unabsorbed(m, n)) {
+    if (!kv_idx && cpumla_dsv2_unabsorbed(m, n)) {
         /* un-absorbed: keys and values decompressed from the cache, o written straight */
         cpumla_mla_mha_args b = {.q = s->q, .ldq_t = H * qk, .ldq_h = qk, .n_q = n, .n_heads = H,
                                  .kv = s->cache[l], .kv_dtype = CPUMLA_F32, .ld_kv = R + P, .n_kv = pos0 + n,

@@ -65,6 +65,9 @@ void cpumla_dsv2_free(cpumla_dsv2_state *s);
  * token id, context full, routing error, out of memory). */
 int cpumla_dsv2_forward(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int64_t pos0, float *logits,
                         int32_t last_only);
+/* Whether the forward attends a chunk of n tokens un-absorbed (without sparse index lists): n > 1 and
+ * n >= m->mha_min_tokens, or the default when that is 0 or below. 1 or 0. */
+int cpumla_dsv2_unabsorbed(const cpumla_dsv2_model *m, int64_t n);
 
 #ifdef __cplusplus
 }

@@ -43,10 +43,8 @@ CPUMLA_INTERNAL int dsv2_begin(cpumla_dsv2_state *s, const int64_t *ids, int64_t
 /* Attention inputs of layer l: s->x = input norm of h; s->qa (q LoRA); queries (RoPE applied) in s->q;
  * the new latent rows stored in the cache at their positions. */
 CPUMLA_INTERNAL int dsv2_attn_in(cpumla_dsv2_state *s, int64_t l, int64_t n);
-/* Whether a chunk of n tokens attends un-absorbed (kv_idx NULL): n > 1 and n >= m->mha_min_tokens. */
-CPUMLA_INTERNAL int dsv2_unabsorbed(const cpumla_dsv2_model *m, int64_t n);
 /* Attention of the n queries over the cache, then h += o_proj(o). kv_idx NULL: causal over every cached
- * row, un-absorbed (cpumla_mla_mha) when dsv2_unabsorbed, else absorbed (queries through W_UK into
+ * row, un-absorbed (cpumla_mla_mha) when cpumla_dsv2_unabsorbed, else absorbed (queries through W_UK into
  * s->q_abs, latent attention, o = W_UV o~); with kv_idx (always absorbed) query i sees rows
  * kv_idx[i*ld_idx + j], j < kv_count[i] (cpumla_attn_args). */
 CPUMLA_INTERNAL int dsv2_attn_out(cpumla_dsv2_state *s, int64_t l, int64_t n, int64_t pos0,
