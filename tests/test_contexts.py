@@ -147,6 +147,7 @@ UPPER = {("gemv", "bf16"), ("gemv", "e4m3"), ("gemm", "bf16"), ("gemm", "e4m3"),
 
 
 FP4_HANDBACK = " (scalar when cols % 32 != 0 or blocks not 1x32 E8M0)"
+FP4_FMA_GEMM = {"avx2": 16, "avx512f": 48}     # the levels whose E2M1 gemm has an fp32-FMA form, from n tokens
 
 
 def expected_owner(isa, kernel, fmt):
@@ -155,6 +156,8 @@ def expected_owner(isa, kernel, fmt):
             return "scalar"
         if isa == "neon":
             return None                      # "neon" or "neon (sdot)", with the hand-back
+        if kernel in ("gemm", "head_gemv") and isa in FP4_FMA_GEMM:     # avx2_gemm.c / avx512_gemm.c: gemm_fp4
+            return f"{isa} (fp32 FMAs from {FP4_FMA_GEMM[isa]} tokens; " + FP4_HANDBACK[2:]
         return ("avx512" if isa == "amx" else isa) + FP4_HANDBACK     # avx512f: avx512f_qi.c
     if fmt in native.QUANT_FORMATS:          # quant.c's q entries (test_quant.py checks them by name)
         if kernel == "dequant" or isa == "scalar":

@@ -5,6 +5,8 @@ its definition in cpumla.h, and the Weight checks."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import reference as ref
@@ -208,6 +210,45 @@ def test_fp4_integer_product(isa, codes, scales):
             assert np.array_equal(y.view(np.uint32)[~np.isnan(y)], p[0, :, 0].astype(np.float32).view(np.uint32)[~np.isnan(y)])
         ok = (ym[0].view(np.uint32) == y.view(np.uint32)) | (np.isnan(ym[0]) & np.isnan(y))
         assert ok.all(), f"{isa}: gemm's token 0 differs from gemv"
+
+
+@pytest.mark.parametrize("scales", ["normal", "low", "nan"])
+def test_fp4_fma_gemm_is_the_spec(isa, scales):
+    """Levels whose E2M1 gemm has an fp32-FMA form (cpumla_kernel_impl names it, with the fewest tokens
+    it takes) give scalar's gemm bit for bit from that many tokens on: exact block sums, blocks added in
+    order. Widths over the K chunks' edges, row counts over the panels' edges, strided activations
+    with a zero block, one thread (the token count per call stays as given) and all threads."""
+    owner = native.kernel_impl("gemm:e2m1")
+    m = re.search(r"fp32 FMAs from (\d+) tokens", owner)
+    if not m:
+        pytest.skip(f"{isa}: the integer tiles serve every E2M1 gemm ({owner})")
+    n_min = int(m.group(1))
+    rng = np.random.default_rng(31)
+    threads = native.get_threads()
+    try:
+        for rows, cols, n in [(37, 32, n_min), (19, 288, n_min + 5), (70, 544, 64), (33, 1056, 100), (300, 2080, 130)]:
+            nib = rng.integers(0, 16, (rows, cols))
+            data = (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8)
+            lo, hi = (0, 3) if scales == "low" else (118, 134)
+            scale = rng.integers(lo, hi, (rows, cols // 32)).astype(np.uint8)
+            if scales == "nan":
+                scale[::3, 0] = 255
+            w = native.Weight(data, "e2m1", scale, (1, 32))
+            xbig = np.full((n, cols + 9), np.nan, np.float32)
+            xbig[:, :cols] = rng.standard_normal((n, cols)) * np.exp(rng.uniform(-3, 3, (n, 1)))
+            xbig[1, :32] = 0.0
+            x = xbig[:, :cols]
+            native.init("scalar")
+            want = native.gemm(w, x).view(np.uint32)
+            native.init(isa)
+            for t in (1, threads):
+                native.set_threads(t)
+                got = native.gemm(w, x).view(np.uint32)
+                if t == threads and rows < 300:
+                    continue                # few rows: the tokens split into calls below n_min
+                assert np.array_equal(got, want), (isa, scales, rows, cols, n, t)
+    finally:
+        native.set_threads(threads)
 
 
 def test_fp4_other_layouts_are_scalars_fp32_product(isa):

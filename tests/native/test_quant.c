@@ -308,7 +308,9 @@ static int q_close(float got, double want, double mag) {
 
 /* FP4 (E2M1, 1x32 E8M0 blocks) through gemv and gemm: every code distribution and scale kind, row
  * ranges and token counts over the tiles' edges; bit for bit the fp32 spec on 1-2 blocks (exact
- * integer sums), gemm's tokens bit for bit gemv's (decode and prefill agree) */
+ * integer sums), and on every width where the gemm takes the level's fp32-FMA product (gemm_fp4, from
+ * gemm_fp4_min_n tokens: blocks added in the spec's order); below that, gemm's tokens bit for bit
+ * gemv's (decode and prefill agree) */
 static void test_fp4(const cpumla_kernels *k) {
     static const struct { int64_t rows, cols; int brows; int64_t pad; } cs[] = {
         {1, 32, 1, 0}, {5, 64, 1, 3}, {9, 224, 1, 0}, {33, 288, 1, 1}, {6, 544, 2, 0}, {11, 2048, 1, 0},
@@ -321,9 +323,10 @@ static void test_fp4(const cpumla_kernels *k) {
                 if (small_mode && (C > 2000 || (fc != FC_RANDOM && fs != FS_NORMAL))) continue;
                 qweight t = make_fp4(R, C, cs[ci].brows, cs[ci].pad, fc, fs);
                 const float amp = fs == FS_LOW_BIGX ? 0x1p100f : fs == FS_HIGH_TINYX ? 0x1p-100f : 2.0f;
-                static const int64_t ns[] = {1, 2, 5};
-                for (int ni = 0; ni < 3; ni++) {
+                static const int64_t ns[] = {1, 2, 5, 50};
+                for (int ni = 0; ni < 4; ni++) {
                     const int64_t n = ns[ni], ldx = C + 3, r0 = R / 4, r1 = R - R / 5, nr = r1 - r0, ldy = nr + 2;
+                    const int fma = n > 1 && k->gemm_fp4 && n >= k->gemm_fp4_min_n;
                     float *x, *y = run_q(k, &t.w, n, ldx, amp, r0, r1, ldy, &x);
                     int bad = 0, gap_ok = 1, same = 1, agree = 1;
                     for (int64_t tt = 0; tt < n; tt++) {
@@ -334,14 +337,14 @@ static void test_fp4(const cpumla_kernels *k) {
                                        n == 1 ? "gemv" : "gemm", (long long)R, (long long)C, cs[ci].brows, fc_name[fc],
                                        fs_name[fs], (long long)n, (long long)tt, (long long)i, got, want))
                                 bad++;
-                            if (C <= 64) {
+                            if (C <= 64 || fma) {
                                 const float sp = spec_qdot32(&t, r0 + i, x + tt * ldx);
                                 same &= bitsf(got) == bitsf(sp) || (isnan(got) && isnan(sp));
                             }
                         }
                         gap_ok &= y[tt * ldy + nr] == QSENT && y[tt * ldy + nr + 1] == QSENT;
                     }
-                    if (n > 1) {          /* each token's row as gemv gives it */
+                    if (n > 1 && !fma) {          /* each token's row as gemv gives it */
                         float *y1 = xalloc(sizeof(float) * (size_t)nr);
                         for (int64_t tt = 0; tt < n; tt++) {
                             k->gemv(&t.w, x + tt * ldx, y1, r0, r1);

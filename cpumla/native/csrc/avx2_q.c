@@ -18,8 +18,8 @@
 #include "common.h"
 #include "kernels.h"
 #include "quant.h"
+#include "avx2_common.h"
 
-#define INLINE static inline __attribute__((always_inline))
 /* the spec rounds each product: keep the compiler from fusing it into the add that follows */
 #define ROUNDED(v) __asm__("" : "+x"(v))
 #ifndef QPF_BYTES
@@ -36,13 +36,6 @@ INLINE __m256i ld_block(const uint8_t *row, int64_t b, int q4) {
     __m128i v = _mm_loadu_si128((const __m128i *)(row + 16 * b));
     __m256i n = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
     return _mm256_sub_epi8(n, _mm256_set1_epi8(8));
-}
-
-INLINE float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 /* one block's 32 codes (int32, each fitting int8) stored at q in the format's order (quant.h) */
@@ -80,12 +73,7 @@ static void quant_x_avx2(int32_t wdtype, const float *x, int64_t K, void *qx) {
         const float *xb = x + b * QK;
         __m256 v[4];
         for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps(xb + 8 * k);
-        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absm), _mm256_and_ps(v[1], absm)),
-                                 _mm256_max_ps(_mm256_and_ps(v[2], absm), _mm256_and_ps(v[3], absm)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float amax = _mm_cvtss_f32(m4), qmax = qact_max(wdtype), id = amax > 0.0f ? qmax / amax : 0.0f;
+        const float amax = amax32(v, absm), qmax = qact_max(wdtype), id = amax > 0.0f ? qmax / amax : 0.0f;
         d[at] = amax / qmax;
         const __m256 vid = _mm256_set1_ps(id);
         __m256i i[4];
@@ -359,5 +347,6 @@ void cpumla_fill_avx2_q(cpumla_kernels *k) {
     k->gemv_t_q = gemv_t_q_avx2;
     for (int f = CPUMLA_Q8; f <= CPUMLA_Q4; f++)
         k->who_fmt[K_GEMV][f] = k->who_fmt[K_GEMM][f] = k->who_fmt[K_GEMV_T][f] = "avx2";
-    k->who_fmt[K_GEMV][CPUMLA_E2M1] = k->who_fmt[K_GEMM][CPUMLA_E2M1] = E2M1_WHO("avx2");
+    k->who_fmt[K_GEMV][CPUMLA_E2M1] = E2M1_WHO("avx2");
+    k->who_fmt[K_GEMM][CPUMLA_E2M1] = E2M1_GEMM_WHO("avx2", FP4_FMA_MIN_AVX2);      /* avx2_gemm.c's gemm_fp4 */
 }

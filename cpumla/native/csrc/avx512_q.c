@@ -271,7 +271,8 @@ void cpumla_fill_avx512f_int(cpumla_kernels *k) {
     if (k->gemm_q != gemm_q_f) prev_gemm_q = k->gemm_q;
     k->quant_x = quant_x_f;
     k->gemm_q = gemm_q_f;
-    k->who_fmt[K_GEMV][CPUMLA_E2M1] = k->who_fmt[K_GEMM][CPUMLA_E2M1] = E2M1_WHO("avx512f");
+    k->who_fmt[K_GEMV][CPUMLA_E2M1] = E2M1_WHO("avx512f");
+    k->who_fmt[K_GEMM][CPUMLA_E2M1] = E2M1_GEMM_WHO("avx512f", FP4_FMA_MIN_AVX512F);   /* avx512_gemm.c's gemm_fp4 */
 }
 #else
 void cpumla_fill_avx512_q(cpumla_kernels *k) {

@@ -124,6 +124,14 @@ typedef struct cpumla_kernels {
     /* y[t*ldy + i] = W[r0 + i, :] . x_t for t < n, from the quantized rows qx + t * QX_BYTES(K) */
     void (*gemm_q)(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
                    int64_t r1);
+    /* gemm_q of E2M1 weights (quant.h's is_e2m1_q) for n >= gemm_fp4_min_n tokens, from x itself: the
+     * same activation codes, exact block sums and rounding, with the block sums formed by fp32 FMAs
+     * (every product and partial sum of a block is an integer below 2^24, so exact in any order) and
+     * added in block order: bit for bit scalar_q.c's gemm_q. Packing fp32 panels costs more than the
+     * integer tiles save below gemm_fp4_min_n tokens (measured per level). NULL: gemm_q serves every n. */
+    void (*gemm_fp4)(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy,
+                     int64_t r0, int64_t r1);
+    int64_t gemm_fp4_min_n;
     /* gemv_t and dequant_row for Q8 / Q4 (fp32 activations; E2M1 stays on gemv_t / dequant_row) */
     void (*gemv_t_q)(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y, int64_t c0,
                      int64_t c1);
