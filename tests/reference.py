@@ -33,11 +33,21 @@ def act(fmt: str, x: np.ndarray) -> np.ndarray:
 class Linear:
     """The products of a weight with activations as kernels.h defines them, in float64: bf16 weights
     multiply x rounded to bf16; e4m3 codes multiply bf16(x * their block's scale), the product x *
-    scale taken in float32; the other formats multiply their value (scale included) by x."""
+    scale taken in float32; e2m1 with 1x32 E8M0 blocks over whole blocks is an integer product (x
+    quantized to int16 per block, the codes 2 * value, the scale halved: fp4_terms); the other formats
+    (and e2m1's other layouts) multiply their value (scale included) by x. terms() gives per-column
+    products, or per-block terms for the integer product (gemv_t stays per column: terms_t)."""
 
     def __init__(self, fmt: str, data: np.ndarray, scale: np.ndarray | None, block):
         self.fmt = fmt
         self.W = dequant(fmt, data, scale, block)
+        self.fp4 = None
+        if fmt == "e2m1" and (block or (1, 32))[1] == QK and scale.dtype == np.uint8 and self.W.shape[1] % QK == 0:
+            br = (block or (1, 32))[0]
+            codes = np.stack([data & 15, data >> 4], -1).reshape(self.W.shape)
+            wd = np.repeat(np.ldexp(1.0, scale.astype(np.int64) - 128), br, axis=0)[: self.W.shape[0]]
+            wd[np.repeat(scale == 255, br, axis=0)[: self.W.shape[0]]] = np.nan
+            self.fp4 = ((2 * E2M1[codes]).astype(np.int64), wd)
         if fmt == "e4m3":
             br, bc = block or (128, 128)
             s = scale_value(scale).astype(np.float32)
@@ -45,7 +55,10 @@ class Linear:
             self.S = np.repeat(np.repeat(s, br, axis=0), bc, axis=1)[: data.shape[0], : data.shape[1]]
 
     def terms(self, x: np.ndarray, rows=slice(None)) -> np.ndarray:
-        """x [..., K] -> the products [..., R, K] of rows `rows` with x."""
+        """x [..., K] -> the products [..., R, K] of rows `rows` with x ([..., R, K/32] block terms for
+        the integer FP4 product)."""
+        if self.fp4 is not None:
+            return fp4_terms(self.fp4[0][rows], self.fp4[1][rows], x)
         if self.fmt != "e4m3":
             return act(self.fmt, x)[..., None, :] * self.W[rows]
         xs = np.asarray(x, np.float32)[..., None, :] * self.S[rows]          # float32 products
@@ -266,6 +279,7 @@ def dsa_margins(scores: np.ndarray, index_topk: int) -> np.ndarray:
 
 # ---- cpumla's own q8 / q4 formats (cpumla.h, kernels.h) -------------------------------------------
 QK = 32
+FP4_QMAX = 32512          # e2m1 activations: int16 codes, 127 * 256 (kernels.h)
 
 
 def make_q_weight(fmt: str, rows: int, cols: int, rng: np.random.Generator):
@@ -282,15 +296,27 @@ def make_q_weight(fmt: str, rows: int, cols: int, rng: np.random.Generator):
     return data, scale, nib - 8
 
 
-def quant_act(x: np.ndarray):
-    """kernels.h's activation quantization of x [..., K]: (codes int64 [..., K/32, 32], xd float32
-    [..., K/32]), every operation in float32 as specified."""
+def fp4_terms(w2: np.ndarray, wd: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The block terms of kernels.h's FP4 (e2m1) integer product: w2 [R, K] the codes 2 * value, wd
+    [R, K/32] the E8M0 scales halved (2^(e - 128), NaN for 0xff), x [..., K] -> [..., R, K/32], each
+    (float)isum * (float)(wd * xd) rounded to float32 as the definition rounds it."""
+    q, xd = quant_act(x, FP4_QMAX)
+    isum = np.einsum("rbi,...bi->...rb", w2.reshape(w2.shape[0], -1, QK), q)              # exact integers
+    with np.errstate(over="ignore", invalid="ignore"):
+        f = (wd.astype(np.float32) * xd[..., None, :]).astype(np.float32)
+        return (isum.astype(np.float32) * f).astype(np.float64)
+
+
+def quant_act(x: np.ndarray, qmax: int = 127):
+    """kernels.h's activation quantization of x [..., K] to codes in [-qmax, qmax] (127: int8 for q8 /
+    q4; 32512: int16 for e2m1): (codes int64 [..., K/32, 32], xd float32 [..., K/32]), every operation
+    in float32 as specified."""
     x = np.asarray(x, np.float32)
     xb = x.reshape(x.shape[:-1] + (x.shape[-1] // QK, QK))
     amax = np.abs(xb).max(-1)
-    xd = (amax / np.float32(127)).astype(np.float32)
+    xd = (amax / np.float32(qmax)).astype(np.float32)
     safe = np.where(amax > 0, amax, np.float32(1)).astype(np.float32)
-    inv = np.where(amax > 0, np.float32(127) / safe, np.float32(0)).astype(np.float32)
+    inv = np.where(amax > 0, np.float32(qmax) / safe, np.float32(0)).astype(np.float32)
     q = np.rint((xb * inv[..., None]).astype(np.float32)).astype(np.int64)     # half to even
     return q, xd
 

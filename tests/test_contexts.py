@@ -146,7 +146,19 @@ UPPER = {("gemv", "bf16"), ("gemv", "e4m3"), ("gemm", "bf16"), ("gemm", "e4m3"),
          ("head_gemv", "e4m3"), ("head_gemv_t", "bf16")}      # what avx512 (vdpbf16ps, VBMI) takes over
 
 
+FP4_HANDBACK = " (scalar when cols % 32 != 0 or blocks not 1x32 E8M0)"
+FP4_FMA_GEMM = {"avx2": 16, "avx512f": 48}     # the levels whose E2M1 gemm has an fp32-FMA form, from n tokens
+
+
 def expected_owner(isa, kernel, fmt):
+    if fmt == "e2m1" and kernel in ("gemv", "gemm", "head_gemv"):     # the integer product (quant.c)
+        if isa == "scalar":
+            return "scalar"
+        if isa == "neon":
+            return None                      # "neon" or "neon (sdot)", with the hand-back
+        if kernel in ("gemm", "head_gemv") and isa in FP4_FMA_GEMM:     # avx2_gemm.c / avx512_gemm.c: gemm_fp4
+            return f"{isa} (fp32 FMAs from {FP4_FMA_GEMM[isa]} tokens; " + FP4_HANDBACK[2:]
+        return ("avx512" if isa == "amx" else isa) + FP4_HANDBACK     # avx512f: avx512f_qi.c
     if fmt in native.QUANT_FORMATS:          # quant.c's q entries (test_quant.py checks them by name)
         if kernel == "dequant" or isa == "scalar":
             return "scalar"
@@ -158,8 +170,6 @@ def expected_owner(isa, kernel, fmt):
     if isa in ("scalar", "neon", "avx512f"):
         return isa
     if isa == "avx2":
-        if fmt == "e2m1" and kernel in ("gemv", "gemm", "head_gemv"):
-            return None                      # named with its hand-back, checked below
         return "avx2"
     if isa in ("avx512", "amx"):
         if isa == "amx" and kernel in ("gemm", "head_gemv") and fmt == "bf16":
@@ -187,9 +197,8 @@ def test_kernel_owners_per_format(isa):
             want = expected_owner(isa, kernel, fmt)
             if want is not None:
                 assert owner == want, (kernel, fmt, owner)
-    if isa == "avx2":
-        assert table["gemv"]["e2m1"] == "avx2 (scalar when block_cols % 32 != 0)"
-        assert table["gemm"]["e2m1"].startswith("avx2 (")
+    if isa == "neon":
+        assert table["gemv"]["e2m1"].startswith("neon") and table["gemv"]["e2m1"].endswith(FP4_HANDBACK)
     if isa == "amx":
         assert table["gemm"]["bf16"] == "amx (avx512 below 16 tokens)"
     with pytest.raises(CpumlaError):
@@ -205,8 +214,9 @@ def _e2m1(rows, cols, block_cols, rng):
 
 
 def test_avx2_hands_odd_fp4_blocks_to_scalar():
-    """avx2's gemv:e2m1 says scalar serves block widths that are not a multiple of 32: those results
-    are scalar's bit for bit, while 32-wide blocks run avx2's own loop."""
+    """avx2's gemv:e2m1 says scalar serves layouts other than 1x32 E8M0 blocks (here 48-wide blocks): those
+    results are scalar's fp32 product bit for bit, while 32-wide blocks run avx2's own integer product
+    (scalar's up to the association of the block sums)."""
     if "avx2" not in native.available_isas():
         pytest.skip("avx2: this CPU/OS cannot run it")
     rng = np.random.default_rng(8)

@@ -5,6 +5,8 @@ its definition in cpumla.h, and the Weight checks."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import reference as ref
@@ -175,3 +177,94 @@ def test_owners_name_the_q_files():
             assert got["head_gemv_t"] == ("scalar" if isa == "scalar" else "avx2"), (isa, got)
             assert got["dequant"] == "scalar"
     native.init("")
+
+
+# ---- FP4 (e2m1, 1x32 E8M0 blocks): the integer product of kernels.h -------------------------------
+@pytest.mark.parametrize("codes", ["zero", "random", "every"])
+@pytest.mark.parametrize("scales", ["normal", "low", "high", "nan"])
+def test_fp4_integer_product(isa, codes, scales):
+    """gemv and gemm of FP4 weights against reference.fp4_terms (x quantized to int16 per block, codes
+    2 * value, E8M0 scale halved): one-block rows give the definition's fp32 term bit for bit (exact
+    integer sums), whole rows are within fp32 summation of it, and gemm's tokens are gemv's bits."""
+    rng = np.random.default_rng(21)
+    for rows, cols in [(37, 32), (19, 288), (9, 2048)]:
+        nib = {"zero": rng.choice([0, 8], (rows, cols)), "random": rng.integers(0, 16, (rows, cols)),
+               "every": (np.arange(rows)[:, None] + np.arange(cols)[None, :]) % 16}[codes]
+        data = (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8)
+        lo, hi = {"normal": (118, 134), "low": (0, 3), "high": (252, 255), "nan": (118, 134)}[scales]
+        scale = rng.integers(lo, hi, (rows, cols // 32)).astype(np.uint8)
+        if scales == "nan":
+            scale[::3, 0] = 255
+        amp = {"low": 2.0 ** 100, "high": 2.0 ** -100}.get(scales, 1.0)
+        w, W = native.Weight(data, "e2m1", scale, (1, 32)), ref.Linear("e2m1", data, scale, (1, 32))
+        x = (rng.standard_normal((5, cols)) * amp).astype(np.float32)
+        y, ym = native.gemv(w, x[0]), native.gemm(w, x)
+        p = W.terms(x)                                              # [5, rows, nb] float32 terms
+        want, mag = p.sum(-1), np.abs(p).sum(-1)
+        with np.errstate(invalid="ignore"):
+            for got, wt, mg in [(y, want[0], mag[0]), (ym, want, mag)]:
+                nan = np.isnan(wt)
+                assert (np.isnan(got) == nan).all(), f"{isa} {codes} {scales} {cols}: NaN rows"
+                assert (np.abs(got - wt)[~nan] <= 1e-5 * mg[~nan] + 1e-30).all(), f"{isa} {codes} {scales} {cols}"
+        if cols == 32:
+            assert np.array_equal(y.view(np.uint32)[~np.isnan(y)], p[0, :, 0].astype(np.float32).view(np.uint32)[~np.isnan(y)])
+        ok = (ym[0].view(np.uint32) == y.view(np.uint32)) | (np.isnan(ym[0]) & np.isnan(y))
+        assert ok.all(), f"{isa}: gemm's token 0 differs from gemv"
+
+
+@pytest.mark.parametrize("scales", ["normal", "low", "nan"])
+def test_fp4_fma_gemm_is_the_spec(isa, scales):
+    """Levels whose E2M1 gemm has an fp32-FMA form (cpumla_kernel_impl names it, with the fewest tokens
+    it takes) give scalar's gemm bit for bit from that many tokens on: exact block sums, blocks added in
+    order. Widths over the K chunks' edges, row counts over the panels' edges, strided activations
+    with a zero block, one thread (the token count per call stays as given) and all threads."""
+    owner = native.kernel_impl("gemm:e2m1")
+    m = re.search(r"fp32 FMAs from (\d+) tokens", owner)
+    if not m:
+        pytest.skip(f"{isa}: the integer tiles serve every E2M1 gemm ({owner})")
+    n_min = int(m.group(1))
+    rng = np.random.default_rng(31)
+    threads = native.get_threads()
+    try:
+        for rows, cols, n in [(37, 32, n_min), (19, 288, n_min + 5), (70, 544, 64), (33, 1056, 100), (300, 2080, 130)]:
+            nib = rng.integers(0, 16, (rows, cols))
+            data = (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8)
+            lo, hi = (0, 3) if scales == "low" else (118, 134)
+            scale = rng.integers(lo, hi, (rows, cols // 32)).astype(np.uint8)
+            if scales == "nan":
+                scale[::3, 0] = 255
+            w = native.Weight(data, "e2m1", scale, (1, 32))
+            xbig = np.full((n, cols + 9), np.nan, np.float32)
+            xbig[:, :cols] = rng.standard_normal((n, cols)) * np.exp(rng.uniform(-3, 3, (n, 1)))
+            xbig[1, :32] = 0.0
+            x = xbig[:, :cols]
+            native.init("scalar")
+            want = native.gemm(w, x).view(np.uint32)
+            native.init(isa)
+            for t in (1, threads):
+                native.set_threads(t)
+                got = native.gemm(w, x).view(np.uint32)
+                if t == threads and rows < 300:
+                    continue                # few rows: the tokens split into calls below n_min
+                assert np.array_equal(got, want), (isa, scales, rows, cols, n, t)
+    finally:
+        native.set_threads(threads)
+
+
+def test_fp4_other_layouts_are_scalars_fp32_product(isa):
+    """FP4 weights the integer product does not take (a partial last block: cols % 32 != 0; 64-wide
+    blocks; F32 scales) go to scalar's fp32 product on every level, gemv and gemm alike: its bits."""
+    rng = np.random.default_rng(5)
+    cases = [((1, 32), 100, "e8m0"), ((1, 64), 256, "e8m0"), ((2, 32), 96, "f32")]
+    for block, cols, sk in cases:
+        rows = 13
+        data = rng.integers(0, 256, (rows, (cols + 1) // 2)).astype(np.uint8)
+        grid = (-(-rows // block[0]), -(-cols // block[1]))
+        scale = rng.integers(120, 130, grid).astype(np.uint8) if sk == "e8m0" else rng.uniform(0.5, 2, grid).astype(np.float32)
+        w = native.Weight(data, "e2m1", scale, block)
+        x = rng.standard_normal((3, cols)).astype(np.float32)
+        native.init("scalar")
+        want_v, want_m = native.gemv(w, x[0]), native.gemm(w, x)
+        native.init(isa)
+        assert np.array_equal(native.gemv(w, x[0]).view(np.uint32), want_v.view(np.uint32)), (isa, block, cols, sk)
+        assert np.array_equal(native.gemm(w, x).view(np.uint32), want_m.view(np.uint32)), (isa, block, cols, sk)

@@ -138,7 +138,8 @@ def isa_for_features(features: dict[str, bool] | int) -> str:
 
 def decode_operands(isa: str, fmt: str) -> tuple[np.ndarray, int]:
     """(operand of every code, k): the weight operands an implementation's GEMV loop multiplies for each
-    code of fmt ("e4m3": 256, "e2m1": 16), with operand * 2^k = the code's value."""
+    code of fmt ("e4m3": 256 codes), with operand * 2^k = the code's value. ("e2m1" has none: its
+    products multiply integers, kernels.h.)"""
     out = np.zeros(256, np.float32)
     k = lib.cpumla_decode_operands(f"{isa}:{fmt}".encode(), fptr(out))
     if k < 0:

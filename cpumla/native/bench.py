@@ -157,7 +157,7 @@ def gemm_throughput(fmt: str, rows: int, cols: int, n: int, min_seconds: float,
 # GEMM shapes (tokens, weight rows, columns): prefill of a V2-Lite layer's 2048x2048 product, and an
 # expert's product with the ~48 tokens a 512-token prefill routes to each of 64 experts (6 per token)
 GEMM_SHAPES = ((128, 2048, 2048), (512, 2048, 2048), (48, 1408, 2048))
-GEMM_FORMATS = ("f32", "bf16", "e4m3", "q8", "q4")     # first shape; the others: bf16, e4m3
+GEMM_FORMATS = ("f32", "bf16", "e4m3", "e2m1", "q8", "q4")     # first shape; the others: bf16, e4m3
 
 
 def run(formats=FORMATS, rows: int = 10944, cols: int = 2048, gemm_n: int = 128,

@@ -109,7 +109,7 @@ def operands() -> list[dict]:
     """Per level and format: how many codes decode to a subnormal operand, and to a wrong value."""
     rows = []
     for isa in native.available_isas():
-        for fmt in ("e4m3", "e2m1"):
+        for fmt in ("e4m3",):             # e2m1's products multiply integers (kernels.h)
             try:
                 got, k = native.decode_operands(isa, fmt)
             except CpumlaError:

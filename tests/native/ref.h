@@ -228,6 +228,35 @@ static inline int close_to(double got, double ref, double mag, double tol) {
 }
 
 /* ---- references ------------------------------------------------------------------------------- */
+/* kernels.h's activation quantization of one block of 32 (every step in fp32): codes in [-qmax, qmax]
+ * (127 for Q8 / Q4, 32512 for E2M1: ref_qmax) into q, returns xd */
+static double ref_qact(const float *x, int *q, float qmax) {
+    float amax = 0.0f;
+    for (int i = 0; i < 32; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    volatile float xd = amax / qmax, id = amax > 0.0f ? qmax / amax : 0.0f;
+    for (int i = 0; i < 32; i++) {
+        volatile float p = x[i] * id;
+        q[i] = (int)nearbyint(p);
+    }
+    return xd;
+}
+
+/* the activation codes' range of a weight format's integer product (kernels.h) */
+static float ref_qmax(int32_t dtype) { return dtype == CPUMLA_E2M1 ? 32512.0f : 127.0f; }
+
+/* One block's term of an integer product (kernels.h): (float)isum * (float)(wd * xd), each product
+ * rounded to fp32 as the definition rounds it (isum is exact, |isum| < 2^24). */
+static double ref_qterm(long long isum, double wd, double xd) {
+    volatile float f = (float)wd * (float)xd;
+    volatile float p = (float)isum * f;
+    return p;
+}
+
+/* FP4 weights the integer products take (quant.h's is_e2m1_q): 1x32 blocks (any block_rows) of E8M0
+ * scales over whole blocks. The others multiply fp32 activations (ref_term). */
+static int ref_fp4_int(const cpumla_weight *w) {
+    return w->dtype == CPUMLA_E2M1 && w->scale_dtype == CPUMLA_E8M0 && w->block_cols == 32 && w->cols % 32 == 0;
+}
 /* The product of weight element (r, c) with activation x, as kernels.h defines it: BF16 weights
  * multiply x rounded to bf16; E4M3 codes multiply bf16(x * the block's scale), the product taken in
  * fp32; the other formats multiply their value (scale included) by x. */
@@ -241,9 +270,23 @@ static double ref_term(const tweight *t, int64_t r, int64_t c, float x) {
     return t->wd[i] * (double)x;
 }
 
-/* dot of weight row r with x over all columns; *mag = sum of |terms| */
+/* dot of weight row r with x over all columns; *mag = sum of |terms|. FP4 with 1x32 E8M0 blocks: the
+ * integer product of kernels.h (x quantized to int16 per block, codes 2 * value, scale halved). */
 static double ref_row_dot(const tweight *t, int64_t r, const float *x, double *mag) {
     double s = 0, a = 0;
+    if (ref_fp4_int(&t->w)) {
+        for (int64_t b = 0; b < t->w.cols / 32; b++) {
+            int q[32];
+            double xd = ref_qact(x + 32 * b, q, ref_qmax(CPUMLA_E2M1));
+            long long isum = 0;
+            for (int i = 0; i < 32; i++) isum += (long long)(2.0 * t->qd[r * t->w.cols + 32 * b + i]) * q[i];
+            double p = ref_qterm(isum, 0.5 * t->se[r * t->w.cols + 32 * b], xd);
+            s += p;
+            a += fabs(p);
+        }
+        *mag = a;
+        return s;
+    }
     for (int64_t c = 0; c < t->w.cols; c++) {
         double p = ref_term(t, r, c, x[c]);
         s += p;

@@ -65,7 +65,8 @@ static const wcase wcases[] = {
     {200, 300, CPUMLA_E4M3, CPUMLA_E8M0, 128, 128, 0, 0},
     {129, 385, CPUMLA_E4M3, CPUMLA_E8M0, 128, 128, 5, 0},
     {100, 150, CPUMLA_E4M3, CPUMLA_F32, 32, 48, 0, 0},
-    /* FP4, 1x32 blocks of E8M0: odd columns, partial last block */
+    /* FP4, 1x32 blocks of E8M0: odd columns, partial last block (the fp32 product), whole blocks (the
+     * integer one) */
     {1, 1, CPUMLA_E2M1, CPUMLA_E8M0, 1, 32, 0, 0},
     {3, 33, CPUMLA_E2M1, CPUMLA_E8M0, 1, 32, 0, 0},
     {7, 64, CPUMLA_E2M1, CPUMLA_E8M0, 1, 32, 0, 0},
@@ -81,6 +82,9 @@ static const wcase wcases[] = {
     {9, 200, CPUMLA_E2M1, CPUMLA_F32, 2, 64, 0, 0},
     {7, 160, CPUMLA_E2M1, CPUMLA_E8M0, 3, 96, 1, 0},
     {5, 70, CPUMLA_E2M1, CPUMLA_E8M0, 1, 16, 0, 0},
+    /* 1x32 E8M0 blocks over whole blocks take the integer product (kernels.h, ref.h's ref_row_dot):
+     * a scale row shared by 3 weight rows */
+    {10, 256, CPUMLA_E2M1, CPUMLA_E8M0, 3, 32, 2, 0},
 };
 #define N_WCASES ((int)(sizeof wcases / sizeof wcases[0]))
 

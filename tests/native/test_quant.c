@@ -1,7 +1,11 @@
-/* test_quant.c: the Q8 / Q4 entries of a kernel table (gemv, gemm, gemv_t, dequant_row with cpumla's
- * own formats) against double-precision references written from cpumla.h and kernels.h, independently
- * of scalar_q.c / quant.h: weights are generated with their codes and fp16 scales, the activations
- * quantized here as kernels.h defines it, the integer block sums taken exactly. quantize_row (cpumla_quantize)
+/* test_quant.c: the integer products of a kernel table (gemv, gemm, gemv_t, dequant_row with cpumla's
+ * own Q8 / Q4 formats; gemv and gemm with FP4 E2M1 weights of 1x32 E8M0 blocks) against
+ * double-precision references written from cpumla.h and kernels.h, independently of scalar_q.c /
+ * quant.h: weights are generated with their codes and scales, the activations quantized here as
+ * kernels.h defines it, the integer block sums taken exactly, each block's term rounded to fp32 as
+ * the definition rounds it. FP4 runs over three code distributions (all zero, random, every code in
+ * turn) and five scale kinds (normal, 2^-128 / 2^-127 / 2^-126 with normal and with huge
+ * activations, 2^124..2^126 with tiny activations, a NaN scale in some rows). quantize_row (cpumla_quantize)
  * is checked bit for bit against its spec, scalar_q.c's, on random and edge-case blocks. */
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -15,10 +19,72 @@
 typedef struct {
     cpumla_weight w;
     void *data;
-    uint16_t *scale;
-    int *codes;        /* [rows, cols]: signed code (Q4: nibble - 8) */
-    double *d;         /* [rows, cols/32]: scale values */
+    void *scale;
+    int *codes;        /* [rows, cols]: signed code (Q4: nibble - 8, E2M1: 2 * value) */
+    double *d;         /* [rows, cols/32]: scale values (E2M1: the E8M0 scale halved) */
 } qweight;
+
+/* t's weight over data (t->scale already set): 1x32 blocks of brows rows */
+static void set_w(qweight *t, uint8_t *data, int64_t rows, int64_t cols, int64_t rb, int64_t sld, int dtype,
+                  int sdtype, int brows) {
+    t->data = data;
+    t->w.data = data;
+    t->w.scale = t->scale;
+    t->w.rows = rows;
+    t->w.cols = cols;
+    t->w.row_bytes = rb;
+    t->w.scale_ld = sld;
+    t->w.dtype = dtype;
+    t->w.scale_dtype = sdtype;
+    t->w.block_rows = brows;
+    t->w.block_cols = 32;
+}
+
+/* FP4 weights: code distributions and scale kinds */
+enum { FC_ZERO, FC_RANDOM, FC_EVERY, FC_N };
+enum { FS_NORMAL, FS_LOW, FS_LOW_BIGX, FS_HIGH_TINYX, FS_NAN, FS_N };
+static const char *fc_name[FC_N] = {"zero codes", "random codes", "every code"};
+static const char *fs_name[FS_N] = {"normal scales", "scales 2^-128..2^-126", "scales 2^-128..2^-126, x * 2^100",
+                                    "scales 2^124..2^126, x * 2^-100", "a NaN scale in some rows"};
+
+/* an FP4 weight [rows, cols] (1x32 E8M0 blocks, brows rows a scale row), rows padded by pad bytes
+ * (poisoned), one poisoned (NaN) scale column */
+static qweight make_fp4(int64_t rows, int64_t cols, int brows, int64_t pad, int codes, int scales) {
+    static const double mag[8] = {0, 1, 2, 3, 4, 6, 8, 12};
+    qweight t;
+    memset(&t, 0, sizeof t);
+    const int64_t nb = cols / 32, rb = cols / 2 + pad, sld = nb + 1, gr = (rows + brows - 1) / brows;
+    uint8_t *data = xalloc((size_t)(rows * rb) + 64), *sc = xalloc((size_t)(gr * sld) + 64);
+    memset(data, 0xff, (size_t)(rows * rb) + 64);
+    t.codes = xalloc(sizeof(int) * (size_t)(rows * cols));
+    t.d = xalloc(sizeof(double) * (size_t)(rows * nb));
+    for (int64_t g = 0; g < gr; g++) {
+        sc[g * sld + nb] = 0xff;
+        for (int64_t b = 0; b < nb; b++) {
+            int e = 118 + (int)(rng_u64() % 16);
+            if (scales == FS_LOW || scales == FS_LOW_BIGX) e = (int)(rng_u64() % 3);
+            if (scales == FS_HIGH_TINYX) e = 252 + (int)(rng_u64() % 3);
+            if (scales == FS_NAN && g % 3 == 1 && b == g % nb) e = 0xff;
+            sc[g * sld + b] = (uint8_t)e;
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t e = sc[(r / brows) * sld + b];
+            t.d[r * nb + b] = e == 0xff ? NAN : ldexp(1.0, e - 128);
+        }
+        uint8_t *row = data + r * rb;
+        for (int64_t c = 0; c < cols; c++) {
+            int nib = codes == FC_ZERO ? (int)(rng_u64() & 1) * 8 : codes == FC_EVERY ? (int)((r + c) & 15)
+                                                                                      : (int)(rng_u64() & 15);
+            row[c / 2] = (uint8_t)((c & 1) ? (row[c / 2] & 0x0f) | (nib << 4) : (row[c / 2] & 0xf0) | nib);
+            t.codes[r * cols + c] = (int)((nib & 8) ? -mag[nib & 7] : mag[nib & 7]);
+        }
+    }
+    t.scale = sc;
+    set_w(&t, data, rows, cols, rb, sld, CPUMLA_E2M1, CPUMLA_E8M0, brows);
+    return t;
+}
 
 /* Rows padded by pad bytes (poisoned 0xff), one extra poisoned scale column (fp16 NaN). */
 static qweight make_qweight(int64_t rows, int64_t cols, int dtype, int64_t pad) {
@@ -27,16 +93,17 @@ static qweight make_qweight(int64_t rows, int64_t cols, int dtype, int64_t pad) 
     int64_t nb = cols / 32, rb = (dtype == CPUMLA_Q8 ? cols : cols / 2) + pad, sld = nb + 1;
     uint8_t *data = xalloc((size_t)(rows * rb) + 64);
     memset(data, 0xff, (size_t)(rows * rb) + 64);
-    t.scale = xalloc(sizeof(uint16_t) * (size_t)(rows * sld) + 64);
+    uint16_t *scale = xalloc(sizeof(uint16_t) * (size_t)(rows * sld) + 64);
+    t.scale = scale;
     t.codes = xalloc(sizeof(int) * (size_t)(rows * cols));
     t.d = xalloc(sizeof(double) * (size_t)(rows * nb));
     for (int64_t r = 0; r < rows; r++) {
-        t.scale[r * sld + nb] = 0x7e00;
+        scale[r * sld + nb] = 0x7e00;
         for (int64_t b = 0; b < nb; b++) {
             double v = ldexp(1024 + (double)(rng_u64() % 1024), (int)(rng_u64() % 5) - 19);
             if (rng_u64() & 1) v = -v;
-            t.scale[r * sld + b] = ref_f16_bits(v);
-            t.d[r * nb + b] = ref_f16(t.scale[r * sld + b]);
+            scale[r * sld + b] = ref_f16_bits(v);
+            t.d[r * nb + b] = ref_f16(scale[r * sld + b]);
         }
         uint8_t *row = data + r * rb;
         for (int64_t c = 0; c < cols; c++) {
@@ -53,17 +120,7 @@ static qweight make_qweight(int64_t rows, int64_t cols, int dtype, int64_t pad) 
             }
         }
     }
-    t.data = data;
-    t.w.data = data;
-    t.w.scale = t.scale;
-    t.w.rows = rows;
-    t.w.cols = cols;
-    t.w.row_bytes = rb;
-    t.w.scale_ld = sld;
-    t.w.dtype = dtype;
-    t.w.scale_dtype = CPUMLA_F16;
-    t.w.block_rows = 1;
-    t.w.block_cols = 32;
+    set_w(&t, data, rows, cols, rb, sld, dtype, CPUMLA_F16, 1);
     return t;
 }
 
@@ -73,34 +130,19 @@ static double qvalue(const qweight *t, int64_t r, int64_t c) {
     return t->codes[r * t->w.cols + c] * t->d[r * (t->w.cols / 32) + c / 32];
 }
 
-/* kernels.h's activation quantization of one block (every step in fp32) */
-static double ref_qact(const float *x, int *q) {
-    float amax = 0.0f;
-    for (int i = 0; i < 32; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-    volatile float xd = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int i = 0; i < 32; i++) {
-        volatile float p = x[i] * id;
-        q[i] = (int)nearbyint(p);
-    }
-    return xd;
-}
-
-/* the product of row r with x as kernels.h defines it; *mag = sum of |block terms| */
+/* the product of row r with x as kernels.h defines it, the block terms (ref.h's ref_qterm) summed in
+ * double; *mag = sum of |block terms| */
 static double ref_qdot(const qweight *t, int64_t r, const float *x, double *mag) {
     int64_t nb = t->w.cols / 32;
     double s = 0, a = 0;
     for (int64_t b = 0; b < nb; b++) {
         int q[32];
-        double xd = ref_qact(x + 32 * b, q);
-        long long isum = 0, asum = 0;
-        for (int i = 0; i < 32; i++) {
-            long long p = (long long)t->codes[r * t->w.cols + 32 * b + i] * q[i];
-            isum += p;
-            asum += p < 0 ? -p : p;
-        }
-        double f = t->d[r * nb + b] * xd;
-        s += (double)isum * f;
-        a += (double)asum * fabs(f);
+        double xd = ref_qact(x + 32 * b, q, ref_qmax(t->w.dtype));
+        long long isum = 0;
+        for (int i = 0; i < 32; i++) isum += (long long)t->codes[r * t->w.cols + 32 * b + i] * q[i];
+        const double p = ref_qterm(isum, t->d[r * nb + b], xd);
+        s += p;
+        a += fabs(p);
     }
     *mag = a;
     return s;
@@ -121,7 +163,7 @@ static float spec_qdot32(const qweight *t, int64_t r, const float *x) {
     volatile float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
         int q[32];
-        volatile float xd = (float)ref_qact(x + 32 * b, q);
+        volatile float xd = (float)ref_qact(x + 32 * b, q, ref_qmax(t->w.dtype));
         long long isum = 0;
         for (int i = 0; i < 32; i++) isum += (long long)t->codes[r * t->w.cols + 32 * b + i] * q[i];
         volatile float f = (float)t->d[r * nb + b] * xd;
@@ -239,8 +281,94 @@ static void test_quantize_row(const cpumla_kernels *k) {
             }
 }
 
+/* n activation rows ldx apart (uniform in +-amp, the second at amp / 1000, a zero block in the third,
+ * NaN past the row) through gemv (n = 1) or gemm over rows [r0, r1): returns y (n rows ldy apart,
+ * QSENT where nothing was written), *xo the activations */
+static float *run_q(const cpumla_kernels *k, const cpumla_weight *w, int64_t n, int64_t ldx, float amp, int64_t r0,
+                    int64_t r1, int64_t ldy, float **xo) {
+    float *x = nan_floats((size_t)(n * ldx + 64));
+    for (int64_t tt = 0; tt < n; tt++)
+        for (int64_t i = 0; i < w->cols; i++) x[tt * ldx + i] = rng_sym(tt == 1 ? amp * 1e-3f : amp);
+    for (int64_t i = 0; i < 32 && n > 2; i++) x[2 * ldx + i] = 0.0f;      /* a zero block */
+    float *y = xalloc(sizeof(float) * (size_t)(n * ldy));
+    for (int64_t i = 0; i < n * ldy; i++) y[i] = QSENT;
+    case_begin();
+    if (n == 1) k->gemv(w, x, y, r0, r1);
+    else k->gemm(w, x, ldx, n, y, ldy, r0, r1);
+    *xo = x;
+    return y;
+}
+
+/* got against want: NaN and infinities exactly, the rest within 1e-5 of the terms' magnitude */
+static int q_close(float got, double want, double mag) {
+    if (isnan(want)) return isnan(got);
+    if (isinf(want)) return got == want;
+    return close_to(got, want, mag, 1e-5);
+}
+
+/* FP4 (E2M1, 1x32 E8M0 blocks) through gemv and gemm: every code distribution and scale kind, row
+ * ranges and token counts over the tiles' edges; bit for bit the fp32 spec on 1-2 blocks (exact
+ * integer sums), and on every width where the gemm takes the level's fp32-FMA product (gemm_fp4, from
+ * gemm_fp4_min_n tokens: blocks added in the spec's order); below that, gemm's tokens bit for bit
+ * gemv's (decode and prefill agree) */
+static void test_fp4(const cpumla_kernels *k) {
+    static const struct { int64_t rows, cols; int brows; int64_t pad; } cs[] = {
+        {1, 32, 1, 0}, {5, 64, 1, 3}, {9, 224, 1, 0}, {33, 288, 1, 1}, {6, 544, 2, 0}, {11, 2048, 1, 0},
+        {5, 7168, 1, 0}, {70, 1408, 3, 0},
+    };
+    for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++)
+        for (int fc = 0; fc < FC_N; fc++)
+            for (int fs = 0; fs < FS_N; fs++) {
+                const int64_t R = cs[ci].rows, C = cs[ci].cols;
+                if (small_mode && (C > 2000 || (fc != FC_RANDOM && fs != FS_NORMAL))) continue;
+                qweight t = make_fp4(R, C, cs[ci].brows, cs[ci].pad, fc, fs);
+                const float amp = fs == FS_LOW_BIGX ? 0x1p100f : fs == FS_HIGH_TINYX ? 0x1p-100f : 2.0f;
+                static const int64_t ns[] = {1, 2, 5, 50};
+                for (int ni = 0; ni < 4; ni++) {
+                    const int64_t n = ns[ni], ldx = C + 3, r0 = R / 4, r1 = R - R / 5, nr = r1 - r0, ldy = nr + 2;
+                    const int fma = n > 1 && k->gemm_fp4 && n >= k->gemm_fp4_min_n;
+                    float *x, *y = run_q(k, &t.w, n, ldx, amp, r0, r1, ldy, &x);
+                    int bad = 0, gap_ok = 1, same = 1, agree = 1;
+                    for (int64_t tt = 0; tt < n; tt++) {
+                        for (int64_t i = 0; i < nr && bad < 3; i++) {
+                            double mag, want = ref_qdot(&t, r0 + i, x + tt * ldx, &mag);
+                            float got = y[tt * ldy + i];
+                            if (!check(q_close(got, want, mag), "%s E2M1 %lldx%lld [%dx32] %s, %s, n=%lld: y[%lld,%lld] = %.9g, want %.9g",
+                                       n == 1 ? "gemv" : "gemm", (long long)R, (long long)C, cs[ci].brows, fc_name[fc],
+                                       fs_name[fs], (long long)n, (long long)tt, (long long)i, got, want))
+                                bad++;
+                            if (C <= 64 || fma) {
+                                const float sp = spec_qdot32(&t, r0 + i, x + tt * ldx);
+                                same &= bitsf(got) == bitsf(sp) || (isnan(got) && isnan(sp));
+                            }
+                        }
+                        gap_ok &= y[tt * ldy + nr] == QSENT && y[tt * ldy + nr + 1] == QSENT;
+                    }
+                    if (n > 1 && !fma) {          /* each token's row as gemv gives it */
+                        float *y1 = xalloc(sizeof(float) * (size_t)nr);
+                        for (int64_t tt = 0; tt < n; tt++) {
+                            k->gemv(&t.w, x + tt * ldx, y1, r0, r1);
+                            for (int64_t i = 0; i < nr; i++)
+                                agree &= bitsf(y1[i]) == bitsf(y[tt * ldy + i]) || (isnan(y1[i]) && isnan(y[tt * ldy + i]));
+                        }
+                        free(y1);
+                    }
+                    check(gap_ok, "E2M1 %lldx%lld n=%lld wrote past its rows", (long long)R, (long long)C, (long long)n);
+                    check(same, "E2M1 %lldx%lld %s, %s, n=%lld differs from the fp32 spec", (long long)R, (long long)C,
+                          fc_name[fc], fs_name[fs], (long long)n);
+                    check(agree, "E2M1 %lldx%lld %s, %s: gemm (n=%lld) differs from gemv", (long long)R, (long long)C,
+                          fc_name[fc], fs_name[fs], (long long)n);
+                    case_end();
+                    free(x);
+                    free(y);
+                }
+                free_qweight(&t);
+            }
+}
+
 void test_quant(const cpumla_kernels *k) {
     test_quantize_row(k);
+    test_fp4(k);
     for (int dt = CPUMLA_Q8; dt <= CPUMLA_Q4; dt++)
         for (int ci = 0; ci < N_QCASES; ci++) {
             int64_t R = qcases[ci].rows, C = qcases[ci].cols;
@@ -251,15 +379,7 @@ void test_quant(const cpumla_kernels *k) {
             static const int64_t ns[] = {1, 2, 5};
             for (int ni = 0; ni < 3; ni++) {
                 int64_t n = ns[ni], ldx = C + 3, r0 = R / 4, r1 = R - R / 5, nr = r1 - r0, ldy = nr + 2;
-                float *x = nan_floats((size_t)(n * ldx + 64));
-                for (int64_t tt = 0; tt < n; tt++)
-                    for (int64_t i = 0; i < C; i++) x[tt * ldx + i] = rng_sym(tt == 1 ? 1e-3f : 2.0f);
-                for (int64_t i = 0; i < 32 && n > 2; i++) x[2 * ldx + i] = 0.0f;      /* a zero block */
-                float *y = xalloc(sizeof(float) * (size_t)(n * ldy));
-                for (int64_t i = 0; i < n * ldy; i++) y[i] = QSENT;
-                case_begin();
-                if (n == 1) k->gemv(&t.w, x, y, r0, r1);
-                else k->gemm(&t.w, x, ldx, n, y, ldy, r0, r1);
+                float *x, *y = run_q(k, &t.w, n, ldx, 2.0f, r0, r1, ldy, &x);
                 int bad = 0, gap_ok = 1;
                 for (int64_t tt = 0; tt < n; tt++) {
                     for (int64_t i = 0; i < nr && bad < 3; i++) {

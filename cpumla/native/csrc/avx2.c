@@ -9,9 +9,8 @@
  *         operand (on Intel cores such an operand costs a microcode assist per instruction). 0x7f /
  *         0xff are forced to NaN as in the spec (dequant_row, gemv_t; gemm's panels). The block scale
  *         goes into the activation operand, bf16(x * scale) (kernels.h), never onto a partial sum.
- *   E2M1  two vpshufb lookups give the low and high byte of each code's bf16 value; the codes come
- *         out in a fixed permuted column order, so gemv rearranges x once per call to match
- *         (fp4_x64) and never reorders weights.
+ *   E2M1  (gemv_t, dequant_row) two vpshufb lookups give the low and high byte of each code's bf16
+ *         value; gemv / gemm hand E2M1 back (kernels.h: the integer product, quant.h).
  * Single-threaded: ops.c splits rows / columns / heads / KV ranges over the pool.
  *
  * This file holds gemv, gemv_t and dequant_row; the gemm (panels decoded with dequant_row) is in
@@ -30,22 +29,11 @@
 const char cpumla_flags_avx2[] = CPUMLA_FLAGS;
 
 /* ---- helpers ---------------------------------------------------------------------------------- */
-/* Scales of row r for blocks [b0, b0 + nb) into out */
-static void row_scales(const cpumla_weight *w, int64_t r, int64_t b0, int64_t nb, float *out) {
-    int64_t base = (r / w->block_rows) * w->scale_ld + b0, i = 0;
-    if (w->scale_dtype == CPUMLA_E8M0) {
-        const uint8_t *s = (const uint8_t *)w->scale + base;
-        for (; i + 8 <= nb; i += 8) _mm256_storeu_ps(out + i, ld_e8m0x8(s + i));
-        for (; i < nb; i++) out[i] = e8m0_to_f32(s[i]);
-    } else {
-        memcpy(out, (const float *)w->scale + base, (size_t)nb * sizeof(float));
-    }
-}
-
-/* Layouts the fast paths do not cover go to the entry this one replaced (the scalar spec): E2M1 with
- * block_cols not a multiple of 32, and degenerate block shapes. The activation
- * operands of BF16 and E4M3 weights (kernels.h) go to the thread's CPUMLA_SCRATCH_AVX2_XR buffer
- * (avx2_gemm.c's too); without it a kernel does nothing (the call then fails). */
+/* Layouts the fast paths do not cover go to the entry this one replaced (the scalar spec): E2M1 (every
+ * layout: quant.c sends 1x32 E8M0 blocks to the integer product first), and degenerate block shapes.
+ * The activation operands of BF16 and E4M3 weights (kernels.h) go to the thread's
+ * CPUMLA_SCRATCH_AVX2_XR buffer (avx2_gemm.c's too); without it a kernel does nothing (the call then
+ * fails). */
 static void (*prev_gemv)(const cpumla_weight *, const float *, float *, int64_t, int64_t);
 
 /* ---- dequant_row -------------------------------------------------------------------------------- */
@@ -271,110 +259,6 @@ static void gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t 
     }
 }
 
-/* FP4 e2m1 with block_cols a multiple of 32 (E8M0 or F32 scales), 64 columns (32 bytes) per row per
- * step, 4 rows at a time. One 32-byte load holds two 32-column groups, one per 128-bit lane, and every
- * decode step below stays within its lane: lanes 0-3 of each product vector belong to the first group
- * and lanes 4-7 to the second, so one multiply by [s_a x4, s_b x4] scales a step's sum. The decode
- * is the fewest vector operations found for AVX2 (Zen 5 runs it instruction-bound, not memory-bound):
- * and / shift split the nibbles, two vpshufb give each code's bf16 low and high byte (exact values),
- * an unpack pairs them into bf16 words and an unpack with zero widens those to fp32. x is rearranged
- * once per call (fp4_x64) to the resulting column order. */
-#define XP_MAX 16384
-#define E2M1_FAST(w) ((w)->block_cols > 0 && (w)->block_cols % 32 == 0 && (w)->block_rows > 0)
-static __thread float fp4_xp[XP_MAX + 64] ALIGN64;
-static __thread float fp4_sc[4][XP_MAX / 32 + 2] ALIGN64;
-
-/* vector j of a step's decode holds, in lane l, column fp4_col[j] + 2 * (l & 3) + 32 * (l >> 2) */
-static const uint8_t fp4_col[8] = {0, 8, 16, 24, 1, 9, 17, 25};
-
-/* 32 bytes (64 codes: two 32-column groups) -> f[0..7], exact values, in fp4_col's order */
-INLINE void ld_e2m1x64(__m256i b, __m256i tl, __m256i th, __m256 f[8]) {
-    const __m256i m = _mm256_set1_epi8(0x0f), z = _mm256_setzero_si256();
-    __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
-    __m256i w[4] = {_mm256_unpacklo_epi8(_mm256_shuffle_epi8(tl, lo), _mm256_shuffle_epi8(th, lo)),
-                    _mm256_unpackhi_epi8(_mm256_shuffle_epi8(tl, lo), _mm256_shuffle_epi8(th, lo)),
-                    _mm256_unpacklo_epi8(_mm256_shuffle_epi8(tl, hi), _mm256_shuffle_epi8(th, hi)),
-                    _mm256_unpackhi_epi8(_mm256_shuffle_epi8(tl, hi), _mm256_shuffle_epi8(th, hi))};
-    for (int j = 0; j < 4; j++) {
-        f[2 * j] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, w[j]));
-        f[2 * j + 1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, w[j]));
-    }
-}
-
-/* xp = x[c0, c1) in ld_e2m1x64's order per 64 columns, zero past c1 up to the next multiple of 64 */
-static void fp4_x64(const float *x, int64_t c0, int64_t c1, float *xp) {
-    for (int64_t g = 0; c0 + 64 * g < c1; g++)
-        for (int j = 0; j < 8; j++)
-            for (int l = 0; l < 8; l++) {
-                int64_t c = c0 + 64 * g + fp4_col[j] + 2 * (l & 3) + 32 * (l >> 2);
-                xp[64 * g + 8 * j + l] = c < c1 ? x[c] : 0.0f;
-            }
-}
-
-/* scale of each 32-column group of row r in [k0, k0 + 32 * ng) */
-static void group_scales(const cpumla_weight *w, int64_t r, int64_t k0, int64_t ng, float *out) {
-    const int64_t bc = w->block_cols;
-    if (bc == 32) { row_scales(w, r, k0 / 32, ng, out); return; }
-    for (int64_t g = 0; g < ng; g++) out[g] = weight_scale(w, r, k0 + 32 * g);
-}
-
-/* tot + the products of one step (32 bytes b of a row) with xg, scaled by sc[0] (lanes 0-3), sc[1] */
-INLINE __m256 e2m1_step(__m256i b, const float *xg, const float *sc, __m256i tl, __m256i th, __m256 tot) {
-    __m256 f[8];
-    ld_e2m1x64(b, tl, th, f);
-    __m256 s0 = _mm256_mul_ps(f[0], _mm256_load_ps(xg)), s1 = _mm256_mul_ps(f[1], _mm256_load_ps(xg + 8));
-    for (int j = 2; j < 8; j += 2) {
-        s0 = _mm256_fmadd_ps(f[j], _mm256_load_ps(xg + 8 * j), s0);
-        s1 = _mm256_fmadd_ps(f[j + 1], _mm256_load_ps(xg + 8 * j + 8), s1);
-    }
-    __m256 s = _mm256_blend_ps(_mm256_broadcast_ss(sc), _mm256_broadcast_ss(sc + 1), 0xf0);
-    return _mm256_fmadd_ps(_mm256_add_ps(s0, s1), s, tot);
-}
-
-static void gemv_e2m1(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
-    const int64_t K = w->cols, pf = PF_ROWS * w->row_bytes;
-    const __m256i tl = fp4_tl(), th = fp4_th();
-    for (int64_t k0 = 0; k0 < K; k0 += XP_MAX) {
-        const int64_t k1 = k0 + XP_MAX < K ? k0 + XP_MAX : K;
-        const int64_t n32 = (k1 - k0) / 32, n64 = n32 / 2, kv = k0 + 32 * n32;   /* [kv, k1): scalar */
-        fp4_x64(x, k0, kv, fp4_xp);
-        for (int64_t r = r0; r < r1; r += 4) {
-            const int nr = r1 - r < 4 ? (int)(r1 - r) : 4, lin = nr == 4 && w->row_bytes == K / 2 && K % 2 == 0;
-            const uint8_t *p[4];
-            for (int i = 0; i < 4; i++) {
-                int64_t rr = r + (i < nr ? i : 0);
-                p[i] = weight_row(w, rr) + k0 / 2;
-                group_scales(w, rr, k0, n32, fp4_sc[i]);
-                fp4_sc[i][n32] = 0.0f;     /* the missing second group of an odd count: zero lanes */
-            }
-            __m256 tot[4];
-            for (int i = 0; i < 4; i++) tot[i] = _mm256_setzero_ps();
-            for (int64_t g = 0; g < n64; g++) {
-                if (PF_ON && (g & 1) == 0)
-                    for (int i = 0; i < 4; i++) _mm_prefetch(pf_at(p[0] - k0 / 2, p[i] - k0 / 2, pf, lin, i, k0 / 2 + 32 * g), _MM_HINT_T0);
-                for (int i = 0; i < 4; i++)
-                    tot[i] = e2m1_step(_mm256_loadu_si256((const __m256i *)(p[i] + 32 * g)), fp4_xp + 64 * g, fp4_sc[i] + 2 * g, tl, th, tot[i]);
-            }
-            if (n32 & 1)        /* one 32-column group left: the second lane's codes (zero) multiply zeros */
-                for (int i = 0; i < 4; i++)
-                    tot[i] = e2m1_step(_mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(p[i] + 32 * n64))),
-                                       fp4_xp + 64 * n64, fp4_sc[i] + 2 * n64, tl, th, tot[i]);
-            float t[4];
-            _mm_storeu_ps(t, hsum4x8(tot[0], tot[1], tot[2], tot[3]));
-            for (int i = 0; i < nr && kv < k1; i++) {     /* the last partial group: scalar */
-                const uint8_t *row = weight_row(w, r + i);
-                float part = 0.0f;
-                for (int64_t c = kv; c < k1; c++) part += e2m1_at(row, c) * x[c];
-                t[i] += part * weight_scale(w, r + i, kv);
-            }
-            for (int i = 0; i < nr; i++) {
-                if (k0 == 0) y[r - r0 + i] = t[i];
-                else y[r - r0 + i] += t[i];
-            }
-        }
-    }
-}
-
 void cpumla_avx2_gemv(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
     switch (w->dtype) {
     case CPUMLA_F32: gemv_plain(w, x, y, r0, r1, CPUMLA_F32); return;
@@ -389,13 +273,7 @@ void cpumla_avx2_gemv(const cpumla_weight *w, const float *x, float *y, int64_t 
     case CPUMLA_E4M3:
         if (w->block_cols > 0 && w->block_rows > 0) { gemv_e4m3(w, x, y, r0, r1); return; }
         break;
-    case CPUMLA_E2M1:
-        if (E2M1_FAST(w)) {
-            gemv_e2m1(w, x, y, r0, r1);
-            return;
-        }
-        break;
-    default: break;
+    default: break;         /* E2M1: the integer product (quant.c) or the spec's fp32 one */
     }
     prev_gemv(w, x, y, r0, r1);
 }
@@ -464,7 +342,7 @@ static void gemv_t_avx2(const cpumla_weight *w, int64_t r0, int64_t nr, const fl
 }
 
 /* The weight operands gemv's loops multiply (cpumla_decode_operands): E4M3 through e4m3_dec32 (value *
- * 2^-8), E2M1 through ld_e2m1x64 (exact values). */
+ * 2^-8). */
 int cpumla_decode_operands_avx2(int dtype, float *out) {
     if (dtype == CPUMLA_E4M3) {
         uint8_t codes[32];
@@ -483,30 +361,12 @@ int cpumla_decode_operands_avx2(int dtype, float *out) {
         }
         return 8;
     }
-    if (dtype == CPUMLA_E2M1) {
-        uint8_t b[32] = {0};
-        for (int j = 0; j < 8; j++) b[j] = (uint8_t)(2 * j | (2 * j + 1) << 4);   /* columns 0..15: codes 0..15 */
-        __m256 f[8];
-        ld_e2m1x64(_mm256_loadu_si256((const __m256i *)b), fp4_tl(), fp4_th(), f);
-        for (int j = 0; j < 8; j++) {
-            float v[8];
-            _mm256_storeu_ps(v, f[j]);
-            for (int l = 0; l < 4; l++)
-                if (fp4_col[j] + 2 * l < 16) out[fp4_col[j] + 2 * l] = v[l];
-        }
-        return 0;
-    }
     return -1;
 }
 
 void cpumla_fill_avx2(cpumla_kernels *k) {
-    static char e2m1_gemv[64], e2m1_gemm[80];
     cpumla_fill_avx2_rows(k);
     if (k->gemv != cpumla_avx2_gemv) prev_gemv = k->gemv;
-    /* E2M1 hands unusual block widths back; gemm's single tokens go through this gemv */
-    snprintf(e2m1_gemv, sizeof e2m1_gemv, "avx2 (%s when block_cols %% 32 != 0)", k->who_fmt[K_GEMV][CPUMLA_E2M1]);
-    snprintf(e2m1_gemm, sizeof e2m1_gemm, "avx2 (single tokens: %s when block_cols %% 32 != 0)",
-             k->who_fmt[K_GEMV][CPUMLA_E2M1]);
     cpumla_fill_avx2_gemm(k);
     k->gemv = cpumla_avx2_gemv;
     k->gemv_t = gemv_t_avx2;
@@ -515,6 +375,7 @@ void cpumla_fill_avx2(cpumla_kernels *k) {
         k->who[i] = "avx2";
         for (int f = 0; f <= CPUMLA_E2M1; f++) k->who_fmt[i][f] = "avx2";
     }
-    k->who_fmt[K_GEMV][CPUMLA_E2M1] = e2m1_gemv;
-    k->who_fmt[K_GEMM][CPUMLA_E2M1] = e2m1_gemm;
+    /* E2M1 gemv / gemm go back to the entry below (the spec's fp32 product); quant.c takes its 1x32
+     * E8M0 layout to the integer product first */
+    k->who_fmt[K_GEMV][CPUMLA_E2M1] = k->who_fmt[K_GEMM][CPUMLA_E2M1] = "scalar";
 }

@@ -20,6 +20,16 @@ INLINE float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* max |v| over 4 vectors (a block of 32; absm: the sign-clearing mask) */
+INLINE float amax32(const __m256 v[4], __m256 absm) {
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absm), _mm256_and_ps(v[1], absm)),
+                             _mm256_max_ps(_mm256_and_ps(v[2], absm), _mm256_and_ps(v[3], absm)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    return _mm_cvtss_f32(m4);
+}
+
 /* [sum a0, sum a1, sum a2, sum a3] */
 INLINE __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -158,15 +168,6 @@ INLINE void ld_e2m1x32_nat(const uint8_t *p, __m256i tl, __m256i th, __m256 o[4]
 INLINE float e2m1_at(const uint8_t *row, int64_t c) {
     uint8_t b = row[c >> 1];
     return cpumla_e2m1_lut[(c & 1) ? (b >> 4) : (b & 15)];
-}
-
-/* 8 E8M0 scale bytes -> floats (0 -> 2^-127, 0xff -> NaN, as e8m0_to_f32) */
-INLINE __m256 ld_e8m0x8(const uint8_t *p) {
-    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    __m256i f = _mm256_slli_epi32(v, 23);
-    f = _mm256_blendv_epi8(f, _mm256_set1_epi32(0x00400000), _mm256_cmpeq_epi32(v, _mm256_setzero_si256()));
-    f = _mm256_or_si256(f, _mm256_cmpeq_epi32(v, _mm256_set1_epi32(255)));
-    return _mm256_castsi256_ps(f);
 }
 
 /* ---- avx2.c, for avx2_gemm.c ------------------------------------------------------------------- */

@@ -15,6 +15,7 @@
 #include "common.h"
 #include "kernels.h"
 #include "avx2_common.h"
+#include "quant.h"
 
 /* The entry this one replaced (the scalar spec): for degenerate E4M3 block shapes only. The activation
  * operands of BF16 / E4M3 weights go to the thread's CPUMLA_SCRATCH_AVX2_XR buffer; without it the
@@ -177,6 +178,7 @@ static void gemm_micro(int nt, const float *wp, int64_t kc, const float *x, int6
 static void gemm_avx2(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
                       int64_t ldy, int64_t r0, int64_t r1) {
     if (n <= 0 || r1 <= r0) return;
+    if (w->dtype == CPUMLA_E2M1) { prev_gemm(w, x, ldx, n, y, ldy, r0, r1); return; }   /* as gemv does */
     if (n == 1) { cpumla_avx2_gemv(w, x, y, r0, r1); return; }
     const int64_t K = w->cols;
     if (K <= 0) {
@@ -230,7 +232,146 @@ static void gemm_avx2(const cpumla_weight *w, const float *x, int64_t ldx, int64
     }
 }
 
+/* ---- E2M1 of 1x32 E8M0 blocks: the integer product on fp32 FMAs (kernels.h's gemm_fp4) ------------
+ * The activation codes (int16 values: |q| <= 32512) and w2 (|w2| <= 12) are exact in fp32, and so is
+ * every product (< 2^19) and every partial sum of a block (< 32 * 2^19 = 2^24): the FMAs give each
+ * block's integer sum exactly, in any order. Each block then adds (float)sum * (wd * xd), both
+ * products rounded, to its row's total in block order, as scalar_q.c does: the result is the spec's
+ * bit for bit. Panels: w2 as fp32 [k][16] and the chunk's scales wd [block][16] (zero rows: wd 0);
+ * operands: the codes [t][GM_KC] and xd [t][FP_NB] of a token and K chunk. */
+#define FP_NB (GM_KC / 32)    /* blocks per K chunk */
+static __thread float fp_wd[FP_NB * GM_NR] ALIGN64;   /* [b][16] */
+
+/* the 32 w2 of one block (16 code bytes) as fp32, column order */
+INLINE void e2m1_w2x32(const uint8_t *p, float *out) {
+    const __m128i tab = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i m4 = _mm_set1_epi8(15), v = _mm_loadu_si128((const __m128i *)p);
+    const __m128i lo = _mm_shuffle_epi8(tab, _mm_and_si128(v, m4));
+    const __m128i hi = _mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+    const __m128i a = _mm_unpacklo_epi8(lo, hi), b = _mm_unpackhi_epi8(lo, hi);   /* columns 0-15, 16-31 */
+    _mm256_store_ps(out, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)));
+    _mm256_store_ps(out + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8))));
+    _mm256_store_ps(out + 16, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+    _mm256_store_ps(out + 24, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
+}
+
+/* rows [r, r + nr) (zero rows past nr), columns [k0, k0 + kc) (kc a multiple of 32): w2 into gm_pack
+ * [k][16], wd into fp_wd */
+static void fp4_pack(const cpumla_weight *w, int64_t r, int nr, int64_t k0, int64_t kc) {
+    const int64_t nb = kc / 32, b0 = k0 / 32;
+    for (int i = 0; i < GM_NR; i++) {
+        float *t = gm_tmp + i * GM_KC;
+        if (i < nr) {
+            const uint8_t *row = weight_row(w, r + i), *s = q_scale_row(w, r + i);
+            for (int64_t b = 0; b < nb; b++) {
+                e2m1_w2x32(row + (b0 + b) * 16, t + 32 * b);
+                fp_wd[b * GM_NR + i] = e8m0_half(s[b0 + b]);
+            }
+        } else {
+            memset(t, 0, sizeof(float) * (size_t)kc);
+            for (int64_t b = 0; b < nb; b++) fp_wd[b * GM_NR + i] = 0.0f;
+        }
+    }
+    for (int64_t k = 0; k < kc; k += 8) {
+        tr8x8_store(gm_tmp + k, GM_KC, gm_pack + k * GM_NR, GM_NR);
+        tr8x8_store(gm_tmp + 8 * GM_KC + k, GM_KC, gm_pack + k * GM_NR + 8, GM_NR);
+    }
+}
+
+/* the codes and xd of columns [k0, k0 + kc) of n tokens (quant.h's q_act_block: amax over the block,
+ * id = 32512 / amax, codes nearest_even(x * id), xd = amax / 32512) */
+static void fp4_operands(const float *x, int64_t ldx, int64_t n, int64_t k0, int64_t kc, float *codes, float *xd) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t b = 0; b < kc / 32; b++) {
+            const float *xb = x + t * ldx + k0 + 32 * b;
+            __m256 v[4];
+            for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(xb + 8 * j);
+            const float amax = amax32(v, absm), id = amax > 0.0f ? QACT_MAX16 / amax : 0.0f;
+            xd[t * FP_NB + b] = amax / QACT_MAX16;
+            const __m256 vid = _mm256_set1_ps(id);
+            for (int j = 0; j < 4; j++)
+                _mm256_store_ps(codes + t * GM_KC + 32 * b + 8 * j,
+                                _mm256_cvtepi32_ps(_mm256_cvtps_epi32(_mm256_mul_ps(v[j], vid))));
+        }
+}
+
+/* total += (float)sum * (wd * xd), each product rounded (never fused into the add) */
+INLINE __m256 fp4_add(__m256 total, __m256 sum, __m256 wd, __m256 xd) {
+    __m256 f = _mm256_mul_ps(wd, xd);
+    __asm__("" : "+x"(f));
+    __m256 p = _mm256_mul_ps(sum, f);
+    __asm__("" : "+x"(p));
+    return _mm256_add_ps(total, p);
+}
+
+/* Y[t, 0..nr) = (first ? 0 : Y[t, 0..nr)) + the chunk's blocks in order, t < nt (nt <= 6; missing
+ * tokens repeat the last one and are not stored). The totals live in memory (tot) between blocks:
+ * the twelve accumulators take the registers. */
+static void fp4_micro(int nt, const float *wp, const float *wd, int64_t nb, const float *x, const float *xd,
+                      float *y, int64_t ldy, int nr, int first) {
+    float tot[GM_MT][GM_NR] ALIGN64;
+    for (int t = 0; t < GM_MT; t++)
+        for (int i = 0; i < GM_NR; i++) tot[t][i] = first || t >= nt || i >= nr ? 0.0f : y[t * ldy + i];
+    const int64_t l1 = nt > 1 ? 1 : 0, l2 = nt > 2 ? 2 : nt - 1, l3 = nt > 3 ? 3 : nt - 1;
+    const int64_t l4 = nt > 4 ? 4 : nt - 1, l5 = nt > 5 ? 5 : nt - 1;
+    const float *x0 = x, *x1 = x + l1 * GM_KC, *x2 = x + l2 * GM_KC, *x3 = x + l3 * GM_KC, *x4 = x + l4 * GM_KC;
+    const float *x5 = x + l5 * GM_KC;
+    const int64_t lt[GM_MT] = {0, l1, l2, l3, l4, l5};
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+        __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+        for (int64_t k = 32 * b; k < 32 * b + 32; k++) {
+            __m256 w0 = _mm256_load_ps(wp + k * GM_NR), w1 = _mm256_load_ps(wp + k * GM_NR + 8), v;
+            v = _mm256_broadcast_ss(x0 + k); c00 = _mm256_fmadd_ps(v, w0, c00); c01 = _mm256_fmadd_ps(v, w1, c01);
+            v = _mm256_broadcast_ss(x1 + k); c10 = _mm256_fmadd_ps(v, w0, c10); c11 = _mm256_fmadd_ps(v, w1, c11);
+            v = _mm256_broadcast_ss(x2 + k); c20 = _mm256_fmadd_ps(v, w0, c20); c21 = _mm256_fmadd_ps(v, w1, c21);
+            v = _mm256_broadcast_ss(x3 + k); c30 = _mm256_fmadd_ps(v, w0, c30); c31 = _mm256_fmadd_ps(v, w1, c31);
+            v = _mm256_broadcast_ss(x4 + k); c40 = _mm256_fmadd_ps(v, w0, c40); c41 = _mm256_fmadd_ps(v, w1, c41);
+            v = _mm256_broadcast_ss(x5 + k); c50 = _mm256_fmadd_ps(v, w0, c50); c51 = _mm256_fmadd_ps(v, w1, c51);
+        }
+        const __m256 s[GM_MT][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+        const __m256 d0 = _mm256_load_ps(wd + b * GM_NR), d1 = _mm256_load_ps(wd + b * GM_NR + 8);
+        for (int t = 0; t < GM_MT; t++) {
+            const __m256 v = _mm256_broadcast_ss(xd + lt[t] * FP_NB + b);
+            _mm256_store_ps(tot[t], fp4_add(_mm256_load_ps(tot[t]), s[t][0], d0, v));
+            _mm256_store_ps(tot[t] + 8, fp4_add(_mm256_load_ps(tot[t] + 8), s[t][1], d1, v));
+        }
+        __asm__("" : : "r"(tot) : "memory");     /* keep the totals in memory, the accumulators in registers */
+    }
+    for (int t = 0; t < nt; t++)
+        for (int i = 0; i < nr; i++) y[t * ldy + i] = tot[t][i];
+}
+
+static void gemm_fp4_avx2(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy,
+                          int64_t r0, int64_t r1) {
+    if (n <= 0 || r1 <= r0) return;
+    const int64_t K = w->cols;
+    const int64_t nch = (n + GM_TC - 1) / GM_TC, tc = ((n + nch - 1) / nch + GM_MT - 1) / GM_MT * GM_MT;
+    const int64_t tb = n < tc ? n : tc;
+    float *codes = cpumla_scratch(CPUMLA_SCRATCH_AVX2_XR, sizeof(float) * (size_t)(tb * (GM_KC + FP_NB)));
+    if (!codes) return;
+    float *xd = codes + tb * GM_KC;
+    for (int64_t k0 = 0; k0 < K; k0 += GM_KC) {
+        const int64_t kc = K - k0 < GM_KC ? K - k0 : GM_KC;
+        for (int64_t t0 = 0; t0 < n; t0 += tc) {
+            const int64_t nt = n - t0 < tc ? n - t0 : tc;
+            fp4_operands(x + t0 * ldx, ldx, nt, k0, kc, codes, xd);
+            for (int64_t r = r0; r < r1; r += GM_NR) {
+                const int nr = r1 - r < GM_NR ? (int)(r1 - r) : GM_NR;
+                fp4_pack(w, r, nr, k0, kc);
+                float *yr = y + t0 * ldy + (r - r0);
+                for (int64_t t = 0; t < nt; t += GM_MT)
+                    fp4_micro(nt - t < GM_MT ? (int)(nt - t) : GM_MT, gm_pack, fp_wd, kc / 32, codes + t * GM_KC,
+                              xd + t * FP_NB, yr + t * ldy, ldy, nr, k0 == 0);
+            }
+        }
+    }
+}
+
 void cpumla_fill_avx2_gemm(cpumla_kernels *k) {
     if (k->gemm != gemm_avx2) prev_gemm = k->gemm;
     k->gemm = gemm_avx2;
+    k->gemm_fp4 = gemm_fp4_avx2;
+    k->gemm_fp4_min_n = FP4_FMA_MIN_AVX2;
 }

@@ -1,27 +1,36 @@
-/* avx2_q.c: Q8 / Q4 kernels with AVX2 (compiled as avx2.c is). Semantics: scalar_q.c (kernels.h), to
- * the rounding: exact block sums, (float)isum * (wd * xd) rounded as the spec rounds it, only the fp32
- * sums over blocks associated differently. Q8 (activations in column order): |w| (vpsignb w, w) times x
- * with w's sign (vpsignb x, w) in vpmaddubsw (pair sums fit int16), vpmaddwd by ones, then vphaddd
- * reduces 8 blocks to one lane each. Q4 (activations in pairs of blocks, quant.h): the nibbles are
- * vpmaddubsw's unsigned operand as they are, two vphaddw levels stay below 2^15, and the per-block
- * correction (-8 times the activation code sum) makes the sums exact. The fp32 work runs once per 8
- * blocks. gemv reads the rows in order, one at a time (one stream, prefetched ahead); gemm runs tiles
- * of up to 4 rows x 2 tokens sharing each unpacked block. */
+/* avx2_q.c: the integer kernels (Q8 / Q4 / E2M1) with AVX2 (compiled as avx2.c is). Semantics:
+ * scalar_q.c (kernels.h), to the rounding: exact block sums, (float)isum * (wd * xd) rounded as the spec
+ * rounds it, only the fp32 sums over blocks associated differently. Q8 (activations in column order):
+ * |w| (vpsignb w, w) times x with w's sign (vpsignb x, w) in vpmaddubsw (pair sums fit int16), vpmaddwd
+ * by ones, then vphaddd reduces 8 blocks to one lane each. Q4 (activations in pairs of blocks, quant.h):
+ * the nibbles are vpmaddubsw's unsigned operand as they are, two vphaddw levels stay below 2^15, and
+ * the per-block correction (-8 times the activation code sum) makes the sums exact. E2M1 is Q4 with
+ * even / odd columns for Q4's first / last 16 (quant.h) and a vpshufb table from each nibble to
+ * w2 + 12 (0..24) against its int16 activation codes' two int8 halves (quant.h): per half one vphaddw
+ * level stays below 2^15, vpmaddwd by 256 (high bytes) or 1 (low bytes) widens, vpaddd and vphaddd do
+ * the rest, and the correction is -12 times the code sum; the E8M0 scales become 2^(e - 128) with
+ * integer operations.
+ * The fp32 work runs once per 8 blocks. gemv reads the rows in order, one at a time (one stream,
+ * prefetched ahead); gemm runs tiles of up to 4 rows x 2 tokens sharing each unpacked block. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 #include "common.h"
 #include "kernels.h"
 #include "quant.h"
+#include "avx2_common.h"
 
-#define INLINE static inline __attribute__((always_inline))
 /* the spec rounds each product: keep the compiler from fusing it into the add that follows */
 #define ROUNDED(v) __asm__("" : "+x"(v))
 #ifndef QPF_BYTES
 #define QPF_BYTES 8192     /* gemv: software prefetch distance along the row stream */
 #endif
 
-/* the 32 signed codes of block b of a row */
+/* the weight format a tile is specialised for: F_FP4X is E2M1 with scale bytes 0, 1 or 0xff somewhere
+ * in the tile's rows (their full conversion), F_FP4 with none */
+enum { F_Q8, F_Q4, F_FP4, F_FP4X };
+
+/* the 32 signed codes of block b of a row (Q8 / Q4) */
 INLINE __m256i ld_block(const uint8_t *row, int64_t b, int q4) {
     if (!q4) return _mm256_loadu_si256((const __m256i *)(row + 32 * b));
     __m128i v = _mm_loadu_si128((const __m128i *)(row + 16 * b));
@@ -29,32 +38,43 @@ INLINE __m256i ld_block(const uint8_t *row, int64_t b, int q4) {
     return _mm256_sub_epi8(n, _mm256_set1_epi8(8));
 }
 
-INLINE float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+/* one block's 32 codes (int32, each fitting int8) stored at q in the format's order (quant.h) */
+INLINE void put_codes(const __m256i i[4], int fp4, int q4, int8_t *q, int64_t b) {
+    /* packs interleave 128-bit lanes: [0a 1a 0b 1b] -> fix with a dword permute */
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if (fp4) {            /* [even columns | odd columns], the order of the low and high nibbles */
+        const __m128i eo = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+        p = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(p, _mm256_set_m128i(eo, eo)), 0xd8);
+    }
+    if (q4) {             /* pairs of blocks: [cols 0-15 of b, b+1 | cols 16-31 of b, b+1] */
+        int8_t *g = q + (b / 2) * 64 + (b % 2) * 16;
+        _mm_storeu_si128((__m128i *)g, _mm256_castsi256_si128(p));
+        _mm_storeu_si128((__m128i *)(g + 32), _mm256_extracti128_si256(p, 1));
+    } else {
+        _mm256_storeu_si256((__m256i *)(q + b * QK), p);
+    }
 }
 
 static void quant_x_avx2(int32_t wdtype, const float *x, int64_t K, void *qx) {
-    const int q4 = wdtype == CPUMLA_Q4;
-    int8_t *q = qx;
+    const int fp4 = wdtype == CPUMLA_E2M1, q4 = wdtype == CPUMLA_Q4 || fp4;
+    int8_t *q = qx, *ql = qx_lo(qx, K);
     float *d = qx_d(qx, K);
     int32_t *s = qx_s(qx, K);
     const int64_t nb = K / QK, kp = qx_kp(K);
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     if (q4) memset(q, 0, (size_t)kp);         /* the pair layout leaves a gap after an odd last block */
+    if (fp4) memset(ql, 0, (size_t)kp);
+    /* zero past the row: E2M1 from the last group of 8 on (its blocks are stored permuted, below) */
+    for (int64_t b = fp4 ? nb & ~(int64_t)7 : nb; b < kp / QK; b++) { d[b] = 0.0f; s[b] = 0; }
     for (int64_t b = 0; b < nb; b++) {
+        /* E2M1: xd and the int32 per 8 blocks in the order the tile's sums come out (0 2 4 6 1 3 5 7) */
+        const int64_t at = fp4 ? (b & ~(int64_t)7) | ((b & 1) << 2) | ((b & 7) >> 1) : b;
         const float *xb = x + b * QK;
         __m256 v[4];
         for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps(xb + 8 * k);
-        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absm), _mm256_and_ps(v[1], absm)),
-                                 _mm256_max_ps(_mm256_and_ps(v[2], absm), _mm256_and_ps(v[3], absm)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float amax = _mm_cvtss_f32(m4), id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        d[b] = amax / 127.0f;
+        const float amax = amax32(v, absm), qmax = qact_max(wdtype), id = amax > 0.0f ? qmax / amax : 0.0f;
+        d[at] = amax / qmax;
         const __m256 vid = _mm256_set1_ps(id);
         __m256i i[4];
         for (int k = 0; k < 4; k++) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], vid));   /* nearest even */
@@ -62,20 +82,18 @@ static void quant_x_avx2(int32_t wdtype, const float *x, int64_t K, void *qx) {
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-        s[b] = (q4 ? -8 : 1) * _mm_cvtsi128_si32(s4);
-        /* packs interleave 128-bit lanes: [0a 1a 0b 1b] -> fix with a dword permute */
-        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        if (q4) {             /* pairs of blocks: [cols 0-15 of b, b+1 | cols 16-31 of b, b+1] */
-            int8_t *g = q + (b / 2) * 64 + (b % 2) * 16;
-            _mm_storeu_si128((__m128i *)g, _mm256_castsi256_si128(p));
-            _mm_storeu_si128((__m128i *)(g + 32), _mm256_extracti128_si256(p, 1));
-        } else {
-            _mm256_storeu_si256((__m256i *)(q + b * QK), p);
+        s[at] = (fp4 ? -12 : q4 ? -8 : 1) * _mm_cvtsi128_si32(s4);
+        if (fp4) {            /* q = 256 * hi + lo: lo the sign-extended low byte (quant.h's q_lo, q_hi) */
+            __m256i l[4];
+            for (int k = 0; k < 4; k++) {
+                l[k] = _mm256_srai_epi32(_mm256_slli_epi32(i[k], 24), 24);
+                i[k] = _mm256_srai_epi32(_mm256_sub_epi32(i[k], l[k]), 8);
+            }
+            put_codes(l, 1, 1, ql, b);
         }
+        put_codes(i, fp4, q4, q, b);
     }
     if (!q4) memset(q + K, 0, (size_t)(kp - K));
-    for (int64_t b = nb; b < kp / QK; b++) { d[b] = 0.0f; s[b] = 0; }
 }
 
 /* acc += (float)isum * (wd * xd) for 8 blocks, each product rounded (kernels.h) */
@@ -88,9 +106,10 @@ INLINE __m256 step_acc(__m256 acc, __m256i isum, __m256 wd, const float *xd) {
 }
 
 /* 8 blocks of a row from p (vb < 8: the row's last vb blocks, the rest read as zero): Q8, w[j] =
- * block j's codes; Q4, lo[v] / hi[v] = columns 0-15 / 16-31 of blocks 2v, 2v + 1 (the nibbles) */
-INLINE void load_step(const uint8_t *p, int q4, int64_t vb, __m256i lo[4], __m256i hi[4]) {
-    if (!q4) {
+ * block j's codes; Q4, lo[v] / hi[v] = columns 0-15 / 16-31 of blocks 2v, 2v + 1 (the nibbles); E2M1,
+ * the even / odd columns of blocks 2v, 2v + 1 as w2 + 12 */
+INLINE void load_step(const uint8_t *p, int fmt, int64_t vb, __m256i lo[4], __m256i hi[4]) {
+    if (fmt == F_Q8) {
         for (int j = 0; j < 8; j++)
             (j < 4 ? lo : hi)[j & 3] = j < vb ? _mm256_loadu_si256((const __m256i *)(p + 32 * j)) : _mm256_setzero_si256();
         return;
@@ -103,12 +122,27 @@ INLINE void load_step(const uint8_t *p, int q4, int64_t vb, __m256i lo[4], __m25
         else wv = _mm256_setzero_si256();
         lo[v] = _mm256_and_si256(wv, m4);
         hi[v] = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
+        if (fmt >= F_FP4) {
+            const __m256i u = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                               12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+            lo[v] = _mm256_shuffle_epi8(u, lo[v]);
+            hi[v] = _mm256_shuffle_epi8(u, hi[v]);
+        }
     }
 }
 
-/* the 8 exact block sums of a step, in block order; xg: the step's 256 activation codes */
-INLINE __m256i step_sums(const __m256i lo[4], const __m256i hi[4], int q4, const uint8_t *xg, const int32_t *corr) {
-    if (!q4) {            /* |w| times x with w's sign: pair sums fit int16, vpmaddwd makes them int32 */
+/* int16 lanes of 4 vectors' (u * x) pair sums over 8 blocks: p[v] = lo[v] . x + hi[v] . (x + 32) */
+INLINE void pair_sums(const __m256i lo[4], const __m256i hi[4], const uint8_t *xg, __m256i p[4]) {
+    for (int v = 0; v < 4; v++)
+        p[v] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[v], _mm256_loadu_si256((const __m256i *)(xg + 64 * v))),
+                                _mm256_maddubs_epi16(hi[v], _mm256_loadu_si256((const __m256i *)(xg + 64 * v + 32))));
+}
+
+/* the 8 exact block sums of a step, in block order (E2M1: 0 2 4 6 1 3 5 7); xg: the step's 256
+ * activation codes (E2M1: their high bytes, the low at xl) */
+INLINE __m256i step_sums(const __m256i lo[4], const __m256i hi[4], int fmt, const uint8_t *xg, const uint8_t *xl,
+                         const int32_t *corr) {
+    if (fmt == F_Q8) {            /* |w| times x with w's sign: pair sums fit int16, vpmaddwd makes them int32 */
         const __m256i ones = _mm256_set1_epi16(1);
         __m256i p[8];
         for (int j = 0; j < 8; j++) {
@@ -120,31 +154,72 @@ INLINE __m256i step_sums(const __m256i lo[4], const __m256i hi[4], int q4, const
         const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
         return _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
     }
-    /* Q4: int16 lanes of (nibble * x) pairs, |.| <= 7620; two vphaddw levels stay below 2^15 */
+    /* Q4: int16 lanes of (nibble * x) pairs, |.| <= 7620; two vphaddw levels stay below 2^15. E2M1:
+     * (w2 + 12) * x pairs per half, |.| <= 12288 (x >= -128); one vphaddw level (24576), then vpmaddwd
+     * by 256 (high bytes) and 1 (low bytes), vpaddd, vphaddd */
     __m256i p[4];
-    for (int v = 0; v < 4; v++)
-        p[v] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[v], _mm256_loadu_si256((const __m256i *)(xg + 64 * v))),
-                                _mm256_maddubs_epi16(hi[v], _mm256_loadu_si256((const __m256i *)(xg + 64 * v + 32))));
-    const __m256i h = _mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3]));
-    /* lanes: blocks 0 2 4 6 | 1 3 5 7 */
-    const __m256i s = _mm256_permutevar8x32_epi32(_mm256_madd_epi16(h, _mm256_set1_epi16(1)),
-                                                  _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    return _mm256_add_epi32(s, _mm256_loadu_si256((const __m256i *)corr));
+    pair_sums(lo, hi, xg, p);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i h;
+    if (fmt == F_Q4) {
+        h = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3])), ones);
+        h = _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    } else {
+        __m256i pl[4];
+        pair_sums(lo, hi, xl, pl);
+        const __m256i s256 = _mm256_set1_epi16(256);
+        const __m256i g01 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_hadd_epi16(p[0], p[1]), s256),
+                                             _mm256_madd_epi16(_mm256_hadd_epi16(pl[0], pl[1]), ones));
+        const __m256i g23 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_hadd_epi16(p[2], p[3]), s256),
+                                             _mm256_madd_epi16(_mm256_hadd_epi16(pl[2], pl[3]), ones));
+        h = _mm256_hadd_epi32(g01, g23);    /* blocks 0 2 4 6 | 1 3 5 7: its xd, int32 and scales follow */
+    }
+    return _mm256_add_epi32(h, _mm256_loadu_si256((const __m256i *)corr));
+}
+
+/* the scales wd of 8 blocks from p: fp16 (Q8 / Q4), or E8M0 bytes as 2^(e - 128) (e8m0_half: the
+ * normal (e - 1) << 23; F_FP4X also the subnormals 2^-127 and 2^-128 for e = 1 and 0, NaN for 0xff) */
+INLINE __m256 ld_wd(const uint8_t *p, int fmt) {
+    if (fmt < F_FP4) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    /* the 8 bytes zero-extended in the sums' block order, 0 2 4 6 1 3 5 7 */
+    const __m256i e = _mm256_shuffle_epi8(_mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)p)),
+                                          _mm256_setr_epi8(0, -1, -1, -1, 2, -1, -1, -1, 4, -1, -1, -1, 6, -1, -1, -1,
+                                                           1, -1, -1, -1, 3, -1, -1, -1, 5, -1, -1, -1, 7, -1, -1, -1));
+    const __m256i norm = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    if (fmt == F_FP4) return _mm256_castsi256_ps(norm);       /* every e in [2, 254] */
+    const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    const __m256i v = _mm256_blendv_epi8(norm, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e));
+    return _mm256_castsi256_ps(_mm256_or_si256(v, _mm256_cmpeq_epi32(e, _mm256_set1_epi32(255))));
+}
+
+/* 1 when every E8M0 byte of s[0..n) is in [2, 254] (F_FP4 then serves those rows) */
+INLINE int e8m0_plain(const uint8_t *s, int64_t n) {
+    __m256i bad = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {         /* e - 2 (mod 256) > 252: e is 0, 1 or 255 */
+        const __m256i t = _mm256_sub_epi8(_mm256_loadu_si256((const __m256i *)(s + i)), _mm256_set1_epi8(2));
+        bad = _mm256_or_si256(bad, _mm256_cmpeq_epi8(_mm256_max_epu8(t, _mm256_set1_epi8((char)253)), t));
+    }
+    int ok = _mm256_testz_si256(bad, bad);
+    for (; i < n; i++) ok &= (uint8_t)(s[i] - 2) <= 252;
+    return ok;
 }
 
 /* y[t*ldy + i] = row r + i . token t, i < R, t < T; pf: software prefetch distance (0: none) */
-INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
-                 int64_t ldy, int q4, int64_t pf) {
-    const int64_t K = w->cols, nb = K / QK, SB = q4 ? 128 : 256;     /* weight bytes a step */
+INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
+                    int64_t ldy, int fmt, int64_t pf) {
+    const int64_t K = w->cols, nb = K / QK, SB = fmt != F_Q8 ? 128 : 256;     /* weight bytes a step */
+    const int64_t ss = fmt >= F_FP4 ? 1 : 2;                                   /* scale bytes a block */
     const uint8_t *rp[4];
-    const uint16_t *sp[4];
+    const uint8_t *sp[4];
     for (int i = 0; i < 4; i++) {
         rp[i] = weight_row(w, r + (i < R ? i : 0));
-        sp[i] = (const uint16_t *)w->scale + (r + (i < R ? i : 0)) * w->scale_ld;
+        sp[i] = q_scale_row(w, r + (i < R ? i : 0));
     }
     const uint8_t *xq[2] = {qx, qx + (T > 1 ? per : 0)};
     const float *xd[2] = {qx_d(xq[0], K), qx_d(xq[1], K)};
     const int32_t *xs[2] = {qx_s(xq[0], K), qx_s(xq[1], K)};
+    const uint8_t *xl[2] = {(const uint8_t *)qx_lo(xq[0], K), (const uint8_t *)qx_lo(xq[1], K)};
     __m256 acc[4][2];
     for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     int64_t b = 0;
@@ -152,25 +227,26 @@ INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, in
         for (int i = 0; i < R; i++) {
             if (pf) {
                 for (int l = 0; l < SB; l += 64) _mm_prefetch((const char *)rp[i] + (b / 8) * SB + pf + l, _MM_HINT_T0);
-                if ((b & 15) == 0) _mm_prefetch((const char *)(sp[i] + b) + pf / (q4 ? 8 : 16), _MM_HINT_T0);
+                if ((b & 15) == 0) _mm_prefetch((const char *)(sp[i] + ss * b) + pf * ss / (SB / 8), _MM_HINT_T0);
             }
             __m256i lo[4], hi[4];
-            load_step(rp[i] + (b / 8) * SB, q4, 8, lo, hi);
-            const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp[i] + b)));
+            load_step(rp[i] + (b / 8) * SB, fmt, 8, lo, hi);
+            const __m256 wd = ld_wd(sp[i] + ss * b, fmt);
             for (int t = 0; t < T; t++)
-                acc[i][t] = step_acc(acc[i][t], step_sums(lo, hi, q4, xq[t] + b * QK, xs[t] + b), wd, xd[t] + b);
+                acc[i][t] = step_acc(acc[i][t], step_sums(lo, hi, fmt, xq[t] + b * QK, xl[t] + b * QK, xs[t] + b), wd, xd[t] + b);
         }
     }
     if (b < nb) {
         const int64_t vb = nb - b;
         for (int i = 0; i < R; i++) {
             __m256i lo[4], hi[4];
-            load_step(rp[i] + (b / 8) * SB, q4, vb, lo, hi);
-            uint16_t s8[8] = {0};
-            memcpy(s8, sp[i] + b, sizeof(uint16_t) * (size_t)vb);
-            const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s8));
+            load_step(rp[i] + (b / 8) * SB, fmt, vb, lo, hi);
+            uint8_t s8[16];      /* blocks past the row: a normal scale (their sums and xd are 0) */
+            memset(s8, fmt >= F_FP4 ? 2 : 0, sizeof s8);
+            memcpy(s8, sp[i] + ss * b, (size_t)(ss * vb));
+            const __m256 wd = ld_wd(s8, fmt);
             for (int t = 0; t < T; t++)
-                acc[i][t] = step_acc(acc[i][t], step_sums(lo, hi, q4, xq[t] + b * QK, xs[t] + b), wd, xd[t] + b);
+                acc[i][t] = step_acc(acc[i][t], step_sums(lo, hi, fmt, xq[t] + b * QK, xl[t] + b * QK, xs[t] + b), wd, xd[t] + b);
         }
     }
     for (int t = 0; t < T; t++)
@@ -271,4 +347,6 @@ void cpumla_fill_avx2_q(cpumla_kernels *k) {
     k->gemv_t_q = gemv_t_q_avx2;
     for (int f = CPUMLA_Q8; f <= CPUMLA_Q4; f++)
         k->who_fmt[K_GEMV][f] = k->who_fmt[K_GEMM][f] = k->who_fmt[K_GEMV_T][f] = "avx2";
+    k->who_fmt[K_GEMV][CPUMLA_E2M1] = E2M1_WHO("avx2");
+    k->who_fmt[K_GEMM][CPUMLA_E2M1] = E2M1_GEMM_WHO("avx2", FP4_FMA_MIN_AVX2);      /* avx2_gemm.c's gemm_fp4 */
 }

@@ -5,7 +5,7 @@
  * algebra with vdpbf16ps; everything else it leaves to this file.
  *
  * Generic weight decoding, 16 columns at a time into fp32 (dq16; used by gemv, gemv_t, the gemm panel,
- * dequant_row), with a power of two folded into the block scale:
+ * dequant_row; E2M1 by gemv_t and dequant_row only), with a power of two folded into the block scale:
  *   BF16: shift left 16.                    F16: vcvtph2ps.
  *   E4M3: fp16 bits ((b & 0x7f) << 7) | (b & 0x80) << 8 are exactly value * 2^-8, built as
  *         (sign_extend(b) << 7) & 0xbfff; vcvtph2ps widens them to fp32 (the fp16 subnormals, e4m3's
@@ -18,9 +18,10 @@
  * call fails). E4M3's operand is made as bf16(x * (scale * 2^8)), which is bf16(x * scale) * 2^8
  * exactly, so the code operand value * 2^-8 times it is the spec's product, and no multiply sees a
  * subnormal weight operand.
- * gemv has its own streaming loops per format (E2M1 with 1x32 blocks here, 4 rows at a time with
- * software prefetch). FP4 block scales (1x32) are applied once per block to a partial sum (gemv) or
- * while dequantising a panel (gemm); gemv_t folds them, and E4M3's (kernels.h), into the activation.
+ * gemv has its own streaming loops per format (4 rows at a time with software prefetch). E2M1 gemv and
+ * gemm go back to the entries below (kernels.h: quant.c takes 1x32 E8M0 blocks to the integer
+ * product, the other layouts go to the spec's fp32 one); gemv_t folds FP4 block scales, and E4M3's
+ * (kernels.h), into the activation.
  * The fold factors assume |scale| < 2^113 (scale * 2^14 must not overflow).
  *
  * This file holds the linear algebra (gemv, gemv_t, dequant_row; gemm is in avx512_gemm.c); the
@@ -118,97 +119,6 @@ INLINE void gemv_rows(const cpumla_weight *w, const float *x, float *y, int64_t 
     UNROLL for (int i = 0; i < R; i++) y[i] = _mm512_reduce_add_ps(acc[i]);
 }
 
-/* E2M1 with 1x32 blocks, 128 columns (64 bytes) per step: vpermps reads the low 4 bits of each dword
- * as an index into the 16-float table, so the dword shifted right by 4p looks up nibble p, column
- * 8k + p of dword lane k. x is rearranged once per call to match (xp[p*16 + k] = x[8k + p] per 128
- * columns); lane k of every product lies in block k/4, so a step's 8 products are summed and then
- * multiplied by [s(4j) x4, s(4j+1) x4, s(4j+2) x4, s(4j+3) x4] once. */
-#define FP4_XSEG 8192        /* columns of x rearranged at a time (32 KiB on the stack) */
-
-static void fp4_split_x(const float *x, int64_t ngroups, float *xp) {
-    for (int64_t g = 0; g < ngroups; g++)
-        for (int p = 0; p < 8; p++)
-            for (int k = 0; k < 16; k++) xp[g * 128 + p * 16 + k] = x[g * 128 + 8 * k + p];
-}
-
-INLINE __m512 e8m0_ps(__m512i b) {    /* E8M0 bytes (in dword lanes) -> 2^(b-127), NaN for 0xff */
-    __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(b, 23));
-    f = _mm512_mask_mov_ps(f, _mm512_cmpeq_epi32_mask(b, _mm512_setzero_si512()), _mm512_set1_ps(0x1p-127f));
-    return _mm512_mask_mov_ps(f, _mm512_cmpeq_epi32_mask(b, _mm512_set1_epi32(255)), _mm512_set1_ps(NAN));
-}
-
-/* columns [cb, ce): whole 128-column groups; xp holds x[cb..ce) rearranged */
-INLINE void gemv_e2m1_rows(const cpumla_weight *w, const float *xp, int64_t cb, int64_t ce, float *y,
-                           int64_t r, int R, const uint8_t *pf) {
-    const uint8_t *rp[4];
-    __m512 acc[4];
-    UNROLL for (int i = 0; i < R; i++) { rp[i] = weight_row(w, r + i); acc[i] = _mm512_setzero_ps(); }
-    const __m512 lut = _mm512_loadu_ps(cpumla_e2m1_lut);
-    const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    const int f32_scale = w->scale_dtype == CPUMLA_F32;
-    const int64_t pr = (pf - (const uint8_t *)w->data) / w->row_bytes;     /* the prefetched group */
-    int64_t s0[4], p0[4];                            /* scale grid offsets of the rows' (and pf's) blocks */
-    UNROLL for (int i = 0; i < R; i++) {
-        s0[i] = (r + i) / w->block_rows * w->scale_ld;
-        p0[i] = (pr + i) / w->block_rows * w->scale_ld;
-    }
-    for (int64_t c = cb; c < ce; c += 512) {
-        int steps = (int)min64(4, (ce - c) / 128);
-        __mmask16 m = tail16(4 * steps);
-        __m512 sv[4];
-        UNROLL for (int i = 0; i < R; i++) {         /* scales of blocks c/32 .. c/32 + 4*steps - 1 */
-            int64_t si = s0[i] + c / 32, pi = p0[i] + c / 32;
-            _mm_prefetch((const char *)w->scale + (f32_scale ? 4 * pi : pi), _MM_HINT_T0);
-            if (f32_scale) sv[i] = _mm512_maskz_loadu_ps(m, (const float *)w->scale + si);
-            else sv[i] = e8m0_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, (const uint8_t *)w->scale + si)));
-        }
-        for (int st = 0; st < steps; st++) {
-            const float *xs = xp + (c - cb) + 128 * st;
-            __m512i si = _mm512_add_epi32(quad, _mm512_set1_epi32(4 * st));
-            int64_t off = (c >> 1) + 64 * st;
-            UNROLL for (int i = 0; i < R; i++) {
-                _mm_prefetch(pf_at(pf, w, R, i, off, w->cols / 2), PF_HINT);
-                __m512i v = _mm512_loadu_si512(rp[i] + off);
-                /* one chain per row: the R rows (and the next step) give the FMAs their parallelism,
-                 * and no add joins two partial sums */
-                __m512 p = _mm512_mul_ps(_mm512_permutexvar_ps(v, lut), _mm512_loadu_ps(xs));
-                UNROLL for (int k = 1; k < 8; k++)
-                    p = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4 * k), lut), _mm512_loadu_ps(xs + 16 * k), p);
-                acc[i] = _mm512_fmadd_ps(p, _mm512_permutexvar_ps(si, sv[i]), acc[i]);
-            }
-        }
-    }
-    UNROLL for (int i = 0; i < R; i++) y[i] += _mm512_reduce_add_ps(acc[i]);
-}
-
-/* y[i] += dot of the block-aligned tail columns [c0, cols) of row r0 + i (the generic path). */
-static void gemv_cols_generic(const cpumla_weight *w, const float *x, float *y, int64_t r, int64_t c0) {
-    const uint8_t *row = weight_row(w, r);
-    float acc = 0.0f;
-    for (int64_t b0 = c0; b0 < w->cols; b0 += w->block_cols) {
-        int64_t b1 = min64(b0 + w->block_cols, w->cols);
-        __m512 p = _mm512_setzero_ps();
-        for (int64_t c = b0; c < b1; c += 16)
-            p = _mm512_fmadd_ps(dq16(w->dtype, row, c, b1 - c), _mm512_maskz_loadu_ps(tail16(b1 - c), x + c), p);
-        acc += _mm512_reduce_add_ps(p) * blk_scale(w, r, b0);
-    }
-    *y += acc;
-}
-
-__attribute__((noinline)) static void gemv_e2m1(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
-    float xp[FP4_XSEG];
-    int64_t full = w->cols / 128 * 128;
-    for (int64_t r = r0; r < r1; r++) y[r - r0] = 0.0f;
-    for (int64_t cb = 0; cb < full; cb += FP4_XSEG) {
-        int64_t ce = min64(cb + FP4_XSEG, full);
-        fp4_split_x(x + cb, (ce - cb) / 128, xp);
-        int64_t r = r0;
-        for (; r + 4 <= r1; r += 4) gemv_e2m1_rows(w, xp, cb, ce, y + (r - r0), r, 4, pf_rows(w, r, r1));
-        for (; r < r1; r++) gemv_e2m1_rows(w, xp, cb, ce, y + (r - r0), r, 1, pf_rows(w, r, r1));
-    }
-    if (full < w->cols)
-        for (int64_t r = r0; r < r1; r++) gemv_cols_generic(w, x, y + (r - r0), r, full);
-}
 
 /* 64 E4M3 bytes -> 4 x 16 fp32 (value * 2^-8), NaN bytes decoded to NaN (rare path) */
 INLINE void e4m3_64(const uint8_t *p, __m512 f[4]) {
@@ -295,6 +205,8 @@ static void gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t 
     }
 }
 
+static void (*prev_gemv)(const cpumla_weight *, const float *, float *, int64_t, int64_t);
+
 static void gemv_avx512(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
     switch (w->dtype) {
     case CPUMLA_F32:
@@ -314,9 +226,8 @@ static void gemv_avx512(const cpumla_weight *w, const float *x, float *y, int64_
     case CPUMLA_E4M3:
         if (w->block_rows > 0 && w->block_cols > 0) { gemv_e4m3(w, x, y, r0, r1); return; }
         break;
-    case CPUMLA_E2M1:
-        if (w->block_cols == 32) { gemv_e2m1(w, x, y, r0, r1); return; }
-        GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_E2M1, 0), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_E2M1, 0));
+    case CPUMLA_E2M1:       /* the integer product (quant.c) or, other layouts, the spec's fp32 one */
+        prev_gemv(w, x, y, r0, r1);
         return;
     default:
         break;
@@ -376,7 +287,7 @@ static void gemv_t_avx512(const cpumla_weight *w, int64_t r0, int64_t nr, const 
 }
 
 /* The weight operands gemv's loops multiply (cpumla_decode_operands): E4M3 through e4m3_64 (value *
- * 2^-8), E2M1 through gemv_e2m1_rows' table (exact values). */
+ * 2^-8). */
 int cpumla_decode_operands_avx512f(int dtype, float *out) {
     if (dtype == CPUMLA_E4M3) {
         uint8_t codes[256];
@@ -388,16 +299,13 @@ int cpumla_decode_operands_avx512f(int dtype, float *out) {
         }
         return 8;
     }
-    if (dtype == CPUMLA_E2M1) {
-        _mm512_storeu_ps(out, _mm512_permutexvar_ps(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                    _mm512_loadu_ps(cpumla_e2m1_lut)));
-        return 0;
-    }
+
     return -1;
 }
 
 void cpumla_fill_avx512f(cpumla_kernels *k) {
     cpumla_fill_avx512_rows(k);
+    if (k->gemv != gemv_avx512) prev_gemv = k->gemv;
     k->gemv = gemv_avx512;
     cpumla_fill_avx512_gemm(k);         /* avx512_gemm.c; its small-n path calls the gemv above */
     k->gemv_t = gemv_t_avx512;
@@ -407,4 +315,5 @@ void cpumla_fill_avx512f(cpumla_kernels *k) {
         k->who[ids[i]] = "avx512f";
         for (int f = 0; f <= CPUMLA_E2M1; f++) k->who_fmt[ids[i]][f] = "avx512f";    /* every format, every layout */
     }
+    k->who_fmt[K_GEMV][CPUMLA_E2M1] = k->who_fmt[K_GEMM][CPUMLA_E2M1] = "scalar";     /* handed back */
 }

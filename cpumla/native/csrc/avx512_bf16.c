@@ -513,6 +513,7 @@ void cpumla_fill_avx512(cpumla_kernels *k) {
     k->gemm_xb = cpumla_avx512_gemm_xb;
     k->gemv_t = gemv_t_up;
     k->dot_loop = dot_loop_bf16;
+    k->gemm_fp4 = NULL;          /* E2M1: the VNNI tiles are level with avx512f's FMA gemm at 128 tokens, faster below */
     k->who[K_GEMV] = k->who[K_GEMM] = k->who[K_GEMV_T] = k->who[K_DOT] = "avx512";
     k->who_fmt[K_GEMV][CPUMLA_BF16] = k->who_fmt[K_GEMV][CPUMLA_E4M3] = "avx512";
     k->who_fmt[K_GEMM][CPUMLA_BF16] = k->who_fmt[K_GEMM][CPUMLA_E4M3] = "avx512";

@@ -4,9 +4,9 @@
  *
  * A blocked GEMM: K in chunks of G_KC columns and tokens in chunks of at most G_TC. For each chunk the
  * activation operands are made once (BF16: bf16(x); E4M3: bf16(x * block scale * 2^8) of the row
- * block, kernels.h; F32 / F16 / E2M1: x copied) into this thread's CPUMLA_SCRATCH_AVX512F_XR buffer
- * (no buffer: nothing computed, the call fails). Then each panel of G_MR = 32 weight rows is
- * decoded and transposed into [k][32] (the packing step: fp32 with all widening and scaling done, or
+ * block, kernels.h; F32 / F16: x copied) into this thread's CPUMLA_SCRATCH_AVX512F_XR buffer (no
+ * buffer: nothing computed, the call fails; E2M1 goes to the entry below, as the gemv does). Then
+ * each panel of G_MR = 32 weight rows is decoded and transposed into [k][32] (the packing step: fp32 with all widening and scaling done, or
  * for E4M3 the fp16 bits of value * 2^-8, which the microkernel widens with vcvtph2ps as it loads
  * them; either way no fp32 subnormal reaches a multiply), and a register-tiled microkernel runs over
  * it: G_MT tokens x 32 rows, 2 * G_MT zmm accumulators, each k one pair of weight loads and one
@@ -21,6 +21,7 @@
 #include "common.h"
 #include "kernels.h"
 #include "avx512_common.h"
+#include "quant.h"
 
 #define G_MR 32     /* weight rows per panel: two zmm */
 #define G_MT 14     /* tokens per microkernel: 28 accumulators + 2 weight registers + a broadcast */
@@ -34,8 +35,6 @@ static __thread float g_pack[G_KC * G_MR] __attribute__((aligned(64)));   /* [k]
 /* the avx512f gemv (for n < G_MIN_N) */
 static void (*g_gemv)(const cpumla_weight *, const float *, float *, int64_t, int64_t);
 
-/* power of two folded into each decode (dq16 gives E4M3 as value * 2^-8, E2M1 as value * 2^-14) */
-static const float g_fold[5] = {1.0f, 1.0f, 1.0f, 256.0f, 16384.0f};
 
 /* ---- activation operands (kernels.h) ------------------------------------------------------------ */
 
@@ -76,16 +75,9 @@ static void make_operands(const cpumla_weight *w, int64_t r, const float *src, i
 
 /* ---- packing ------------------------------------------------------------------------------------ */
 /* columns [c, c + nc) (nc <= 16) of row r as fp32, the panel's operand: BF16 / F16 / F32 exact, E4M3
- * codes as value * 2^-8 (the scale is in the activation), E2M1 with its block scale (lanes >= nc: 0) */
+ * codes as value * 2^-8 (the scale is in the activation); lanes >= nc: 0. (E2M1 never comes here.) */
 INLINE __m512 panel_cols(const cpumla_weight *w, int32_t dt, int64_t r, int64_t c, int64_t nc) {
-    nc = nc < 16 ? nc : 16;                           /* dq16's E2M1 mask needs n <= 32 */
-    __m512 v = dq16(dt, weight_row(w, r), c, nc);
-    if (dt != CPUMLA_E2M1) return v;
-    const int64_t bc = w->block_cols, last = c + nc - 1;
-    if (c / bc == last / bc) return _mm512_mul_ps(v, _mm512_set1_ps(weight_scale(w, r, c) * g_fold[dt]));
-    float sv[16];
-    for (int64_t i = 0; i < 16; i++) sv[i] = c + i <= last ? weight_scale(w, r, c + i) * g_fold[dt] : 0.0f;
-    return _mm512_mul_ps(v, _mm512_loadu_ps(sv));
+    return dq16(dt, weight_row(w, r), c, nc < 16 ? nc : 16);
 }
 
 /* 16x16 transpose in registers: o[j] = element j of every r[i] (lane i) */
@@ -170,7 +162,7 @@ INLINE void pack_16x16(const cpumla_weight *w, int64_t r, int nr, int64_t c, int
 }
 
 /* The panel of rows [r, r + nr) (zero rows past nr), columns [k0, k0 + kc) rounded up to 16 (zero
- * columns past kc), in g_pack: [k][32] fp32 operands (BF16, F32, F16, E2M1), or (E4M3) [k][32] fp16
+ * columns past kc), in g_pack: [k][32] fp32 operands (BF16, F32, F16), or (E4M3) [k][32] fp16
  * bits of the codes' value * 2^-8, which the microkernel widens as it loads them: half the stores
  * here, and half the panel's room in L1 */
 static void pack_panel(const cpumla_weight *w, int64_t r, int nr, int64_t k0, int64_t kc) {
@@ -286,6 +278,10 @@ static void panel_tokens(const float *x, int64_t nt, int64_t kc, float *y, int64
     }
 }
 
+/* the gemm below this level's: E2M1 goes there (the integer product is quant.c's; other layouts the
+ * spec's fp32 product, as gemv) */
+static void (*g_prev)(const cpumla_weight *, const float *, int64_t, int64_t, float *, int64_t, int64_t, int64_t);
+
 /* the plan for the panel of rows [p, min(p + 32, r1)), columns [k0, k0 + kc) (none when p >= r1) */
 static pf_plan plan_panel(const cpumla_weight *w, int64_t p, int64_t r1, int64_t k0, int64_t kc) {
     static const int bits[5] = {32, 16, 16, 8, 4};
@@ -301,6 +297,7 @@ static pf_plan plan_panel(const cpumla_weight *w, int64_t p, int64_t r1, int64_t
 static void gemm_avx512f(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy,
                          int64_t r0, int64_t r1) {
     if (n <= 0 || r1 <= r0) return;
+    if (w->dtype == CPUMLA_E2M1) { g_prev(w, x, ldx, n, y, ldy, r0, r1); return; }     /* as gemv does */
     if (n < G_MIN_N) {
         for (int64_t t = 0; t < n; t++) g_gemv(w, x + t * ldx, y + t * ldy, r0, r1);
         return;
@@ -351,7 +348,156 @@ static void gemm_avx512f(const cpumla_weight *w, const float *x, int64_t ldx, in
     }
 }
 
+/* ---- E2M1 of 1x32 E8M0 blocks: the integer product on fp32 FMAs (kernels.h's gemm_fp4) ------------
+ * As avx2_gemm.c's: the activation codes (|q| <= 32512) and w2 (|w2| <= 12) are exact in fp32, and so
+ * are every product and partial sum of a block (< 2^24), so the FMAs give each block's integer sum
+ * exactly; each block then adds (float)sum * (wd * xd), both products rounded, to its row's total in
+ * block order: scalar_q.c's result bit for bit. Panels: w2 as fp32 [k][32] in g_pack and the chunk's
+ * scales wd [block][32] (zero rows: wd 0); operands: codes [t][G_KC] and xd [t][F_NB]. */
+#define F_NB (G_KC / 32)    /* blocks per K chunk */
+static __thread float f_wd[F_NB * G_MR] __attribute__((aligned(64)));
+
+/* the 32 w2 of one block (16 code bytes) as fp32: columns 0-15 and 16-31 */
+INLINE void e2m1_w2x32(const uint8_t *p, __m512 *c0, __m512 *c1) {
+    const __m128i tab = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i m4 = _mm_set1_epi8(15), v = _mm_loadu_si128((const __m128i *)p);
+    const __m128i lo = _mm_shuffle_epi8(tab, _mm_and_si128(v, m4));
+    const __m128i hi = _mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+    *c0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(lo, hi)));
+    *c1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(lo, hi)));
+}
+
+/* rows [r, r + nr) (zero rows past nr), columns [k0, k0 + kc) (kc a multiple of 32): w2 into g_pack
+ * [k][32], wd into f_wd */
+static void fp4_pack(const cpumla_weight *w, int64_t r, int nr, int64_t k0, int64_t kc) {
+    const int64_t b0 = k0 / 32;
+    for (int h = 0; h < G_MR; h += 16)
+        for (int64_t b = 0; b < kc / 32; b++) {
+            __m512 v0[16], v1[16], o[16];
+            for (int i = 0; i < 16; i++) {
+                if (h + i < nr) {
+                    e2m1_w2x32(weight_row(w, r + h + i) + (b0 + b) * 16, &v0[i], &v1[i]);
+                    f_wd[b * G_MR + h + i] = e8m0_half(((const uint8_t *)q_scale_row(w, r + h + i))[b0 + b]);
+                } else {
+                    v0[i] = v1[i] = _mm512_setzero_ps();
+                    f_wd[b * G_MR + h + i] = 0.0f;
+                }
+            }
+            tr16(v0, o);
+            UNROLL for (int j = 0; j < 16; j++) _mm512_store_ps(g_pack + (32 * b + j) * G_MR + h, o[j]);
+            tr16(v1, o);
+            UNROLL for (int j = 0; j < 16; j++) _mm512_store_ps(g_pack + (32 * b + 16 + j) * G_MR + h, o[j]);
+        }
+}
+
+/* the codes and xd of columns [k0, k0 + kc) of n tokens (quant.h's q_act_block: amax over the block,
+ * id = 32512 / amax, codes nearest_even(x * id), xd = amax / 32512) */
+static void fp4_operands(const float *x, int64_t ldx, int64_t n, int64_t k0, int64_t kc, float *codes, float *xd) {
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t b = 0; b < kc / 32; b++) {
+            const float *xb = x + t * ldx + k0 + 32 * b;
+            const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            const float id = amax > 0.0f ? QACT_MAX16 / amax : 0.0f;
+            xd[t * F_NB + b] = amax / QACT_MAX16;
+            const __m512 vid = _mm512_set1_ps(id);
+            float *c = codes + t * G_KC + 32 * b;
+            _mm512_store_ps(c, _mm512_cvtepi32_ps(_mm512_cvtps_epi32(_mm512_mul_ps(v0, vid))));
+            _mm512_store_ps(c + 16, _mm512_cvtepi32_ps(_mm512_cvtps_epi32(_mm512_mul_ps(v1, vid))));
+        }
+}
+
+/* total += (float)sum * (wd * xd), each product rounded (never fused into the add) */
+INLINE __m512 fp4_add(__m512 total, __m512 sum, __m512 wd, __m512 xd) {
+    __m512 f = _mm512_mul_ps(wd, xd);
+    __asm__("" : "+v"(f));
+    __m512 p = _mm512_mul_ps(sum, f);
+    __asm__("" : "+v"(p));
+    return _mm512_add_ps(total, p);
+}
+
+/* y[t*ldy + i] = (first ? 0 : y[t*ldy + i]) + the chunk's blocks in order, t < NT, lanes of m0 / m1:
+ * 2 * NT accumulators per block, the totals in memory between blocks */
+INLINE void micro_fp4(const int NT, const float *wp, const float *wd, int64_t nb, const float *x, const float *xd,
+                      float *y, int64_t ldy, __mmask16 m0, __mmask16 m1, int first) {
+    float tot[G_MT][G_MR] __attribute__((aligned(64)));
+    UNROLL for (int t = 0; t < NT; t++) {
+        _mm512_store_ps(tot[t], first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, y + t * ldy));
+        _mm512_store_ps(tot[t] + 16, first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m1, y + t * ldy + 16));
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 a[G_MT], c[G_MT];
+        UNROLL for (int t = 0; t < NT; t++) a[t] = c[t] = _mm512_setzero_ps();
+        for (int64_t k = 32 * b; k < 32 * b + 32; k++) {
+            const __m512 w0 = _mm512_load_ps(wp + k * G_MR), w1 = _mm512_load_ps(wp + k * G_MR + 16);
+            UNROLL for (int t = 0; t < NT; t++) {
+                const __m512 s = _mm512_set1_ps(x[t * G_KC + k]);
+                a[t] = _mm512_fmadd_ps(s, w0, a[t]);
+                c[t] = _mm512_fmadd_ps(s, w1, c[t]);
+            }
+        }
+        const __m512 d0 = _mm512_load_ps(wd + b * G_MR), d1 = _mm512_load_ps(wd + b * G_MR + 16);
+        UNROLL for (int t = 0; t < NT; t++) {
+            const __m512 v = _mm512_set1_ps(xd[t * F_NB + b]);
+            _mm512_store_ps(tot[t], fp4_add(_mm512_load_ps(tot[t]), a[t], d0, v));
+            _mm512_store_ps(tot[t] + 16, fp4_add(_mm512_load_ps(tot[t] + 16), c[t], d1, v));
+        }
+        __asm__("" : : "r"(tot) : "memory");     /* keep the totals in memory, the accumulators in registers */
+    }
+    UNROLL for (int t = 0; t < NT; t++) {
+        _mm512_mask_storeu_ps(y + t * ldy, m0, _mm512_load_ps(tot[t]));
+        _mm512_mask_storeu_ps(y + t * ldy + 16, m1, _mm512_load_ps(tot[t] + 16));
+    }
+}
+
+typedef void (*micro_fp4_fn)(const float *, const float *, int64_t, const float *, const float *, float *, int64_t,
+                             __mmask16, __mmask16, int);
+#define MICRO_FP4(N)                                                                                     \
+    __attribute__((noinline)) static void micro_fp4_##N(const float *wp, const float *wd, int64_t nb,     \
+                                                        const float *x, const float *xd, float *y,      \
+                                                        int64_t ldy, __mmask16 m0, __mmask16 m1, int first) { \
+        micro_fp4(N, wp, wd, nb, x, xd, y, ldy, m0, m1, first);                                           \
+    }
+MICRO_FP4(1) MICRO_FP4(2) MICRO_FP4(3) MICRO_FP4(4) MICRO_FP4(5) MICRO_FP4(6) MICRO_FP4(7) MICRO_FP4(8)
+MICRO_FP4(9) MICRO_FP4(10) MICRO_FP4(11) MICRO_FP4(12) MICRO_FP4(13) MICRO_FP4(14)
+#undef MICRO_FP4
+static const micro_fp4_fn micros_fp4[G_MT + 1] = {
+    NULL, micro_fp4_1, micro_fp4_2, micro_fp4_3, micro_fp4_4, micro_fp4_5, micro_fp4_6, micro_fp4_7, micro_fp4_8,
+    micro_fp4_9, micro_fp4_10, micro_fp4_11, micro_fp4_12, micro_fp4_13, micro_fp4_14};
+
+static void gemm_fp4_avx512f(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
+                             int64_t ldy, int64_t r0, int64_t r1) {
+    if (n <= 0 || r1 <= r0) return;
+    const int64_t K = w->cols;
+    const int64_t nch = (n + G_TC - 1) / G_TC;
+    const int64_t tc = min64(n, ((n + nch - 1) / nch + G_MT - 1) / G_MT * G_MT);
+    float *codes = cpumla_scratch(CPUMLA_SCRATCH_AVX512F_XR, sizeof(float) * (size_t)(tc * (G_KC + F_NB)));
+    if (!codes) return;             /* out of memory: the call fails */
+    float *xd = codes + tc * G_KC;
+    for (int64_t rs = r0; rs < r1; rs = min64(rs + G_RB, r1)) {
+        const int64_t re = min64(rs + G_RB, r1);
+        for (int64_t t0 = 0; t0 < n; t0 += tc) {
+            const int64_t nt = min64(tc, n - t0);
+            for (int64_t k0 = 0; k0 < K; k0 += G_KC) {
+                const int64_t kc = min64(G_KC, K - k0);
+                fp4_operands(x + t0 * ldx, ldx, nt, k0, kc, codes, xd);
+                for (int64_t p = rs; p < re; p += G_MR) {
+                    const int nr = (int)min64(G_MR, re - p);
+                    fp4_pack(w, p, nr, k0, kc);
+                    for (int64_t t = 0; t < nt; t += G_MT)
+                        micros_fp4[min64(G_MT, nt - t)](g_pack, f_wd, kc / 32, codes + t * G_KC, xd + t * F_NB,
+                                                        y + (t0 + t) * ldy + (p - r0), ldy, tail16(nr),
+                                                        tail16(nr - 16), k0 == 0);
+                }
+            }
+        }
+    }
+}
+
 void cpumla_fill_avx512_gemm(cpumla_kernels *k) {
     g_gemv = k->gemv;
+    if (k->gemm != gemm_avx512f) g_prev = k->gemm;
     k->gemm = gemm_avx512f;
+    k->gemm_fp4 = gemm_fp4_avx512f;
+    k->gemm_fp4_min_n = FP4_FMA_MIN_AVX512F;
 }

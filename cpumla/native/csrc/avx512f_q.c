@@ -126,4 +126,7 @@ static void quantize_row_avx512f(int32_t dtype, const float *row, int64_t nb, ui
     }
 }
 
-void cpumla_fill_avx512f_q(cpumla_kernels *k) { k->quantize_row = quantize_row_avx512f; }
+void cpumla_fill_avx512f_q(cpumla_kernels *k) {
+    k->quantize_row = quantize_row_avx512f;
+    cpumla_fill_avx512f_int(k);        /* avx512f_qi.c: E2M1's integer products */
+}

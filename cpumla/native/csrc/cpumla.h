@@ -52,7 +52,9 @@ enum cpumla_dtype {
  *   multiple of 32. Q8: data int8 [rows, cols], W[r, c] = d[r, c/32] * q[r, c], q in [-127, 127].
  *   Q4: data [rows, cols/2] bytes; in block b of a row (bytes 16b .. 16b+15) byte i holds column
  *   32b+i in its low nibble and column 32b+16+i in its high nibble; W[r, c] = d[r, c/32] * (nib - 8).
- *   Products with Q8 / Q4 weights quantize the activations to int8 per block of 32 (kernels.h). */
+ *   Products with Q8 / Q4 weights, and gemv / gemm with E2M1 weights of 1x32 E8M0 blocks over whole
+ *   blocks (FP4 experts), quantize the activations per block of 32 (kernels.h): to int8 for Q8 / Q4,
+ *   to int16 for E2M1. */
 typedef struct cpumla_weight {
     const void *data;
     const void *scale;      /* NULL unless dtype is E4M3 or E2M1 */
@@ -120,10 +122,11 @@ const char *cpumla_kernel_impl(const char *kernel);
 const char *cpumla_kernel_names(void);         /* space-separated kernel names */
 const char *cpumla_build_info(void);           /* compiler and flags of each implementation */
 /* The weight operands an implementation's GEMV hot loop multiplies, for every code of a format:
- * which = "<isa>:e4m3" (256 codes) or "<isa>:e2m1" (16 codes), isa one of those built here. Writes
- * out[code] = the operand the loop multiplies for that code and returns k such that operand * 2^k is
- * the code's value (common.h), or -1 when the name is unknown or this CPU cannot run that isa. Used
- * by the tests to check that no operand is subnormal (no microcode assist on any code). */
+ * which = "<isa>:e4m3" (256 codes), isa one of those built here. Writes out[code] = the operand the
+ * loop multiplies for that code and returns k such that operand * 2^k is the code's value (common.h),
+ * or -1 when the name is unknown or this CPU cannot run that isa. Used by the tests to check that no
+ * operand is subnormal (no microcode assist on any code). FP4 (e2m1) has none to report: its products
+ * multiply integers (kernels.h; its other layouts, the spec's fp32 product, the exact values 0.5 .. 6). */
 int cpumla_decode_operands(const char *which, float *out);
 const char *cpumla_version(void);
 

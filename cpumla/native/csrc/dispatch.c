@@ -340,7 +340,7 @@ const char *cpumla_version(void) { return CPUMLA_VERSION; }
 int cpumla_decode_operands(const char *which, float *out) {
     const char *colon = which ? strchr(which, ':') : NULL;
     if (!colon || !out) return -1;
-    int dt = !strcmp(colon + 1, "e4m3") ? CPUMLA_E4M3 : !strcmp(colon + 1, "e2m1") ? CPUMLA_E2M1 : -1;
+    int dt = !strcmp(colon + 1, "e4m3") ? CPUMLA_E4M3 : -1;     /* E2M1's products multiply integers */
     for (int i = 0; i < N_ISAS && dt >= 0; i++)
         if (strlen(isas[i].name) == (size_t)(colon - which) && !strncmp(isas[i].name, which, (size_t)(colon - which)))
             return runnable(i) && isas[i].decode ? isas[i].decode(dt, out) : -1;

@@ -17,18 +17,29 @@
  * E4M3 weights (gemv, gemm, gemv_t): the block scale is folded into the activation instead: each
  * code (exact) multiplies e4m3_act (common.h), bf16(x * scale of its block), and the products sum in
  * fp32. So an FP8 product is a bf16 product too, with no scale applied per block to partial sums.
- * F32, F16 and E2M1 weights multiply x as given (E2M1: scale applied once per block's partial sum).
+ * F32 and F16 weights multiply x as given.
  *
- * Q8 / Q4 weights (cpumla.h; quant.h has the layouts): gemv and gemm quantize the activation row to
- * int8 per block of 32 first (quant_x): amax = max |x_i| over the block, xd = amax / 127 (fp32
- * division), id = amax > 0 ? 127 / amax : 0 (fp32 division), xq_i = nearest_even(x_i * id) (fp32
- * product), so |xq_i| <= 127. Then, in fp32,
+ * Q8 / Q4 weights (cpumla.h; quant.h has the layouts), and E2M1 (FP4) weights of 1x32 E8M0 blocks
+ * over whole blocks in gemv and gemm: the activation row is quantized per block of 32 first (quant_x),
+ * to int8 for Q8 / Q4 (M = 127) and to int16 for E2M1 (M = 32512 = 127 * 256; int8 codes lose too
+ * much against the fp32 forward there): amax = max |x_i| over the block, xd = amax / M (fp32
+ * division), id = amax > 0 ? M / amax : 0 (fp32 division), xq_i = nearest_even(x_i * id) (fp32
+ * product), so |xq_i| <= M. Then, in fp32,
  *   y_r = sum over blocks b, in order, of (float)(sum_i wq_{r,b,i} * xq_{b,i}) * (wd_{r,b} * xd_b)
- * with the integer sums exact (wq = q for Q8, nibble - 8 for Q4; wd the fp16 scale as fp32). Every
+ * with the integer sums exact (|sum| < 2^24, so (float) is exact too): wq = q for Q8, nibble - 8 for
+ * Q4, w2 = 2 * the e2m1 value for E2M1 (0, +-1, +-2, +-3, +-4, +-6, +-8, +-12); wd the fp16 scale as
+ * fp32, or for E2M1 the E8M0 scale halved, 2^(e - 128) (e = 0xff: NaN; e <= 1: the fp32 subnormals
+ * 2^-127 and 2^-128, which never occur in a released checkpoint and are applied as they are: the
+ * integer operands have no subnormals, and wd * xd is one correctly rounded product). Every
  * implementation computes the same integer sums; only the fp32 additions over blocks are associated
- * differently. gemv_t (the MLA absorb) and dequant_row keep fp32: y[c] += (x_i * wd) * wq.
+ * differently. gemv_t (the MLA absorb) and dequant_row keep fp32: y[c] += (x_i * wd) * wq (E2M1: its
+ * fp32 entries, x times the exact value times the block scale).
+ * E2M1's other layouts (a partial edge block: cols % 32 != 0; wider blocks; F32 scales) keep the fp32
+ * product of scalar.c (x as given, each block scale applied once to the block's partial sum), to
+ * which every implementation hands them, gemv and gemm alike.
  * The table entries gemv, gemm, gemv_t and dequant_row take Q8 / Q4 weights too: quant.c wraps the
- * entries the implementations installed and sends those two formats to the q entries below.
+ * entries the implementations installed and sends those two formats (and E2M1's 1x32 E8M0 layout, in
+ * gemv and gemm) to the q entries below.
  */
 #ifndef CPUMLA_KERNELS_H
 #define CPUMLA_KERNELS_H
@@ -108,12 +119,20 @@ typedef struct cpumla_kernels {
 
     /* ---- Q8 / Q4 weights (quant.h: the activation buffer qx and its layout per implementation) ---- */
     /* one activation row x [K] (K a multiple of 32) -> qx, in this implementation's layout for
-     * weights of dtype wdtype (CPUMLA_Q8 / CPUMLA_Q4) */
+     * weights of dtype wdtype (CPUMLA_Q8 / CPUMLA_Q4 / CPUMLA_E2M1) */
     void (*quant_x)(int32_t wdtype, const float *x, int64_t K, void *qx);
     /* y[t*ldy + i] = W[r0 + i, :] . x_t for t < n, from the quantized rows qx + t * QX_BYTES(K) */
     void (*gemm_q)(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
                    int64_t r1);
-    /* gemv_t and dequant_row for Q8 / Q4 (fp32 activations) */
+    /* gemm_q of E2M1 weights (quant.h's is_e2m1_q) for n >= gemm_fp4_min_n tokens, from x itself: the
+     * same activation codes, exact block sums and rounding, with the block sums formed by fp32 FMAs
+     * (every product and partial sum of a block is an integer below 2^24, so exact in any order) and
+     * added in block order: bit for bit scalar_q.c's gemm_q. Packing fp32 panels costs more than the
+     * integer tiles save below gemm_fp4_min_n tokens (measured per level). NULL: gemm_q serves every n. */
+    void (*gemm_fp4)(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy,
+                     int64_t r0, int64_t r1);
+    int64_t gemm_fp4_min_n;
+    /* gemv_t and dequant_row for Q8 / Q4 (fp32 activations; E2M1 stays on gemv_t / dequant_row) */
     void (*gemv_t_q)(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y, int64_t c0,
                      int64_t c1);
     void (*dequant_q)(const cpumla_weight *w, int64_t r, int64_t c0, int64_t c1, float *out);
@@ -175,8 +194,6 @@ void cpumla_fill_avx512(cpumla_kernels *k);        /* avx512_bf16.c: + BF16/VNNI
 void cpumla_fill_amx(cpumla_kernels *k);
 void cpumla_fill_neon(cpumla_kernels *k);
 void cpumla_fill_neon_rows(cpumla_kernels *k);     /* neon_rows.c; called by cpumla_fill_neon */
-void cpumla_neon_gemv_e2m1(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1);
-int cpumla_neon_e2m1_operands(float *out);        /* neon_fp4.c: FP4 gemv and its decode operands */
 /* Q8 / Q4 (quant.c): called by dispatch.c once per layer of the chosen chain, after every layer's fill;
  * "scalar" installs the spec and wraps gemv / gemm / gemv_t / dequant_row so that Q8 / Q4 weights go
  * to the q entries, the others fill the q entries they implement (unknown names: none). */

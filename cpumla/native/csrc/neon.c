@@ -9,10 +9,9 @@
  *   multiply by 256 of each finished sum: sums of products scaled by a power of two round alike
  *   (FMA: one rounding each), so this is exact unless a partial sum is below 2^-118 (a subnormal).
  *   (256 folded into the activation instead would overflow once |bf16(x * scale)| >= 2^120.)
- *   FP4 e2m1: gemv (block_cols a multiple of 32) decodes through fp16 (neon_fp4.c: a table of each
- *   value's fp16 high byte, widened with fcvtl); gemm, gemv_t, dequant_row and other block widths go
- *   through a byte table of 2 * value (all integers), so their block scale is halved. The block scale
- *   is applied once per block to the block's partial sum, as scalar.c does.
+ *   FP4 e2m1: gemv and gemm go back to the entries below (kernels.h: quant.c sends 1x32 E8M0 blocks
+ *   to the integer product, neon_q.c); gemv_t and dequant_row go through a byte table of 2 * value
+ *   (all integers), so their block scale is halved.
  *
  * This file holds the linear algebra (gemv, gemm, gemv_t, dequant_row); the row-wise and attention
  * kernels are in neon_rows.c, whose fill cpumla_fill_neon calls. Shared helpers: neon_common.h. */
@@ -179,26 +178,6 @@ static float dot_e4m3(const uint8_t *a, const float *x, int64_t n) {
     return s;
 }
 
-/* sum over columns [c0, c1) of row of 2 * e2m1(c) * x[c] (x indexed by column) */
-static float dot_e2m1(const uint8_t *row, const float *x, int64_t c0, int64_t c1) {
-    float s = 0.0f;
-    int64_t c = c0;
-    if (c & 1) { s += e2m1_x2_at(row, c) * x[c]; c++; }
-    float32x4_t a0 = vdupq_n_f32(0), a1 = a0, a2 = a0, a3 = a0;
-    for (; c + 32 <= c1; c += 32) {
-        float32x4_t ev[4], od[4];
-        ld_e2m1_32(row + (c >> 1), ev, od);
-        for (int k = 0; k < 4; k++) {   /* columns c + 8k .. c + 8k + 7 */
-            float32x4x2_t xv = vld2q_f32(x + c + 8 * k);
-            a0 = vfmaq_f32(a0, ev[k], xv.val[0]);
-            a1 = vfmaq_f32(a1, od[k], xv.val[1]);
-        }
-    }
-    s += vaddvq_f32(vaddq_f32(vaddq_f32(a0, a1), vaddq_f32(a2, a3)));
-    for (; c < c1; c++) s += e2m1_x2_at(row, c) * x[c];
-    return s;
-}
-
 static float row_dot(const cpumla_weight *w, int64_t r, const float *x) {
     const uint8_t *row = weight_row(w, r);
     int64_t n = w->cols;
@@ -206,14 +185,6 @@ static float row_dot(const cpumla_weight *w, int64_t r, const float *x) {
     case CPUMLA_F32: return dot_f32((const float *)row, x, n);
     case CPUMLA_BF16: return dot_bf16((const uint16_t *)row, x, n);
     case CPUMLA_F16: return dot_f16((const uint16_t *)row, x, n);
-    case CPUMLA_E2M1: {
-        float acc = 0.0f;
-        for (int64_t c0 = 0; c0 < n; c0 += w->block_cols) {
-            int64_t c1 = c0 + w->block_cols < n ? c0 + w->block_cols : n;
-            acc += dot_e2m1(row, x, c0, c1) * e2m1_block_scale(w, r, c0);
-        }
-        return acc;
-    }
     default: return NAN;
     }
 }
@@ -237,12 +208,14 @@ static void gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t 
     }
 }
 
+/* E2M1 gemv / gemm go to the entries below (the spec's fp32 product; quant.c takes 1x32 E8M0 blocks
+ * to the integer one first) */
+static void (*prev_gemv)(const cpumla_weight *, const float *, float *, int64_t, int64_t);
+static void (*prev_gemm)(const cpumla_weight *, const float *, int64_t, int64_t, float *, int64_t, int64_t, int64_t);
+
 static void gemv_neon(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
     if (w->dtype == CPUMLA_E4M3) { gemv_e4m3(w, x, y, r0, r1); return; }
-    if (w->dtype == CPUMLA_E2M1 && w->block_cols > 0 && w->block_cols % 32 == 0 && w->block_rows > 0) {
-        cpumla_neon_gemv_e2m1(w, x, y, r0, r1);
-        return;
-    }
+    if (w->dtype == CPUMLA_E2M1) { prev_gemv(w, x, y, r0, r1); return; }
     for (int64_t r = r0; r < r1; r++) y[r - r0] = row_dot(w, r, x);
 }
 
@@ -356,8 +329,8 @@ static void gemm_e4m3(const cpumla_weight *w, const float *x, int64_t ldx, int64
 static void gemm_neon(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
                       int64_t ldy, int64_t r0, int64_t r1) {
     if (w->dtype == CPUMLA_E4M3) { gemm_e4m3(w, x, ldx, n, y, ldy, r0, r1); return; }
-    int quant = w->dtype == CPUMLA_E2M1;
-    int64_t bc = quant ? w->block_cols : w->cols;
+    if (w->dtype == CPUMLA_E2M1) { prev_gemm(w, x, ldx, n, y, ldy, r0, r1); return; }
+    const int64_t bc = w->cols;
     float panel[4][GEMM_CH], xrnd[4][GEMM_CH];    /* xrnd: BF16 weights' activations, rounded */
     int bf16 = w->dtype == CPUMLA_BF16;
     for (int64_t r = r0; r < r1; r += 4) {
@@ -389,10 +362,8 @@ static void gemm_neon(const cpumla_weight *w, const float *x, int64_t ldx, int64
                     for (int i = 0; i < 4; i++)
                         for (int t = 0; t < 4; t++) blk[i][t] += part[i][t];
                 }
-                for (int i = 0; i < nr; i++) {
-                    float s = quant ? e2m1_block_scale(w, r + i, b0) : 1.0f;
-                    for (int t = 0; t < nt; t++) acc[i][t] += quant ? blk[i][t] * s : blk[i][t];
-                }
+                for (int i = 0; i < nr; i++)
+                    for (int t = 0; t < nt; t++) acc[i][t] += blk[i][t];
             }
             for (int i = 0; i < nr; i++)
                 for (int t = 0; t < nt; t++) y[(t0 + t) * ldy + (r + i - r0)] = acc[i][t];
@@ -503,9 +474,8 @@ static void dequant_row_neon(const cpumla_weight *w, int64_t r, int64_t c0, int6
 }
 
 /* The weight operands the gemv loops multiply (cpumla_decode_operands): E4M3 ld_e4m3_16's value *
- * 2^-8, widened from fp16, so e4m3's subnormals come out as normal fp32; E2M1 neon_fp4.c's. */
+ * 2^-8, widened from fp16, so e4m3's subnormals come out as normal fp32. */
 int cpumla_decode_operands_neon(int dtype, float *out) {
-    if (dtype == CPUMLA_E2M1) return cpumla_neon_e2m1_operands(out);
     if (dtype != CPUMLA_E4M3) return -1;
     uint8_t codes[16];
     for (int g = 0; g < 16; g++) {
@@ -519,10 +489,13 @@ int cpumla_decode_operands_neon(int dtype, float *out) {
 
 void cpumla_fill_neon(cpumla_kernels *k) {
     cpumla_fill_neon_rows(k);
+    if (k->gemv != gemv_neon) prev_gemv = k->gemv;
+    if (k->gemm != gemm_neon) prev_gemm = k->gemm;
     k->gemv = gemv_neon;               k->who[K_GEMV] = "neon";
     k->gemm = gemm_neon;               k->who[K_GEMM] = "neon";
     k->gemv_t = gemv_t_neon;           k->who[K_GEMV_T] = "neon";
     k->dequant_row = dequant_row_neon; k->who[K_DEQUANT] = "neon";
     for (int i = K_GEMV; i <= K_DEQUANT; i++)          /* every format, every layout */
         for (int f = 0; f <= CPUMLA_E2M1; f++) k->who_fmt[i][f] = "neon";
+    k->who_fmt[K_GEMV][CPUMLA_E2M1] = k->who_fmt[K_GEMM][CPUMLA_E2M1] = "scalar";     /* handed back */
 }

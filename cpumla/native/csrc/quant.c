@@ -1,10 +1,11 @@
-/* quant.c: Q8 / Q4 weights (quant.h) in the kernel table, and cpumla_quantize.
+/* quant.c: the integer products (quant.h) in the kernel table, and cpumla_quantize.
  *
  * The implementations' gemv / gemm / gemv_t / dequant_row entries know the checkpoint formats only.
  * cpumla_fill_quant(k, "scalar"), called by dispatch.c after every layer has filled the table, wraps
  * those four entries: a Q8 / Q4 weight goes to the q entries (quant_x + gemm_q for gemv and gemm:
- * the activation rows of the call are quantized once per task into this thread's scratch), any other
- * weight to the entry that was there. The q entries themselves come from each layer's q fill
+ * the activation rows of the call are quantized once per task into this thread's scratch), and so
+ * does an E2M1 weight of 1x32 E8M0 blocks for gemv and gemm (its gemv_t and dequant_row stay on the
+ * fp32 entries); any other weight goes to the entry that was there. The q entries themselves come from each layer's q fill
  * (scalar_q.c, avx2_q.c, avx512f_q.c, avx512_q.c, neon_q.c / neon_q_dot.c), best last, and are never touched by
  * the other fills, so who_fmt[..][CPUMLA_Q8 / Q4] names the file that really serves them. */
 #include <stdio.h>
@@ -23,17 +24,25 @@ static void (*base_dequant)(const cpumla_weight *, int64_t, int64_t, int64_t, fl
 /* the q entries of the table last filled (its best layer's), for the wrappers */
 static void (*q_quant_x)(int32_t, const float *, int64_t, void *);
 static void (*q_gemm)(const cpumla_weight *, const void *, int64_t, float *, int64_t, int64_t, int64_t);
+static void (*q_gemm_fp4)(const cpumla_weight *, const float *, int64_t, int64_t, float *, int64_t, int64_t,
+                          int64_t);
+static int64_t q_gemm_fp4_min_n;
 static void (*q_gemv_t)(const cpumla_weight *, int64_t, int64_t, const float *, float *, int64_t, int64_t);
 static void (*q_dequant)(const cpumla_weight *, int64_t, int64_t, int64_t, float *);
 
+/* weights of the integer products: Q8 / Q4 (every entry), E2M1 with 1x32 E8M0 blocks (gemv and gemm
+ * only: quant.h's is_e2m1_q) */
 static int is_q(const cpumla_weight *w) { return w->dtype == CPUMLA_Q8 || w->dtype == CPUMLA_Q4; }
+static int is_q_product(const cpumla_weight *w) { return is_q(w) || is_e2m1_q(w); }
 
-/* n activation rows quantized into this thread's scratch, then gemm_q; out of memory: nothing done
- * (the context is marked failed and the call returns -1) */
+/* n activation rows quantized into this thread's scratch, then gemm_q (E2M1 at gemm_fp4_min_n tokens
+ * or more: gemm_fp4 where the level has one, kernels.h); out of memory: nothing done (the context is marked
+ * failed and the call returns -1) */
 static void gemm_q_route(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy,
                          int64_t r0, int64_t r1) {
-    if (!is_q(w)) { base_gemm(w, x, ldx, n, y, ldy, r0, r1); return; }
+    if (!is_q_product(w)) { base_gemm(w, x, ldx, n, y, ldy, r0, r1); return; }
     if (n <= 0 || r1 <= r0) return;
+    if (q_gemm_fp4 && n >= q_gemm_fp4_min_n && is_e2m1_q(w)) { q_gemm_fp4(w, x, ldx, n, y, ldy, r0, r1); return; }
     const int64_t K = w->cols, per = QX_BYTES(K);
     uint8_t *qx = cpumla_scratch(CPUMLA_SCRATCH_QX, (size_t)(per * n));
     if (!qx) return;
@@ -42,7 +51,7 @@ static void gemm_q_route(const cpumla_weight *w, const float *x, int64_t ldx, in
 }
 
 static void gemv_q_route(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
-    if (!is_q(w)) { base_gemv(w, x, y, r0, r1); return; }
+    if (!is_q_product(w)) { base_gemv(w, x, y, r0, r1); return; }
     gemm_q_route(w, x, 0, 1, y, 0, r0, r1);
 }
 
@@ -81,6 +90,8 @@ void cpumla_fill_quant(cpumla_kernels *k, const char *isa) {
 #endif
     q_quant_x = k->quant_x;
     q_gemm = k->gemm_q;
+    q_gemm_fp4 = k->gemm_fp4;
+    q_gemm_fp4_min_n = k->gemm_fp4_min_n;
     q_gemv_t = k->gemv_t_q;
     q_dequant = k->dequant_q;
 }

@@ -10,8 +10,9 @@
 const char cpumla_flags_scalar[] = CPUMLA_FLAGS;
 
 /* Dot product of row r with x. E4M3: each code times its activation operand e4m3_act (x times the
- * block scale, rounded to bf16). E2M1: block by block, each scale applied once per block to the
- * block's partial sum (the association the vector kernels use). */
+ * block scale, rounded to bf16). E2M1 (the layouts quant.c does not take to the integer product:
+ * partial edge blocks, wider blocks, F32 scales; every ISA hands them here, gemv and gemm alike):
+ * block by block, each scale applied once per block to the block's partial sum. */
 static float row_dot(const cpumla_weight *w, int64_t r, const float *x) {
     const uint8_t *row = weight_row(w, r);
     float acc = 0.0f;
@@ -198,10 +199,6 @@ void cpumla_fill_scalar(cpumla_kernels *k) {
 int cpumla_decode_operands_scalar(int dtype, float *out) {
     if (dtype == CPUMLA_E4M3) {
         for (int i = 0; i < 256; i++) out[i] = e4m3_to_f32((uint8_t)i);
-        return 0;
-    }
-    if (dtype == CPUMLA_E2M1) {
-        for (int i = 0; i < 16; i++) out[i] = cpumla_e2m1_lut[i];
         return 0;
     }
     return -1;

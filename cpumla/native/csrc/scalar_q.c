@@ -1,6 +1,9 @@
-/* scalar_q.c: the spec of the Q8 / Q4 kernels (kernels.h, quant.h), portable C. The activation row is
- * quantized per block of 32 (q_act_block, quant.h); each block's integer dot product is exact, scaled
- * by wd * xd and added in block order. gemv_t and dequant_row keep fp32. */
+/* scalar_q.c: the spec of the integer kernels (Q8 / Q4 / E2M1 weights; kernels.h, quant.h), portable
+ * C. The activation row is quantized per block of 32 (q_act_block, quant.h: int8 codes for Q8 / Q4,
+ * int16 for E2M1); each block's integer dot product (weight codes q_block: Q8 q, Q4 nibble - 8, E2M1
+ * w2 = 2 * value) is exact, scaled by wd * xd (q_scale: the fp16 scale, or the E8M0 scale halved) and
+ * added in block order. gemv_t and dequant_row keep fp32 (Q8 / Q4 here; E2M1 stays on the fp32
+ * entries, scalar.c and its twins). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -8,30 +11,38 @@
 #include "kernels.h"
 #include "quant.h"
 
-/* codes in column order, xd per block, the int32 is the block's code sum; zero padding past K */
+/* codes in column order (E2M1: the int16 codes split, hi here and lo in qx_lo), xd per block, the
+ * int32 is the block's code sum; zero padding past K (the same for every weight format) */
 static void quant_x_scalar(int32_t wdtype, const float *x, int64_t K, void *qx) {
-    (void)wdtype;
-    int8_t *q = qx;
+    int8_t *q = qx, *ql = qx_lo(qx, K);
     float *d = qx_d(qx, K);
     int32_t *s = qx_s(qx, K);
     const int64_t nb = K / QK, kp = qx_kp(K);
     for (int64_t b = 0; b < nb; b++) {
-        d[b] = q_act_block(x + b * QK, q + b * QK);
-        int32_t sum = 0;
-        for (int i = 0; i < QK; i++) sum += q[b * QK + i];
+        int32_t c[QK], sum = 0;
+        d[b] = q_act_block(x + b * QK, qact_max(wdtype), c);
+        for (int i = 0; i < QK; i++) {
+            q[b * QK + i] = wdtype == CPUMLA_E2M1 ? q_hi(c[i]) : (int8_t)c[i];
+            ql[b * QK + i] = wdtype == CPUMLA_E2M1 ? q_lo(c[i]) : 0;
+            sum += c[i];
+        }
         s[b] = sum;
     }
     memset(q + K, 0, (size_t)(kp - K));
+    memset(ql + K, 0, (size_t)(kp - K));
     for (int64_t b = nb; b < kp / QK; b++) { d[b] = 0.0f; s[b] = 0; }
 }
 
-static float row_dot_q(const cpumla_weight *w, int64_t r, const int8_t *xq, const float *xd) {
+/* the exact block sums against the activation codes (E2M1: q = 256 * hi + lo) */
+static float row_dot_q(const cpumla_weight *w, int64_t r, const int8_t *xq, const int8_t *xl, const float *xd) {
+    const int fp4 = w->dtype == CPUMLA_E2M1;
     float acc = 0.0f;
     int8_t wq[QK];
     for (int64_t b = 0; b < w->cols / QK; b++) {
         q_block(w, r, b, wq);
         int32_t isum = 0;
-        for (int i = 0; i < QK; i++) isum += (int32_t)wq[i] * (int32_t)xq[b * QK + i];
+        for (int64_t i = b * QK; i < (b + 1) * QK; i++)
+            isum += (int32_t)wq[i - b * QK] * (fp4 ? 256 * (int32_t)xq[i] + xl[i] : (int32_t)xq[i]);
         volatile float p = (float)isum * (q_scale(w, r, b) * xd[b]);    /* rounded: never fused into the sum */
         acc += p;
     }
@@ -43,7 +54,7 @@ static void gemm_q_scalar(const cpumla_weight *w, const void *qx, int64_t n, flo
     const int64_t K = w->cols, per = QX_BYTES(K);
     for (int64_t t = 0; t < n; t++) {
         const uint8_t *xt = (const uint8_t *)qx + t * per;
-        for (int64_t r = r0; r < r1; r++) y[t * ldy + (r - r0)] = row_dot_q(w, r, (const int8_t *)xt, qx_d(xt, K));
+        for (int64_t r = r0; r < r1; r++) y[t * ldy + (r - r0)] = row_dot_q(w, r, (const int8_t *)xt, qx_lo(xt, K), qx_d(xt, K));
     }
 }
 
@@ -123,4 +134,5 @@ void cpumla_fill_scalar_q(cpumla_kernels *k) {
     k->gemv_t_q = gemv_t_q_scalar;
     k->dequant_q = dequant_q_scalar;
     for (int i = K_GEMV; i <= K_DEQUANT; i++) k->who_fmt[i][CPUMLA_Q8] = k->who_fmt[i][CPUMLA_Q4] = "scalar";
+    k->who_fmt[K_GEMV][CPUMLA_E2M1] = k->who_fmt[K_GEMM][CPUMLA_E2M1] = "scalar";
 }
