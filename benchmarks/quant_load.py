@@ -1,5 +1,6 @@
 """Seconds to load a checkpoint with --quant q8 / q4 and as stored, against the read probe's time for
-the checkpoint's bytes measured in the same process, alternating builds of cpumla.
+the checkpoint's bytes and against reading its files once, both measured in the same process,
+alternating builds of cpumla.
 
     flock /tmp/cpumla-bench.lock python3 benchmarks/quant_load.py MODEL_DIR --builds OLD,NEW [--rounds 2]
 
@@ -13,6 +14,11 @@ also as a multiple of that process's probe time. Memory the kernel has not hande
 cost far more than the work itself on a virtual machine (a hypervisor that took it back supplies it
 again on first touch), so right before each load `--warm-gb` GB of memory is faulted in and freed:
 the load then gets pages the kernel has just had back, as a machine with the memory to itself would.
+
+Two baselines: the read probe streams memory that is already mapped (a lower bound no reader of a
+file reaches: whoever reads the page cache first pays for the page tables, or for a copy), and the
+file read reads every shard once with os.preadv on `--threads` threads, 1 MiB at a time into a buffer
+per thread (as cat or dd would, in parallel; the best of three passes).
 """
 
 from __future__ import annotations
@@ -65,8 +71,40 @@ def child(model: str, loads: int, threads: int, warm: int) -> dict:
         np.frombuffer(m, np.uint8)[::4096] = 1
         m.close()
 
+    def file_read():
+        import threading
+
+        files = sorted(Path(model).glob("*.safetensors"))
+        sizes = [f.stat().st_size for f in files]
+        fds = [os.open(f, os.O_RDONLY) for f in files]
+        bufs = [bytearray(1 << 20) for _ in range(threads)]
+        spans = []                      # (fd, begin, end): each thread an equal share of every file
+        for fd, n in zip(fds, sizes):
+            spans += [(fd, n * i // threads, n * (i + 1) // threads) for i in range(threads)]
+
+        def work(i):
+            mv = memoryview(bufs[i])
+            for fd, lo, hi in spans[i::threads]:
+                while lo < hi:
+                    got = os.preadv(fd, [mv[: min(len(mv), hi - lo)]], lo)
+                    if got <= 0:
+                        raise OSError(f"short read at {lo}")
+                    lo += got
+
+        ths = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        t0 = time.perf_counter()
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join()
+        el = time.perf_counter() - t0
+        for fd in fds:
+            os.close(fd)
+        return el
+
     probe()
     probe_s = min(probe() for _ in range(3))
+    read_s = min(file_read() for _ in range(3))
     times = {v: [] for v in VARIANTS}
     for _ in range(loads):
         for v in VARIANTS:
@@ -76,7 +114,7 @@ def child(model: str, loads: int, threads: int, warm: int) -> dict:
             times[v].append(time.perf_counter() - t0)
             del eng
             gc.collect()
-    return {"probe_s": probe_s, "bytes": total, "times": times, "cpumla": cpumla.__file__}
+    return {"probe_s": probe_s, "read_s": read_s, "bytes": total, "times": times, "cpumla": cpumla.__file__}
 
 
 def main(argv=None) -> None:
@@ -104,18 +142,18 @@ def main(argv=None) -> None:
             if not res["cpumla"].startswith(b):
                 sys.exit(f"{b}: the child imported cpumla from {res['cpumla']}")
             runs[b].append(res)
-            print(f"round {r + 1} {b}: probe {res['probe_s']:.3f} s ({res['bytes'] / res['probe_s'] / 1e9:.1f} GB/s); "
+            print(f"round {r + 1} {b}: probe {res['probe_s']:.3f} s ({res['bytes'] / res['probe_s'] / 1e9:.1f} GB/s), "
+                  f"file read {res['read_s']:.3f} s ({res['bytes'] / res['read_s'] / 1e9:.1f} GB/s); "
                   + "; ".join(f"{v} " + " ".join(f"{t:.2f}" for t in res["times"][v]) for v in VARIANTS), flush=True)
     print(f"\n{runs[builds[0]][0]['bytes'] / 1e9:.2f} GB of safetensors, {a.threads} threads; "
-          "load seconds and x the read probe of the same process")
-    print(f"{'build':<40} {'variant':<7} {'fastest':>8} {'x probe':>8} {'median':>8} {'x probe':>8}")
+          "load seconds, and x the read probe / x the file read of the same process")
+    print(f"{'build':<40} {'variant':<7} {'fastest':>8} {'x probe':>8} {'x read':>7} {'median':>8} {'x probe':>8} {'x read':>7}")
     for b in builds:
         for v in VARIANTS:
-            pairs = [(t, t / res["probe_s"]) for res in runs[b] for t in res["times"][v]]
-            best = min(pairs)
-            med_t = statistics.median(p[0] for p in pairs)
-            med_x = statistics.median(p[1] for p in pairs)
-            print(f"{b[-40:]:<40} {v:<7} {best[0]:8.3f} {best[1]:8.1f} {med_t:8.3f} {med_x:8.1f}")
+            rows = [(t, t / res["probe_s"], t / res["read_s"]) for res in runs[b] for t in res["times"][v]]
+            best = min(rows)
+            med = [statistics.median(p[i] for p in rows) for i in range(3)]
+            print(f"{b[-40:]:<40} {v:<7} {best[0]:8.3f} {best[1]:8.1f} {best[2]:7.2f} {med[0]:8.3f} {med[1]:8.1f} {med[2]:7.2f}")
 
 
 if __name__ == "__main__":
