@@ -307,6 +307,9 @@ def fp4_terms(w2: np.ndarray, wd: np.ndarray, x: np.ndarray) -> np.ndarray:
         return (isum.astype(np.float32) * f).astype(np.float64)
 
 
+QACT_TINY = np.float32(2.0 ** -100)     # kernels.h: activation blocks below it quantize to zero
+
+
 def quant_act(x: np.ndarray, qmax: int = 127):
     """kernels.h's activation quantization of x [..., K] to codes in [-qmax, qmax] (127: int8 for q8 /
     q4; 32512: int16 for e2m1): (codes int64 [..., K/32, 32], xd float32 [..., K/32]), every operation
@@ -314,9 +317,10 @@ def quant_act(x: np.ndarray, qmax: int = 127):
     x = np.asarray(x, np.float32)
     xb = x.reshape(x.shape[:-1] + (x.shape[-1] // QK, QK))
     amax = np.abs(xb).max(-1)
-    xd = (amax / np.float32(qmax)).astype(np.float32)
-    safe = np.where(amax > 0, amax, np.float32(1)).astype(np.float32)
-    inv = np.where(amax > 0, np.float32(qmax) / safe, np.float32(0)).astype(np.float32)
+    live = amax >= QACT_TINY            # blocks below 2^-100 count as zero
+    xd = np.where(amax < QACT_TINY, np.float32(0), amax / np.float32(qmax)).astype(np.float32)
+    safe = np.where(live, amax, np.float32(1)).astype(np.float32)
+    inv = np.where(live, np.float32(qmax) / safe, np.float32(0)).astype(np.float32)
     q = np.rint((xb * inv[..., None]).astype(np.float32)).astype(np.int64)     # half to even
     return q, xd
 
@@ -339,10 +343,15 @@ class QLinear:
         return (isum * f).sum(-1), (asum * f).sum(-1)
 
     def error_bound(self, x: np.ndarray, rows=slice(None)):
-        """A bound on |y - W x| from rounding the activations: sum_c |W_c| xd_b / 2 (plus rounding slack)."""
+        """A bound on |y - W x| from rounding the activations: sum_c |W_c| xd_b / 2, plus |W_c x_c| over
+        the blocks that count as zero (below QACT_TINY), plus rounding slack."""
         _, xd = quant_act(x)
-        aw = np.abs(self.W[rows]).reshape(self.W[rows].shape[0], -1, QK).sum(-1)      # [R, nb]
-        return 0.5 * (aw * xd.astype(np.float64)[..., None, :]).sum(-1) * (1 + 1e-5)
+        Wr = np.abs(self.W[rows]).reshape(self.W[rows].shape[0], -1, QK)             # [R, nb, 32]
+        aw = Wr.sum(-1)                                                                # [R, nb]
+        xa = np.abs(np.asarray(x, np.float64)).reshape(np.shape(x)[:-1] + (-1, QK))   # [..., nb, 32]
+        dropped = np.where(xa.max(-1) < QACT_TINY, 1.0, 0.0)                         # [..., nb]
+        lost = np.einsum("rbi,...bi->...r", Wr, xa * dropped[..., None])
+        return (0.5 * (aw * xd.astype(np.float64)[..., None, :]).sum(-1) + lost) * (1 + 1e-5)
 
 
 def quantize_ref(fmt: str, values: np.ndarray):

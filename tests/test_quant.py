@@ -40,6 +40,8 @@ def test_gemv_q(isa, case):
     w, W = build(*case, rng, strided=True)
     x = rng.standard_normal(case[2]).astype(np.float32)
     x[: min(32, case[2])] = 0.0                      # an all-zero activation block: xd = 0
+    x[32:64] *= np.float32(2.0 ** -125)              # below 2^-100: counts as zero (127 / amax would overflow)
+    x[64:96] *= np.float32(2.0 ** -98)               # just above: quantized as usual
     y = native.gemv(w, x)
     want, mag = W(x)
     assert_close(y, want, mag, what=f"gemv {case[0]} {isa}")

@@ -233,7 +233,8 @@ static inline int close_to(double got, double ref, double mag, double tol) {
 static double ref_qact(const float *x, int *q, float qmax) {
     float amax = 0.0f;
     for (int i = 0; i < 32; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-    volatile float xd = amax / qmax, id = amax > 0.0f ? qmax / amax : 0.0f;
+    /* blocks below 2^-100 count as zero (kernels.h) */
+    volatile float xd = amax < 0x1p-100f ? 0.0f : amax / qmax, id = amax >= 0x1p-100f ? qmax / amax : 0.0f;
     for (int i = 0; i < 32; i++) {
         volatile float p = x[i] * id;
         q[i] = (int)nearbyint(p);

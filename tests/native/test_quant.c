@@ -282,7 +282,8 @@ static void test_quantize_row(const cpumla_kernels *k) {
 }
 
 /* n activation rows ldx apart (uniform in +-amp, the second at amp / 1000, a zero block in the third,
- * NaN past the row) through gemv (n = 1) or gemm over rows [r0, r1): returns y (n rows ldy apart,
+ * in the first a block 2^-118 times the rest (below QACT_TINY for the usual amp: it counts as zero)
+ * and one 2^-98 times (just above), NaN past the row) through gemv (n = 1) or gemm over rows [r0, r1): returns y (n rows ldy apart,
  * QSENT where nothing was written), *xo the activations */
 static float *run_q(const cpumla_kernels *k, const cpumla_weight *w, int64_t n, int64_t ldx, float amp, int64_t r0,
                     int64_t r1, int64_t ldy, float **xo) {
@@ -290,6 +291,8 @@ static float *run_q(const cpumla_kernels *k, const cpumla_weight *w, int64_t n, 
     for (int64_t tt = 0; tt < n; tt++)
         for (int64_t i = 0; i < w->cols; i++) x[tt * ldx + i] = rng_sym(tt == 1 ? amp * 1e-3f : amp);
     for (int64_t i = 0; i < 32 && n > 2; i++) x[2 * ldx + i] = 0.0f;      /* a zero block */
+    for (int64_t i = 32; i < 64 && i < w->cols; i++) x[i] *= 0x1p-118f;     /* tiny blocks */
+    for (int64_t i = 64; i < 96 && i < w->cols; i++) x[i] *= 0x1p-98f;
     float *y = xalloc(sizeof(float) * (size_t)(n * ldy));
     for (int64_t i = 0; i < n * ldy; i++) y[i] = QSENT;
     case_begin();

@@ -279,7 +279,7 @@ static void fp4_pack(const cpumla_weight *w, int64_t r, int nr, int64_t k0, int6
 }
 
 /* the codes and xd of columns [k0, k0 + kc) of n tokens (quant.h's q_act_block: amax over the block,
- * id = 32512 / amax, codes nearest_even(x * id), xd = amax / 32512) */
+ * id = 32512 / amax, codes nearest_even(x * id), xd = amax / 32512; zero below QACT_TINY) */
 static void fp4_operands(const float *x, int64_t ldx, int64_t n, int64_t k0, int64_t kc, float *codes, float *xd) {
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t t = 0; t < n; t++)
@@ -287,8 +287,8 @@ static void fp4_operands(const float *x, int64_t ldx, int64_t n, int64_t k0, int
             const float *xb = x + t * ldx + k0 + 32 * b;
             __m256 v[4];
             for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(xb + 8 * j);
-            const float amax = amax32(v, absm), id = amax > 0.0f ? QACT_MAX16 / amax : 0.0f;
-            xd[t * FP_NB + b] = amax / QACT_MAX16;
+            const float amax = amax32(v, absm), id = qact_id(amax, QACT_MAX16);
+            xd[t * FP_NB + b] = qact_xd(amax, QACT_MAX16);
             const __m256 vid = _mm256_set1_ps(id);
             for (int j = 0; j < 4; j++)
                 _mm256_store_ps(codes + t * GM_KC + 32 * b + 8 * j,

@@ -73,8 +73,8 @@ static void quant_x_avx2(int32_t wdtype, const float *x, int64_t K, void *qx) {
         const float *xb = x + b * QK;
         __m256 v[4];
         for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps(xb + 8 * k);
-        const float amax = amax32(v, absm), qmax = qact_max(wdtype), id = amax > 0.0f ? qmax / amax : 0.0f;
-        d[at] = amax / qmax;
+        const float amax = amax32(v, absm), qmax = qact_max(wdtype), id = qact_id(amax, qmax);
+        d[at] = qact_xd(amax, qmax);
         const __m256 vid = _mm256_set1_ps(id);
         __m256i i[4];
         for (int k = 0; k < 4; k++) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], vid));   /* nearest even */

@@ -391,15 +391,15 @@ static void fp4_pack(const cpumla_weight *w, int64_t r, int nr, int64_t k0, int6
 }
 
 /* the codes and xd of columns [k0, k0 + kc) of n tokens (quant.h's q_act_block: amax over the block,
- * id = 32512 / amax, codes nearest_even(x * id), xd = amax / 32512) */
+ * id = 32512 / amax, codes nearest_even(x * id), xd = amax / 32512; zero below QACT_TINY) */
 static void fp4_operands(const float *x, int64_t ldx, int64_t n, int64_t k0, int64_t kc, float *codes, float *xd) {
     for (int64_t t = 0; t < n; t++)
         for (int64_t b = 0; b < kc / 32; b++) {
             const float *xb = x + t * ldx + k0 + 32 * b;
             const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
             const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-            const float id = amax > 0.0f ? QACT_MAX16 / amax : 0.0f;
-            xd[t * F_NB + b] = amax / QACT_MAX16;
+            const float id = qact_id(amax, QACT_MAX16);
+            xd[t * F_NB + b] = qact_xd(amax, QACT_MAX16);
             const __m512 vid = _mm512_set1_ps(id);
             float *c = codes + t * G_KC + 32 * b;
             _mm512_store_ps(c, _mm512_cvtepi32_ps(_mm512_cvtps_epi32(_mm512_mul_ps(v0, vid))));

@@ -61,8 +61,8 @@ static void quant_x_avx512(int32_t wdtype, const float *x, int64_t K, void *qx) 
     for (int64_t b = 0; b < nb; b++) {
         __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const float qmax = qact_max(wdtype), id = amax > 0.0f ? qmax / amax : 0.0f;
-        d[b] = amax / qmax;
+        const float qmax = qact_max(wdtype), id = qact_id(amax, qmax);
+        d[b] = qact_xd(amax, qmax);
         __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));    /* nearest even */
         __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
         s[b] = (fp4 ? -12 : q4 ? -8 : -128) * _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));

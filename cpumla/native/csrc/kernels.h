@@ -23,8 +23,9 @@
  * over whole blocks in gemv and gemm: the activation row is quantized per block of 32 first (quant_x),
  * to int8 for Q8 / Q4 (M = 127) and to int16 for E2M1 (M = 32512 = 127 * 256; int8 codes lose too
  * much against the fp32 forward there): amax = max |x_i| over the block, xd = amax / M (fp32
- * division), id = amax > 0 ? M / amax : 0 (fp32 division), xq_i = nearest_even(x_i * id) (fp32
- * product), so |xq_i| <= M. Then, in fp32,
+ * division), id = M / amax (fp32 division), xq_i = nearest_even(x_i * id) (fp32 product), so
+ * |xq_i| <= M; a block whose amax is below 2^-100 (QACT_TINY, quant.h) counts as zero: xd = id = 0
+ * (M / amax would overflow fp32 below ~2^-113, and xd be subnormal below ~2^-111). Then, in fp32,
  *   y_r = sum over blocks b, in order, of (float)(sum_i wq_{r,b,i} * xq_{b,i}) * (wd_{r,b} * xd_b)
  * with the integer sums exact (|sum| < 2^24, so (float) is exact too): wq = q for Q8, nibble - 8 for
  * Q4, w2 = 2 * the e2m1 value for E2M1 (0, +-1, +-2, +-3, +-4, +-6, +-8, +-12); wd the fp16 scale as

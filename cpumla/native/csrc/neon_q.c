@@ -72,8 +72,8 @@ static void FN(quant_x_neon)(int32_t wdtype, const float *x, int64_t K, void *qx
         for (int k = 0; k < 8; k++) v[k] = vld1q_f32(x + b * QK + 4 * k);
         float32x4_t m = vabsq_f32(v[0]);
         for (int k = 1; k < 8; k++) m = vmaxq_f32(m, vabsq_f32(v[k]));
-        const float amax = vmaxvq_f32(m), qmax = qact_max(wdtype), id = amax > 0.0f ? qmax / amax : 0.0f;
-        d[b] = amax / qmax;
+        const float amax = vmaxvq_f32(m), qmax = qact_max(wdtype), id = qact_id(amax, qmax);
+        d[b] = qact_xd(amax, qmax);
         int32x4_t iv[8], sum = vdupq_n_s32(0);
         for (int k = 0; k < 8; k++) {
             iv[k] = vcvtnq_s32_f32(vmulq_n_f32(v[k], id));          /* nearest even */

@@ -121,14 +121,22 @@ static inline void q_block(const cpumla_weight *w, int64_t r, int64_t b, int8_t 
 #define QACT_MAX16 32512.0f
 static inline float qact_max(int32_t wdtype) { return wdtype == CPUMLA_E2M1 ? QACT_MAX16 : QACT_MAX8; }
 
+/* Activation blocks whose largest magnitude is below this quantize to zero (kernels.h): qmax / amax
+ * would overflow fp32 below ~2^-113, and xd = amax / qmax be subnormal below ~2^-111. Written as
+ * id = amax >= QACT_TINY ? qmax / amax : 0, xd = amax < QACT_TINY ? 0 : amax / qmax, so that a NaN
+ * amax still gives a NaN xd. */
+#define QACT_TINY 0x1p-100f
+static inline float qact_id(float amax, float qmax) { return amax >= QACT_TINY ? qmax / amax : 0.0f; }
+static inline float qact_xd(float amax, float qmax) { return amax < QACT_TINY ? 0.0f : amax / qmax; }
+
 /* The spec's activation quantization of one block (kernels.h), codes in [-qmax, qmax]: codes into q,
  * returns xd */
 static inline float q_act_block(const float *x, float qmax, int32_t *q) {
     float amax = 0.0f;
     for (int i = 0; i < QK; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-    float id = amax > 0.0f ? qmax / amax : 0.0f;
+    const float id = qact_id(amax, qmax);
     for (int i = 0; i < QK; i++) q[i] = (int32_t)rintf(x[i] * id);
-    return amax / qmax;
+    return qact_xd(amax, qmax);
 }
 
 /* an int16 code q as 256 * hi + lo, lo its sign-extended low byte (quant.h's E2M1 layout) */
