@@ -138,8 +138,22 @@ static void gemm_pack(const cpumla_weight *w, int64_t r, int nr, int64_t k0, int
     }
 }
 
+/* one k of the 6-token x 16-row FMA tile: wp[k][16] times x0[k] .. x5[k] into the caller's twelve
+ * named accumulators c00 .. c51 (named, not an array, so that nothing spills) */
+#define GM_STEP(k)                                                                                          \
+    {                                                                                                       \
+        const __m256 w0 = _mm256_load_ps(wp + (k) * GM_NR), w1 = _mm256_load_ps(wp + (k) * GM_NR + 8);   \
+        __m256 b_;                                                                                          \
+        b_ = _mm256_broadcast_ss(x0 + (k)); c00 = _mm256_fmadd_ps(b_, w0, c00); c01 = _mm256_fmadd_ps(b_, w1, c01); \
+        b_ = _mm256_broadcast_ss(x1 + (k)); c10 = _mm256_fmadd_ps(b_, w0, c10); c11 = _mm256_fmadd_ps(b_, w1, c11); \
+        b_ = _mm256_broadcast_ss(x2 + (k)); c20 = _mm256_fmadd_ps(b_, w0, c20); c21 = _mm256_fmadd_ps(b_, w1, c21); \
+        b_ = _mm256_broadcast_ss(x3 + (k)); c30 = _mm256_fmadd_ps(b_, w0, c30); c31 = _mm256_fmadd_ps(b_, w1, c31); \
+        b_ = _mm256_broadcast_ss(x4 + (k)); c40 = _mm256_fmadd_ps(b_, w0, c40); c41 = _mm256_fmadd_ps(b_, w1, c41); \
+        b_ = _mm256_broadcast_ss(x5 + (k)); c50 = _mm256_fmadd_ps(b_, w0, c50); c51 = _mm256_fmadd_ps(b_, w1, c51); \
+    }
+
 /* Y[t, 0..nr) (+)= sum_k X[t, k] pack[k][0..nr) for t < nt (nt <= 6; missing tokens repeat the last
- * one and are not stored). Twelve named accumulators so that nothing spills. */
+ * one and are not stored) */
 static void gemm_micro(int nt, const float *wp, int64_t kc, const float *x, int64_t ldx, float *y,
                        int64_t ldy, int nr, int accumulate) {
     const float *x0 = x, *x1 = x + (nt > 1 ? 1 : 0) * ldx, *x2 = x + (nt > 2 ? 2 : nt - 1) * ldx;
@@ -147,15 +161,7 @@ static void gemm_micro(int nt, const float *wp, int64_t kc, const float *x, int6
     const float *x5 = x + (nt > 5 ? 5 : nt - 1) * ldx;
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    for (int64_t k = 0; k < kc; k++) {
-        __m256 w0 = _mm256_load_ps(wp + k * GM_NR), w1 = _mm256_load_ps(wp + k * GM_NR + 8), b;
-        b = _mm256_broadcast_ss(x0 + k); c00 = _mm256_fmadd_ps(b, w0, c00); c01 = _mm256_fmadd_ps(b, w1, c01);
-        b = _mm256_broadcast_ss(x1 + k); c10 = _mm256_fmadd_ps(b, w0, c10); c11 = _mm256_fmadd_ps(b, w1, c11);
-        b = _mm256_broadcast_ss(x2 + k); c20 = _mm256_fmadd_ps(b, w0, c20); c21 = _mm256_fmadd_ps(b, w1, c21);
-        b = _mm256_broadcast_ss(x3 + k); c30 = _mm256_fmadd_ps(b, w0, c30); c31 = _mm256_fmadd_ps(b, w1, c31);
-        b = _mm256_broadcast_ss(x4 + k); c40 = _mm256_fmadd_ps(b, w0, c40); c41 = _mm256_fmadd_ps(b, w1, c41);
-        b = _mm256_broadcast_ss(x5 + k); c50 = _mm256_fmadd_ps(b, w0, c50); c51 = _mm256_fmadd_ps(b, w1, c51);
-    }
+    for (int64_t k = 0; k < kc; k++) GM_STEP(k);
     __m256 c[GM_MT][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
     for (int t = 0; t < nt; t++) {
         float *yt = y + t * ldy;
@@ -321,15 +327,7 @@ static void fp4_micro(int nt, const float *wp, const float *wd, int64_t nb, cons
     for (int64_t b = 0; b < nb; b++) {
         __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
         __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-        for (int64_t k = 32 * b; k < 32 * b + 32; k++) {
-            __m256 w0 = _mm256_load_ps(wp + k * GM_NR), w1 = _mm256_load_ps(wp + k * GM_NR + 8), v;
-            v = _mm256_broadcast_ss(x0 + k); c00 = _mm256_fmadd_ps(v, w0, c00); c01 = _mm256_fmadd_ps(v, w1, c01);
-            v = _mm256_broadcast_ss(x1 + k); c10 = _mm256_fmadd_ps(v, w0, c10); c11 = _mm256_fmadd_ps(v, w1, c11);
-            v = _mm256_broadcast_ss(x2 + k); c20 = _mm256_fmadd_ps(v, w0, c20); c21 = _mm256_fmadd_ps(v, w1, c21);
-            v = _mm256_broadcast_ss(x3 + k); c30 = _mm256_fmadd_ps(v, w0, c30); c31 = _mm256_fmadd_ps(v, w1, c31);
-            v = _mm256_broadcast_ss(x4 + k); c40 = _mm256_fmadd_ps(v, w0, c40); c41 = _mm256_fmadd_ps(v, w1, c41);
-            v = _mm256_broadcast_ss(x5 + k); c50 = _mm256_fmadd_ps(v, w0, c50); c51 = _mm256_fmadd_ps(v, w1, c51);
-        }
+        for (int64_t k = 32 * b; k < 32 * b + 32; k++) GM_STEP(k);
         const __m256 s[GM_MT][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
         const __m256 d0 = _mm256_load_ps(wd + b * GM_NR), d1 = _mm256_load_ps(wd + b * GM_NR + 8);
         for (int t = 0; t < GM_MT; t++) {
