@@ -248,39 +248,59 @@ static void gemm_avx2(const cpumla_weight *w, const float *x, int64_t ldx, int64
 #define FP_NB (GM_KC / 32)    /* blocks per K chunk */
 static __thread float fp_wd[FP_NB * GM_NR] ALIGN64;   /* [b][16] */
 
-/* the 32 w2 of one block (16 code bytes) as fp32, column order */
-INLINE void e2m1_w2x32(const uint8_t *p, float *out) {
-    const __m128i tab = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    const __m128i m4 = _mm_set1_epi8(15), v = _mm_loadu_si128((const __m128i *)p);
-    const __m128i lo = _mm_shuffle_epi8(tab, _mm_and_si128(v, m4));
-    const __m128i hi = _mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(v, 4), m4));
-    const __m128i a = _mm_unpacklo_epi8(lo, hi), b = _mm_unpackhi_epi8(lo, hi);   /* columns 0-15, 16-31 */
-    _mm256_store_ps(out, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)));
-    _mm256_store_ps(out + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8))));
-    _mm256_store_ps(out + 16, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
-    _mm256_store_ps(out + 24, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
+/* o[k] = byte k of r[0], ..., r[15] (a 16 x 16 byte transpose in four unpack stages) */
+INLINE void tr16x16_bytes(const __m128i r[16], __m128i o[16]) {
+    __m128i a[16], bq[4][4], c[8][2];
+    for (int p = 0; p < 8; p++) {           /* a[8h + p]: words (row 2p, row 2p + 1) of bytes 8h .. 8h + 7 */
+        a[p] = _mm_unpacklo_epi8(r[2 * p], r[2 * p + 1]);
+        a[8 + p] = _mm_unpackhi_epi8(r[2 * p], r[2 * p + 1]);
+    }
+    for (int h = 0; h < 2; h++)             /* bq[kq][q]: dwords rows 4q .. 4q + 3 of bytes 4kq .. 4kq + 3 */
+        for (int q = 0; q < 4; q++) {
+            bq[2 * h][q] = _mm_unpacklo_epi16(a[8 * h + 2 * q], a[8 * h + 2 * q + 1]);
+            bq[2 * h + 1][q] = _mm_unpackhi_epi16(a[8 * h + 2 * q], a[8 * h + 2 * q + 1]);
+        }
+    for (int kq = 0; kq < 4; kq++)          /* c[kp][s]: qwords rows 8s .. 8s + 7 of bytes 2kp, 2kp + 1 */
+        for (int s = 0; s < 2; s++) {
+            c[2 * kq][s] = _mm_unpacklo_epi32(bq[kq][2 * s], bq[kq][2 * s + 1]);
+            c[2 * kq + 1][s] = _mm_unpackhi_epi32(bq[kq][2 * s], bq[kq][2 * s + 1]);
+        }
+    for (int kp = 0; kp < 8; kp++) {
+        o[2 * kp] = _mm_unpacklo_epi64(c[kp][0], c[kp][1]);
+        o[2 * kp + 1] = _mm_unpackhi_epi64(c[kp][0], c[kp][1]);
+    }
+}
+
+/* w2 of 16 rows (int8, one per byte) as fp32 into the panel's row k: lanes 0-7 and 8-15 */
+INLINE void w2_store16(__m128i v, float *out) {
+    _mm256_store_ps(out, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
+    _mm256_store_ps(out + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))));
 }
 
 /* rows [r, r + nr) (zero rows past nr), columns [k0, k0 + kc) (kc a multiple of 32): w2 into gm_pack
- * [k][16], wd into fp_wd */
+ * [k][16], wd into fp_wd. Each block's 16 x 16 code bytes are transposed first, so that one byte
+ * vector holds a column pair of all 16 rows (low nibbles column 2k, high nibbles 2k + 1). */
 static void fp4_pack(const cpumla_weight *w, int64_t r, int nr, int64_t k0, int64_t kc) {
-    const int64_t nb = kc / 32, b0 = k0 / 32;
-    for (int i = 0; i < GM_NR; i++) {
-        float *t = gm_tmp + i * GM_KC;
-        if (i < nr) {
-            const uint8_t *row = weight_row(w, r + i), *s = q_scale_row(w, r + i);
-            for (int64_t b = 0; b < nb; b++) {
-                e2m1_w2x32(row + (b0 + b) * 16, t + 32 * b);
-                fp_wd[b * GM_NR + i] = e8m0_half(s[b0 + b]);
+    const __m128i tab = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i m4 = _mm_set1_epi8(15);
+    const int64_t b0 = k0 / 32;
+    for (int64_t b = 0; b < kc / 32; b++) {
+        __m128i v[16], o[16];
+        for (int i = 0; i < GM_NR; i++) {
+            if (i < nr) {
+                v[i] = _mm_loadu_si128((const __m128i *)(weight_row(w, r + i) + (b0 + b) * 16));
+                fp_wd[b * GM_NR + i] = e8m0_half(((const uint8_t *)q_scale_row(w, r + i))[b0 + b]);
+            } else {
+                v[i] = _mm_setzero_si128();           /* code 0: w2 = 0 */
+                fp_wd[b * GM_NR + i] = 0.0f;
             }
-        } else {
-            memset(t, 0, sizeof(float) * (size_t)kc);
-            for (int64_t b = 0; b < nb; b++) fp_wd[b * GM_NR + i] = 0.0f;
         }
-    }
-    for (int64_t k = 0; k < kc; k += 8) {
-        tr8x8_store(gm_tmp + k, GM_KC, gm_pack + k * GM_NR, GM_NR);
-        tr8x8_store(gm_tmp + 8 * GM_KC + k, GM_KC, gm_pack + k * GM_NR + 8, GM_NR);
+        tr16x16_bytes(v, o);
+        float *out = gm_pack + 32 * b * GM_NR;
+        for (int k = 0; k < 16; k++) {
+            w2_store16(_mm_shuffle_epi8(tab, _mm_and_si128(o[k], m4)), out + (2 * k) * GM_NR);
+            w2_store16(_mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(o[k], 4), m4)), out + (2 * k + 1) * GM_NR);
+        }
     }
 }
 
@@ -311,35 +331,55 @@ INLINE __m256 fp4_add(__m256 total, __m256 sum, __m256 wd, __m256 xd) {
     return _mm256_add_ps(total, p);
 }
 
-/* Y[t, 0..nr) = (first ? 0 : Y[t, 0..nr)) + the chunk's blocks in order, t < nt (nt <= 6; missing
- * tokens repeat the last one and are not stored). The totals live in memory (tot) between blocks:
- * the twelve accumulators take the registers. */
-static void fp4_micro(int nt, const float *wp, const float *wd, int64_t nb, const float *x, const float *xd,
+/* one k of fp4_micro's tile: token j's two accumulators, for j < NT (a constant in each instance) */
+#define FP4_FMA(j, k)                                                                                       \
+    if (NT > j) {                                                                                           \
+        const __m256 b_ = _mm256_broadcast_ss(x + j * GM_KC + (k));                                        \
+        c##j##0 = _mm256_fmadd_ps(b_, w0, c##j##0);                                                         \
+        c##j##1 = _mm256_fmadd_ps(b_, w1, c##j##1);                                                         \
+    }
+
+/* Y[t, 0..nr) = (first ? 0 : Y[t, 0..nr)) + the chunk's blocks in order, t < NT <= 6. The totals live
+ * in memory (tot) between blocks: the 2 * NT accumulators take the registers. */
+INLINE void fp4_micro(const int NT, const float *wp, const float *wd, int64_t nb, const float *x, const float *xd,
                       float *y, int64_t ldy, int nr, int first) {
     float tot[GM_MT][GM_NR] ALIGN64;
-    for (int t = 0; t < GM_MT; t++)
-        for (int i = 0; i < GM_NR; i++) tot[t][i] = first || t >= nt || i >= nr ? 0.0f : y[t * ldy + i];
-    const int64_t l1 = nt > 1 ? 1 : 0, l2 = nt > 2 ? 2 : nt - 1, l3 = nt > 3 ? 3 : nt - 1;
-    const int64_t l4 = nt > 4 ? 4 : nt - 1, l5 = nt > 5 ? 5 : nt - 1;
-    const float *x0 = x, *x1 = x + l1 * GM_KC, *x2 = x + l2 * GM_KC, *x3 = x + l3 * GM_KC, *x4 = x + l4 * GM_KC;
-    const float *x5 = x + l5 * GM_KC;
-    const int64_t lt[GM_MT] = {0, l1, l2, l3, l4, l5};
+    for (int t = 0; t < NT; t++)
+        for (int i = 0; i < GM_NR; i++) tot[t][i] = first || i >= nr ? 0.0f : y[t * ldy + i];
     for (int64_t b = 0; b < nb; b++) {
         __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
         __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-        for (int64_t k = 32 * b; k < 32 * b + 32; k++) GM_STEP(k);
+        for (int64_t k = 32 * b; k < 32 * b + 32; k++) {
+            const __m256 w0 = _mm256_load_ps(wp + k * GM_NR), w1 = _mm256_load_ps(wp + k * GM_NR + 8);
+            FP4_FMA(0, k) FP4_FMA(1, k) FP4_FMA(2, k) FP4_FMA(3, k) FP4_FMA(4, k) FP4_FMA(5, k)
+        }
         const __m256 s[GM_MT][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
         const __m256 d0 = _mm256_load_ps(wd + b * GM_NR), d1 = _mm256_load_ps(wd + b * GM_NR + 8);
-        for (int t = 0; t < GM_MT; t++) {
-            const __m256 v = _mm256_broadcast_ss(xd + lt[t] * FP_NB + b);
+        for (int t = 0; t < NT; t++) {
+            const __m256 v = _mm256_broadcast_ss(xd + t * FP_NB + b);
             _mm256_store_ps(tot[t], fp4_add(_mm256_load_ps(tot[t]), s[t][0], d0, v));
             _mm256_store_ps(tot[t] + 8, fp4_add(_mm256_load_ps(tot[t] + 8), s[t][1], d1, v));
         }
         __asm__("" : : "r"(tot) : "memory");     /* keep the totals in memory, the accumulators in registers */
     }
-    for (int t = 0; t < nt; t++)
+    for (int t = 0; t < NT; t++)
         for (int i = 0; i < nr; i++) y[t * ldy + i] = tot[t][i];
 }
+#undef FP4_FMA
+
+/* one out-of-line instance per token count, so that each gets the register file to itself */
+typedef void (*fp4_micro_fn)(const float *, const float *, int64_t, const float *, const float *, float *, int64_t,
+                             int, int);
+#define FP4_MICRO(N)                                                                                        \
+    __attribute__((noinline)) static void fp4_micro##N(const float *wp, const float *wd, int64_t nb,        \
+                                                       const float *x, const float *xd, float *y, int64_t ldy, \
+                                                       int nr, int first) {                                \
+        fp4_micro(N, wp, wd, nb, x, xd, y, ldy, nr, first);                                                \
+    }
+FP4_MICRO(1) FP4_MICRO(2) FP4_MICRO(3) FP4_MICRO(4) FP4_MICRO(5) FP4_MICRO(6)
+#undef FP4_MICRO
+static const fp4_micro_fn fp4_micros[GM_MT + 1] = {NULL, fp4_micro1, fp4_micro2, fp4_micro3, fp4_micro4,
+                                                   fp4_micro5, fp4_micro6};
 
 static void gemm_fp4_avx2(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy,
                           int64_t r0, int64_t r1) {
@@ -359,9 +399,14 @@ static void gemm_fp4_avx2(const cpumla_weight *w, const float *x, int64_t ldx, i
                 const int nr = r1 - r < GM_NR ? (int)(r1 - r) : GM_NR;
                 fp4_pack(w, r, nr, k0, kc);
                 float *yr = y + t0 * ldy + (r - r0);
-                for (int64_t t = 0; t < nt; t += GM_MT)
-                    fp4_micro(nt - t < GM_MT ? (int)(nt - t) : GM_MT, gm_pack, fp_wd, kc / 32, codes + t * GM_KC,
-                              xd + t * FP_NB, yr + t * ldy, ldy, nr, k0 == 0);
+                /* the fewest tiles of at most GM_MT tokens, as even as they come (8 tokens: 4 + 4) */
+                const int64_t tiles = (nt + GM_MT - 1) / GM_MT;
+                for (int64_t i = 0, t = 0; i < tiles; i++) {
+                    const int64_t m = (nt - t) / (tiles - i);
+                    fp4_micros[m](gm_pack, fp_wd, kc / 32, codes + t * GM_KC, xd + t * FP_NB, yr + t * ldy, ldy, nr,
+                                  k0 == 0);
+                    t += m;
+                }
             }
         }
     }

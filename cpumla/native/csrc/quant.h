@@ -147,10 +147,10 @@ static inline int8_t q_hi(int32_t q) { return (int8_t)((q - q_lo(q)) / 256); }
 #define E2M1_WHO(isa) isa " (scalar when cols % 32 != 0 or blocks not 1x32 E8M0)"
 
 /* the fewest tokens of an E2M1 gemm that a level's gemm_fp4 (kernels.h) takes, measured on Zen 5 at
- * one thread: avx2's integer tiles run at ~73 GFLOP/s whatever the token count, its FMA gemm at 79
- * from 16 tokens (104 at 128); avx512f's tiles at 180 against 170 at 32 tokens and 181 against 191 at
- * 64 (203 at 128) */
-#define FP4_FMA_MIN_AVX2 16
+ * one thread: avx2's integer tiles run at 71-76 GFLOP/s whatever the token count, its FMA gemm at
+ * 72-76 with 10 tokens, 79-82 with 12 (114 at 128); avx512f's tiles at 180 against 170 at 32 tokens
+ * and 181 against 191 at 64 (203 at 128) */
+#define FP4_FMA_MIN_AVX2 12
 #define FP4_FMA_MIN_AVX512F 48
 #define FP4_STR_(v) #v
 #define FP4_STR(v) FP4_STR_(v)
