@@ -147,7 +147,7 @@ UPPER = {("gemv", "bf16"), ("gemv", "e4m3"), ("gemm", "bf16"), ("gemm", "e4m3"),
 
 
 FP4_HANDBACK = " (scalar when cols % 32 != 0 or blocks not 1x32 E8M0)"
-FP4_FMA_GEMM = {"avx2": 12, "avx512f": 48}     # the levels whose E2M1 gemm has an fp32-FMA form, from n tokens
+FP4_FMA_GEMM = {"avx2": 12, "avx512f": 40}     # the levels whose E2M1 gemm has an fp32-FMA form, from n tokens
 
 
 def expected_owner(isa, kernel, fmt):

@@ -16,6 +16,7 @@
 #include "kernels.h"
 #include "avx2_common.h"
 #include "quant.h"
+#include "x86_bytes.h"
 
 /* The entry this one replaced (the scalar spec): for degenerate E4M3 block shapes only. The activation
  * operands of BF16 / E4M3 weights go to the thread's CPUMLA_SCRATCH_AVX2_XR buffer; without it the
@@ -247,29 +248,6 @@ static void gemm_avx2(const cpumla_weight *w, const float *x, int64_t ldx, int64
  * operands: the codes [t][GM_KC] and xd [t][FP_NB] of a token and K chunk. */
 #define FP_NB (GM_KC / 32)    /* blocks per K chunk */
 static __thread float fp_wd[FP_NB * GM_NR] ALIGN64;   /* [b][16] */
-
-/* o[k] = byte k of r[0], ..., r[15] (a 16 x 16 byte transpose in four unpack stages) */
-INLINE void tr16x16_bytes(const __m128i r[16], __m128i o[16]) {
-    __m128i a[16], bq[4][4], c[8][2];
-    for (int p = 0; p < 8; p++) {           /* a[8h + p]: words (row 2p, row 2p + 1) of bytes 8h .. 8h + 7 */
-        a[p] = _mm_unpacklo_epi8(r[2 * p], r[2 * p + 1]);
-        a[8 + p] = _mm_unpackhi_epi8(r[2 * p], r[2 * p + 1]);
-    }
-    for (int h = 0; h < 2; h++)             /* bq[kq][q]: dwords rows 4q .. 4q + 3 of bytes 4kq .. 4kq + 3 */
-        for (int q = 0; q < 4; q++) {
-            bq[2 * h][q] = _mm_unpacklo_epi16(a[8 * h + 2 * q], a[8 * h + 2 * q + 1]);
-            bq[2 * h + 1][q] = _mm_unpackhi_epi16(a[8 * h + 2 * q], a[8 * h + 2 * q + 1]);
-        }
-    for (int kq = 0; kq < 4; kq++)          /* c[kp][s]: qwords rows 8s .. 8s + 7 of bytes 2kp, 2kp + 1 */
-        for (int s = 0; s < 2; s++) {
-            c[2 * kq][s] = _mm_unpacklo_epi32(bq[kq][2 * s], bq[kq][2 * s + 1]);
-            c[2 * kq + 1][s] = _mm_unpackhi_epi32(bq[kq][2 * s], bq[kq][2 * s + 1]);
-        }
-    for (int kp = 0; kp < 8; kp++) {
-        o[2 * kp] = _mm_unpacklo_epi64(c[kp][0], c[kp][1]);
-        o[2 * kp + 1] = _mm_unpackhi_epi64(c[kp][0], c[kp][1]);
-    }
-}
 
 /* w2 of 16 rows (int8, one per byte) as fp32 into the panel's row k: lanes 0-7 and 8-15 */
 INLINE void w2_store16(__m128i v, float *out) {

@@ -22,6 +22,7 @@
 #include "kernels.h"
 #include "avx512_common.h"
 #include "quant.h"
+#include "x86_bytes.h"
 
 #define G_MR 32     /* weight rows per panel: two zmm */
 #define G_MT 14     /* tokens per microkernel: 28 accumulators + 2 weight registers + a broadcast */
@@ -357,36 +358,33 @@ static void gemm_avx512f(const cpumla_weight *w, const float *x, int64_t ldx, in
 #define F_NB (G_KC / 32)    /* blocks per K chunk */
 static __thread float f_wd[F_NB * G_MR] __attribute__((aligned(64)));
 
-/* the 32 w2 of one block (16 code bytes) as fp32: columns 0-15 and 16-31 */
-INLINE void e2m1_w2x32(const uint8_t *p, __m512 *c0, __m512 *c1) {
-    const __m128i tab = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    const __m128i m4 = _mm_set1_epi8(15), v = _mm_loadu_si128((const __m128i *)p);
-    const __m128i lo = _mm_shuffle_epi8(tab, _mm_and_si128(v, m4));
-    const __m128i hi = _mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(v, 4), m4));
-    *c0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(lo, hi)));
-    *c1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(lo, hi)));
-}
-
 /* rows [r, r + nr) (zero rows past nr), columns [k0, k0 + kc) (kc a multiple of 32): w2 into g_pack
- * [k][32], wd into f_wd */
+ * [k][32], wd into f_wd. Each block's 16 x 16 code bytes (per half panel) are transposed first, so
+ * that one byte vector holds a column pair of 16 rows (low nibbles column 2k, high nibbles 2k + 1). */
 static void fp4_pack(const cpumla_weight *w, int64_t r, int nr, int64_t k0, int64_t kc) {
+    const __m128i tab = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i m4 = _mm_set1_epi8(15);
     const int64_t b0 = k0 / 32;
     for (int h = 0; h < G_MR; h += 16)
         for (int64_t b = 0; b < kc / 32; b++) {
-            __m512 v0[16], v1[16], o[16];
+            __m128i v[16], o[16];
             for (int i = 0; i < 16; i++) {
                 if (h + i < nr) {
-                    e2m1_w2x32(weight_row(w, r + h + i) + (b0 + b) * 16, &v0[i], &v1[i]);
+                    v[i] = _mm_loadu_si128((const __m128i *)(weight_row(w, r + h + i) + (b0 + b) * 16));
                     f_wd[b * G_MR + h + i] = e8m0_half(((const uint8_t *)q_scale_row(w, r + h + i))[b0 + b]);
                 } else {
-                    v0[i] = v1[i] = _mm512_setzero_ps();
+                    v[i] = _mm_setzero_si128();           /* code 0: w2 = 0 */
                     f_wd[b * G_MR + h + i] = 0.0f;
                 }
             }
-            tr16(v0, o);
-            UNROLL for (int j = 0; j < 16; j++) _mm512_store_ps(g_pack + (32 * b + j) * G_MR + h, o[j]);
-            tr16(v1, o);
-            UNROLL for (int j = 0; j < 16; j++) _mm512_store_ps(g_pack + (32 * b + 16 + j) * G_MR + h, o[j]);
+            tr16x16_bytes(v, o);
+            float *out = g_pack + 32 * b * G_MR + h;
+            UNROLL for (int k = 0; k < 16; k++) {
+                const __m128i lo = _mm_shuffle_epi8(tab, _mm_and_si128(o[k], m4));
+                const __m128i hi = _mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(o[k], 4), m4));
+                _mm512_store_ps(out + (2 * k) * G_MR, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
+                _mm512_store_ps(out + (2 * k + 1) * G_MR, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)));
+            }
         }
 }
 
@@ -484,10 +482,14 @@ static void gemm_fp4_avx512f(const cpumla_weight *w, const float *x, int64_t ldx
                 for (int64_t p = rs; p < re; p += G_MR) {
                     const int nr = (int)min64(G_MR, re - p);
                     fp4_pack(w, p, nr, k0, kc);
-                    for (int64_t t = 0; t < nt; t += G_MT)
-                        micros_fp4[min64(G_MT, nt - t)](g_pack, f_wd, kc / 32, codes + t * G_KC, xd + t * F_NB,
-                                                        y + (t0 + t) * ldy + (p - r0), ldy, tail16(nr),
-                                                        tail16(nr - 16), k0 == 0);
+                    /* the fewest tiles of at most G_MT tokens, as even as they come (16 tokens: 8 + 8) */
+                    const int64_t tiles = (nt + G_MT - 1) / G_MT;
+                    for (int64_t i = 0, t = 0; i < tiles; i++) {
+                        const int64_t m = (nt - t) / (tiles - i);
+                        micros_fp4[m](g_pack, f_wd, kc / 32, codes + t * G_KC, xd + t * F_NB,
+                                      y + (t0 + t) * ldy + (p - r0), ldy, tail16(nr), tail16(nr - 16), k0 == 0);
+                        t += m;
+                    }
                 }
             }
         }

@@ -148,10 +148,10 @@ static inline int8_t q_hi(int32_t q) { return (int8_t)((q - q_lo(q)) / 256); }
 
 /* the fewest tokens of an E2M1 gemm that a level's gemm_fp4 (kernels.h) takes, measured on Zen 5 at
  * one thread: avx2's integer tiles run at 71-76 GFLOP/s whatever the token count, its FMA gemm at
- * 72-76 with 10 tokens, 79-82 with 12 (114 at 128); avx512f's tiles at 180 against 170 at 32 tokens
- * and 181 against 191 at 64 (203 at 128) */
+ * 72-76 with 10 tokens, 79-82 with 12 (114 at 128); avx512f's tiles at 180-185 from 24 to 64 tokens,
+ * its FMA gemm at 176-179 with 32 tokens, 183-187 with 40, 194-201 with 48 (203-221 at 128) */
 #define FP4_FMA_MIN_AVX2 12
-#define FP4_FMA_MIN_AVX512F 48
+#define FP4_FMA_MIN_AVX512F 40
 #define FP4_STR_(v) #v
 #define FP4_STR(v) FP4_STR_(v)
 /* who_fmt of gemm for E2M1 on a level with gemm_fp4 */
