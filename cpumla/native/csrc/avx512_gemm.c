@@ -148,17 +148,18 @@ INLINE int pack_e4m3_16x64(const cpumla_weight *w, int64_t r, int64_t c, uint16_
 }
 
 /* rows r..r+15 (zero rows from nr on), columns [c, c + 16) (zero columns past c1) through dq16: into
- * the fp32 panel, or (out16) the fp16 one (E4M3: value * 2^-8 is exact in fp16, NaN stays NaN) */
-INLINE void pack_16x16(const cpumla_weight *w, int64_t r, int nr, int64_t c, int64_t c1, float *out, uint16_t *out16) {
+ * the fp32 panel at out, or (half) the fp16 one (E4M3: value * 2^-8 is exact in fp16, NaN stays NaN) */
+INLINE void pack_16x16(const cpumla_weight *w, int64_t r, int nr, int64_t c, int64_t c1, void *out, int half) {
     __m512 v[16], o[16];
     const int32_t dt = w->dtype;
     for (int i = 0; i < 16; i++) v[i] = i < nr ? panel_cols(w, dt, r + i, c, c1 - c) : _mm512_setzero_ps();
     tr16(v, o);
     UNROLL for (int j = 0; j < 16; j++) {
-        if (out16)
-            _mm256_store_si256((__m256i *)(out16 + j * G_MR), _mm512_cvtps_ph(o[j], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        if (half)
+            _mm256_store_si256((__m256i *)((uint16_t *)out + j * G_MR),
+                               _mm512_cvtps_ph(o[j], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         else
-            _mm512_store_ps(out + j * G_MR, o[j]);
+            _mm512_store_ps((float *)out + j * G_MR, o[j]);
     }
 }
 
@@ -177,9 +178,10 @@ static void pack_panel(const cpumla_weight *w, int64_t r, int nr, int64_t k0, in
             for (; k + 64 <= kc; k += 64)
                 if (!pack_e4m3_16x64(w, r + h, k0 + k, p16 + k * G_MR + h))
                     for (int64_t j = k; j < k + 64; j += 16)
-                        pack_16x16(w, r + h, 16, k0 + j, k0 + kc, NULL, p16 + j * G_MR + h);
+                        pack_16x16(w, r + h, 16, k0 + j, k0 + kc, p16 + j * G_MR + h, 1);
         for (; k < kc; k += 16)
-            pack_16x16(w, r + h, hr, k0 + k, k0 + kc, g_pack + k * G_MR + h, p16 ? p16 + k * G_MR + h : NULL);
+            pack_16x16(w, r + h, hr, k0 + k, k0 + kc,
+                       p16 ? (void *)(p16 + k * G_MR + h) : (void *)(g_pack + k * G_MR + h), p16 != NULL);
     }
 }
 
