@@ -122,7 +122,8 @@ static inline void q_block(const cpumla_weight *w, int64_t r, int64_t b, int8_t 
 static inline float qact_max(int32_t wdtype) { return wdtype == CPUMLA_E2M1 ? QACT_MAX16 : QACT_MAX8; }
 
 /* Activation blocks whose largest magnitude is below this quantize to zero (kernels.h): qmax / amax
- * would overflow fp32 below ~2^-113, and xd = amax / qmax be subnormal below ~2^-111. Written as
+ * would overflow fp32 below ~2^-121 (qmax 127) or ~2^-113 (32512), and xd = amax / qmax be subnormal
+ * below ~2^-119 or ~2^-111. Written as
  * id = amax >= QACT_TINY ? qmax / amax : 0, xd = amax < QACT_TINY ? 0 : amax / qmax, so that a NaN
  * amax still gives a NaN xd. */
 #define QACT_TINY 0x1p-100f
