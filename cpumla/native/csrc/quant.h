@@ -145,7 +145,8 @@ static inline int8_t q_lo(int32_t q) { return (int8_t)(uint8_t)(q & 0xff); }
 static inline int8_t q_hi(int32_t q) { return (int8_t)((q - q_lo(q)) / 256); }
 
 /* who_fmt of gemv / gemm for E2M1: the integer kernel's file, and where the other layouts go */
-#define E2M1_WHO(isa) isa " (scalar when cols % 32 != 0 or blocks not 1x32 E8M0)"
+#define E2M1_HANDBACK "scalar when cols % 32 != 0 or blocks not 1x32 E8M0"
+#define E2M1_WHO(isa) isa " (" E2M1_HANDBACK ")"
 
 /* the fewest tokens of an E2M1 gemm that a level's gemm_fp4 (kernels.h) takes, measured on Zen 5 at
  * one thread: avx2's integer tiles run at 71-76 GFLOP/s whatever the token count, its FMA gemm at
@@ -156,7 +157,7 @@ static inline int8_t q_hi(int32_t q) { return (int8_t)((q - q_lo(q)) / 256); }
 #define FP4_STR_(v) #v
 #define FP4_STR(v) FP4_STR_(v)
 /* who_fmt of gemm for E2M1 on a level with gemm_fp4 */
-#define E2M1_GEMM_WHO(isa, min) isa " (fp32 FMAs from " FP4_STR(min) " tokens; scalar when cols % 32 != 0 or blocks not 1x32 E8M0)"
+#define E2M1_GEMM_WHO(isa, min) isa " (fp32 FMAs from " FP4_STR(min) " tokens; " E2M1_HANDBACK ")"
 
 /* Implementations' q fills (quant.c calls them by name) */
 void cpumla_fill_scalar_q(cpumla_kernels *k);
