@@ -52,7 +52,7 @@ def test_info_honours_cpumla_isa(isa):
         assert p.returncode == 0, p.stderr
         d = json.loads(p.stdout)
         assert d["implementation"] == isa
-        assert d["kernels"]["gemv"] == (isa if isa != "amx" else "avx512")
+        assert d["kernels"]["gemv"] == {"amx": "avx512", "avxvnni": "avx2", "avx512vnni": "avx512f"}.get(isa, isa)
         if isa == "scalar":
             assert all(v in ("scalar", "portable") for v in d["kernels"].values())
     else:
@@ -63,8 +63,10 @@ def test_info_honours_cpumla_isa(isa):
     ("scalar", "gemv", "e2m1", "scalar"), ("avx2", "gemv", "e4m3", "avx2"), ("avx2", "head_gemv_t", "bf16", "avx2"),
     ("avx512f", "gemv", "bf16", "avx512f"), ("avx512f", "gemm", "e4m3", "avx512f"),
     ("avx512", "gemm", "bf16", "avx512"), ("avx512", "gemv", "e4m3", "avx512"),
-    ("avx512", "gemv", "e2m1", "avx512 (scalar when cols % 32 != 0 or blocks not 1x32 E8M0)"),
-    ("avx512", "dequant", "bf16", "avx512f")])
+    ("avx512", "gemv", "e2m1", "avx512vnni (scalar when cols % 32 != 0 or blocks not 1x32 E8M0)"),
+    ("avx512vnni", "gemm", "q8", "avx512vnni"), ("avx512vnni", "gemv", "e4m3", "avx512f"),
+    ("avx512", "dequant", "bf16", "avx512f"), ("avxvnni", "gemm", "q4", "avxvnni"), ("avxvnni", "gemv", "bf16", "avx2"),
+    ("avxvnni", "gemm", "e2m1", "avxvnni (scalar when cols % 32 != 0 or blocks not 1x32 E8M0)")])
 def test_info_reports_owner_per_format(isa, kernel, fmt, owner):
     """`cpumla info --json` has a kernel x format table naming what really serves each format."""
     if isa not in native.available_isas():

@@ -97,7 +97,7 @@ def test_scratch_failure_is_an_error(isa, monkeypatch):
     x = rng.standard_normal((8, 256)).astype(np.float32)
     args, want_attn, _ = _attention_case(rng, 1, 4, 32, 32, 40)
     monkeypatch.setenv("CPUMLA_SCRATCH_LIMIT", "16")
-    if isa in ("avx2", "avx512f", "avx512", "amx"):
+    if isa in ("avx2", "avxvnni", "avx512f", "avx512vnni", "avx512", "amx"):
         with pytest.raises(CpumlaError, match="CPUMLA_SCRATCH_LIMIT"):
             native.gemm(w, x)
         with pytest.raises(CpumlaError, match="CPUMLA_SCRATCH_LIMIT"):
@@ -158,7 +158,7 @@ def expected_owner(isa, kernel, fmt):
             return None                      # "neon" or "neon (sdot)", with the hand-back
         if kernel in ("gemm", "head_gemv") and isa in FP4_FMA_GEMM:     # avx2_gemm.c / avx512_gemm.c: gemm_fp4
             return f"{isa} (fp32 FMAs from {FP4_FMA_GEMM[isa]} tokens; " + FP4_HANDBACK[2:]
-        return ("avx512" if isa == "amx" else isa) + FP4_HANDBACK     # avx512f: avx512f_qi.c
+        return ("avx512vnni" if isa in ("avx512", "amx") else isa) + FP4_HANDBACK     # avx512f: avx512f_qi.c
     if fmt in native.QUANT_FORMATS:          # quant.c's q entries (test_quant.py checks them by name)
         if kernel == "dequant" or isa == "scalar":
             return "scalar"
@@ -166,11 +166,15 @@ def expected_owner(isa, kernel, fmt):
             return None if kernel != "head_gemv_t" else "scalar"
         if kernel == "head_gemv_t" or isa in ("avx2", "avx512f"):
             return "avx2"                    # avx512f has no q kernels of its own: avx2's serve
-        return "avx512"                      # vpdpbusd (VNNI): avx512 and amx
+        if isa == "avxvnni":
+            return "avxvnni"                 # avx2_q.c with vpdpbusd on ymm
+        return "avx512vnni"                  # avx512_q.c, vpdpbusd on zmm: avx512vnni, avx512 and amx
     if isa in ("scalar", "neon", "avx512f"):
         return isa
-    if isa == "avx2":
-        return "avx2"
+    if isa == "avx512vnni":
+        return "avx512f"                     # avx512vnni has the integer products alone
+    if isa in ("avx2", "avxvnni"):
+        return "avx2"                        # avxvnni has the integer products alone
     if isa in ("avx512", "amx"):
         if isa == "amx" and kernel in ("gemm", "head_gemv") and fmt == "bf16":
             return None
@@ -184,6 +188,8 @@ def expected_entry(isa, kernel):
         return "amx" if kernel == "gemm" else expected_entry("avx512", kernel)
     if isa == "avx512":
         return "avx512f" if kernel == "dequant" else "avx512"
+    if isa in ("avxvnni", "avx512vnni"):     # they fill the integer products alone
+        return {"avxvnni": "avx2", "avx512vnni": "avx512f"}[isa]
     return isa
 
 

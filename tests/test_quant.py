@@ -167,7 +167,8 @@ def test_weight_checks():
 
 def test_owners_name_the_q_files():
     """who_fmt for q8 / q4: the file whose q kernels really run (cpumla_kernel_impl)."""
-    best = {"avx512": "avx512", "amx": "avx512", "avx512f": "avx2", "avx2": "avx2", "scalar": "scalar"}  # avx512f: no VNNI
+    best = {"avx512": "avx512vnni", "amx": "avx512vnni", "avx512vnni": "avx512vnni", "avx512f": "avx2",
+            "avxvnni": "avxvnni", "avx2": "avx2", "scalar": "scalar"}  # avx512f: no VNNI
     for isa in native.available_isas():
         native.init(isa)
         for fmt in ("q8", "q4"):

@@ -135,12 +135,19 @@ F_LEVEL = X86 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "os_avx512")
 @pytest.mark.parametrize("feats,want", [
     ((), "scalar"),
     (X86, "avx2"),
+    (X86 + ("avxvnni",), "avxvnni"),                                              # Alder Lake, Sierra Forest
+    (X86[:-1] + ("avxvnni",), "scalar"),                                          # the OS does not save ymm
+    (X86 + ("avxvnni", "avx512f", "avx512bw", "avx512vl", "avx512dq"), "avxvnni"),  # no zmm state
     (X86 + ("avx512f", "avx512bw", "avx512vl", "avx512dq"), "avx2"),            # the OS does not save zmm
     (F_LEVEL[:-2] + ("os_avx512",), "avx2"),                                      # no AVX512DQ
     (F_LEVEL, "avx512f"),                                                          # Skylake-SP, Cascade Lake
-    (F_LEVEL + ("avx512vnni", "avx512vbmi"), "avx512f"),                          # Ice Lake: no BF16
-    (F_LEVEL + ("avx512bf16", "avx512vnni"), "avx512f"),                          # Cooper Lake: no VBMI
+    (F_LEVEL + ("avx512vnni", "avx512vbmi"), "avx512vnni"),                       # Ice Lake: no BF16
+    (F_LEVEL + ("avx512bf16", "avx512vnni"), "avx512vnni"),                       # Cooper Lake: no VBMI
+    (F_LEVEL + ("avx512bf16", "avx512vbmi"), "avx512f"),                          # no VNNI
+    (F_LEVEL[:-1] + ("avx512vnni",), "avx2"),                                     # no zmm state
     (F_LEVEL + ("avx512bf16", "avx512vnni", "avx512vbmi"), "avx512"),            # Zen 4
+    (F_LEVEL + ("avx512bf16", "avx512vnni", "avx512vbmi", "avxvnni"), "avx512"),  # Zen 5, Sapphire Rapids
+    (F_LEVEL + ("avxvnni",), "avx512f"),
     (F_LEVEL + ("avx512bf16", "avx512vnni", "avx512vbmi", "amx_tile", "amx_bf16", "amx_int8"), "avx512"),
     (F_LEVEL + ("avx512bf16", "avx512vnni", "avx512vbmi", "amx_tile", "amx_bf16", "amx_int8", "os_amx"), "amx"),
 ])

@@ -3,7 +3,7 @@ wrappers of each kernel for tests, benchmarks and load-time work. The runtime's 
 `lib` directly with preallocated buffers.
 
 The implementation is chosen on first use: the best this CPU and OS run, or the one named by the
-environment variable CPUMLA_ISA (scalar, avx2, avx512f, avx512, amx, neon). Asking for one that is not there is
+environment variable CPUMLA_ISA (scalar, avx2, avxvnni, avx512f, avx512vnni, avx512, amx, neon). Asking for one that is not there is
 a CpumlaError, never a crash.
 """
 
@@ -24,7 +24,7 @@ except ImportError as e:  # pragma: no cover - only without a build
         f"cpumla's kernel library is not built ({e}); install with `pip install .` or `make`"
     ) from None
 
-ISAS = ("scalar", "avx2", "avx512f", "avx512", "amx", "neon")
+ISAS = ("scalar", "avx2", "avxvnni", "avx512f", "avx512vnni", "avx512", "amx", "neon")
 KERNELS = tuple(ffi.string(lib.cpumla_kernel_names()).decode().split())
 DTYPES = {"f32": lib.CPUMLA_F32, "bf16": lib.CPUMLA_BF16, "f16": lib.CPUMLA_F16,
           "e4m3": lib.CPUMLA_E4M3, "e2m1": lib.CPUMLA_E2M1, "q8": lib.CPUMLA_Q8, "q4": lib.CPUMLA_Q4}

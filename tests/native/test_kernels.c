@@ -20,16 +20,13 @@ static void group_end(const char *group, const char *who) {
 
 #define SENT 12345.0f
 
-/* ---- the implementations, in layering order ------------------------------------------------- */
-typedef struct { const char *name; void (*fill)(cpumla_kernels *); } impl_t;
+/* ---- the implementations, least preferred first (dispatch.c's list) --------------------------- */
 #if defined(__x86_64__)
-static const impl_t impls[] = {{"scalar", cpumla_fill_scalar}, {"avx2", cpumla_fill_avx2},
-                               {"avx512f", cpumla_fill_avx512f}, {"avx512", cpumla_fill_avx512},
-                               {"amx", cpumla_fill_amx}};
+static const char *impls[] = {"scalar", "avx2", "avxvnni", "avx512f", "avx512vnni", "avx512", "amx"};
 #elif defined(__aarch64__)
-static const impl_t impls[] = {{"scalar", cpumla_fill_scalar}, {"neon", cpumla_fill_neon}};
+static const char *impls[] = {"scalar", "neon"};
 #else
-static const impl_t impls[] = {{"scalar", cpumla_fill_scalar}};
+static const char *impls[] = {"scalar"};
 #endif
 #define N_IMPLS ((int)(sizeof impls / sizeof impls[0]))
 
@@ -567,21 +564,13 @@ int main(int argc, char **argv) {
     if (getenv("CPUMLA_TEST_TIMEOUT")) watch_seconds = atoi(getenv("CPUMLA_TEST_TIMEOUT"));
     printf("cpu: %s\nbuilt: %s\n%s\n", cpumla_cpu_name(), cpumla_isa_list(), cpumla_build_info());
     for (int i = 0; i < N_IMPLS; i++) {
-        /* every layer up to this one must run here */
-        int ok = 1;
-        const char *missing = NULL;
-        for (int j = 0; j <= i; j++)
-            if (!cpumla_isa_available(impls[j].name)) { ok = 0; missing = impls[j].name; break; }
-        if (!ok) {
-            if (!strcmp(missing, impls[i].name)) printf("%s: skipped (CPU or OS lacks it)\n", impls[i].name);
-            else printf("%s: skipped (CPU or OS lacks it, and %s below it)\n", impls[i].name, missing);
+        if (!cpumla_isa_available(impls[i])) {    /* it, or a level it builds on, does not run here */
+            printf("%s: skipped (CPU or OS lacks %s)\n", impls[i], cpumla_isa_missing(impls[i]));
             continue;
         }
         cpumla_kernels k;
-        memset(&k, 0, sizeof k);
-        for (int j = 0; j <= i; j++) impls[j].fill(&k);
-        for (int j = 0; j <= i; j++) cpumla_fill_quant(&k, impls[j].name);     /* as dispatch.c does */
-        test_table(impls[i].name, &k);
+        check(cpumla_fill_level(&k, impls[i]) == 0, "cpumla_fill_level(\"%s\") failed", impls[i]);
+        test_table(impls[i], &k);
     }
     test_api(expect_isa);
     test_values();

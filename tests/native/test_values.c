@@ -68,7 +68,7 @@ void test_daz_ftz(const cpumla_kernels *k) {
 
 /* ---- operands and the dispatch rule ---------------------------------------------------------- */
 #if defined(__x86_64__)
-static const char *chain[] = {"scalar", "avx2", "avx512f", "avx512", "amx"};
+static const char *chain[] = {"scalar", "avx2", "avxvnni", "avx512f", "avx512vnni", "avx512", "amx"};
 #elif defined(__aarch64__)
 static const char *chain[] = {"scalar", "neon"};
 #else
@@ -80,7 +80,8 @@ void test_values(void) {
     cur_isa = "values";
     int p0 = n_pass, f0 = n_fail;
 #if defined(__x86_64__)
-    {   /* the dispatch rule over feature bits: each level needs everything below it */
+    {   /* the dispatch rule over feature bits: each level needs everything its chain needs; avxvnni
+         * builds on avx2 beside avx512f, which is preferred to it */
         const uint64_t v2 = CPUMLA_FEAT_AVX | CPUMLA_FEAT_AVX2 | CPUMLA_FEAT_FMA | CPUMLA_FEAT_F16C | CPUMLA_FEAT_OS_AVX;
         const uint64_t f = v2 | CPUMLA_FEAT_AVX512F | CPUMLA_FEAT_AVX512BW | CPUMLA_FEAT_AVX512VL |
                            CPUMLA_FEAT_AVX512DQ | CPUMLA_FEAT_OS_AVX512;
@@ -88,8 +89,12 @@ void test_values(void) {
         const uint64_t amx = CPUMLA_FEAT_AMX_TILE | CPUMLA_FEAT_AMX_BF16 | CPUMLA_FEAT_AMX_INT8 | CPUMLA_FEAT_OS_AMX;
         const struct { uint64_t f; const char *want; } rule[] = {
             {0, "scalar"}, {v2, "avx2"}, {f & ~CPUMLA_FEAT_OS_AVX512, "avx2"}, {f & ~CPUMLA_FEAT_AVX512DQ, "avx2"},
-            {f, "avx512f"}, {f | CPUMLA_FEAT_AVX512VNNI | CPUMLA_FEAT_AVX512VBMI, "avx512f"},
-            {f | CPUMLA_FEAT_AVX512BF16 | CPUMLA_FEAT_AVX512VNNI, "avx512f"}, {f | up, "avx512"},
+            {v2 | CPUMLA_FEAT_AVXVNNI, "avxvnni"}, {(v2 & ~CPUMLA_FEAT_OS_AVX) | CPUMLA_FEAT_AVXVNNI, "scalar"},
+            {(f & ~CPUMLA_FEAT_OS_AVX512) | CPUMLA_FEAT_AVXVNNI, "avxvnni"}, {f | CPUMLA_FEAT_AVXVNNI, "avx512f"},
+            {f | up | CPUMLA_FEAT_AVXVNNI, "avx512"},
+            {f, "avx512f"}, {f | CPUMLA_FEAT_AVX512VNNI | CPUMLA_FEAT_AVX512VBMI, "avx512vnni"},
+            {f | CPUMLA_FEAT_AVX512BF16 | CPUMLA_FEAT_AVX512VNNI, "avx512vnni"}, {f | CPUMLA_FEAT_AVX512BF16, "avx512f"},
+            {(f & ~CPUMLA_FEAT_OS_AVX512) | up, "avx2"}, {f | up, "avx512"},
             {f | up | (amx & ~CPUMLA_FEAT_OS_AMX), "avx512"}, {f | up | amx, "amx"},
         };
         for (size_t i = 0; i < sizeof rule / sizeof rule[0]; i++)

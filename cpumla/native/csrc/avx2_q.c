@@ -11,7 +11,13 @@
  * the rest, and the correction is -12 times the code sum; the E8M0 scales become 2^(e - 128) with
  * integer operations.
  * The fp32 work runs once per 8 blocks. gemv reads the rows in order, one at a time (one stream,
- * prefetched ahead); gemm runs tiles of up to 4 rows x 2 tokens sharing each unpacked block. */
+ * prefetched ahead); gemm runs tiles of up to 4 rows x 2 tokens sharing each unpacked block.
+ * avxvnni_q.c compiles this file again with AVX-VNNI (__AVXVNNI__): there vpdpbusd (4 u8 x s8 products
+ * into each int32 lane, accumulating) replaces vpmaddubsw, vphaddw and vpmaddwd in the block sums, with
+ * the same inputs and the same exact sums: Q8 takes w + 128 (its sign bit flipped) as the unsigned
+ * operand and subtracts 128 times the code sum, E2M1 shifts the high bytes' sums left by 8 before the
+ * low bytes' products add in. Only that file's gemm_q is used: quant_x, gemv_t and quantize_row are
+ * compiled here alone. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -30,6 +36,7 @@
  * in the tile's rows (their full conversion), F_FP4 with none */
 enum { F_Q8, F_Q4, F_FP4, F_FP4X };
 
+#if !defined(__AVXVNNI__)     /* avx2's alone (the header) */
 /* the 32 signed codes of block b of a row (Q8 / Q4) */
 INLINE __m256i ld_block(const uint8_t *row, int64_t b, int q4) {
     if (!q4) return _mm256_loadu_si256((const __m256i *)(row + 32 * b));
@@ -96,6 +103,8 @@ static void quant_x_avx2(int32_t wdtype, const float *x, int64_t K, void *qx) {
     if (!q4) memset(q + K, 0, (size_t)(kp - K));
 }
 
+#endif
+
 /* acc += (float)isum * (wd * xd) for 8 blocks, each product rounded (kernels.h) */
 INLINE __m256 step_acc(__m256 acc, __m256i isum, __m256 wd, const float *xd) {
     __m256 f = _mm256_mul_ps(wd, _mm256_loadu_ps(xd));
@@ -142,18 +151,45 @@ INLINE void pair_sums(const __m256i lo[4], const __m256i hi[4], const uint8_t *x
  * activation codes (E2M1: their high bytes, the low at xl) */
 INLINE __m256i step_sums(const __m256i lo[4], const __m256i hi[4], int fmt, const uint8_t *xg, const uint8_t *xl,
                          const int32_t *corr) {
-    if (fmt == F_Q8) {            /* |w| times x with w's sign: pair sums fit int16, vpmaddwd makes them int32 */
-        const __m256i ones = _mm256_set1_epi16(1);
+    if (fmt == F_Q8) {
         __m256i p[8];
         for (int j = 0; j < 8; j++) {
             const __m256i w = (j < 4 ? lo : hi)[j & 3], x = _mm256_loadu_si256((const __m256i *)(xg + 32 * j));
-            p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
+#if defined(__AVXVNNI__)          /* (w + 128) . x = w . x + 128 * (the code sum, corr) */
+            p[j] = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)), x);
+#else                             /* |w| times x with w's sign: pair sums fit int16, vpmaddwd makes them int32 */
+            p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)),
+                                     _mm256_set1_epi16(1));
+#endif
         }
         /* per 128-bit half: [b0 b1 b2 b3] and [b4 .. b7] after two levels; the halves then add up */
         const __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
         const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
-        return _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
+        const __m256i h = _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
+#if defined(__AVXVNNI__)
+        return _mm256_sub_epi32(h, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)corr), 7));
+#else
+        return h;
+#endif
     }
+#if defined(__AVXVNNI__)
+    /* Q4: nibble . x per 4 columns; E2M1: (w2 + 12) . high bytes, shifted left by 8, then + (w2 + 12) .
+     * low bytes. Lanes 0-3 / 4-7 of p[v] belong to blocks 2v / 2v + 1: two vphaddd levels leave blocks
+     * 0 2 4 6 | 1 3 5 7 */
+    __m256i p[4];
+    for (int v = 0; v < 4; v++) {
+        const __m256i *xv = (const __m256i *)(xg + 64 * v);
+        p[v] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo[v], _mm256_loadu_si256(xv)),
+                                       hi[v], _mm256_loadu_si256(xv + 1));
+        if (fmt != F_Q4) {
+            const __m256i *lv = (const __m256i *)(xl + 64 * v);
+            p[v] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_slli_epi32(p[v], 8), lo[v], _mm256_loadu_si256(lv)),
+                                           hi[v], _mm256_loadu_si256(lv + 1));
+        }
+    }
+    __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    if (fmt == F_Q4) h = _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+#else
     /* Q4: int16 lanes of (nibble * x) pairs, |.| <= 7620; two vphaddw levels stay below 2^15. E2M1:
      * (w2 + 12) * x pairs per half, |.| <= 12288 (x >= -128); one vphaddw level (24576), then vpmaddwd
      * by 256 (high bytes) and 1 (low bytes), vpaddd, vphaddd */
@@ -174,6 +210,7 @@ INLINE __m256i step_sums(const __m256i lo[4], const __m256i hi[4], int fmt, cons
                                              _mm256_madd_epi16(_mm256_hadd_epi16(pl[2], pl[3]), ones));
         h = _mm256_hadd_epi32(g01, g23);    /* blocks 0 2 4 6 | 1 3 5 7: its xd, int32 and scales follow */
     }
+#endif
     return _mm256_add_epi32(h, _mm256_loadu_si256((const __m256i *)corr));
 }
 
@@ -253,8 +290,22 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
         for (int i = 0; i < R; i++) y[t * ldy + i] = hsum8(acc[i][t]);
 }
 
+#if defined(__AVXVNNI__)
+#define QDRIVER_GEMM gemm_q_avxvnni
+#else
 #define QDRIVER_GEMM gemm_q_avx2
+#endif
 #include "quant_driver.h"
+
+#if defined(__AVXVNNI__)
+void cpumla_fill_avxvnni_q(cpumla_kernels *k) {
+    k->gemm_q = gemm_q_avxvnni;
+    k->gemm_fp4 = NULL;           /* these tiles are as fast as avx2_gemm.c's FMA form at any token count (quant.h) */
+    k->gemm_fp4_min_n = 0;
+    for (int f = CPUMLA_Q8; f <= CPUMLA_Q4; f++) k->who_fmt[K_GEMV][f] = k->who_fmt[K_GEMM][f] = "avxvnni";
+    k->who_fmt[K_GEMV][CPUMLA_E2M1] = k->who_fmt[K_GEMM][CPUMLA_E2M1] = E2M1_WHO("avxvnni");
+}
+#else
 
 /* y[c - c0] += (x[i] * wd) * wq, rows in order; 8 columns at a time inside a block */
 static void gemv_t_q_avx2(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y, int64_t c0,
@@ -350,3 +401,4 @@ void cpumla_fill_avx2_q(cpumla_kernels *k) {
     k->who_fmt[K_GEMV][CPUMLA_E2M1] = E2M1_WHO("avx2");
     k->who_fmt[K_GEMM][CPUMLA_E2M1] = E2M1_GEMM_WHO("avx2", FP4_FMA_MIN_AVX2);      /* avx2_gemm.c's gemm_fp4 */
 }
+#endif

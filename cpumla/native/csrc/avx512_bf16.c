@@ -1,5 +1,6 @@
 /* avx512_bf16.c: the avx512 level, AVX-512 F/BW/VL/DQ + BF16 + VNNI + VBMI (Zen 4, Sapphire Rapids and
- * later), on top of the avx512f level (avx512.c, avx512_rows.c): products on AVX512-BF16 dot products
+ * later), on top of the avx512vnni level (avx512_q.c's integer products) and so of avx512f (avx512.c,
+ * avx512_rows.c): products on AVX512-BF16 dot products
  * (vdpbf16ps): BF16-weight gemv, gemm and gemv_t, and E4M3-weight gemv and gemm (codes decoded to bf16
  * with VBMI's vpermi2b; see the E4M3 section below). Every other format and kernel is handed to the
  * avx512f entries this level's fill replaces.
@@ -513,7 +514,6 @@ void cpumla_fill_avx512(cpumla_kernels *k) {
     k->gemm_xb = cpumla_avx512_gemm_xb;
     k->gemv_t = gemv_t_up;
     k->dot_loop = dot_loop_bf16;
-    k->gemm_fp4 = NULL;          /* E2M1: the VNNI tiles are level with avx512f's FMA gemm at 128 tokens, faster below */
     k->who[K_GEMV] = k->who[K_GEMM] = k->who[K_GEMV_T] = k->who[K_DOT] = "avx512";
     k->who_fmt[K_GEMV][CPUMLA_BF16] = k->who_fmt[K_GEMV][CPUMLA_E4M3] = "avx512";
     k->who_fmt[K_GEMM][CPUMLA_BF16] = k->who_fmt[K_GEMM][CPUMLA_E4M3] = "avx512";

@@ -1,4 +1,4 @@
-/* avx512_q.c: the integer kernels (Q8 / Q4 / E2M1) with AVX-512 VNNI (compiled as avx512.c is).
+/* avx512_q.c: the integer kernels (Q8 / Q4 / E2M1) with AVX-512 VNNI, the avx512vnni level (dispatch.c).
  * Semantics: scalar_q.c (kernels.h), to the rounding: each block's integer sum is exact,
  * (float)isum * (wd * xd) is rounded as the spec rounds it, and only the fp32 sums over blocks are
  * associated differently.
@@ -275,10 +275,16 @@ void cpumla_fill_avx512f_int(cpumla_kernels *k) {
     k->who_fmt[K_GEMM][CPUMLA_E2M1] = E2M1_GEMM_WHO("avx512f", FP4_FMA_MIN_AVX512F);   /* avx512_gemm.c's gemm_fp4 */
 }
 #else
-void cpumla_fill_avx512_q(cpumla_kernels *k) {
+const char cpumla_flags_avx512vnni[] = CPUMLA_FLAGS;
+
+void cpumla_fill_avx512vnni(cpumla_kernels *k) { (void)k; }   /* the q fill (quant.c) does the work */
+
+void cpumla_fill_avx512vnni_q(cpumla_kernels *k) {
     k->quant_x = quant_x_avx512;
     k->gemm_q = gemm_q_avx512;
-    for (int f = CPUMLA_Q8; f <= CPUMLA_Q4; f++) k->who_fmt[K_GEMV][f] = k->who_fmt[K_GEMM][f] = "avx512";
-    k->who_fmt[K_GEMV][CPUMLA_E2M1] = k->who_fmt[K_GEMM][CPUMLA_E2M1] = E2M1_WHO("avx512");
+    k->gemm_fp4 = NULL;          /* E2M1: these tiles are level with avx512f's FMA gemm at 128 tokens, faster below */
+    k->gemm_fp4_min_n = 0;
+    for (int f = CPUMLA_Q8; f <= CPUMLA_Q4; f++) k->who_fmt[K_GEMV][f] = k->who_fmt[K_GEMM][f] = "avx512vnni";
+    k->who_fmt[K_GEMV][CPUMLA_E2M1] = k->who_fmt[K_GEMM][CPUMLA_E2M1] = E2M1_WHO("avx512vnni");
 }
 #endif

@@ -92,12 +92,13 @@ enum cpumla_feature {
     CPUMLA_FEAT_NEON_BF16 = 1048576,
     CPUMLA_FEAT_NEON_I8MM = 2097152,
     CPUMLA_FEAT_SVE = 4194304,
-    CPUMLA_FEAT_AVX512VBMI = 8388608
+    CPUMLA_FEAT_AVX512VBMI = 8388608,
+    CPUMLA_FEAT_AVXVNNI = 16777216  /* AVX-VNNI: vpdpbusd on ymm, VEX-encoded (Alder Lake, Sierra Forest, Zen 5) */
 };
 
 /* Choose the implementation. isa NULL or "" or "auto": the best this CPU and OS support (the
  * environment variable CPUMLA_ISA, when set, is applied by the caller, not here). Otherwise one of
- * "scalar", "avx2", "avx512f", "avx512", "amx", "neon". Returns 0, or -1 when that implementation was
+ * "scalar", "avx2", "avxvnni", "avx512f", "avx512vnni", "avx512", "amx", "neon". Returns 0, or -1 when that implementation was
  * not built into this library or the CPU/OS cannot run it (cpumla_last_error() says which, and lists
  * the implementations this machine runs). Safe to call again. */
 int cpumla_init(const char *isa);

@@ -65,6 +65,7 @@ static uint64_t detect(void) {
         if ((d >> 25) & 1) f |= CPUMLA_FEAT_AMX_INT8;
         if (sub_max >= 1) {
             __cpuid_count(7, 1, a, b, c, d);
+            if ((a >> 4) & 1) f |= CPUMLA_FEAT_AVXVNNI;
             if ((a >> 5) & 1) f |= CPUMLA_FEAT_AVX512BF16;
         }
     }
@@ -127,31 +128,41 @@ const char *cpumla_cpu_name(void) {
     return cpu_name[0] ? cpu_name : "unknown";
 }
 
-/* ---- implementations: what each needs, in layering order -------------------------------------- */
+/* ---- implementations: what each needs, and the level it builds on ------------------------------ */
 typedef struct {
     const char *name;
     void (*fill)(cpumla_kernels *);
-    uint64_t needs;
+    uint64_t needs;                           /* its own features and every ancestor's */
     const char *flags;
     int (*decode)(int dtype, float *out);     /* cpumla_decode_operands; NULL: none */
+    int parent;                               /* index of the level it builds on; -1: none */
 } isa_t;
 
-/* Each level needs everything the levels below it need: a CPU runs a prefix of the chain. */
 #define NEED_AVX2 (CPUMLA_FEAT_AVX | CPUMLA_FEAT_AVX2 | CPUMLA_FEAT_FMA | CPUMLA_FEAT_F16C | CPUMLA_FEAT_OS_AVX)
+#define NEED_AVXVNNI (NEED_AVX2 | CPUMLA_FEAT_AVXVNNI)
 #define NEED_AVX512F (NEED_AVX2 | CPUMLA_FEAT_AVX512F | CPUMLA_FEAT_AVX512BW | CPUMLA_FEAT_AVX512VL | \
                       CPUMLA_FEAT_AVX512DQ | CPUMLA_FEAT_OS_AVX512)
-#define NEED_AVX512 (NEED_AVX512F | CPUMLA_FEAT_AVX512BF16 | CPUMLA_FEAT_AVX512VNNI | CPUMLA_FEAT_AVX512VBMI)
+#define NEED_AVX512VNNI (NEED_AVX512F | CPUMLA_FEAT_AVX512VNNI)
+#define NEED_AVX512 (NEED_AVX512VNNI | CPUMLA_FEAT_AVX512BF16 | CPUMLA_FEAT_AVX512VBMI)
 #define NEED_AMX (NEED_AVX512 | CPUMLA_FEAT_AMX_TILE | CPUMLA_FEAT_AMX_BF16 | CPUMLA_FEAT_AMX_INT8 | CPUMLA_FEAT_OS_AMX)
 
+/* Levels form a tree (a level's table is its parent's with its own entries over it), listed from the
+ * least to the most preferred: the dispatcher picks the last one the CPU runs. avxvnni (AVX2 with
+ * AVX-VNNI's ymm vpdpbusd: Alder Lake and later clients, Sierra Forest) and avx512vnni (avx512f with
+ * AVX512_VNNI: Ice Lake, Cascade and Cooper Lake) replace their parent's integer products only.
+ * avx512f builds on avx2, not on avxvnni, because Ice Lake and Zen 4 have AVX-512 without AVX-VNNI (a
+ * CPU with both has AVX512_VNNI too, and avx512vnni uses it at twice the width). */
 static const isa_t isas[] = {
-    {"scalar", cpumla_fill_scalar, 0, cpumla_flags_scalar, cpumla_decode_operands_scalar},
+    {"scalar", cpumla_fill_scalar, 0, cpumla_flags_scalar, cpumla_decode_operands_scalar, -1},
 #if defined(__x86_64__)
-    {"avx2", cpumla_fill_avx2, NEED_AVX2, cpumla_flags_avx2, cpumla_decode_operands_avx2},
-    {"avx512f", cpumla_fill_avx512f, NEED_AVX512F, cpumla_flags_avx512f, cpumla_decode_operands_avx512f},
-    {"avx512", cpumla_fill_avx512, NEED_AVX512, cpumla_flags_avx512, cpumla_decode_operands_avx512},
-    {"amx", cpumla_fill_amx, NEED_AMX, cpumla_flags_amx, cpumla_decode_operands_avx512},
+    {"avx2", cpumla_fill_avx2, NEED_AVX2, cpumla_flags_avx2, cpumla_decode_operands_avx2, 0},
+    {"avxvnni", cpumla_fill_avxvnni, NEED_AVXVNNI, cpumla_flags_avxvnni, cpumla_decode_operands_avx2, 1},
+    {"avx512f", cpumla_fill_avx512f, NEED_AVX512F, cpumla_flags_avx512f, cpumla_decode_operands_avx512f, 1},
+    {"avx512vnni", cpumla_fill_avx512vnni, NEED_AVX512VNNI, cpumla_flags_avx512vnni, cpumla_decode_operands_avx512f, 3},
+    {"avx512", cpumla_fill_avx512, NEED_AVX512, cpumla_flags_avx512, cpumla_decode_operands_avx512, 4},
+    {"amx", cpumla_fill_amx, NEED_AMX, cpumla_flags_amx, cpumla_decode_operands_avx512, 5},
 #elif defined(__aarch64__)
-    {"neon", cpumla_fill_neon, CPUMLA_FEAT_NEON, cpumla_flags_neon, cpumla_decode_operands_neon},
+    {"neon", cpumla_fill_neon, CPUMLA_FEAT_NEON, cpumla_flags_neon, cpumla_decode_operands_neon, 0},
 #endif
 };
 #define N_ISAS ((int)(sizeof isas / sizeof isas[0]))
@@ -162,10 +173,18 @@ static int isa_index(const char *name) {
     return -1;
 }
 
+/* level i's chain from the root: n indices into chain[], returns n */
+static int chain_of(int i, int chain[N_ISAS]) {
+    int n = 0;
+    for (int j = i; j >= 0; j = isas[j].parent) n++;
+    for (int j = i, at = n; j >= 0; j = isas[j].parent) chain[--at] = j;
+    return n;
+}
+
 static int runnable_with(int i, uint64_t f) { return (f & isas[i].needs) == isas[i].needs; }
 static int runnable(int i) { return runnable_with(i, cpumla_cpu_features()); }
 
-/* the highest level whose needs (those of every level below it included) the features meet */
+/* the most preferred level whose needs (its ancestors' included) the features meet */
 static int best_for(uint64_t f) {
     int best = 0;
     for (int i = 0; i < N_ISAS; i++)
@@ -208,7 +227,7 @@ static const struct { uint64_t bit; const char *name; } feature_names[] = {
     {CPUMLA_FEAT_F16C, "F16C"}, {CPUMLA_FEAT_AVX512F, "AVX512F"}, {CPUMLA_FEAT_AVX512BW, "AVX512BW"},
     {CPUMLA_FEAT_AVX512VL, "AVX512VL"}, {CPUMLA_FEAT_AVX512DQ, "AVX512DQ"},
     {CPUMLA_FEAT_AVX512BF16, "AVX512_BF16"}, {CPUMLA_FEAT_AVX512VNNI, "AVX512_VNNI"},
-    {CPUMLA_FEAT_AVX512VBMI, "AVX512_VBMI"}, {CPUMLA_FEAT_AMX_TILE, "AMX_TILE"},
+    {CPUMLA_FEAT_AVX512VBMI, "AVX512_VBMI"}, {CPUMLA_FEAT_AVXVNNI, "AVX_VNNI"}, {CPUMLA_FEAT_AMX_TILE, "AMX_TILE"},
     {CPUMLA_FEAT_AMX_BF16, "AMX_BF16"}, {CPUMLA_FEAT_AMX_INT8, "AMX_INT8"},
     {CPUMLA_FEAT_OS_AVX, "OS support for AVX state"}, {CPUMLA_FEAT_OS_AVX512, "OS support for AVX-512 state"},
     {CPUMLA_FEAT_OS_AMX, "OS support for AMX tile state (XCR0 and arch_prctl permission)"},
@@ -219,8 +238,7 @@ const char *cpumla_isa_missing(const char *isa) {
     static __thread char buf[512];
     int i = isa ? isa_index(isa) : -1;
     if (i < 0) return NULL;
-    uint64_t lack = 0;
-    for (int j = 0; j <= i; j++) lack |= isas[j].needs & ~cpumla_cpu_features();   /* the whole chain */
+    const uint64_t lack = isas[i].needs & ~cpumla_cpu_features();     /* its needs hold its chain's */
     buf[0] = 0;
     size_t n = 0;
     for (size_t f = 0; f < sizeof feature_names / sizeof feature_names[0]; f++) {
@@ -231,11 +249,27 @@ const char *cpumla_isa_missing(const char *isa) {
     return buf;
 }
 
-static const char *known_isas[] = {"scalar", "avx2", "avx512f", "avx512", "amx", "neon"};
+static const char *known_isas[] = {"scalar", "avx2", "avxvnni", "avx512f", "avx512vnni", "avx512", "amx", "neon"};
 
 static int is_known_isa(const char *name) {
     for (size_t i = 0; i < sizeof known_isas / sizeof known_isas[0]; i++)
         if (!strcmp(known_isas[i], name)) return 1;
+    return 0;
+}
+
+/* level i's table: every fill of its chain from the root, then each level's q fill (quant.c) */
+static void fill_level(cpumla_kernels *k, int i) {
+    int chain[N_ISAS];
+    const int n = chain_of(i, chain);
+    memset(k, 0, sizeof *k);
+    for (int j = 0; j < n; j++) isas[chain[j]].fill(k);
+    for (int j = 0; j < n; j++) cpumla_fill_quant(k, isas[chain[j]].name);
+}
+
+int cpumla_fill_level(cpumla_kernels *k, const char *isa) {
+    const int i = isa ? isa_index(isa) : -1;
+    if (i < 0) return -1;
+    fill_level(k, i);
     return 0;
 }
 
@@ -264,9 +298,7 @@ static int init(const char *isa) {
         }
     }
     cpumla_kernels k;
-    memset(&k, 0, sizeof k);
-    for (int i = 0; i <= target; i++) isas[i].fill(&k);
-    for (int i = 0; i <= target; i++) cpumla_fill_quant(&k, isas[i].name);   /* quant.c: Q8 / Q4 */
+    fill_level(&k, target);
     cpumla_k = k;
     snprintf(chosen, sizeof chosen, "%s", isas[target].name);
     cpumla_pool_threads();

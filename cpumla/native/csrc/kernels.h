@@ -189,21 +189,27 @@ void cpumla_fill_scalar(cpumla_kernels *k);
 void cpumla_fill_avx2(cpumla_kernels *k);
 void cpumla_fill_avx2_rows(cpumla_kernels *k);     /* avx2_rows.c; called by cpumla_fill_avx2 */
 void cpumla_fill_avx2_gemm(cpumla_kernels *k);     /* avx2_gemm.c; called by cpumla_fill_avx2 */
+void cpumla_fill_avxvnni(cpumla_kernels *k);      /* avxvnni_q.c: its fill is all in cpumla_fill_quant */
 void cpumla_fill_avx512f(cpumla_kernels *k);      /* avx512.c: AVX-512 F/BW/VL/DQ */
 void cpumla_fill_avx512_rows(cpumla_kernels *k);   /* avx512_rows.c; called by cpumla_fill_avx512f */
 void cpumla_fill_avx512_gemm(cpumla_kernels *k);   /* avx512_gemm.c; called by cpumla_fill_avx512f */
-void cpumla_fill_avx512(cpumla_kernels *k);        /* avx512_bf16.c: + BF16/VNNI/VBMI, over avx512f */
+void cpumla_fill_avx512vnni(cpumla_kernels *k);   /* avx512_q.c: its fill is all in cpumla_fill_quant */
+void cpumla_fill_avx512(cpumla_kernels *k);        /* avx512_bf16.c: + BF16/VBMI, over avx512vnni */
 void cpumla_fill_amx(cpumla_kernels *k);
 void cpumla_fill_neon(cpumla_kernels *k);
 void cpumla_fill_neon_rows(cpumla_kernels *k);     /* neon_rows.c; called by cpumla_fill_neon */
-/* Q8 / Q4 (quant.c): called by dispatch.c once per layer of the chosen chain, after every layer's fill;
+/* Q8 / Q4 (quant.c): called by dispatch.c once per level of the chosen chain, after every level's fill;
  * "scalar" installs the spec and wraps gemv / gemm / gemv_t / dequant_row so that Q8 / Q4 weights go
  * to the q entries, the others fill the q entries they implement (unknown names: none). */
 void cpumla_fill_quant(cpumla_kernels *k, const char *isa);
 
 /* The flags each file was compiled with, recorded by the build (CPUMLA_FLAGS_<ISA> macros). */
-extern const char cpumla_flags_scalar[], cpumla_flags_avx2[], cpumla_flags_avx512f[], cpumla_flags_avx512[],
-    cpumla_flags_amx[], cpumla_flags_neon[];
+extern const char cpumla_flags_scalar[], cpumla_flags_avx2[], cpumla_flags_avxvnni[], cpumla_flags_avx512f[],
+    cpumla_flags_avx512vnni[], cpumla_flags_avx512[], cpumla_flags_amx[], cpumla_flags_neon[];
+
+/* A table filled as cpumla_init(isa) fills it (the level's chain, then the q fills), for the tests that
+ * check each level's table on its own: -1 when isa is unknown or not built for this architecture. */
+int cpumla_fill_level(cpumla_kernels *k, const char *isa);
 
 /* cpumla_decode_operands (cpumla.h) per implementation: dtype CPUMLA_E4M3 or CPUMLA_E2M1; fills
  * out[code] with the GEMV hot loop's weight operand, returns the power of two k with operand * 2^k =

@@ -6,7 +6,7 @@
  * the activation rows of the call are quantized once per task into this thread's scratch), and so
  * does an E2M1 weight of 1x32 E8M0 blocks for gemv and gemm (its gemv_t and dequant_row stay on the
  * fp32 entries); any other weight goes to the entry that was there. The q entries themselves come from each layer's q fill
- * (scalar_q.c, avx2_q.c, avx512f_q.c, avx512_q.c, neon_q.c / neon_q_dot.c), best last, and are never touched by
+ * (scalar_q.c, avx2_q.c, avxvnni_q.c, avx512f_q.c, avx512_q.c for avx512vnni, neon_q.c / neon_q_dot.c), best last, and are never touched by
  * the other fills, so who_fmt[..][CPUMLA_Q8 / Q4] names the file that really serves them. */
 #include <stdio.h>
 #include <string.h>
@@ -80,8 +80,9 @@ void cpumla_fill_quant(cpumla_kernels *k, const char *isa) {
     }
 #if defined(__x86_64__)
     else if (!strcmp(isa, "avx2")) cpumla_fill_avx2_q(k);
+    else if (!strcmp(isa, "avxvnni")) cpumla_fill_avxvnni_q(k);
     else if (!strcmp(isa, "avx512f")) cpumla_fill_avx512f_q(k);
-    else if (!strcmp(isa, "avx512")) cpumla_fill_avx512_q(k);
+    else if (!strcmp(isa, "avx512vnni")) cpumla_fill_avx512vnni_q(k);
 #elif defined(__aarch64__)
     else if (!strcmp(isa, "neon")) {
         if (cpumla_cpu_features() & CPUMLA_FEAT_NEON_DOTPROD) cpumla_fill_neon_q_dot(k);

@@ -151,7 +151,10 @@ static inline int8_t q_hi(int32_t q) { return (int8_t)((q - q_lo(q)) / 256); }
 /* the fewest tokens of an E2M1 gemm that a level's gemm_fp4 (kernels.h) takes, measured on Zen 5 at
  * one thread: avx2's integer tiles run at 71-76 GFLOP/s whatever the token count, its FMA gemm at
  * 72-76 with 10 tokens, 79-82 with 12 (114 at 128); avx512f's tiles at 180-185 from 24 to 64 tokens,
- * its FMA gemm at 176-179 with 32 tokens, 183-187 with 40, 194-201 with 48 (203-221 at 128) */
+ * its FMA gemm at 176-179 with 32 tokens, 183-187 with 40, 194-201 with 48 (203-221 at 128). With
+ * vpdpbusd the tiles win throughout: avxvnni's at 109-117 from 8 to 128 tokens against avx2's FMA gemm
+ * at 80-85 (12-16 tokens) and 114-117 (128), so that level has no gemm_fp4, nor has avx512vnni (its
+ * tiles level with avx512f's FMA gemm at 128 tokens, faster below). */
 #define FP4_FMA_MIN_AVX2 12
 #define FP4_FMA_MIN_AVX512F 40
 #define FP4_STR_(v) #v
@@ -162,9 +165,10 @@ static inline int8_t q_hi(int32_t q) { return (int8_t)((q - q_lo(q)) / 256); }
 /* Implementations' q fills (quant.c calls them by name) */
 void cpumla_fill_scalar_q(cpumla_kernels *k);
 void cpumla_fill_avx2_q(cpumla_kernels *k);
+void cpumla_fill_avxvnni_q(cpumla_kernels *k);     /* avx2_q.c compiled with AVX-VNNI, as avxvnni_q.c */
 void cpumla_fill_avx512f_q(cpumla_kernels *k);     /* avx512f_q.c: quantize_row, and avx512f_qi.c's */
 void cpumla_fill_avx512f_int(cpumla_kernels *k);   /* avx512f_qi.c: E2M1 (avx512_q.c without VNNI) */
-void cpumla_fill_avx512_q(cpumla_kernels *k);
+void cpumla_fill_avx512vnni_q(cpumla_kernels *k);  /* avx512_q.c */
 void cpumla_fill_neon_q(cpumla_kernels *k);
 void cpumla_fill_neon_q_dot(cpumla_kernels *k);    /* neon_q.c with +dotprod, as neon_q_dot.c */
 
