@@ -14,11 +14,12 @@
  * product of two bf16 is exact in fp32; bf16 subnormal inputs are read as zero (far below anything a
  * weight or activation holds), and the sums round as fp32 FMAs do.
  *
- * gemv: 4 rows at a time, 64 columns per step, no software prefetch. It is bound by memory
- * bandwidth, and the hardware prefetchers alone kept it closer to the read probe: lm_head of the
- * reference workload, alternating runs, 97% of the probe against 90% with avx512.c's group-ahead
- * prefetch at ~80 GB/s, 107% against 101% at ~48 GB/s; whole decode 89% against 85%. (The e4m3 gemv
- * is the other way round: without its prefetch, decode lost 10-17%, so avx512.c keeps it.)
+ * gemv (bf16 and E4M3): one row at a time, so a thread's range of rows is one sequential stream,
+ * with a software prefetch a fixed distance ahead of it, as the integer GEMVs do. It is bound by
+ * memory bandwidth. 4 rows at a time (4 streams 1 row apart; bf16 without a software prefetch, E4M3
+ * with one a group of rows ahead) left it further from the read probe when the host's memory is fast:
+ * `cpumla bench --kernels -t 2` at a ~80 GB/s probe, bf16 80-89% against 95% now, E4M3 74-75% against
+ * 89%; one thread, 84-89% against 96-97% and 76-78% against 91-93% (docs/benchmarks.md).
  * gemm: K in chunks of BG_KC columns, rows in panels of BG_MP (a panel's chunk, 256 KiB, stays in
  * L2 while the token blocks pass over it); each block of 6 tokens (24 KiB of bf16 activations, L1)
  * goes through a 4-row x 6-token microkernel that keeps 24 accumulators in zmm registers and reduces
@@ -59,27 +60,24 @@ INLINE __m512bh ld_bh(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512(p
 INLINE __m512bh ld_bh_tail(const uint16_t *p, int64_t n) { return (__m512bh)_mm512_maskz_loadu_epi16(mask32(n), p); }
 
 /* ---- gemv --------------------------------------------------------------------------------------- */
-/* y[i] = row r + i . x for i < R (1..4); two accumulators per row for latency */
-INLINE void gemv_rows(const cpumla_weight *w, const uint16_t *xb, float *y, int64_t r, int R) {
-    const uint16_t *rp[4];
-    __m512 a0[4], a1[4];
-    UNROLL for (int i = 0; i < R; i++) {
-        rp[i] = (const uint16_t *)weight_row(w, r + i);
-        a0[i] = _mm512_setzero_ps(); a1[i] = _mm512_setzero_ps();
-    }
+#ifndef GEMV_PF_BYTES
+#define GEMV_PF_BYTES 8192     /* gemv: software prefetch distance along the row stream (bf16 and E4M3) */
+#endif
+
+/* y = row r . xb, the row read in order 64 columns (128 bytes) a step, two prefetches GEMV_PF_BYTES
+ * ahead; xb is zero-padded past K */
+INLINE float gemv_row(const cpumla_weight *w, const uint16_t *xb, int64_t r) {
+    const uint16_t *rp = (const uint16_t *)weight_row(w, r);
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     int64_t K = w->cols, c = 0;
     for (; c + 64 <= K; c += 64) {
-        __m512bh x0 = ld_bh(xb + c), x1 = ld_bh(xb + c + 32);
-        UNROLL for (int i = 0; i < R; i++) {
-            a0[i] = _mm512_dpbf16_ps(a0[i], ld_bh(rp[i] + c), x0);
-            a1[i] = _mm512_dpbf16_ps(a1[i], ld_bh(rp[i] + c + 32), x1);
-        }
+        _mm_prefetch((const char *)(rp + c) + GEMV_PF_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)(rp + c) + 64 + GEMV_PF_BYTES, _MM_HINT_T0);
+        a0 = _mm512_dpbf16_ps(a0, ld_bh(rp + c), ld_bh(xb + c));
+        a1 = _mm512_dpbf16_ps(a1, ld_bh(rp + c + 32), ld_bh(xb + c + 32));
     }
-    for (; c < K; c += 32) {                  /* xb is zero-padded past K */
-        __m512bh x0 = ld_bh(xb + c);
-        UNROLL for (int i = 0; i < R; i++) a0[i] = _mm512_dpbf16_ps(a0[i], ld_bh_tail(rp[i] + c, K - c), x0);
-    }
-    UNROLL for (int i = 0; i < R; i++) y[i] = _mm512_reduce_add_ps(_mm512_add_ps(a0[i], a1[i]));
+    for (; c < K; c += 32) a0 = _mm512_dpbf16_ps(a0, ld_bh_tail(rp + c, K - c), ld_bh(xb + c));
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
 
 void cpumla_avx512_gemv_bf16(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
@@ -87,9 +85,7 @@ void cpumla_avx512_gemv_bf16(const cpumla_weight *w, const float *x, float *y, i
     uint16_t *xb = cpumla_scratch(CPUMLA_SCRATCH_AVX512_XB, sizeof(uint16_t) * (size_t)Kp);
     if (!xb) return;
     to_bf16(x, 0, 1, K, xb, Kp);
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) gemv_rows(w, xb, y + (r - r0), r, 4);
-    for (; r < r1; r++) gemv_rows(w, xb, y + (r - r0), r, 1);
+    for (int64_t r = r0; r < r1; r++) y[r - r0] = gemv_row(w, xb, r);
 }
 
 /* ---- gemm --------------------------------------------------------------------------------------- */
@@ -259,40 +255,30 @@ static void e4_act(const cpumla_weight *w, int64_t r, const float *x, int64_t ld
     }
 }
 
-/* y[i] = row r + i . xs for i < R (1..4), prefetching the group at pf (pf_rows). Unlike the BF16
- * GEMV, this one is faster with the group-ahead prefetch (see docs/benchmarks.md). */
-INLINE void e4_gemv_rows(const cpumla_weight *w, const e4_tab *tab, const uint16_t *xs, float *y, int64_t r, int R,
-                         const uint8_t *pf) {
-    const uint8_t *rp[4];
-    __m512 a0[4], a1[4];
-    UNROLL for (int i = 0; i < R; i++) {
-        rp[i] = weight_row(w, r + i);
-        a0[i] = _mm512_setzero_ps(); a1[i] = _mm512_setzero_ps();
-    }
+/* y = row r . xs, the row read in order 128 codes a step (as gemv_row, the same prefetch) */
+INLINE float e4_gemv_row(const cpumla_weight *w, const e4_tab *tab, const uint16_t *xs, int64_t r) {
+    const uint8_t *rp = weight_row(w, r);
+    __m512 a[4];
+    UNROLL for (int j = 0; j < 4; j++) a[j] = _mm512_setzero_ps();
     int64_t K = w->cols, c = 0;
-    for (; c + 64 <= K; c += 64) {
-        __m512bh x0 = ld_bh(xs + c), x1 = ld_bh(xs + c + 32);
-        UNROLL for (int i = 0; i < R; i++) {
-            __m512bh w0, w1;
-            _mm_prefetch(pf_at(pf, w, R, i, c, K), PF_HINT);
-            __m512i d = _mm512_loadu_si512(rp[i] + c);
-            __asm__("" : "+v"(d));        /* one load of the line, not one per use: vpermi2b clobbers
-                                           * its index, and gcc reloaded the line for each lookup */
-            e4_decode(tab, d, &w0, &w1);
-            a0[i] = _mm512_dpbf16_ps(a0[i], w0, x0);
-            a1[i] = _mm512_dpbf16_ps(a1[i], w1, x1);
-        }
+    for (; c + 128 <= K; c += 128) {
+        _mm_prefetch((const char *)rp + c + GEMV_PF_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)rp + c + 64 + GEMV_PF_BYTES, _MM_HINT_T0);
+        __m512i d0 = _mm512_loadu_si512(rp + c), d1 = _mm512_loadu_si512(rp + c + 64);
+        __asm__("" : "+v"(d0), "+v"(d1));   /* one load of each line, not one per use: vpermi2b
+                                             * clobbers its index, and gcc reloaded the line for each lookup */
+        __m512bh w[4];
+        e4_decode(tab, d0, &w[0], &w[1]);
+        e4_decode(tab, d1, &w[2], &w[3]);
+        UNROLL for (int j = 0; j < 4; j++) a[j] = _mm512_dpbf16_ps(a[j], w[j], ld_bh(xs + c + 32 * j));
     }
-    if (c < K) {                               /* the last, partial 64 columns: masked loads */
-        __m512bh x0 = ld_bh(xs + c), x1 = ld_bh(xs + c + 32);
-        UNROLL for (int i = 0; i < R; i++) {
-            __m512bh w0, w1;
-            e4_decode(tab, _mm512_maskz_loadu_epi8(mask64(K - c), rp[i] + c), &w0, &w1);
-            a0[i] = _mm512_dpbf16_ps(a0[i], w0, x0);
-            a1[i] = _mm512_dpbf16_ps(a1[i], w1, x1);
-        }
+    for (; c < K; c += 64) {                   /* the last, partial columns: masked loads */
+        __m512bh w0, w1;
+        e4_decode(tab, _mm512_maskz_loadu_epi8(mask64(K - c), rp + c), &w0, &w1);
+        a[0] = _mm512_dpbf16_ps(a[0], w0, ld_bh(xs + c));
+        a[1] = _mm512_dpbf16_ps(a[1], w1, ld_bh(xs + c + 32));
     }
-    UNROLL for (int i = 0; i < R; i++) y[i] = _mm512_reduce_add_ps(_mm512_add_ps(a0[i], a1[i]));
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
 }
 
 void cpumla_avx512_gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
@@ -301,10 +287,9 @@ void cpumla_avx512_gemv_e4m3(const cpumla_weight *w, const float *x, float *y, i
     if (!xs) return;
     e4_tab tab = e4_load();
     for (int64_t b0 = r0; b0 < r1;) {                /* one row block (one activation) at a time */
-        int64_t b1 = min64((b0 / w->block_rows + 1) * w->block_rows, r1), r = b0;
+        int64_t b1 = min64((b0 / w->block_rows + 1) * w->block_rows, r1);
         e4_act(w, b0, x, 0, 1, xs, Kp);
-        for (; r + 4 <= b1; r += 4) e4_gemv_rows(w, &tab, xs, y + (r - r0), r, 4, pf_rows(w, r, r1));
-        for (; r < b1; r++) e4_gemv_rows(w, &tab, xs, y + (r - r0), r, 1, pf_rows(w, r, r1));
+        for (int64_t r = b0; r < b1; r++) y[r - r0] = e4_gemv_row(w, &tab, xs, r);
         b0 = b1;
     }
 }
