@@ -1,5 +1,6 @@
 """`cpumla smoke` tells an expert-routing near-tie (bf16 rounding flipping one token's expert choice)
-from a cache bug: the config below fails the plain check at one decode step at seed 0."""
+from a cache bug: a decode step that differs only while routing chooses is called a tie, one that
+differs whatever the routing is called a bug."""
 
 from __future__ import annotations
 
@@ -11,10 +12,25 @@ TIE = {"num_hidden_layers": 2, "hidden_size": 1024, "intermediate_size": 2048, "
        "num_key_value_heads": 16, "moe_intermediate_size": 256, "n_routed_experts": 16, "first_k_dense_replace": 1}
 
 
-def test_near_tie_is_reported_as_one():
+def test_near_tie_is_reported_as_one(monkeypatch):
+    """Decode step 15 moves only while the router picks experts, as a flipped near-tie does (which
+    step flips naturally depends on the kernels' summation order, so the flip is made here: the same
+    shift of every logit, which leaves the chosen token alone)."""
+    from cpumla.runtime.engine import Engine
+
+    real = Engine.forward
+
+    def flipped(self, token_ids, last_only=False):
+        out = real(self, token_ids, last_only)
+        cfg = self.config
+        if len(np.atleast_1d(token_ids)) == 1 and self.pos == 32 + 15 and cfg.num_experts_per_tok < cfg.n_routed_experts:
+            out = out + np.float32(0.5) * np.abs(out).max()
+        return out
+
+    monkeypatch.setattr(Engine, "forward", flipped)
     r = sm.run("deepseek-ai/DeepSeek-V3", dummy_weights=True, hf_overrides=TIE, seed=0, dummy_dtype="fp8")
     assert r.max_decode_err > 0.05                       # the plain check does fail here
-    assert r.status.startswith("ok: expert-routing near-tie") and "step 15" in r.status and r.passed
+    assert r.status.startswith("ok: expert-routing near-tie") and "step 15)" in r.status and r.passed
 
 
 def test_a_cache_bug_is_not_called_a_tie(monkeypatch):
