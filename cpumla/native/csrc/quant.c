@@ -1,13 +1,14 @@
 /* quant.c: the integer products (quant.h) in the kernel table, and cpumla_quantize.
  *
  * The implementations' gemv / gemm / gemv_t / dequant_row entries know the checkpoint formats only.
- * cpumla_fill_quant(k, "scalar"), called by dispatch.c after every layer has filled the table, wraps
+ * cpumla_fill_quant(k, "scalar"), called by dispatch.c after every level has filled the table, wraps
  * those four entries: a Q8 / Q4 weight goes to the q entries (quant_x + gemm_q for gemv and gemm:
  * the activation rows of the call are quantized once per task into this thread's scratch), and so
  * does an E2M1 weight of 1x32 E8M0 blocks for gemv and gemm (its gemv_t and dequant_row stay on the
- * fp32 entries); any other weight goes to the entry that was there. The q entries themselves come from each layer's q fill
- * (scalar_q.c, avx2_q.c, avxvnni_q.c, avx512f_q.c, avx512_q.c for avx512vnni, neon_q.c / neon_q_dot.c), best last, and are never touched by
- * the other fills, so who_fmt[..][CPUMLA_Q8 / Q4] names the file that really serves them. */
+ * fp32 entries); any other weight goes to the entry that was there. The q entries themselves come
+ * from the q fill of each level of the chain (scalar_q.c, avx2_q.c, avxvnni_q.c, avx512f_q.c,
+ * avx512_q.c for avx512vnni, neon_q.c / neon_q_dot.c), best last, and are never touched by the other
+ * fills, so who_fmt[..][CPUMLA_Q8 / Q4] names the level whose code really serves them. */
 #include <stdio.h>
 #include <string.h>
 #include "common.h"
