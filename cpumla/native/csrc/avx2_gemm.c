@@ -259,25 +259,16 @@ INLINE void w2_store16(__m128i v, float *out) {
  * [k][16], wd into fp_wd. Each block's 16 x 16 code bytes are transposed first, so that one byte
  * vector holds a column pair of all 16 rows (low nibbles column 2k, high nibbles 2k + 1). */
 static void fp4_pack(const cpumla_weight *w, int64_t r, int nr, int64_t k0, int64_t kc) {
-    const __m128i tab = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    const __m128i m4 = _mm_set1_epi8(15);
-    const int64_t b0 = k0 / 32;
     for (int64_t b = 0; b < kc / 32; b++) {
         __m128i v[16], o[16];
-        for (int i = 0; i < GM_NR; i++) {
-            if (i < nr) {
-                v[i] = _mm_loadu_si128((const __m128i *)(weight_row(w, r + i) + (b0 + b) * 16));
-                fp_wd[b * GM_NR + i] = e8m0_half(((const uint8_t *)q_scale_row(w, r + i))[b0 + b]);
-            } else {
-                v[i] = _mm_setzero_si128();           /* code 0: w2 = 0 */
-                fp_wd[b * GM_NR + i] = 0.0f;
-            }
-        }
+        fp4_block_rows(w, r, nr, k0 / 32 + b, v, fp_wd + b * GM_NR);
         tr16x16_bytes(v, o);
         float *out = gm_pack + 32 * b * GM_NR;
         for (int k = 0; k < 16; k++) {
-            w2_store16(_mm_shuffle_epi8(tab, _mm_and_si128(o[k], m4)), out + (2 * k) * GM_NR);
-            w2_store16(_mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(o[k], 4), m4)), out + (2 * k + 1) * GM_NR);
+            __m128i lo, hi;
+            e2m1_w2_bytes(o[k], &lo, &hi);
+            w2_store16(lo, out + (2 * k) * GM_NR);
+            w2_store16(hi, out + (2 * k + 1) * GM_NR);
         }
     }
 }

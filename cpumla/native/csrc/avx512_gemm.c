@@ -364,26 +364,15 @@ static __thread float f_wd[F_NB * G_MR] __attribute__((aligned(64)));
  * [k][32], wd into f_wd. Each block's 16 x 16 code bytes (per half panel) are transposed first, so
  * that one byte vector holds a column pair of 16 rows (low nibbles column 2k, high nibbles 2k + 1). */
 static void fp4_pack(const cpumla_weight *w, int64_t r, int nr, int64_t k0, int64_t kc) {
-    const __m128i tab = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    const __m128i m4 = _mm_set1_epi8(15);
-    const int64_t b0 = k0 / 32;
     for (int h = 0; h < G_MR; h += 16)
         for (int64_t b = 0; b < kc / 32; b++) {
             __m128i v[16], o[16];
-            for (int i = 0; i < 16; i++) {
-                if (h + i < nr) {
-                    v[i] = _mm_loadu_si128((const __m128i *)(weight_row(w, r + h + i) + (b0 + b) * 16));
-                    f_wd[b * G_MR + h + i] = e8m0_half(((const uint8_t *)q_scale_row(w, r + h + i))[b0 + b]);
-                } else {
-                    v[i] = _mm_setzero_si128();           /* code 0: w2 = 0 */
-                    f_wd[b * G_MR + h + i] = 0.0f;
-                }
-            }
+            fp4_block_rows(w, r + h, nr - h, k0 / 32 + b, v, f_wd + b * G_MR + h);
             tr16x16_bytes(v, o);
             float *out = g_pack + 32 * b * G_MR + h;
             UNROLL for (int k = 0; k < 16; k++) {
-                const __m128i lo = _mm_shuffle_epi8(tab, _mm_and_si128(o[k], m4));
-                const __m128i hi = _mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(o[k], 4), m4));
+                __m128i lo, hi;
+                e2m1_w2_bytes(o[k], &lo, &hi);
                 _mm512_store_ps(out + (2 * k) * G_MR, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
                 _mm512_store_ps(out + (2 * k + 1) * G_MR, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)));
             }

@@ -277,8 +277,6 @@ void cpumla_fill_avx512f_int(cpumla_kernels *k) {
 #else
 const char cpumla_flags_avx512vnni[] = CPUMLA_FLAGS;
 
-void cpumla_fill_avx512vnni(cpumla_kernels *k) { (void)k; }   /* the q fill (quant.c) does the work */
-
 void cpumla_fill_avx512vnni_q(cpumla_kernels *k) {
     k->quant_x = quant_x_avx512;
     k->gemm_q = gemm_q_avx512;

@@ -4,5 +4,3 @@
 #include "avx2_q.c"
 
 const char cpumla_flags_avxvnni[] = CPUMLA_FLAGS;
-
-void cpumla_fill_avxvnni(cpumla_kernels *k) { (void)k; }   /* the q fill (quant.c) does the work */

@@ -131,7 +131,7 @@ const char *cpumla_cpu_name(void) {
 /* ---- implementations: what each needs, and the level it builds on ------------------------------ */
 typedef struct {
     const char *name;
-    void (*fill)(cpumla_kernels *);
+    void (*fill)(cpumla_kernels *);           /* NULL: all its entries come from its q fill (quant.c) */
     uint64_t needs;                           /* its own features and every ancestor's */
     const char *flags;
     int (*decode)(int dtype, float *out);     /* cpumla_decode_operands; NULL: none */
@@ -156,9 +156,9 @@ static const isa_t isas[] = {
     {"scalar", cpumla_fill_scalar, 0, cpumla_flags_scalar, cpumla_decode_operands_scalar, -1},
 #if defined(__x86_64__)
     {"avx2", cpumla_fill_avx2, NEED_AVX2, cpumla_flags_avx2, cpumla_decode_operands_avx2, 0},
-    {"avxvnni", cpumla_fill_avxvnni, NEED_AVXVNNI, cpumla_flags_avxvnni, cpumla_decode_operands_avx2, 1},
+    {"avxvnni", NULL, NEED_AVXVNNI, cpumla_flags_avxvnni, cpumla_decode_operands_avx2, 1},
     {"avx512f", cpumla_fill_avx512f, NEED_AVX512F, cpumla_flags_avx512f, cpumla_decode_operands_avx512f, 1},
-    {"avx512vnni", cpumla_fill_avx512vnni, NEED_AVX512VNNI, cpumla_flags_avx512vnni, cpumla_decode_operands_avx512f, 3},
+    {"avx512vnni", NULL, NEED_AVX512VNNI, cpumla_flags_avx512vnni, cpumla_decode_operands_avx512f, 3},
     {"avx512", cpumla_fill_avx512, NEED_AVX512, cpumla_flags_avx512, cpumla_decode_operands_avx512, 4},
     {"amx", cpumla_fill_amx, NEED_AMX, cpumla_flags_amx, cpumla_decode_operands_avx512, 5},
 #elif defined(__aarch64__)
@@ -262,7 +262,8 @@ static void fill_level(cpumla_kernels *k, int i) {
     int chain[N_ISAS];
     const int n = chain_of(i, chain);
     memset(k, 0, sizeof *k);
-    for (int j = 0; j < n; j++) isas[chain[j]].fill(k);
+    for (int j = 0; j < n; j++)
+        if (isas[chain[j]].fill) isas[chain[j]].fill(k);
     for (int j = 0; j < n; j++) cpumla_fill_quant(k, isas[chain[j]].name);
 }
 

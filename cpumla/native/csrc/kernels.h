@@ -182,18 +182,17 @@ enum cpumla_scratch_slot {
 };
 CPUMLA_INTERNAL void *cpumla_scratch(int slot, size_t bytes);
 
-/* Each implementation exports one function that overwrites the entries it provides. avx2, avx512 and
+/* Each implementation exports one function that overwrites the entries it provides (avxvnni and
+ * avx512vnni provide only q entries: their q fill, cpumla_fill_quant, is all they have). avx2, avx512 and
  * neon keep their row-wise and attention kernels apart from their linear algebra: their fill calls
  * the _rows one (and avx2's and avx512f's the _gemm one, their gemm being a file of its own). */
 void cpumla_fill_scalar(cpumla_kernels *k);
 void cpumla_fill_avx2(cpumla_kernels *k);
 void cpumla_fill_avx2_rows(cpumla_kernels *k);     /* avx2_rows.c; called by cpumla_fill_avx2 */
 void cpumla_fill_avx2_gemm(cpumla_kernels *k);     /* avx2_gemm.c; called by cpumla_fill_avx2 */
-void cpumla_fill_avxvnni(cpumla_kernels *k);      /* avxvnni_q.c: its fill is all in cpumla_fill_quant */
 void cpumla_fill_avx512f(cpumla_kernels *k);      /* avx512.c: AVX-512 F/BW/VL/DQ */
 void cpumla_fill_avx512_rows(cpumla_kernels *k);   /* avx512_rows.c; called by cpumla_fill_avx512f */
 void cpumla_fill_avx512_gemm(cpumla_kernels *k);   /* avx512_gemm.c; called by cpumla_fill_avx512f */
-void cpumla_fill_avx512vnni(cpumla_kernels *k);   /* avx512_q.c: its fill is all in cpumla_fill_quant */
 void cpumla_fill_avx512(cpumla_kernels *k);        /* avx512_bf16.c: + BF16/VBMI, over avx512vnni */
 void cpumla_fill_amx(cpumla_kernels *k);
 void cpumla_fill_neon(cpumla_kernels *k);

@@ -1,8 +1,9 @@
-/* x86_bytes.h: byte shuffles the x86 levels' FP4 packing shares (avx2_gemm.c, avx512_gemm.c), SSE2
- * only, so that it compiles under either file's flags. static inline only. */
+/* x86_bytes.h: the byte work the x86 levels' FP4 packing shares (avx2_gemm.c, avx512_gemm.c), SSE2 and
+ * SSSE3 only, so that it compiles under either file's flags. static inline only. */
 #ifndef CPUMLA_X86_BYTES_H
 #define CPUMLA_X86_BYTES_H
 #include <immintrin.h>
+#include "quant.h"
 
 /* o[k] = byte k of r[0], ..., r[15] (a 16 x 16 byte transpose in four unpack stages) */
 static inline __attribute__((always_inline)) void tr16x16_bytes(const __m128i r[16], __m128i o[16]) {
@@ -25,6 +26,28 @@ static inline __attribute__((always_inline)) void tr16x16_bytes(const __m128i r[
         o[2 * kp] = _mm_unpacklo_epi64(c[kp][0], c[kp][1]);
         o[2 * kp + 1] = _mm_unpackhi_epi64(c[kp][0], c[kp][1]);
     }
+}
+
+/* block b's 16 code bytes of rows r .. r + 15 into v (rows from nr on: zero, code 0, w2 = 0) and
+ * their scales as e8m0_half into wd[0 .. 16) (0 from nr on) */
+static inline __attribute__((always_inline)) void fp4_block_rows(const cpumla_weight *w, int64_t r, int nr, int64_t b,
+                                                                 __m128i v[16], float *wd) {
+    for (int i = 0; i < 16; i++) {
+        if (i < nr) {
+            v[i] = _mm_loadu_si128((const __m128i *)(weight_row(w, r + i) + b * 16));
+            wd[i] = e8m0_half(((const uint8_t *)q_scale_row(w, r + i))[b]);
+        } else {
+            v[i] = _mm_setzero_si128();
+            wd[i] = 0.0f;
+        }
+    }
+}
+
+/* the w2 (quant.h's e2m1_w2, int8) of the low and of the high nibbles of 16 code bytes */
+static inline __attribute__((always_inline)) void e2m1_w2_bytes(__m128i c, __m128i *lo, __m128i *hi) {
+    const __m128i tab = _mm_loadu_si128((const __m128i *)e2m1_w2), m4 = _mm_set1_epi8(15);
+    *lo = _mm_shuffle_epi8(tab, _mm_and_si128(c, m4));
+    *hi = _mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(c, 4), m4));
 }
 
 #endif
