@@ -21,6 +21,7 @@ import numpy as np
 from cpumla import native
 from cpumla.errors import CpumlaError
 from cpumla.models import deepseek_v2 as v2
+from cpumla.models import deepseek_v2_tensors as tables
 from cpumla.runtime import weights as W
 
 MODEL_TYPES = ("deepseek_v32",)
@@ -77,7 +78,7 @@ def indexer_names(cfg: Config, layer: int) -> dict[str, tuple[str, tuple[int, ..
 
 
 def tensors(cfg: Config) -> dict[str, tuple[tuple[int, ...], str]]:
-    out = v2.tensors(cfg)
+    out = tables.tensors(cfg)
     for layer in range(cfg.num_hidden_layers):
         for role, (name, shape) in indexer_names(cfg, layer).items():
             out[name] = (shape, INDEXER_KINDS[role])
@@ -88,18 +89,18 @@ INDEXER_KINDS = {"wq_b": "linear", "wk": "linear", "k_norm": "norm", "k_norm_bia
 
 
 def layer_shapes(cfg: Config, layer: int) -> list[tuple[tuple[int, ...], str, int]]:
-    return v2.layer_shapes(cfg, layer) + [(shape, INDEXER_KINDS[role], 1)
+    return tables.layer_shapes(cfg, layer) + [(shape, INDEXER_KINDS[role], 1)
                                           for role, (_, shape) in indexer_names(cfg, layer).items()]
 
 
 def weight_groups(cfg: Config) -> list[tuple[str, tuple[int, ...], str, int]]:
-    return v2.weight_groups(cfg, lambda layer: [(role, t, INDEXER_KINDS[role]) for role, t in indexer_names(cfg, layer).items()])
+    return tables.weight_groups(cfg, lambda layer: [(role, t, INDEXER_KINDS[role]) for role, t in indexer_names(cfg, layer).items()])
 
 
 def memory_bytes(cfg: Config, ctx: int, dtype: str, chunk: int = 512) -> dict[str, int]:
     """V3's, plus the index-key cache ([ctx, index_head_dim] fp32 per layer) and the indexer's scratch
     (index queries and keys of a chunk, one query chunk's scores, the selected rows)."""
-    b = v2.memory_bytes(cfg, ctx, dtype, chunk, shapes=layer_shapes)
+    b = tables.memory_bytes(cfg, ctx, dtype, chunk, shapes=layer_shapes)
     n, IH, ID = min(chunk, ctx), cfg.index_n_heads, cfg.index_head_dim
     b["cache"] += 4 * ID * ctx * cfg.num_hidden_layers
     b["scratch"] += 4 * (n * IH * ID + n * ID + n * IH + max(IH * ctx, 8 << 20) + 2 * ctx + n * cfg.index_topk + 3 * n)
