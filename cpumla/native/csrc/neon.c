@@ -22,6 +22,7 @@
 #include "common.h"
 #include "kernels.h"
 #include "neon_common.h"
+#include "quant.h"          /* e2m1_w2: 2 * the e2m1 value of each code */
 
 const char cpumla_flags_neon[] = CPUMLA_FLAGS;
 
@@ -56,12 +57,9 @@ static inline float32x4_t ld_e4m3_4(const uint8_t *p) {
 /* e4m3 -> value * 2^-8, scalar tails (matches the vector path exactly) */
 static inline float e4m3_scaled(uint8_t b) { return e4m3_to_f32(b) * 0.00390625f; }
 
-/* 2 * e2m1 value, indexed by the 4-bit code */
-static const int8_t e2m1_x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-
-static inline float e2m1_x2_at(const uint8_t *row, int64_t c) {
+static inline float e2m1_w2_at(const uint8_t *row, int64_t c) {
     uint8_t b = row[c >> 1];
-    return (float)e2m1_x2[(c & 1) ? (b >> 4) : (b & 15)];
+    return (float)e2m1_w2[(c & 1) ? (b >> 4) : (b & 15)];
 }
 
 static inline void s8x16_to_f32(int8x16_t v, float32x4_t o[4]) {
@@ -74,7 +72,7 @@ static inline void s8x16_to_f32(int8x16_t v, float32x4_t o[4]) {
 
 /* 16 bytes = 32 e2m1 columns -> even columns ev[0..3] and odd columns od[0..3], each 2 * value */
 static inline void ld_e2m1_32(const uint8_t *p, float32x4_t ev[4], float32x4_t od[4]) {
-    int8x16_t tab = vld1q_s8(e2m1_x2);
+    int8x16_t tab = vld1q_s8(e2m1_w2);
     uint8x16_t b = vld1q_u8(p);
     s8x16_to_f32(vqtbl1q_s8(tab, vandq_u8(b, vdupq_n_u8(15))), ev);
     s8x16_to_f32(vqtbl1q_s8(tab, vshrq_n_u8(b, 4)), od);
@@ -253,7 +251,7 @@ static void decode_unscaled(const cpumla_weight *w, int64_t r, int64_t c0, int64
         return;
     }
     case CPUMLA_E2M1:
-        if (c0 & 1) { out[0] = e2m1_x2_at(row, c0); c = 1; }
+        if (c0 & 1) { out[0] = e2m1_w2_at(row, c0); c = 1; }
         for (; c + 32 <= n; c += 32) {
             float32x4_t ev[4], od[4];
             ld_e2m1_32(row + ((c0 + c) >> 1), ev, od);
@@ -262,7 +260,7 @@ static void decode_unscaled(const cpumla_weight *w, int64_t r, int64_t c0, int64
                 vst2q_f32(out + c + 8 * k, v);
             }
         }
-        for (; c < n; c++) out[c] = e2m1_x2_at(row, c0 + c);
+        for (; c < n; c++) out[c] = e2m1_w2_at(row, c0 + c);
         return;
     default:
         for (; c < n; c++) out[c] = NAN;
@@ -408,7 +406,7 @@ static void axpy_row(const cpumla_weight *w, int64_t r, int64_t c0, int64_t n, f
         return;
     }
     case CPUMLA_E2M1:
-        if (c0 & 1) { y[0] += s * e2m1_x2_at(row, c0); c = 1; }
+        if (c0 & 1) { y[0] += s * e2m1_w2_at(row, c0); c = 1; }
         for (; c + 32 <= n; c += 32) {
             float32x4_t ev[4], od[4];
             ld_e2m1_32(row + ((c0 + c) >> 1), ev, od);
@@ -419,7 +417,7 @@ static void axpy_row(const cpumla_weight *w, int64_t r, int64_t c0, int64_t n, f
                 vst2q_f32(y + c + 8 * k, yv);
             }
         }
-        for (; c < n; c++) y[c] += s * e2m1_x2_at(row, c0 + c);
+        for (; c < n; c++) y[c] += s * e2m1_w2_at(row, c0 + c);
         return;
     default:
         for (; c < n; c++) y[c] = NAN;
