@@ -204,10 +204,14 @@ def _kernels(output, threads, formats, rows, cols, seconds, stream_mb, codes="ra
     for r in results:
         gemv = r.kernel == "gemv"
         rows_out.append([r.kernel, r.format, r.codes, r.shape, r.isa, f"{r.seconds * 1e6:.0f}",
-                         f"{r.gbs:.1f}" if gemv else "", f"{r.pct_probe:.0f}%" if gemv else "", f"{r.gflops:.1f}",
+                         f"{r.gbs:.1f}" if gemv else "", f"{r.pct_probe:.0f}%" if gemv else "",
+                         f"{r.cache_gbs:.1f}" if gemv else "", f"{r.gflops:.1f}",
                          "" if gemv else f"{r.pct_fma_peak:.0f}%"])
-    render.table(None, ["kernel", "weights", "codes", "shape", "impl", "us/call", "GB/s", "% of probe", "GFLOP/s",
-                        "% of FMA peak"], rows_out, right={5, 6, 7, 8, 9})
+    render.table(None, ["kernel", "weights", "codes", "shape", "impl", "us/call", "GB/s", "% of probe",
+                        "in cache GB/s", "GFLOP/s", "% of FMA peak"], rows_out, right={5, 6, 7, 8, 9, 10})
+    if any(r.kernel == "gemv" for r in results):
+        render.out.print("in cache GB/s: the GEMV over weights that stay in cache, the most its instructions "
+                         "read per second; below the probe, decode of that format is bound by the core")
     if checked:
         render.out.print()
         render.out.print("cpumla info --json:")

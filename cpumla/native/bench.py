@@ -3,7 +3,9 @@ the same run (the probe is what decode is bound by), and prefill GEMM GFLOP/s ne
 probe of the same run (what the GEMMs of every level but avx512's and amx's bf16 products are bound by).
 
 Each measurement cycles over enough copies of the weight that they cannot stay in the last-level
-cache, so every pass streams from memory as a real model's decode does.
+cache, so every pass streams from memory as a real model's decode does. Each GEMV is also timed over
+weights that stay in cache (gemv_in_cache): what its instructions allow with memory out of the way.
+Below the probe, that format's decode is bound by the core, not by memory.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 from cpumla import native
 
 STREAM_BYTES = 512 << 20        # copies of a weight add up to at least this much
+CACHE_BYTES = 512 << 10         # weight bytes per thread of the in-cache GEMV (half a 1 MiB L2)
 FORMATS = ("f32", "bf16", "f16", "e4m3", "e4m3-e8m0", "e2m1", "q8", "q4")
 # Which codes an FP8 / FP4 weight holds (--codes): random (every non-NaN code: 1/16 of e4m3 codes are
 # subnormals), only subnormal codes (e4m3 exponent field 0; e2m1's +-0.5), or only zero codes. A
@@ -39,6 +42,7 @@ class KernelResult:
     gflops: float
     fma_peak_gflops: float = 0.0   # GEMM: the fp32 FMA probe of the same run (all threads)
     pct_fma_peak: float = 0.0      # GEMM: gflops / fma_peak_gflops * 100
+    cache_gbs: float = 0.0         # GEMV: GB/s over weights that stay in cache (gemv_in_cache)
 
 
 def _codes(fmt: str, codes: str, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
@@ -125,6 +129,39 @@ def fma_peak(min_seconds: float = 0.3) -> float:
     return best
 
 
+def _best_pass(fn, min_seconds: float) -> float:
+    """Fastest seconds of one pass of fn() after a warm-up pass: in cache, other work on the machine
+    only ever slows a pass."""
+    fn()
+    best, start, n = float("inf"), time.perf_counter(), 0
+    while n < 5 or (time.perf_counter() - start < min_seconds and n < 2000):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        n += 1
+    return best
+
+
+def gemv_in_cache(fmt: str, cols: int, min_seconds: float, rng: np.random.Generator, codes: str = "random") -> float:
+    """GB/s of the GEMV over weights that stay in cache (about CACHE_BYTES per thread), timed at two row
+    counts so that what a call costs besides its rows (activation operands, the thread pool's wake-up)
+    drops out: the bytes of the extra rows over the extra time (where noise hides that difference, the
+    larger call's bytes over its time, which can only be lower)."""
+    per_row = random_weight(fmt, 1, cols, rng, codes).nbytes
+    big = max(64, CACHE_BYTES * native.get_threads() // per_row // 64 * 64)
+    small = big // 2
+    x = rng.standard_normal(cols, dtype=np.float32)
+    times, sizes = [], []
+    for rows in (small, big):
+        w, y = random_weight(fmt, rows, cols, rng, codes), np.empty(rows, np.float32)
+        times.append(_best_pass(lambda: native.gemv(w, x, y), min_seconds / 2))
+        sizes.append(w.nbytes)
+    extra = times[1] - times[0]
+    if extra <= 0:              # timing noise larger than the difference: the larger call's rate, from below
+        return sizes[1] / times[1] / 1e9
+    return (sizes[1] - sizes[0]) / extra / 1e9
+
+
 def gemv_bandwidth(fmt: str, rows: int, cols: int, min_seconds: float, probe_gbs: float,
                    rng: np.random.Generator, stream_bytes: int = STREAM_BYTES, codes: str = "random") -> KernelResult:
     first = random_weight(fmt, rows, cols, rng, codes)
@@ -141,7 +178,8 @@ def gemv_bandwidth(fmt: str, rows: int, cols: int, min_seconds: float, probe_gbs
     gbs = first.nbytes / sec / 1e9
     return KernelResult("gemv", fmt, codes if fmt in QUANTISED else "", f"{rows}x{cols}", native.get_threads(),
                         native.kernel_impl(f"gemv:{fmt.split('-')[0]}"),
-                        sec, gbs, 100.0 * gbs / probe_gbs, 2.0 * rows * cols / sec / 1e9)
+                        sec, gbs, 100.0 * gbs / probe_gbs, 2.0 * rows * cols / sec / 1e9,
+                        cache_gbs=gemv_in_cache(fmt, cols, min_seconds, rng, codes))
 
 
 def gemm_throughput(fmt: str, rows: int, cols: int, n: int, min_seconds: float,

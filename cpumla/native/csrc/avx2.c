@@ -113,63 +113,29 @@ INLINE const char *pf_at(const uint8_t *p0, const uint8_t *pi, int64_t pf, int l
 #ifndef PF_ROWS
 #define PF_ROWS 8
 #endif
+/* Plain rows (F32 / BF16 / F16) one at a time: the rows of a range are one sequential stream, with a
+ * software prefetch GEMV_PF_BYTES ahead of it (the hardware prefetchers stop at each page). A row is
+ * read 32 columns a step into four partial sums; the rows-four-at-a-time form (one x load for four
+ * rows) read 78-81% of the one-thread probe where this reads 86-91% (docs/benchmarks.md). */
+#ifndef GEMV_PF_BYTES
+#define GEMV_PF_BYTES 8192
+#endif
 INLINE void gemv_plain(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1, int dt) {
-    const int64_t K = w->cols, K16 = K & ~(int64_t)15;
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) {
-        const uint8_t *p0 = weight_row(w, r), *p1 = weight_row(w, r + 1);
-        const uint8_t *p2 = weight_row(w, r + 2), *p3 = weight_row(w, r + 3);
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    const int64_t K = w->cols, K32 = K & ~(int64_t)31, esz = dt == CPUMLA_F32 ? 4 : 2;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *p = weight_row(w, r);
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         int64_t c = 0;
-        const int64_t esz = dt == CPUMLA_F32 ? 4 : 2, pf = PF_ROWS * w->row_bytes;
-        const int lin = w->row_bytes == K * esz;
-        for (; c < K16; c += 16) {
-            __m256 x0 = _mm256_loadu_ps(x + c), x1 = _mm256_loadu_ps(x + c + 8);
-            if (PF_ON && ((c * esz) & 63) == 0) {
-                _mm_prefetch(pf_at(p0, p0, pf, lin, 0, c * esz), _MM_HINT_T0);
-                _mm_prefetch(pf_at(p0, p1, pf, lin, 1, c * esz), _MM_HINT_T0);
-                _mm_prefetch(pf_at(p0, p2, pf, lin, 2, c * esz), _MM_HINT_T0);
-                _mm_prefetch(pf_at(p0, p3, pf, lin, 3, c * esz), _MM_HINT_T0);
-            }
-            a0 = _mm256_fmadd_ps(ld_plain(p0, c, dt), x0, a0);
-            b0 = _mm256_fmadd_ps(ld_plain(p0, c + 8, dt), x1, b0);
-            a1 = _mm256_fmadd_ps(ld_plain(p1, c, dt), x0, a1);
-            b1 = _mm256_fmadd_ps(ld_plain(p1, c + 8, dt), x1, b1);
-            a2 = _mm256_fmadd_ps(ld_plain(p2, c, dt), x0, a2);
-            b2 = _mm256_fmadd_ps(ld_plain(p2, c + 8, dt), x1, b2);
-            a3 = _mm256_fmadd_ps(ld_plain(p3, c, dt), x0, a3);
-            b3 = _mm256_fmadd_ps(ld_plain(p3, c + 8, dt), x1, b3);
+        for (; c < K32; c += 32) {
+            for (int64_t b = 0; b < 32 * esz; b += 64) _mm_prefetch((const char *)p + c * esz + b + GEMV_PF_BYTES, _MM_HINT_T0);
+            a0 = _mm256_fmadd_ps(ld_plain(p, c, dt), _mm256_loadu_ps(x + c), a0);
+            a1 = _mm256_fmadd_ps(ld_plain(p, c + 8, dt), _mm256_loadu_ps(x + c + 8), a1);
+            a2 = _mm256_fmadd_ps(ld_plain(p, c + 16, dt), _mm256_loadu_ps(x + c + 16), a2);
+            a3 = _mm256_fmadd_ps(ld_plain(p, c + 24, dt), _mm256_loadu_ps(x + c + 24), a3);
         }
-        if (c + 8 <= K) {
-            __m256 x0 = _mm256_loadu_ps(x + c);
-            a0 = _mm256_fmadd_ps(ld_plain(p0, c, dt), x0, a0);
-            a1 = _mm256_fmadd_ps(ld_plain(p1, c, dt), x0, a1);
-            a2 = _mm256_fmadd_ps(ld_plain(p2, c, dt), x0, a2);
-            a3 = _mm256_fmadd_ps(ld_plain(p3, c, dt), x0, a3);
-            c += 8;
-        }
-        float t[4];
-        _mm_storeu_ps(t, hsum4x8(_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1), _mm256_add_ps(a2, b2),
-                                 _mm256_add_ps(a3, b3)));
-        for (; c < K; c++) {
-            t[0] += at_plain(p0, c, dt) * x[c];
-            t[1] += at_plain(p1, c, dt) * x[c];
-            t[2] += at_plain(p2, c, dt) * x[c];
-            t[3] += at_plain(p3, c, dt) * x[c];
-        }
-        memcpy(y + (r - r0), t, sizeof t);
-    }
-    for (; r < r1; r++) {
-        const uint8_t *p0 = weight_row(w, r);
-        __m256 a0 = _mm256_setzero_ps(), b0 = a0;
-        int64_t c = 0;
-        for (; c < K16; c += 16) {
-            a0 = _mm256_fmadd_ps(ld_plain(p0, c, dt), _mm256_loadu_ps(x + c), a0);
-            b0 = _mm256_fmadd_ps(ld_plain(p0, c + 8, dt), _mm256_loadu_ps(x + c + 8), b0);
-        }
-        if (c + 8 <= K) { a0 = _mm256_fmadd_ps(ld_plain(p0, c, dt), _mm256_loadu_ps(x + c), a0); c += 8; }
-        float t = hsum8(_mm256_add_ps(a0, b0));
-        for (; c < K; c++) t += at_plain(p0, c, dt) * x[c];
+        for (; c + 8 <= K; c += 8) a0 = _mm256_fmadd_ps(ld_plain(p, c, dt), _mm256_loadu_ps(x + c), a0);
+        float t = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+        for (; c < K; c++) t += at_plain(p, c, dt) * x[c];
         y[r - r0] = t;
     }
 }

@@ -84,7 +84,13 @@ static void dequant_row_avx512(const cpumla_weight *w, int64_t r, int64_t c0, in
 
 /* ---- gemv --------------------------------------------------------------------------------------- */
 /* R rows (1..4) at once so each x load serves all of them; one block at a time (the whole row when
- * unblocked), two partial sums per row per block for latency. */
+ * unblocked), two partial sums per row per block for latency. F16 / BF16 run it one row at a time
+ * (R = 1, pf the row itself + GEMV_PF_BYTES): the rows of a range are then one sequential stream with a
+ * software prefetch ahead of it, which read 93-95% of the one-thread probe where groups of 4 rows read
+ * 73-76% (docs/benchmarks.md). */
+#ifndef GEMV_PF_BYTES
+#define GEMV_PF_BYTES 8192
+#endif
 INLINE void gemv_rows(const cpumla_weight *w, const float *x, float *y, int64_t r, int R, int32_t dt,
                       const uint8_t *pf) {
     const uint8_t *rp[4];
@@ -216,12 +222,11 @@ static void gemv_avx512(const cpumla_weight *w, const float *x, float *y, int64_
         float *xr = cpumla_scratch(CPUMLA_SCRATCH_AVX512F_XR, sizeof(float) * (size_t)(w->cols + 16));
         if (!xr) return;                             /* out of memory: the call fails */
         bf16_rows(x, 0, 1, w->cols, xr, 0);
-        GEMV_DISPATCH(gemv_rows(w, xr, y + (r - r0), r, 4, CPUMLA_BF16, pf_rows(w, r, r1)),
-                      gemv_rows(w, xr, y + (r - r0), r, 1, CPUMLA_BF16, pf_rows(w, r, r1)));
+        for (int64_t r = r0; r < r1; r++) gemv_rows(w, xr, y + (r - r0), r, 1, CPUMLA_BF16, weight_row(w, r) + GEMV_PF_BYTES);
         return;
     }
     case CPUMLA_F16:
-        GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_F16, pf_rows(w, r, r1)), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F16, pf_rows(w, r, r1)));
+        for (int64_t r = r0; r < r1; r++) gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F16, weight_row(w, r) + GEMV_PF_BYTES);
         return;
     case CPUMLA_E4M3:
         if (w->block_rows > 0 && w->block_cols > 0) { gemv_e4m3(w, x, y, r0, r1); return; }
