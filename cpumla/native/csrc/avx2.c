@@ -105,8 +105,9 @@ INLINE const char *pf_at(const uint8_t *p0, const uint8_t *pi, int64_t pf, int l
     return (const char *)(lin ? p0 + pf + 4 * off + 64 * i : pi + off + pf);
 }
 
-/* Software prefetch of the row group PF_ROWS rows ahead, at the same column: each group starts four
- * new streams, which the hardware prefetchers pick up too late on their own. */
+/* Software prefetch of the E4M3 row groups (gemv_e4m3_rows): the group PF_ROWS rows ahead, at the same
+ * column: each group starts four new streams, which the hardware prefetchers pick up too late on their
+ * own. */
 #ifndef PF_ON
 #define PF_ON 1
 #endif
@@ -114,12 +115,9 @@ INLINE const char *pf_at(const uint8_t *p0, const uint8_t *pi, int64_t pf, int l
 #define PF_ROWS 8
 #endif
 /* Plain rows (F32 / BF16 / F16) one at a time: the rows of a range are one sequential stream, with a
- * software prefetch GEMV_PF_BYTES ahead of it (the hardware prefetchers stop at each page). A row is
- * read 32 columns a step into four partial sums; the rows-four-at-a-time form (one x load for four
- * rows) read 78-81% of the one-thread probe where this reads 86-91% (docs/benchmarks.md). */
-#ifndef GEMV_PF_BYTES
-#define GEMV_PF_BYTES 8192
-#endif
+ * software prefetch GEMV_PF_BYTES ahead of it (common.h). A row is read 32 columns a step into four
+ * partial sums; the rows-four-at-a-time form (one x load for four rows) read 78-85% of the one-thread
+ * probe where this reads 91-96% (docs/benchmarks.md). */
 INLINE void gemv_plain(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1, int dt) {
     const int64_t K = w->cols, K32 = K & ~(int64_t)31, esz = dt == CPUMLA_F32 ? 4 : 2;
     for (int64_t r = r0; r < r1; r++) {

@@ -85,12 +85,9 @@ static void dequant_row_avx512(const cpumla_weight *w, int64_t r, int64_t c0, in
 /* ---- gemv --------------------------------------------------------------------------------------- */
 /* R rows (1..4) at once so each x load serves all of them; one block at a time (the whole row when
  * unblocked), two partial sums per row per block for latency. F16 / BF16 run it one row at a time
- * (R = 1, pf the row itself + GEMV_PF_BYTES): the rows of a range are then one sequential stream with a
- * software prefetch ahead of it, which read 93-95% of the one-thread probe where groups of 4 rows read
- * 73-76% (docs/benchmarks.md). */
-#ifndef GEMV_PF_BYTES
-#define GEMV_PF_BYTES 8192
-#endif
+ * (R = 1, pf the row itself + GEMV_PF_BYTES, common.h): the rows of a range are then one sequential
+ * stream with a software prefetch ahead of it, which read 93-98% of the one-thread probe where groups
+ * of 4 rows read 73-79% (docs/benchmarks.md). */
 INLINE void gemv_rows(const cpumla_weight *w, const float *x, float *y, int64_t r, int R, int32_t dt,
                       const uint8_t *pf) {
     const uint8_t *rp[4];

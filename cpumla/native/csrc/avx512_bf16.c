@@ -60,10 +60,6 @@ INLINE __m512bh ld_bh(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512(p
 INLINE __m512bh ld_bh_tail(const uint16_t *p, int64_t n) { return (__m512bh)_mm512_maskz_loadu_epi16(mask32(n), p); }
 
 /* ---- gemv --------------------------------------------------------------------------------------- */
-#ifndef GEMV_PF_BYTES
-#define GEMV_PF_BYTES 8192     /* gemv: software prefetch distance along the row stream (bf16 and E4M3) */
-#endif
-
 /* y = row r . xb, the row read in order 64 columns (128 bytes) a step, two prefetches GEMV_PF_BYTES
  * ahead; xb is zero-padded past K */
 INLINE float gemv_row(const cpumla_weight *w, const uint16_t *xb, int64_t r) {

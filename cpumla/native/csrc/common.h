@@ -15,6 +15,13 @@
  * called directly rather than through the PLT. */
 #define CPUMLA_INTERNAL __attribute__((visibility("hidden")))
 
+/* The software prefetch distance of the GEMVs that read a thread's rows one at a time, as one stream
+ * (avx2.c and avx512.c's plain weights, avx512_bf16.c's bf16 and E4M3): the hardware prefetchers stop
+ * at each page. */
+#ifndef GEMV_PF_BYTES
+#define GEMV_PF_BYTES 8192
+#endif
+
 static inline float f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t bits_from_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 
