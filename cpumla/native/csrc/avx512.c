@@ -189,13 +189,6 @@ INLINE void gemv_e4m3_rows(const cpumla_weight *w, const float *xs, float *y, in
     UNROLL for (int i = 0; i < R; i++) y[i] = _mm512_reduce_add_ps(_mm512_add_ps(a0[i], a1[i]));
 }
 
-#define GEMV_DISPATCH(call4, call1)                      \
-    do {                                                 \
-        int64_t r = r0;                                  \
-        for (; r + 4 <= r1; r += 4) call4;               \
-        for (; r < r1; r++) call1;                       \
-    } while (0)
-
 static void gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
     float *xs = cpumla_scratch(CPUMLA_SCRATCH_AVX512F_XR, sizeof(float) * (size_t)(w->cols + 16));
     if (!xs) return;
@@ -212,9 +205,12 @@ static void (*prev_gemv)(const cpumla_weight *, const float *, float *, int64_t,
 
 static void gemv_avx512(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
     switch (w->dtype) {
-    case CPUMLA_F32:
-        GEMV_DISPATCH(gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_F32, 0), gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F32, 0));
+    case CPUMLA_F32: {                                /* groups of 4 rows, no software prefetch */
+        int64_t r = r0;
+        for (; r + 4 <= r1; r += 4) gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_F32, 0);
+        for (; r < r1; r++) gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F32, 0);
         return;
+    }
     case CPUMLA_BF16: {
         float *xr = cpumla_scratch(CPUMLA_SCRATCH_AVX512F_XR, sizeof(float) * (size_t)(w->cols + 16));
         if (!xr) return;                             /* out of memory: the call fails */
