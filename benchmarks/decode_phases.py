@@ -9,7 +9,7 @@ right before and after, and is filed under the phase its probe reads. It prints 
 GB/s / probe GB/s per phase. To compare two builds, run this alternately with each on PYTHONPATH
 (e.g. a clone at the old commit built with `python3 setup.py build_ext --inplace`) and compare the
 same phase's rows. The model is cpumla's dummy-weight model (`--layers` layers), as `cpumla bench`
-builds it.
+builds it; `--quant q8|q4` quantizes it as it loads.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="deepseek-ai/DeepSeek-V2-Lite")
     ap.add_argument("--dummy-dtype", default="bf16", choices=["bf16", "fp8"])
+    ap.add_argument("--quant", choices=["q8", "q4"], help="quantize the weights as they load")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hf-overrides", default="{}", help="JSON merged into the config (after --layers)")
     ap.add_argument("--seconds", type=float, default=110.0, help="how long to take samples")
@@ -43,7 +44,7 @@ def main(argv=None) -> None:
         ap.error("--tokens and --threads must be at least 1")
     try:                                        # the CLI's parsing and messages for bad input
         overrides = parse_hf_overrides(a.hf_overrides)
-        eng = cpumla.load(a.model, dummy_weights=True, dummy_dtype=a.dummy_dtype,
+        eng = cpumla.load(a.model, dummy_weights=True, dummy_dtype=a.dummy_dtype, quant=a.quant,
                           hf_overrides={"num_hidden_layers": a.layers, **overrides})
     except CpumlaError as e:
         ap.error(str(e))
@@ -66,7 +67,8 @@ def main(argv=None) -> None:
 
     s = np.array(samples)
     phases = {"slow": s[:, 1] < a.slow_below, "fast": s[:, 1] > a.fast_above, "all": np.ones(len(s), bool)}
-    out = {"model": a.model, "dummy_dtype": a.dummy_dtype, "isa": native.isa(), "tokens_per_sample": a.tokens}
+    out = {"model": a.model, "dummy_dtype": a.dummy_dtype, "quant": a.quant, "isa": native.isa(),
+           "tokens_per_sample": a.tokens, "bytes_per_token": per_token}
     for name, m in phases.items():
         out[name] = {"samples": int(m.sum()),
                      "pct_probe": float(100 * np.mean(s[m, 0] / s[m, 1])) if m.any() else None,
@@ -74,7 +76,8 @@ def main(argv=None) -> None:
     if a.json:
         print(json.dumps(out))
         return
-    print(f"{a.model} ({a.dummy_dtype}, {a.layers} layers, {native.isa()}), {per_token / 1e6:.0f} MB per token")
+    weights = a.dummy_dtype + (f" as {a.quant}" if a.quant else "")
+    print(f"{a.model} ({weights}, {a.layers} layers, {native.isa()}), {per_token / 1e6:.0f} MB per token")
     for name in phases:
         r = out[name]
         if r["samples"]:

@@ -75,18 +75,23 @@ def _decode_phases():
 
 def test_decode_phases_script(capsys):
     """benchmarks/decode_phases.py on a shrunk model: samples taken, each filed under a phase, and a
-    decode share of the probe that is a positive number."""
+    decode share of the probe that is a positive number; with --quant q4 the weights are quantized (a
+    token reads fewer bytes than the same model in bf16)."""
     import json
 
     from cpumla.runtime.smoke import SHRINK
 
     mod = _decode_phases()
-    mod.main(["--seconds", "1", "--tokens", "4", "--layers", "2", "--json",
-              "--hf-overrides", json.dumps({**SHRINK, "vocab_size": 1000})])
-    out = json.loads(capsys.readouterr().out)
-    assert out["all"]["samples"] >= 1
-    assert out["slow"]["samples"] + out["fast"]["samples"] <= out["all"]["samples"]
-    assert 0 < out["all"]["pct_probe"] < float("inf")
+    outs = {}
+    for quant in ([], ["--quant", "q4"]):
+        mod.main(["--seconds", "1", "--tokens", "4", "--layers", "2", "--json", *quant,
+                  "--hf-overrides", json.dumps({**SHRINK, "vocab_size": 1000})])
+        out = json.loads(capsys.readouterr().out)
+        assert out["all"]["samples"] >= 1
+        assert out["slow"]["samples"] + out["fast"]["samples"] <= out["all"]["samples"]
+        assert 0 < out["all"]["pct_probe"] < float("inf")
+        outs[out["quant"]] = out["bytes_per_token"]
+    assert 0 < outs["q4"] < 0.5 * outs[None]
 
 
 @pytest.mark.parametrize("args,words", [(["--hf-overrides", "[1]"], "must be a JSON object"),

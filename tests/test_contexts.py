@@ -164,8 +164,10 @@ def expected_owner(isa, kernel, fmt):
             return "scalar"
         if isa == "neon":
             return None if kernel != "head_gemv_t" else "scalar"
-        if kernel == "head_gemv_t" or isa in ("avx2", "avx512f"):
-            return "avx2"                    # avx512f has no q kernels of its own: avx2's serve
+        if kernel == "head_gemv_t":          # avx2_q.c's; avx512f_q.c's from avx512f up
+            return "avx2" if isa in ("avx2", "avxvnni") else "avx512f"
+        if isa in ("avx2", "avx512f"):
+            return "avx2"                    # avx512f has no q products of its own: avx2's serve
         if isa == "avxvnni":
             return "avxvnni"                 # avx2_q.c with vpdpbusd on ymm
         return "avx512vnni"                  # avx512_q.c, vpdpbusd on zmm: avx512vnni, avx512 and amx

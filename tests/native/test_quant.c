@@ -418,9 +418,9 @@ void test_quant(const cpumla_kernels *k) {
                 free(x);
                 free(y);
             }
-            /* gemv_t over rows [r0, r0 + nr) and columns [c0, c1), c0 inside a block */
+            /* gemv_t over rows [r0, r0 + nr) and columns [c0, c1), c0 inside a block, neither a multiple of 8 */
             {
-                int64_t r0 = R / 3, nr = R - R / 3, c0 = C > 32 ? 16 : 0, c1 = C - (C > 64 ? 8 : 0), nc = c1 - c0;
+                int64_t r0 = R / 3, nr = R - R / 3, c0 = C > 32 ? 13 : 0, c1 = C - (C > 64 ? 5 : 0), nc = c1 - c0;
                 float *x = make_vec(nr, 1.0f);
                 float *y = xalloc(sizeof(float) * (size_t)(nc + 4));
                 for (int64_t i = 0; i < nc + 4; i++) y[i] = QSENT;

@@ -1,11 +1,12 @@
-/* avx512f_q.c: cpumla_quantize's quantize_row with AVX-512 F/BW/VL/DQ (compiled as avx512.c is).
- * Bit-identical to scalar_q.c's spec. 16 blocks at a time: their maxima land in one vector (a
- * transposing max tree), so the scale work is done once per 16 blocks with the same IEEE operations:
- * fp32 division, fp32 -> fp16 by vcvtps2ph with round-to-nearest-even (f32_to_f16 exactly, subnormal
- * and overflowing results included; tests/native/test_quant.c checks every fp32 input of the range),
- * fp16 -> fp32 (exact), and 1 / d. The codes are v * id in fp32 rounded to nearest even by vcvtps2dq
- * (the spec's magic-number round under the same MXCSR mode, exact for |v * id| < 2^22), then clamped
- * as integers (the same as clamping the rounded float). */
+/* avx512f_q.c: cpumla_quantize's quantize_row and the Q8 / Q4 gemv_t (the MLA absorb of a quantized
+ * kv_b) with AVX-512 F/BW/VL/DQ (compiled as avx512.c is). quantize_row is bit-identical to scalar_q.c's
+ * spec. 16 blocks at a time: their maxima land in one vector (a transposing max tree), so the scale
+ * work is done once per 16 blocks with the same IEEE operations: fp32 division, fp32 -> fp16 by
+ * vcvtps2ph with round-to-nearest-even (f32_to_f16 exactly, subnormal and overflowing results
+ * included; tests/native/test_quant.c checks every fp32 input of the range), fp16 -> fp32 (exact), and
+ * 1 / d. The codes are v * id in fp32 rounded to nearest even by vcvtps2dq (the spec's magic-number
+ * round under the same MXCSR mode, exact for |v * id| < 2^22), then clamped as integers (the same as
+ * clamping the rounded float). */
 #include <immintrin.h>
 #include <stdint.h>
 #include "common.h"
@@ -126,7 +127,80 @@ static void quantize_row_avx512f(int32_t dtype, const float *row, int64_t nb, ui
     }
 }
 
+/* gemv_t for Q8 / Q4 (kernels.h): y[c - c0] += (x[i] * wd) * wq, rows in order, four at a time, as
+ * avx2_q.c's: y is loaded and stored once per 16 columns for four rows, whose FMAs run in row order;
+ * Q4's nibbles become fp32 through a 16-entry vpermps table (code - 8), Q8's codes through vpmovsxbd
+ * and vcvtdq2ps; the scales of 16 blocks are widened by one vcvtph2ps (exact); the first rows and then
+ * the rows QT_PF_ROWS ahead are prefetched. Columns of a block cut by c0 or c1 take a scalar loop. */
+static void gemv_t_q_avx512f(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y, int64_t c0,
+                             int64_t c1) {
+    const int q4 = w->dtype == CPUMLA_Q4;
+    const int64_t b1 = (c1 + QK - 1) / QK;
+    const __m512 tab = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t c = c0; c < c1; c++) y[c - c0] = 0.0f;
+    for (int64_t i0 = 0; i0 < nr; i0 += 4) {
+        const int R = nr - i0 < 4 ? (int)(nr - i0) : 4;
+        qt_prefetch(w, r0, i0, nr, c0 / QK, b1);
+        const uint8_t *rp[4];
+        for (int i = 0; i < 4; i++) rp[i] = weight_row(w, r0 + i0 + (i < R ? i : 0));
+        for (int64_t b16 = c0 / QK; b16 < b1; b16 += 16) {
+            const int nbk = b1 - b16 < 16 ? (int)(b1 - b16) : 16;
+            float xs[4][16];
+            for (int i = 0; i < R; i++) {
+                const int64_t r = r0 + i0 + i;
+                if (nbk == 16) {
+                    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w->scale + r * w->scale_ld + b16));
+                    _mm512_storeu_ps(xs[i], _mm512_mul_ps(_mm512_set1_ps(x[i0 + i]), _mm512_cvtph_ps(h)));
+                } else {
+                    for (int k = 0; k < nbk; k++) xs[i][k] = x[i0 + i] * q_scale(w, r, b16 + k);
+                }
+            }
+            for (int k = 0; k < nbk; k++) {
+                const int64_t b = b16 + k;
+                __m512 f[4][2];
+                for (int i = 0; i < R; i++) {
+                    const uint8_t *row = rp[i];
+                    if (q4) {               /* code j: the low nibble of byte j, code 16 + j its high nibble */
+                        const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + 16 * b)));
+                        f[i][0] = _mm512_permutexvar_ps(_mm512_and_si512(d, _mm512_set1_epi32(15)), tab);
+                        f[i][1] = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), tab);
+                    } else {
+                        f[i][0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 32 * b))));
+                        f[i][1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 32 * b + 16))));
+                    }
+                }
+                if (R == 4 && b * QK >= c0 && (b + 1) * QK <= c1) {       /* the common case, unrolled */
+                    float *yb = y + (b * QK - c0);
+                    __m512 a0 = _mm512_loadu_ps(yb), a1 = _mm512_loadu_ps(yb + 16);
+                    for (int i = 0; i < 4; i++) {
+                        a0 = _mm512_fmadd_ps(_mm512_set1_ps(xs[i][k]), f[i][0], a0);
+                        a1 = _mm512_fmadd_ps(_mm512_set1_ps(xs[i][k]), f[i][1], a1);
+                    }
+                    _mm512_storeu_ps(yb, a0);
+                    _mm512_storeu_ps(yb + 16, a1);
+                    continue;
+                }
+                for (int h = 0; h < 2; h++) {
+                    const int64_t cs = b * QK + 16 * h;                    /* the vector's first column */
+                    if (cs >= c0 && cs + 16 <= c1) {
+                        __m512 acc = _mm512_loadu_ps(y + (cs - c0));
+                        for (int i = 0; i < R; i++) acc = _mm512_fmadd_ps(_mm512_set1_ps(xs[i][k]), f[i][h], acc);
+                        _mm512_storeu_ps(y + (cs - c0), acc);
+                    } else if (cs + 16 > c0 && cs < c1) {                  /* a block cut by c0 or c1 */
+                        float v[4][16];
+                        for (int i = 0; i < R; i++) _mm512_storeu_ps(v[i], f[i][h]);
+                        for (int64_t c = cs > c0 ? cs : c0; c < cs + 16 && c < c1; c++)
+                            for (int i = 0; i < R; i++) y[c - c0] += xs[i][k] * v[i][c - cs];
+                    }
+                }
+            }
+        }
+    }
+}
+
 void cpumla_fill_avx512f_q(cpumla_kernels *k) {
     k->quantize_row = quantize_row_avx512f;
+    k->gemv_t_q = gemv_t_q_avx512f;
+    for (int f = CPUMLA_Q8; f <= CPUMLA_Q4; f++) k->who_fmt[K_GEMV_T][f] = "avx512f";
     cpumla_fill_avx512f_int(k);        /* avx512f_qi.c: E2M1's integer products */
 }

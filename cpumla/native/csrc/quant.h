@@ -90,6 +90,21 @@ static inline const void *q_scale_row(const cpumla_weight *w, int64_t r) {
     return (const uint16_t *)w->scale + r * w->scale_ld;
 }
 
+/* gemv_t's software prefetch for Q8 / Q4 (avx2_q.c, avx512f_q.c): their groups of four rows read a
+ * block of each row at a time, not a stream the hardware prefetchers follow. For the group at row i0
+ * of [0, nr): rows [i0 + QT_PF_ROWS, i0 + QT_PF_ROWS + 4), and at the first group the rows before
+ * those too; of each, blocks [b0, b1) and the line where its scales start. Always inlined: GCC takes a
+ * function that only prefetches for one without effects and drops its calls. */
+#define QT_PF_ROWS 8
+static inline __attribute__((always_inline)) void qt_prefetch(const cpumla_weight *w, int64_t r0, int64_t i0, int64_t nr, int64_t b0, int64_t b1) {
+    const int64_t bb = w->dtype == CPUMLA_Q4 ? QK / 2 : QK;     /* weight bytes a block */
+    for (int64_t i = i0 ? i0 + QT_PF_ROWS : 0; i < i0 + QT_PF_ROWS + 4 && i < nr; i++) {
+        const char *p = (const char *)weight_row(w, r0 + i);
+        for (int64_t o = b0 * bb; o < b1 * bb; o += 64) __builtin_prefetch(p + o, 0, 3);
+        __builtin_prefetch((const uint16_t *)q_scale_row(w, r0 + i) + b0, 0, 3);
+    }
+}
+
 /* the scale wd of block b of row r: the fp16 scale (Q8 / Q4), e8m0_half (E2M1) */
 static inline float q_scale(const cpumla_weight *w, int64_t r, int64_t b) {
     if (w->dtype == CPUMLA_E2M1) return e8m0_half(((const uint8_t *)q_scale_row(w, r))[b]);
