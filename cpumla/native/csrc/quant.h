@@ -96,7 +96,8 @@ static inline const void *q_scale_row(const cpumla_weight *w, int64_t r) {
  * those too; of each, blocks [b0, b1) and the line where its scales start. Always inlined: GCC takes a
  * function that only prefetches for one without effects and drops its calls. */
 #define QT_PF_ROWS 8
-static inline __attribute__((always_inline)) void qt_prefetch(const cpumla_weight *w, int64_t r0, int64_t i0, int64_t nr, int64_t b0, int64_t b1) {
+static inline __attribute__((always_inline)) void qt_prefetch(const cpumla_weight *w, int64_t r0, int64_t i0,
+                                                              int64_t nr, int64_t b0, int64_t b1) {
     const int64_t bb = w->dtype == CPUMLA_Q4 ? QK / 2 : QK;     /* weight bytes a block */
     for (int64_t i = i0 ? i0 + QT_PF_ROWS : 0; i < i0 + QT_PF_ROWS + 4 && i < nr; i++) {
         const char *p = (const char *)weight_row(w, r0 + i);
