@@ -97,6 +97,7 @@ def test_decode_phases_script(capsys):
 @pytest.mark.parametrize("args,words", [(["--hf-overrides", "[1]"], "must be a JSON object"),
                                         (["--hf-overrides", "{bad"], "not valid JSON"),
                                         (["--tokens", "0"], "at least 1"),
+                                        (["--quant", "q3"], "invalid choice: 'q3'"),
                                         (["--model", "nope/nope"], "not a local directory")])
 def test_decode_phases_bad_input(capsys, args, words):
     """Bad input to the script: usage error (exit 2) with one line naming the problem, no traceback."""
