@@ -86,6 +86,41 @@ def test_head_gemv_q_absorb_unabsorb(isa, fmt, n):
         assert_close(got[:, h], want, mag, what=f"un-absorb {fmt} {isa} head {h}")
 
 
+@pytest.mark.parametrize("fmt", ["q8", "q4", "mixed"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_moe_q_one_token(isa, fmt, threads):
+    """cpumla_moe of one token over q8 / q4 experts (one job quantizes the token once for every gate and
+    up task, then each expert's SwiGLU once for its down tasks; a table mixing q8 and q4 quantizes per
+    task), against float64 experts: gate and up as kernels.h computes them, down within the activation
+    rounding bound of the exact product."""
+    rng = np.random.default_rng(31)
+    E, D, I, k = 6, 256, 160, 4
+    fmts = [("q8" if e % 2 else "q4") if fmt == "mixed" else fmt for e in range(E)]
+    built = [[build(fmts[e], r, c, rng) for r, c in ((I, D), (I, D), (D, I))] for e in range(E)]
+    table = native.Experts([tuple(w for w, _ in ex) for ex in built])
+    x = rng.standard_normal((1, D)).astype(np.float32)
+    idx = np.array([[4, -1, 1, 2]], np.int32)
+    wt = rng.uniform(0.2, 1.0, size=(1, k)).astype(np.float32)
+    y0 = rng.standard_normal((1, D)).astype(np.float32)
+    native.set_threads(threads)
+    try:
+        got = table(x, idx, wt, y0.copy())[0]
+    finally:
+        native.set_threads(None)
+    want, bound = y0[0].astype(np.float64), np.zeros(D)
+    for j, e in enumerate(idx[0]):
+        if e < 0:
+            continue
+        (_, G), (_, U), (_, Dn) = built[e]
+        g, u = G(x[0])[0], U(x[0])[0]
+        h = g / (1 + np.exp(-g)) * u
+        want += wt[0, j] * (Dn.W @ h)
+        _, mag = Dn(h.astype(np.float32))
+        bound += wt[0, j] * (Dn.error_bound(h.astype(np.float32)) + 1e-4 * mag)
+    err = np.abs(got - want)
+    assert np.isfinite(got).all() and (err <= bound).all(), f"{fmt} {isa} {threads}: worst {(err / bound).max():.3g}"
+
+
 @pytest.mark.parametrize("case", Q_CASES[:7:3] + Q_CASES[7::3], ids=qid)
 def test_dequant_q_exact(isa, case):
     rng = np.random.default_rng(13)

@@ -1,8 +1,12 @@
 /* test_context.c: contexts, the library lock and failure as a value (cpumla_ctx_new / enter / leave,
- * CPUMLA_SCRATCH_LIMIT, two threads calling at once), run by test_api.c under each implementation. */
+ * CPUMLA_SCRATCH_LIMIT, two threads calling at once), and the pool's span jobs, run by test_api.c under
+ * each implementation. */
 #include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
 #include "kernels.h"
 #include "ref.h"
+#include "threadpool.h"
 
 /* ---- contexts, the library lock, failure as a value -------------------------------------------- */
 /* cpumla_ctx_new / enter / leave / free nesting: which buffer cpumla_scratch hands out at each level */
@@ -114,7 +118,65 @@ static void test_threads(void) {
     free_weight(&t1); free_weight(&t2);
 }
 
+/* cpumla_pool_run_spans: every task runs once; a thread takes the tasks of its own span in order from
+ * its front; a thread held up in its first task has the rest of its span taken from the back by the
+ * others. */
+enum { SPAN_MAX = 1000 };
+typedef struct {
+    atomic_int runs[SPAN_MAX];
+    int tid_of[SPAN_MAX];
+    atomic_int seq;
+    int order[SPAN_MAX];          /* order[task]: when it started, over the whole job */
+    int64_t slow_task;            /* this task sleeps 10 ms (-1: none) */
+} span_log;
+
+static void span_task(void *p, int64_t t, int tid) {
+    span_log *l = p;
+    l->order[t] = atomic_fetch_add(&l->seq, 1);
+    l->tid_of[t] = tid;
+    if (t == l->slow_task) nanosleep(&(struct timespec){0, 10000000}, NULL);
+    atomic_fetch_add(&l->runs[t], 1);
+}
+
+static void test_pool_spans(void) {
+    static span_log l;
+    const int T = cpumla_pool_threads();
+    const int64_t sizes[] = {1, 2, 3, 4, 5, 7, 64, SPAN_MAX};
+    for (int slow = 0; slow < 2; slow++)
+        for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
+            const int64_t n = sizes[si];
+            if (slow && n / T < 8) continue;
+            memset(&l, 0, sizeof l);
+            l.slow_task = slow ? 0 : -1;
+            case_begin();
+            cpumla_pool_run_spans(n, span_task, &l);
+            int once = 1, in_order = 1, stolen = 0;
+            for (int64_t t = 0; t < n; t++) once &= atomic_load(&l.runs[t]) == 1;
+            for (int s = 0; s < T; s++) {
+                const int64_t f = n * s / T, b = n * (s + 1) / T;
+                /* the owner's tasks of its span: a prefix of it, started in order */
+                int64_t prev = -1, owned = 0;
+                for (int64_t t = f; t < b; t++) {
+                    if (l.tid_of[t] != s) continue;
+                    in_order &= t == f + owned && (prev < 0 || l.order[t] > l.order[prev]);
+                    prev = t;
+                    owned++;
+                }
+                if (s == 0) stolen = (int)(b - f - owned);
+            }
+            check(once, "pool spans, %lld tasks on %d threads: every task once", (long long)n, T);
+            check(T == 1 || n == 1 || in_order, "pool spans, %lld tasks on %d threads: each thread takes its own span "
+                  "front to back", (long long)n, T);
+            /* thread 0 sleeps in task 0: the others finish their spans and take the rest of span 0 */
+            if (slow && T > 1)
+                check(stolen >= n / T - 2, "pool spans, %lld tasks on %d threads, thread 0 held up: %d of its "
+                      "%lld tasks taken by the others", (long long)n, T, stolen, (long long)(n / T));
+            case_end();
+        }
+}
+
 void test_api_context(void) {
+    test_pool_spans();
     test_ctx_nesting();
     test_scratch_failure();
     test_threads();

@@ -178,6 +178,7 @@ enum cpumla_scratch_slot {
     CPUMLA_SCRATCH_AVX512_GT,        /* avx512_bf16.c: gemv_t sums */
     CPUMLA_SCRATCH_AMX_PANEL,        /* amx.c: packed weight panel */
     CPUMLA_SCRATCH_QX,               /* quant.c: quantized activations of a Q8 / Q4 product */
+    CPUMLA_SCRATCH_QX_JOB,           /* ops.c, moe.c: a GEMV job's quantized activations, for all its tasks */
     CPUMLA_SCRATCH_COUNT
 };
 CPUMLA_INTERNAL void *cpumla_scratch(int slot, size_t bytes);

@@ -138,6 +138,8 @@ typedef struct {
     const float *x;
     float *h;                    /* [k, 2I]: gate rows then up rows of each expert */
     float *o;                    /* [k, D] */
+    const uint8_t *qx;           /* quantized x (in) or h rows (out, per_out apart) for all tasks, or NULL */
+    int64_t per_out;
 } moe1_job;
 
 static void moe1_in_task(void *p, int64_t t, int tid) {
@@ -148,7 +150,10 @@ static void moe1_in_task(void *p, int64_t t, int tid) {
     const cpumla_expert *ex = &j->experts[j->idx[e]];
     const cpumla_weight *w = which ? &ex->up : &ex->gate;
     int64_t r0 = b * j->rows_in, r1 = min64(r0 + j->rows_in, j->I);
-    if (r0 < r1) cpumla_k.gemv(w, j->x, j->h + e * 2 * j->I + which * j->I + r0, r0, r1);
+    float *y = j->h + e * 2 * j->I + which * j->I + r0;
+    if (r0 >= r1) return;
+    if (j->qx) cpumla_gemv_qx(w, j->qx, y, r0, r1);
+    else cpumla_k.gemv(w, j->x, y, r0, r1);
 }
 
 static void moe1_out_task(void *p, int64_t t, int tid) {
@@ -157,7 +162,27 @@ static void moe1_out_task(void *p, int64_t t, int tid) {
     int64_t b = t % j->blocks_out, e = t / j->blocks_out;
     if (j->idx[e] < 0) return;
     int64_t r0 = b * j->rows_out, r1 = min64(r0 + j->rows_out, j->D);
-    if (r0 < r1) cpumla_k.gemv(&j->experts[j->idx[e]].down, j->h + e * 2 * j->I, j->o + e * j->D + r0, r0, r1);
+    const cpumla_weight *w = &j->experts[j->idx[e]].down;
+    if (r0 >= r1) return;
+    if (j->qx) cpumla_gemv_qx(w, j->qx + e * j->per_out, j->o + e * j->D + r0, r0, r1);
+    else cpumla_k.gemv(w, j->h + e * 2 * j->I, j->o + e * j->D + r0, r0, r1);
+}
+
+/* bytes of the quantized activation row that the chosen experts' gate and up weights (down: their
+ * down weights) all take (cpumla_qx_bytes), when they are of one dtype: the job then quantizes its
+ * activations once, not once a task; else 0 */
+static int64_t shared_qx_bytes(const cpumla_expert *experts, const int32_t *idx, int64_t k, int down) {
+    const cpumla_weight *first = NULL;
+    for (int64_t e = 0; e < k; e++) {
+        if (idx[e] < 0) continue;
+        const cpumla_expert *ex = &experts[idx[e]];
+        const cpumla_weight *ws[2] = {down ? &ex->down : &ex->gate, down ? &ex->down : &ex->up};
+        for (int i = 0; i < 2; i++) {
+            if (!first) first = ws[i];
+            if (!cpumla_qx_bytes(ws[i]) || ws[i]->dtype != first->dtype || ws[i]->cols != first->cols) return 0;
+        }
+    }
+    return first ? cpumla_qx_bytes(first) : 0;
 }
 
 static int moe_one_token(const cpumla_expert *experts, const float *x, const int32_t *idx, const float *w,
@@ -166,16 +191,37 @@ static int moe_one_token(const cpumla_expert *experts, const float *x, const int
     float *h = cpumla_scratch(CPUMLA_SCRATCH_MOE1, sizeof(float) * (size_t)(k * 2 * I + k * D));
     if (!h) return -1;
     int threads = cpumla_pool_threads();
-    moe1_job j = {experts, idx, k, I, D, 1, 1, I, D, x, h, h + k * 2 * I};
+    moe1_job j = {.experts = experts, .idx = idx, .k = k, .I = I, .D = D, .blocks_in = 1, .blocks_out = 1,
+                  .rows_in = I, .rows_out = D, .x = x, .h = h, .o = h + k * 2 * I};
     /* ~4 tasks per thread over all k*2 input matrices, a multiple of 8 rows each */
     j.rows_in = ceil_div(ceil_div(I, ceil_div(4 * (int64_t)threads, 2 * k)), 8) * 8;
     j.blocks_in = ceil_div(I, j.rows_in);
     j.rows_out = ceil_div(ceil_div(D, ceil_div(4 * (int64_t)threads, k)), 8) * 8;
     j.blocks_out = ceil_div(D, j.rows_out);
-    cpumla_pool_run(k * 2 * j.blocks_in, moe1_in_task, &j);
+    /* both jobs in spans (threadpool.h): a thread takes an expert's row blocks in order */
+    int64_t per_in = shared_qx_bytes(experts, idx, k, 0), per_out = shared_qx_bytes(experts, idx, k, 1);
+    uint8_t *qx = NULL;
+    if (per_in || per_out) {
+        qx = cpumla_scratch(CPUMLA_SCRATCH_QX_JOB, (size_t)(per_in > k * per_out ? per_in : k * per_out));
+        if (!qx) return -1;
+    }
+    if (per_in) {
+        const int32_t *first = idx;
+        while (*first < 0) first++;           /* per_in > 0: some expert was chosen */
+        cpumla_quant_rows(&experts[*first].gate, x, 0, 1, qx);
+        j.qx = qx;
+    }
+    cpumla_pool_run_spans(k * 2 * j.blocks_in, moe1_in_task, &j);
     for (int64_t e = 0; e < k; e++)
         if (idx[e] >= 0) cpumla_k.swiglu_row(h + e * 2 * I, h + e * 2 * I + I, h + e * 2 * I, I, limit);
-    cpumla_pool_run(k * j.blocks_out, moe1_out_task, &j);
+    j.qx = NULL;
+    if (per_out) {
+        for (int64_t e = 0; e < k; e++)
+            if (idx[e] >= 0) cpumla_quant_rows(&experts[idx[e]].down, h + e * 2 * I, 0, 1, qx + e * per_out);
+        j.qx = qx;
+        j.per_out = per_out;
+    }
+    cpumla_pool_run_spans(k * j.blocks_out, moe1_out_task, &j);
     for (int64_t e = 0; e < k; e++) {
         if (idx[e] < 0) continue;
         const float *o = j.o + e * D;

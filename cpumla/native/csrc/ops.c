@@ -33,13 +33,15 @@ typedef struct {
     int64_t halves_from;                  /* row tasks from this one on take half a task's rows */
     const uint16_t *xb;                   /* BF16 weights: x in bf16 for gemm_xb, or NULL */
     int64_t ldb;
+    const void *qx;                       /* gemv of Q8 / Q4 / E2M1 weights: x quantized once, or NULL */
 } lin_job;
 
 static void gemv_task(void *p, int64_t t, int tid) {
     (void)tid;
     lin_job *j = p;
     int64_t r0 = j->r_begin + t * j->rows_per_task, r1 = min64(r0 + j->rows_per_task, j->r_end);
-    cpumla_k.gemv(j->w, j->x, j->y + (r0 - j->r_begin), r0, r1);
+    if (j->qx) cpumla_gemv_qx(j->w, j->qx, j->y + (r0 - j->r_begin), r0, r1);
+    else cpumla_k.gemv(j->w, j->x, j->y + (r0 - j->r_begin), r0, r1);
 }
 
 static void gemm_task(void *p, int64_t t, int tid) {
@@ -81,9 +83,17 @@ static void linear_rows(const cpumla_weight *w, int64_t r_begin, int64_t r_end, 
     lin_job j = {.w = w, .r_begin = r_begin, .r_end = r_end, .x = x, .ldx = ldx, .n = n, .y = y, .ldy = ldy};
     if (n == 1) {
         if (small) { cpumla_k.gemv(w, x, y, r_begin, r_end); return; }
-        /* ~4 tasks per thread for balance, a multiple of 8 rows each */
+        int64_t per = cpumla_qx_bytes(w);
+        if (per) {
+            void *qx = cpumla_scratch(CPUMLA_SCRATCH_QX_JOB, (size_t)per);
+            if (!qx) return;
+            cpumla_quant_rows(w, x, 0, 1, qx);
+            j.qx = qx;
+        }
+        /* ~4 tasks per thread for balance, a multiple of 8 rows each; each thread streams its span of
+         * the rows (threadpool.h) */
         j.rows_per_task = ceil_div(ceil_div(rows, CPUMLA_GEMV_SPLIT * (int64_t)threads), 8) * 8;
-        cpumla_pool_run(ceil_div(rows, j.rows_per_task), gemv_task, &j);
+        cpumla_pool_run_spans(ceil_div(rows, j.rows_per_task), gemv_task, &j);
         return;
     }
     if (w->dtype == CPUMLA_BF16 && cpumla_k.gemm_xb) {      /* convert x once, not once per task */

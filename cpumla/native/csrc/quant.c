@@ -56,6 +56,21 @@ static void gemv_q_route(const cpumla_weight *w, const float *x, float *y, int64
     gemm_q_route(w, x, 0, 1, y, 0, r0, r1);
 }
 
+/* ---- a GEMV job's activations, quantized once for all of its tasks (dispatch.h) ---- */
+int64_t cpumla_qx_bytes(const cpumla_weight *w) {
+    if (!is_q_product(w) || (q_gemm_fp4 && q_gemm_fp4_min_n <= 1 && is_e2m1_q(w))) return 0;
+    return QX_BYTES(w->cols);
+}
+
+void cpumla_quant_rows(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, void *qx) {
+    const int64_t per = QX_BYTES(w->cols);
+    for (int64_t t = 0; t < n; t++) q_quant_x(w->dtype, x + t * ldx, w->cols, (uint8_t *)qx + t * per);
+}
+
+void cpumla_gemv_qx(const cpumla_weight *w, const void *qx, float *y, int64_t r0, int64_t r1) {
+    if (r1 > r0) q_gemm(w, qx, 1, y, 0, r0, r1);
+}
+
 static void gemv_t_q_route(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y, int64_t c0,
                            int64_t c1) {
     if (is_q(w)) q_gemv_t(w, r0, nr, x, y, c0, c1);

@@ -1,10 +1,19 @@
 /* threadpool.c: a fixed set of workers fed one job at a time.
  *
- * A job is (fn, ctx, n_tasks); tasks are claimed with an atomic counter. Publishing a job bumps
+ * A job is (fn, ctx, n_tasks); tasks are claimed with an atomic counter, or, for a job run by
+ * cpumla_pool_run_spans, from per-thread spans (below). Publishing a job bumps
  * `generation`; each worker, once it sees a new generation, claims tasks until none are left and then
  * checks in (`checked_in`). The caller waits for every worker to check in before returning, so a job's
  * fields are never read after its call returned. Idle workers spin for a while (decode issues a few
- * hundred short jobs per token) and then sleep on a condition variable. */
+ * hundred short jobs per token) and then sleep on a condition variable.
+ *
+ * Spans: thread i owns tasks [n i / T, n (i + 1) / T) and takes them front to back; a thread whose span
+ * is empty takes the other spans' tasks from their backs. A span is one 64-bit word, front | back << 32,
+ * claimed by compare-and-swap at either end. For row tasks of one weight this keeps each thread on one
+ * sequential stream of memory, where tasks handed out in turn from one counter make every thread jump
+ * to a new place at each task: measured here with 8 tasks of a 3 MB Q4 weight on 2 threads, each jump
+ * cost ~1.5-2 us of streaming (Zen 5, probe at ~80 GB/s). Helping from the back keeps the balance of
+ * small tasks when a thread starts late or runs slow. */
 #define _GNU_SOURCE
 #include "threadpool.h"
 #include <pthread.h>
@@ -27,6 +36,8 @@ static struct {
     atomic_int sleeping;
     atomic_int quit;
     unsigned start_generation;     /* generation new workers count as seen (set before they start) */
+    int spans;                     /* this job hands tasks out by span */
+    struct { _Alignas(64) atomic_ullong v; } span[CPUMLA_MAX_THREADS];   /* front | back << 32 per thread */
     pthread_mutex_t mu;
     pthread_cond_t wake;
 } pool = {.n_threads = 0, .mu = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
@@ -41,7 +52,30 @@ static inline void cpu_relax(void) {
 #endif
 }
 
+/* one task of span s from its front (its owner) or its back (a helper); 0 when the span is empty */
+static int claim(int s, int back, int64_t *task) {
+    unsigned long long v = atomic_load_explicit(&pool.span[s].v, memory_order_relaxed);
+    for (;;) {
+        uint32_t f = (uint32_t)v, b = (uint32_t)(v >> 32);
+        if (f >= b) return 0;
+        unsigned long long nv = back ? ((unsigned long long)(b - 1) << 32) | f
+                                     : ((unsigned long long)b << 32) | (f + 1);
+        if (atomic_compare_exchange_weak_explicit(&pool.span[s].v, &v, nv, memory_order_relaxed,
+                                                  memory_order_relaxed)) {
+            *task = back ? (int64_t)b - 1 : (int64_t)f;
+            return 1;
+        }
+    }
+}
+
 static void run_tasks(int tid) {
+    if (pool.spans) {
+        int64_t t;
+        while (claim(tid, 0, &t)) pool.fn(pool.ctx, t, tid);
+        for (int k = 1; k < pool.n_threads; k++)
+            while (claim((tid + k) % pool.n_threads, 1, &t)) pool.fn(pool.ctx, t, tid);
+        return;
+    }
     for (;;) {
         int64_t t = atomic_fetch_add_explicit(&pool.next_task, 1, memory_order_relaxed);
         if (t >= pool.n_tasks) break;
@@ -117,7 +151,13 @@ int cpumla_pool_threads(void) {
     return pool.n_threads;
 }
 
-void cpumla_pool_run(int64_t n_tasks, cpumla_task_fn fn, void *ctx) {
+static void pool_run(int64_t n_tasks, cpumla_task_fn fn, void *ctx, int spans);
+void cpumla_pool_run(int64_t n_tasks, cpumla_task_fn fn, void *ctx) { pool_run(n_tasks, fn, ctx, 0); }
+void cpumla_pool_run_spans(int64_t n_tasks, cpumla_task_fn fn, void *ctx) {
+    pool_run(n_tasks, fn, ctx, n_tasks < INT32_MAX);    /* a span's ends are 32-bit */
+}
+
+static void pool_run(int64_t n_tasks, cpumla_task_fn fn, void *ctx, int spans) {
     if (n_tasks <= 0) return;
     if (pool.n_threads < 1) cpumla_pool_resize(0);
     if (pool.n_threads == 1 || n_tasks == 1) {
@@ -127,6 +167,13 @@ void cpumla_pool_run(int64_t n_tasks, cpumla_task_fn fn, void *ctx) {
     pool.fn = fn;
     pool.ctx = ctx;
     pool.n_tasks = n_tasks;
+    pool.spans = spans;
+    if (spans)
+        for (int i = 0; i < pool.n_threads; i++) {
+            unsigned long long f = (unsigned long long)(n_tasks * i / pool.n_threads);
+            unsigned long long b = (unsigned long long)(n_tasks * (i + 1) / pool.n_threads);
+            atomic_store_explicit(&pool.span[i].v, f | b << 32, memory_order_relaxed);
+        }
     atomic_store_explicit(&pool.next_task, 0, memory_order_relaxed);
     atomic_store_explicit(&pool.checked_in, 0, memory_order_relaxed);
     atomic_fetch_add_explicit(&pool.generation, 1, memory_order_seq_cst);

@@ -9,6 +9,10 @@
  * lock (cpumla_enter), so one job runs at a time. */
 typedef void (*cpumla_task_fn)(void *ctx, int64_t task, int tid);
 void cpumla_pool_run(int64_t n_tasks, cpumla_task_fn fn, void *ctx);
+/* The same, but thread i starts on a contiguous span of the tasks (the i-th of n_tasks split evenly)
+ * and takes them in order, then helps with the other spans from their ends (threadpool.c). For jobs
+ * whose consecutive tasks read consecutive memory (rows of one weight): each thread streams. */
+void cpumla_pool_run_spans(int64_t n_tasks, cpumla_task_fn fn, void *ctx);
 
 #define CPUMLA_MAX_THREADS 256
 
