@@ -10,12 +10,22 @@ GB/s / probe GB/s per phase. To compare two builds, run this alternately with ea
 (e.g. a clone at the old commit built with `python3 setup.py build_ext --inplace`) and compare the
 same phase's rows. The model is cpumla's dummy-weight model (`--layers` layers), as `cpumla bench`
 builds it; `--quant q8|q4` quantizes it as it loads.
+
+`--turn FILE:I/N` runs N of these side by side, one per build, taking samples in turn (process I takes
+a sample when the counter in FILE is I mod N, then adds one), so that every build sees the same host
+phases; each waits for all N to have loaded first:
+
+    echo 0 > /tmp/turn
+    PYTHONPATH=/tmp/old python3 benchmarks/decode_phases.py --quant q4 --seconds 420 --turn /tmp/turn:0/2 &
+    PYTHONPATH=/tmp/new python3 benchmarks/decode_phases.py --quant q4 --seconds 420 --turn /tmp/turn:1/2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import time
 
 import numpy as np
@@ -24,6 +34,45 @@ import cpumla
 from cpumla import CpumlaError, native
 from cpumla.cli.overrides import parse_hf_overrides
 from cpumla.runtime import bench as rb
+
+
+class Turns:
+    """Samples in turn between N processes: a counter in a file, bumped by the one whose turn it is;
+    a process that has finished keeps taking no turns but passes them on (leave)."""
+
+    def __init__(self, path: str, me: int, n: int):
+        self.path, self.me, self.n = path, me, n
+
+    def _get(self) -> int:
+        with open(self.path) as f:
+            text = f.read().strip()
+        return int(text) if text else 0
+
+    def _bump(self) -> None:
+        tmp = f"{self.path}.{self.me}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(self._get() + 1))
+        os.replace(tmp, self.path)
+
+    def ready(self) -> None:
+        open(f"{self.path}.ready{self.me}", "w").close()
+        while not all(os.path.exists(f"{self.path}.ready{i}") for i in range(self.n)):
+            time.sleep(0.05)
+
+    def wait(self) -> None:
+        while self._get() % self.n != self.me:
+            time.sleep(0.0005)
+
+    def done(self) -> None:
+        self._bump()
+
+    def leave(self) -> None:
+        """Pass every later turn on, until all have ended (their ready files are gone)."""
+        os.remove(f"{self.path}.ready{self.me}")
+        while any(os.path.exists(f"{self.path}.ready{i}") for i in range(self.n)):
+            if self._get() % self.n == self.me:
+                self._bump()
+            time.sleep(0.0005)
 
 
 def main(argv=None) -> None:
@@ -39,9 +88,18 @@ def main(argv=None) -> None:
     ap.add_argument("--slow-below", type=float, default=55.0, help="probe GB/s under which a sample is 'slow'")
     ap.add_argument("--fast-above", type=float, default=65.0, help="probe GB/s over which a sample is 'fast'")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    ap.add_argument("--turn", metavar="FILE:I/N", help="take samples in turn with N-1 other runs (above)")
     a = ap.parse_args(argv)
     if a.tokens < 1 or a.threads < 1:
         ap.error("--tokens and --threads must be at least 1")
+    turn = None
+    if a.turn:
+        m = re.fullmatch(r"(.+):(\d+)/(\d+)", a.turn)
+        if not m or not int(m.group(2)) < int(m.group(3)):
+            ap.error(f"--turn must be FILE:I/N with I < N, not '{a.turn}'")
+        turn = Turns(m.group(1), int(m.group(2)), int(m.group(3)))
+        if not os.path.isfile(turn.path):
+            ap.error(f"--turn: no counter file {turn.path} (write 0 to it first)")
     try:                                        # the CLI's parsing and messages for bad input
         overrides = parse_hf_overrides(a.hf_overrides)
         eng = cpumla.load(a.model, dummy_weights=True, dummy_dtype=a.dummy_dtype, quant=a.quant,
@@ -54,8 +112,12 @@ def main(argv=None) -> None:
     per_token = rb.decode_bytes(eng, 64)
     rng = np.random.default_rng(0)
     samples = []                                # (decode GB/s, probe GB/s)
+    if turn:
+        turn.ready()
     end = time.time() + a.seconds
     while not samples or time.time() < end:     # at least one sample
+        if turn:
+            turn.wait()
         eng.reset()
         eng.forward(rng.integers(0, eng.config.vocab_size, size=48), last_only=True)
         before = probe(2)
@@ -64,6 +126,10 @@ def main(argv=None) -> None:
             eng.forward([int(tok)], last_only=True)
         dt = time.perf_counter() - t0
         samples.append((per_token * a.tokens / dt / 1e9, (before + probe(2)) / 2))
+        if turn:
+            turn.done()
+    if turn:
+        turn.leave()
 
     s = np.array(samples)
     phases = {"slow": s[:, 1] < a.slow_below, "fast": s[:, 1] > a.fast_above, "all": np.ones(len(s), bool)}

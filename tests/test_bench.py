@@ -62,12 +62,12 @@ def test_bench_model_bad_input(args, words):
     assert_one_line_error(run("bench", *TINY, *args), *words)
 
 
-def _decode_phases():
+def _script(name):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_phases.py"
-    spec = importlib.util.spec_from_file_location("decode_phases", path)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -81,7 +81,7 @@ def test_decode_phases_script(capsys):
 
     from cpumla.runtime.smoke import SHRINK
 
-    mod = _decode_phases()
+    mod = _script("decode_phases")
     outs = {}
     for quant in ([], ["--quant", "q4"]):
         mod.main(["--seconds", "1", "--tokens", "4", "--layers", "2", "--json", *quant,
@@ -94,15 +94,51 @@ def test_decode_phases_script(capsys):
     assert 0 < outs["q4"] < 0.5 * outs[None]
 
 
+def test_decode_phases_turns(capsys, tmp_path):
+    """--turn FILE:I/N: each sample waits for its turn and passes it on (one run: the counter ends at
+    the number of samples), and the ready file is gone at the end."""
+    import json
+
+    from cpumla.runtime.smoke import SHRINK
+
+    counter = tmp_path / "turn"
+    counter.write_text("0")
+    _script("decode_phases").main(["--seconds", "1", "--tokens", "2", "--layers", "2", "--json",
+                                   "--turn", f"{counter}:0/1",
+                                   "--hf-overrides", json.dumps({**SHRINK, "vocab_size": 1000})])
+    out = json.loads(capsys.readouterr().out)
+    assert int(counter.read_text()) == out["all"]["samples"] >= 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["turn"]
+
+
+def test_gemv_sizes_script(capsys, tmp_path):
+    """benchmarks/gemv_sizes.py on a few weights of each size: every size gets a positive share of the
+    probe from the installed library; a tree without a built library is a one-line exit."""
+    import json
+
+    mod = _script("gemv_sizes")
+    mod.main(["--seconds", "0", "--scale", "0.01", "--format", "q4", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    got = out["phases"]["all"]["installed"]
+    assert got["samples"] >= 1 and set(got["pct_probe"]) == set(mod.SIZES)
+    assert all(0 < v < float("inf") for v in got["pct_probe"].values())
+    assert all(b > 0 for b in out["set_bytes"].values())
+    with pytest.raises(SystemExit, match="no built library"):
+        mod.main([str(tmp_path), "--seconds", "0"])
+
+
 @pytest.mark.parametrize("args,words", [(["--hf-overrides", "[1]"], "must be a JSON object"),
                                         (["--hf-overrides", "{bad"], "not valid JSON"),
                                         (["--tokens", "0"], "at least 1"),
                                         (["--quant", "q3"], "invalid choice: 'q3'"),
-                                        (["--model", "nope/nope"], "not a local directory")])
+                                        (["--model", "nope/nope"], "not a local directory"),
+                                        (["--turn", "x"], "--turn must be FILE:I/N"),
+                                        (["--turn", "/tmp/t:2/2"], "--turn must be FILE:I/N"),
+                                        (["--turn", "/nonexistent/turn:0/2"], "no counter file")])
 def test_decode_phases_bad_input(capsys, args, words):
     """Bad input to the script: usage error (exit 2) with one line naming the problem, no traceback."""
     with pytest.raises(SystemExit) as e:
-        _decode_phases().main(args)
+        _script("decode_phases").main(args)
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert words in err[-1] and "Traceback" not in "\n".join(err)

@@ -208,7 +208,7 @@ int cpumla_head_gemv(const cpumla_weight *w, int64_t row0, int64_t head_stride, 
     } else if (cpumla_pool_threads() == 1 || head_rows * w->cols * n * n_heads < MIN_PARALLEL_WORK) {
         for (int64_t h = 0; h < n_heads; h++) head_gemv_task(&j, h, 0);
     } else {
-        cpumla_pool_run(n_heads, head_gemv_task, &j);
+        cpumla_pool_run_spans(n_heads, head_gemv_task, &j);     /* a thread's heads in order */
     }
     return cpumla_leave(0);
 }
@@ -240,7 +240,7 @@ static void head_gemv_t(const cpumla_weight *w, int64_t row0, int64_t head_strid
         for (int64_t t = 0; t < tasks; t++) head_gemv_t_task(&j, t, 0);
         return;
     }
-    cpumla_pool_run(tasks, head_gemv_t_task, &j);
+    cpumla_pool_run_spans(tasks, head_gemv_t_task, &j);     /* a thread's heads in order */
 }
 
 int cpumla_head_gemv_t(const cpumla_weight *w, int64_t row0, int64_t head_stride, int64_t head_rows,

@@ -1,0 +1,133 @@
+"""GEMV read rate by weight size, for builds alternated in one process.
+
+Decode runs hundreds of GEMVs a token, most of them 0.5-4 MB (q4 at V2-Lite widths: kv_a 0.66 MB,
+an expert's gate 1.6 MB, q_proj 3.5 MB). This times back-to-back `cpumla_gemv` calls over sets of
+distinct weights of each size (each set ~170 MB, so every call streams from memory; all in 2 MiB huge
+pages, as the loader places quantized weights), between two passes of the read probe, and files each
+sample by that probe. Each TREE is a source tree with a built library (`python3 setup.py build_ext
+--inplace`); their libraries are loaded side by side (each with its own thread pool) and take turns,
+so builds are compared on the same host phase. Without TREE, the installed cpumla's library is timed.
+
+    python3 benchmarks/gemv_sizes.py --format q4 --seconds 120 /tmp/old /tmp/new
+
+Prints, per phase of the probe and tree, the mean GB/s of each size as % of the probe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from cpumla import native
+from cpumla.native import bench as nb
+from cpumla.runtime.weights import hugepage_empty
+
+# name: rows (columns 2048), and how many distinct weights make a set
+SIZES = {"576 rows": (576, 256), "1408 rows": (1408, 104), "3072 rows": (3072, 48), "49152 rows": (49152, 3)}
+COLS = 2048
+
+
+def _library(tree: str | None) -> ctypes.CDLL:
+    path = Path(tree) / "cpumla" / "native" / "_cpumla.abi3.so" if tree else Path(native.__file__).with_name("_cpumla.abi3.so")
+    if not path.is_file():
+        raise SystemExit(f"gemv_sizes.py: no built library at {path} (run python3 setup.py build_ext --inplace there)")
+    lib = ctypes.CDLL(str(path))
+    if lib.cpumla_init(b"") != 0:
+        raise SystemExit(f"gemv_sizes.py: {path} cannot run on this CPU")
+    return lib
+
+
+def _huge(w: native.Weight) -> native.Weight:
+    """w copied into huge pages (codes and scales)."""
+    data = hugepage_empty(w.data.shape, w.data.dtype, small=True)
+    data[:] = w.data
+    scale = None
+    if w.scale is not None:
+        scale = hugepage_empty(w.scale.shape, w.scale.dtype, small=True)
+        scale[:] = w.scale
+    return native.Weight(data, w.dtype, scale)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trees", nargs="*", help="source trees with a built library (default: the installed one)")
+    ap.add_argument("--format", default="q4", choices=["bf16", "e4m3", "e2m1", "q8", "q4"])
+    ap.add_argument("--seconds", type=float, default=60.0, help="how long to take samples")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--scale", type=float, default=1.0, help="fraction of each set's weights (tests: small)")
+    ap.add_argument("--slow-below", type=float, default=55.0, help="probe GB/s under which a sample is 'slow'")
+    ap.add_argument("--fast-above", type=float, default=65.0, help="probe GB/s over which a sample is 'fast'")
+    ap.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    a = ap.parse_args(argv)
+    if a.threads < 1 or not 0 < a.scale <= 1:
+        ap.error("--threads must be at least 1 and --scale in (0, 1]")
+    trees = a.trees or [None]
+    libs = [_library(t) for t in trees]
+    for lib in libs:
+        lib.cpumla_set_threads(a.threads)
+    native.set_threads(a.threads)
+    rng = np.random.default_rng(0)
+    sets = {name: [_huge(nb.random_weight(a.format, rows, COLS, rng)) for _ in range(max(1, int(n * a.scale)))]
+            for name, (rows, n) in SIZES.items()}
+    ptrs = {name: [ctypes.c_void_p(int(native.ffi.cast("intptr_t", w.c))) for w in ws] for name, ws in sets.items()}
+    nbytes = {name: sum(w.nbytes for w in ws) for name, ws in sets.items()}
+    x = rng.standard_normal(COLS).astype(np.float32)
+    y = np.zeros(max(rows for rows, _ in SIZES.values()), np.float32)
+    xp, yp = ctypes.c_void_p(x.ctypes.data), ctypes.c_void_p(y.ctypes.data)
+    probe_buf = native.aligned_copy(np.ones((1 << 29) // 8, np.float64))
+
+    def probe() -> float:
+        t0 = time.perf_counter()
+        native.read_probe(probe_buf)
+        return probe_buf.nbytes / (time.perf_counter() - t0) / 1e9
+
+    def rate(lib, name: str) -> float:
+        gemv = lib.cpumla_gemv
+        t0 = time.perf_counter()
+        for _ in range(2):
+            for p in ptrs[name]:
+                gemv(p, xp, yp)
+        return 2 * nbytes[name] / (time.perf_counter() - t0) / 1e9
+
+    for lib in libs:                            # warm-up: first touches, workers started
+        for name in sets:
+            rate(lib, name)
+    samples = []                                # (tree index, probe GB/s, {size: GB/s})
+    end = time.time() + a.seconds
+    while not samples or time.time() < end:
+        for i, lib in enumerate(libs):
+            time.sleep(0.002)                   # the other pools' workers go back to sleep
+            before = probe()
+            time.sleep(0.002)
+            got = {name: rate(lib, name) for name in sets}
+            samples.append((i, (before + probe()) / 2, got))
+
+    out = {"format": a.format, "threads": a.threads, "set_bytes": nbytes, "phases": {}}
+    for phase, keep in (("slow", lambda p: p < a.slow_below), ("fast", lambda p: p > a.fast_above),
+                        ("all", lambda p: True)):
+        rows = defaultdict(list)
+        for i, p, got in samples:
+            if keep(p):
+                rows[i].append((p, got))
+        out["phases"][phase] = {
+            str(trees[i] or "installed"): {"samples": len(r), "probe_gbs": float(np.mean([p for p, _ in r])),
+                                           "pct_probe": {n: float(np.mean([100 * g[n] / p for p, g in r])) for n in sets}}
+            for i, r in sorted(rows.items())}
+    if a.json:
+        print(json.dumps(out))
+        return
+    print(f"{a.format} GEMV, 2048 columns, {a.threads} threads, % of the probe by weight size")
+    for phase, per_tree in out["phases"].items():
+        for tree, r in per_tree.items():
+            sizes = "  ".join(f"{n} {v:5.1f}" for n, v in r["pct_probe"].items())
+            print(f"{phase:5s} {tree}: {r['samples']} samples, probe {r['probe_gbs']:.1f} GB/s  {sizes}")
+
+
+if __name__ == "__main__":
+    main()
