@@ -48,7 +48,8 @@ class Turns:
             text = f.read().strip()
         return int(text) if text else 0
 
-    def _bump(self) -> None:
+    def done(self) -> None:
+        """Pass the turn on: the counter plus one."""
         tmp = f"{self.path}.{self.me}.tmp"
         with open(tmp, "w") as f:
             f.write(str(self._get() + 1))
@@ -63,15 +64,12 @@ class Turns:
         while self._get() % self.n != self.me:
             time.sleep(0.0005)
 
-    def done(self) -> None:
-        self._bump()
-
     def leave(self) -> None:
         """Pass every later turn on, until all have ended (their ready files are gone)."""
         os.remove(f"{self.path}.ready{self.me}")
         while any(os.path.exists(f"{self.path}.ready{i}") for i in range(self.n)):
             if self._get() % self.n == self.me:
-                self._bump()
+                self.done()
             time.sleep(0.0005)
 
 
