@@ -7,8 +7,12 @@ pages, as the loader places quantized weights), between two passes of the read p
 sample by that probe. Each TREE is a source tree with a built library (`python3 setup.py build_ext
 --inplace`); their libraries are loaded side by side (each with its own thread pool) and take turns,
 so builds are compared on the same host phase. Without TREE, the installed cpumla's library is timed.
+TREE@ISA runs that tree's library at one implementation level, and TREE@ISA@l1 or @l2 with its GEMV
+prefetch target set (cpumla_set_gemv_prefetch), so one build's levels or targets take turns too
+(`.` is the installed library):
 
     python3 benchmarks/gemv_sizes.py --format q4 --seconds 120 /tmp/old /tmp/new
+    python3 benchmarks/gemv_sizes.py --format q8 --seconds 60 .@avx512@l1 .@avx512@l2 .@avx2
 
 Prints, per phase of the probe and tree, the mean GB/s of each size as % of the probe.
 """
@@ -18,6 +22,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import shutil
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -33,13 +39,24 @@ SIZES = {"576 rows": (576, 256), "1408 rows": (1408, 104), "3072 rows": (3072, 4
 COLS = 2048
 
 
-def _library(tree: str | None) -> ctypes.CDLL:
-    path = Path(tree) / "cpumla" / "native" / "_cpumla.abi3.so" if tree else Path(native.__file__).with_name("_cpumla.abi3.so")
+def _library(spec: str | None, loaded: set, tmp: Path) -> ctypes.CDLL:
+    """The library of a TREE[@ISA[@PREFETCH]] spec, initialised; a file already loaded is loaded again
+    from a copy (ctypes would hand back the same library, with one table and one pool)."""
+    tree, isa, where = ((spec or ".").split("@") + ["", ""])[:3]
+    path = Path(tree) / "cpumla" / "native" / "_cpumla.abi3.so" if tree != "." else Path(native.__file__).with_name("_cpumla.abi3.so")
     if not path.is_file():
         raise SystemExit(f"gemv_sizes.py: no built library at {path} (run python3 setup.py build_ext --inplace there)")
+    if path.resolve() in loaded:
+        copy = tmp / f"lib{len(loaded)}.so"
+        shutil.copyfile(path, copy)
+        path = copy
+    loaded.add(path.resolve())
     lib = ctypes.CDLL(str(path))
-    if lib.cpumla_init(b"") != 0:
-        raise SystemExit(f"gemv_sizes.py: {path} cannot run on this CPU")
+    lib.cpumla_last_error.restype = ctypes.c_char_p
+    if lib.cpumla_init(isa.encode()) != 0:
+        raise SystemExit(f"gemv_sizes.py: {spec}: {lib.cpumla_last_error().decode()}")
+    if where and lib.cpumla_set_gemv_prefetch(where.encode()) != 0:
+        raise SystemExit(f"gemv_sizes.py: {spec}: {lib.cpumla_last_error().decode()}")
     return lib
 
 
@@ -56,7 +73,8 @@ def _huge(w: native.Weight) -> native.Weight:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("trees", nargs="*", help="source trees with a built library (default: the installed one)")
+    ap.add_argument("trees", nargs="*", help="source trees with a built library, each TREE[@ISA[@l1|l2]] "
+                    "(default: the installed one)")
     ap.add_argument("--format", default="q4", choices=["bf16", "e4m3", "e2m1", "q8", "q4"])
     ap.add_argument("--seconds", type=float, default=60.0, help="how long to take samples")
     ap.add_argument("--threads", type=int, default=2)
@@ -68,7 +86,12 @@ def main(argv=None) -> None:
     if a.threads < 1 or not 0 < a.scale <= 1:
         ap.error("--threads must be at least 1 and --scale in (0, 1]")
     trees = a.trees or [None]
-    libs = [_library(t) for t in trees]
+    loaded: set = set()
+    tmp = Path(tempfile.mkdtemp(prefix="gemv_sizes"))
+    try:
+        libs = [_library(t, loaded, tmp) for t in trees]
+    finally:
+        shutil.rmtree(tmp)         # the copies stay mapped while loaded
     for lib in libs:
         lib.cpumla_set_threads(a.threads)
     native.set_threads(a.threads)

@@ -9,6 +9,8 @@ import json
 import pytest
 from test_cli import assert_one_line_error, run
 
+from cpumla import native
+
 TINY = ["deepseek-ai/DeepSeek-V3", "--dummy-weights", "--hf-overrides",
         '{"num_hidden_layers": 2, "hidden_size": 128, "n_routed_experts": 8, "first_k_dense_replace": 1, '
         '"q_lora_rank": 64, "num_attention_heads": 2, "vocab_size": 1024}']
@@ -125,6 +127,16 @@ def test_gemv_sizes_script(capsys, tmp_path):
     assert all(b > 0 for b in out["set_bytes"].values())
     with pytest.raises(SystemExit, match="no built library"):
         mod.main([str(tmp_path), "--seconds", "0"])
+    # one library at two levels or two prefetch targets: each spec is its own copy, timed in turn
+    isa = native.available_isas()[-1]
+    specs = [f".@{isa}@l1", f".@{isa}@l2", ".@scalar"]
+    mod.main([*specs, "--seconds", "0", "--scale", "0.01", "--format", "q8", "--json"])
+    got = json.loads(capsys.readouterr().out)["phases"]["all"]
+    assert set(got) == set(specs) and all(r["samples"] >= 1 for r in got.values())
+    with pytest.raises(SystemExit, match="unknown implementation 'sse9'"):
+        mod.main([".@sse9", "--seconds", "0"])
+    with pytest.raises(SystemExit, match="unknown GEMV prefetch 'l3'"):
+        mod.main([f".@{isa}@l3", "--seconds", "0"])
 
 
 @pytest.mark.parametrize("args,words", [(["--hf-overrides", "[1]"], "must be a JSON object"),

@@ -88,6 +88,20 @@ def test_info_table_shows_formats():
     assert "kernels by weight format" in p.stdout and "e4m3" in p.stdout
 
 
+def test_info_gemv_prefetch():
+    """`cpumla info` names where the AVX-512 GEMVs prefetch; CPUMLA_PREFETCH sets it; a bad value is one
+    line naming the variable, exit 2."""
+    d = json.loads(run("info", "--json").stdout)
+    assert d["gemv_prefetch"].split()[0] in ("l1", "l2")
+    for where in ("l1", "l2"):
+        p = run("info", "--json", env={"CPUMLA_PREFETCH": where})
+        assert p.returncode == 0, p.stderr
+        assert json.loads(p.stdout)["gemv_prefetch"] == f"{where} (set)"
+    p = run("info", env={"CPUMLA_PREFETCH": "l3"})
+    assert_one_line_error(p, "unknown GEMV prefetch 'l3'", "CPUMLA_PREFETCH")
+    assert p.returncode == 2
+
+
 def test_unknown_isa_is_one_line_error():
     p = run("info", env={"CPUMLA_ISA": "sse9"})
     assert_one_line_error(p, "unknown implementation", "sse9", "this machine runs: " + " ".join(native.available_isas()))

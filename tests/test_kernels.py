@@ -51,7 +51,7 @@ def assert_close(got, want, scale, rtol=2e-5, what=""):
 
 
 @pytest.mark.parametrize("case", LINEAR_CASES, ids=case_id)
-def test_gemv(isa, case):
+def test_gemv(isa, case, gemv_prefetch):
     rng = np.random.default_rng(RNG_SEED)
     w, W = build(*case, rng, strided=True)
     x = rng.standard_normal(case[3]).astype(np.float32)

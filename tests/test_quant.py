@@ -5,6 +5,7 @@ its definition in cpumla.h, and the Weight checks."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -35,7 +36,7 @@ def build(fmt, rows, cols, rng, strided=False):
 
 
 @pytest.mark.parametrize("case", Q_CASES, ids=qid)
-def test_gemv_q(isa, case):
+def test_gemv_q(isa, case, gemv_prefetch):
     rng = np.random.default_rng(11)
     w, W = build(*case, rng, strided=True)
     x = rng.standard_normal(case[2]).astype(np.float32)
@@ -48,6 +49,54 @@ def test_gemv_q(isa, case):
     # and the product approximates W x within the activation rounding
     exact = W.W @ x.astype(np.float64)
     assert (np.abs(y - exact) <= W.error_bound(x) + 1e-5 * mag).all()
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q4", "e2m1", "e4m3"])
+def test_gemv_prefetch_targets_same_bits(isa, fmt):
+    """The GEMV row loops prefetching into L1 and into L2 are separate specialisations: the same bits,
+    over enough rows that each thread's stream runs past the prefetch distance, on 1 and 2 threads."""
+    rng = np.random.default_rng(5)
+    rows, cols = 300, 2048
+    if fmt in native.QUANT_FORMATS:
+        w, _ = build(fmt, rows, cols, rng)
+    else:
+        data, scale, block = ref.make_weight(fmt, rows, cols, rng, "e8m0")
+        w = native.Weight(data, fmt, scale, block)
+    x = rng.standard_normal(cols).astype(np.float32)
+    threads = native.get_threads()
+    try:
+        for t in (1, 2):
+            native.set_threads(t)
+            got = {}
+            for where in ("l1", "l2"):
+                native.set_gemv_prefetch(where)
+                got[where] = native.gemv(w, x)
+            assert np.isfinite(got["l1"]).all()
+            assert np.array_equal(got["l1"].view(np.uint32), got["l2"].view(np.uint32)), f"{fmt} {isa} {t} threads"
+    finally:
+        native.set_gemv_prefetch("auto")
+        native.set_threads(threads)
+
+
+def test_gemv_prefetch_choice():
+    """cpumla_gemv_prefetch: L2 on AMD family 19h (Zen 4's AVX-512 loops), L1 elsewhere, unless set; an
+    unknown target is an error and leaves the choice as it was."""
+    cpuinfo = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    amd19 = bool(re.search(r"^vendor_id\s*:\s*AuthenticAMD", cpuinfo, re.M)) and \
+        bool(re.search(r"^cpu family\s*:\s*25$", cpuinfo, re.M))
+    native.set_gemv_prefetch("auto")
+    assert native.gemv_prefetch().split()[0] == ("l2" if amd19 else "l1")
+    try:
+        native.set_gemv_prefetch("l1")
+        assert native.gemv_prefetch() == "l1 (set)"
+        native.init("")                      # a chosen target outlives a new implementation choice
+        assert native.gemv_prefetch() == "l1 (set)"
+        with pytest.raises(CpumlaError, match="unknown GEMV prefetch 'l3'"):
+            native.set_gemv_prefetch("l3")
+        assert native.gemv_prefetch() == "l1 (set)"
+    finally:
+        native.set_gemv_prefetch("auto")
+    assert native.gemv_prefetch().split()[0] == ("l2" if amd19 else "l1")
 
 
 @pytest.mark.parametrize("case", Q_CASES, ids=qid)

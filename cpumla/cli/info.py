@@ -38,6 +38,7 @@ def collect(threads: int | None = None) -> dict:
         "kernels": {k: native.kernel_impl(k) for k in native.KERNELS},
         "kernel_formats": native.kernel_formats(),
         "threads": native.get_threads(),
+        "gemv_prefetch": native.gemv_prefetch(),
         "build": native.build_info().splitlines(),
         "warnings": warnings,
     }
@@ -68,6 +69,7 @@ def info(
         *[[f"not {k}", f"needs {v}"] for k, v in d["implementations_missing"].items()],
         ["implementation", d["implementation"]],
         ["threads", str(d["threads"])],
+        ["gemv prefetch", d["gemv_prefetch"]],
     ]
     render.table(None, ["", ""], rows, header=False)
     render.out.print()

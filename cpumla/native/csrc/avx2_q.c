@@ -242,9 +242,10 @@ INLINE int e8m0_plain(const uint8_t *s, int64_t n) {
     return ok;
 }
 
-/* y[t*ldy + i] = row r + i . token t, i < R, t < T; pf: software prefetch distance (0: none) */
+/* y[t*ldy + i] = row r + i . token t, i < R, t < T; pf: software prefetch distance (0: none); l2 is
+ * quant_driver.h's and always 0 here (prefetcht0 was best for these loops on Zen 4 and Zen 5) */
 INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
-                    int64_t ldy, int fmt, int64_t pf) {
+                    int64_t ldy, int fmt, int64_t pf, int l2) {
     const int64_t K = w->cols, nb = K / QK, SB = fmt != F_Q8 ? 128 : 256;     /* weight bytes a step */
     const int64_t ss = fmt >= F_FP4 ? 1 : 2;                                   /* scale bytes a block */
     const uint8_t *rp[4];
@@ -295,6 +296,7 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
 #else
 #define QDRIVER_GEMM gemm_q_avx2
 #endif
+#define QDRIVER_PF_L2 0
 #include "quant_driver.h"
 
 #if defined(__AVXVNNI__)

@@ -251,15 +251,21 @@ static void e4_act(const cpumla_weight *w, int64_t r, const float *x, int64_t ld
     }
 }
 
-/* y = row r . xs, the row read in order 128 codes a step (as gemv_row, the same prefetch) */
-INLINE float e4_gemv_row(const cpumla_weight *w, const e4_tab *tab, const uint16_t *xs, int64_t r) {
+/* y = row r . xs, the row read in order 128 codes a step (as gemv_row, the same prefetch distance; l2:
+ * into L2, common.h cpumla_pf_l2) */
+INLINE float e4_gemv_row(const cpumla_weight *w, const e4_tab *tab, const uint16_t *xs, int64_t r, int l2) {
     const uint8_t *rp = weight_row(w, r);
     __m512 a[4];
     UNROLL for (int j = 0; j < 4; j++) a[j] = _mm512_setzero_ps();
     int64_t K = w->cols, c = 0;
     for (; c + 128 <= K; c += 128) {
-        _mm_prefetch((const char *)rp + c + GEMV_PF_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)rp + c + 64 + GEMV_PF_BYTES, _MM_HINT_T0);
+        if (l2) {
+            _mm_prefetch((const char *)rp + c + GEMV_PF_BYTES, _MM_HINT_T1);
+            _mm_prefetch((const char *)rp + c + 64 + GEMV_PF_BYTES, _MM_HINT_T1);
+        } else {
+            _mm_prefetch((const char *)rp + c + GEMV_PF_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)rp + c + 64 + GEMV_PF_BYTES, _MM_HINT_T0);
+        }
         __m512i d0 = _mm512_loadu_si512(rp + c), d1 = _mm512_loadu_si512(rp + c + 64);
         __asm__("" : "+v"(d0), "+v"(d1));   /* one load of each line, not one per use: vpermi2b
                                              * clobbers its index, and gcc reloaded the line for each lookup */
@@ -285,7 +291,10 @@ void cpumla_avx512_gemv_e4m3(const cpumla_weight *w, const float *x, float *y, i
     for (int64_t b0 = r0; b0 < r1;) {                /* one row block (one activation) at a time */
         int64_t b1 = min64((b0 / w->block_rows + 1) * w->block_rows, r1);
         e4_act(w, b0, x, 0, 1, xs, Kp);
-        for (int64_t r = b0; r < b1; r++) y[r - r0] = e4_gemv_row(w, &tab, xs, r);
+        if (cpumla_pf_l2)
+            for (int64_t r = b0; r < b1; r++) y[r - r0] = e4_gemv_row(w, &tab, xs, r, 1);
+        else
+            for (int64_t r = b0; r < b1; r++) y[r - r0] = e4_gemv_row(w, &tab, xs, r, 0);
         b0 = b1;
     }
 }

@@ -203,9 +203,10 @@ INLINE int e8m0_plain(const uint8_t *s, int64_t n) {
     return !bad;
 }
 
-/* y[t*ldy + i] = row r + i . token t, i < R, t < T; pf: prefetch distance in bytes (0: none) */
+/* y[t*ldy + i] = row r + i . token t, i < R, t < T; pf: prefetch distance in bytes (0: none), l2: the
+ * weight lines into L2 (prefetcht1) rather than L1, after each step's products (common.h cpumla_pf_l2) */
 INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
-                 int64_t ldy, int fmt, int64_t pf) {
+                 int64_t ldy, int fmt, int64_t pf, int l2) {
     const int64_t K = w->cols, nb = K / QK, SB = fmt != F_Q8 ? 256 : 512;     /* weight bytes a step */
     const int64_t ss = fmt >= F_FP4 ? 1 : 2;                                   /* scale bytes a block */
     const uint8_t *rp[4];
@@ -223,8 +224,9 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
     int64_t b = 0;
     for (; b + 16 <= nb; b += 16) {
         UNROLL for (int i = 0; i < R; i++) {
+            const char *ahead = (const char *)rp[i] + (b / 16) * SB + pf;
             if (pf) {
-                UNROLL for (int l = 0; l < SB; l += 64) _mm_prefetch((const char *)rp[i] + (b / 16) * SB + pf + l, _MM_HINT_T0);
+                if (!l2) UNROLL for (int l = 0; l < SB; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
                 _mm_prefetch((const char *)(sp[i] + ss * b) + pf * ss / (SB / 16), _MM_HINT_T0);
             }
             __m512i lo[4], hi[4];
@@ -232,6 +234,7 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
             const __m512 wd = ld_wd(sp[i] + ss * b, fmt, 0xffff);
             UNROLL for (int t = 0; t < T; t++)
                 acc[i][t] = step_acc(acc[i][t], step_sums(lo, hi, fmt, xq[t] + b * QK, xl[t] + b * QK, xs[t] + b), wd, xd[t] + b);
+            if (pf && l2) UNROLL for (int l = 0; l < SB; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T1);
         }
     }
     if (b < nb) {
@@ -249,6 +252,7 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
 }
 
 #define QDRIVER_GEMM gemm_q_avx512
+#define QDRIVER_PF_L2 cpumla_pf_l2
 #include "quant_driver.h"
 
 #ifdef AVX512_NO_VNNI

@@ -22,6 +22,12 @@
 #define GEMV_PF_BYTES 8192
 #endif
 
+/* Where the AVX-512 GEMVs that do the most work per byte (avx512_q.c's integer products, avx512_bf16.c's
+ * E4M3 decode) prefetch their stream: 0 into L1 (prefetcht0), 1 into L2 (prefetcht1). Set by
+ * cpumla_init from the CPU (cpumla_gemv_prefetch, dispatch.c), or by cpumla_set_gemv_prefetch; read by
+ * those loops once per call. */
+extern int cpumla_pf_l2;
+
 static inline float f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t bits_from_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 

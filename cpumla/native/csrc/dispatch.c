@@ -23,6 +23,9 @@ static __thread char last_error[640];    /* per thread: one thread's error never
 static uint64_t features;
 static int features_known;
 static char cpu_name[128] = "";
+static int amd_family;                   /* x86: the family of an AMD CPU (0x19: Zen 3 / Zen 4), else 0 */
+int cpumla_pf_l2;
+static int pf_forced = -1;               /* cpumla_set_gemv_prefetch: 0 / 1, or -1: the CPU's own */
 
 void cpumla_set_error(const char *msg) {
     snprintf(last_error, sizeof last_error, "%s", msg);
@@ -41,7 +44,13 @@ static uint64_t detect(void) {
     uint32_t a, b, c, d, max_leaf = __get_cpuid_max(0, 0);
     uint64_t f = 0;
     if (max_leaf < 1) return 0;
+    char vendor[13];
+    __cpuid(0, a, b, c, d);
+    memcpy(vendor, &b, 4); memcpy(vendor + 4, &d, 4); memcpy(vendor + 8, &c, 4);
+    vendor[12] = 0;
     __cpuid_count(1, 0, a, b, c, d);
+    if (!strcmp(vendor, "AuthenticAMD"))
+        amd_family = (int)((a >> 8) & 0xf) + (((a >> 8) & 0xf) == 0xf ? (int)((a >> 20) & 0xff) : 0);
     int osxsave = (c >> 27) & 1;
     if ((c >> 20) & 1) f |= CPUMLA_FEAT_SSE42;
     if ((c >> 28) & 1) f |= CPUMLA_FEAT_AVX;
@@ -126,6 +135,43 @@ uint64_t cpumla_cpu_features(void) {
 const char *cpumla_cpu_name(void) {
     cpumla_cpu_features();
     return cpu_name[0] ? cpu_name : "unknown";
+}
+
+/* ---- the GEMV stream prefetch (common.h cpumla_pf_l2) -------------------------------------------
+ * Zen 4 (AMD family 19h; Zen 3, the same family, has no AVX-512 and never runs those loops): their
+ * prefetcht0 8 KiB ahead read 72-81% of the read probe at two threads, prefetcht1 93-97% (q8, q4, E2M1,
+ * E4M3), while lighter loops (bf16, avx2's integer products) are best with prefetcht0 there too. Zen 5
+ * read 94% with prefetcht0 and less with an L2 hint (docs/benchmarks.md). Other CPUs: prefetcht0, as
+ * measured on Zen 5. */
+static int pf_l2_default(void) {
+    cpumla_cpu_features();
+    return amd_family == 0x19;
+}
+
+int cpumla_set_gemv_prefetch(const char *where) {
+    int v;
+    if (!where || !where[0] || !strcmp(where, "auto")) v = -1;
+    else if (!strcmp(where, "l1")) v = 0;
+    else if (!strcmp(where, "l2")) v = 1;
+    else {
+        char msg[160];
+        snprintf(msg, sizeof msg, "unknown GEMV prefetch '%.40s' (l1, l2 or auto)", where);
+        cpumla_set_error(msg);
+        return -1;
+    }
+    cpumla_enter(NULL);
+    pf_forced = v;
+    cpumla_pf_l2 = v >= 0 ? v : pf_l2_default();
+    return cpumla_leave(0);
+}
+
+const char *cpumla_gemv_prefetch(void) {
+    cpumla_ensure_init();
+    static char buf[64];
+    if (pf_forced >= 0) snprintf(buf, sizeof buf, "%s (set)", cpumla_pf_l2 ? "l2" : "l1");
+    else if (amd_family) snprintf(buf, sizeof buf, "%s (AMD family %xh)", cpumla_pf_l2 ? "l2" : "l1", amd_family);
+    else snprintf(buf, sizeof buf, "%s", cpumla_pf_l2 ? "l2" : "l1");
+    return buf;
 }
 
 /* ---- implementations: what each needs, and the level it builds on ------------------------------ */
@@ -301,6 +347,7 @@ static int init(const char *isa) {
     cpumla_kernels k;
     fill_level(&k, target);
     cpumla_k = k;
+    cpumla_pf_l2 = pf_forced >= 0 ? pf_forced : pf_l2_default();
     snprintf(chosen, sizeof chosen, "%s", isas[target].name);
     cpumla_pool_threads();
     return 0;
