@@ -11,6 +11,9 @@ GB/s / probe GB/s per phase. To compare two builds, run this alternately with ea
 same phase's rows. The model is cpumla's dummy-weight model (`--layers` layers), as `cpumla bench`
 builds it; `--quant q8|q4` quantizes it as it loads.
 
+`--prefetch l1,l2` alternates the samples between GEMV prefetch targets in one process (the same
+weights, the same host phases) and files each target's samples apart.
+
 `--turn FILE:I/N` runs N of these side by side, one per build, taking samples in turn (process I takes
 a sample when the counter in FILE is I mod N, then adds one), so that every build sees the same host
 phases; each waits for all N to have loaded first:
@@ -87,9 +90,15 @@ def main(argv=None) -> None:
     ap.add_argument("--fast-above", type=float, default=65.0, help="probe GB/s over which a sample is 'fast'")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of text")
     ap.add_argument("--turn", metavar="FILE:I/N", help="take samples in turn with N-1 other runs (above)")
+    ap.add_argument("--prefetch", metavar="T,T", help="GEMV prefetch targets (l1, l2, auto) the samples "
+                    "take in turn, each filed apart (cpumla_set_gemv_prefetch)")
     a = ap.parse_args(argv)
     if a.tokens < 1 or a.threads < 1:
         ap.error("--tokens and --threads must be at least 1")
+    targets = [t.strip() for t in a.prefetch.split(",")] if a.prefetch else [None]
+    for t in targets:
+        if t is not None and t not in ("l1", "l2", "auto"):
+            ap.error(f"--prefetch takes l1, l2 or auto, not '{t}'")
     turn = None
     if a.turn:
         m = re.fullmatch(r"(.+):(\d+)/(\d+)", a.turn)
@@ -109,13 +118,16 @@ def main(argv=None) -> None:
     probe = rb.BandwidthProbe()                 # a buffer of its own, far larger than the caches
     per_token = rb.decode_bytes(eng, 64)
     rng = np.random.default_rng(0)
-    samples = []                                # (decode GB/s, probe GB/s)
+    samples = []                                # (decode GB/s, probe GB/s, prefetch target index)
     if turn:
         turn.ready()
     end = time.time() + a.seconds
-    while not samples or time.time() < end:     # at least one sample
+    while len(samples) < len(targets) or time.time() < end:     # at least one sample a target
         if turn:
             turn.wait()
+        ti = len(samples) % len(targets)
+        if targets[ti]:
+            native.set_gemv_prefetch(targets[ti])
         eng.reset()
         eng.forward(rng.integers(0, eng.config.vocab_size, size=48), last_only=True)
         before = probe(2)
@@ -123,31 +135,38 @@ def main(argv=None) -> None:
         for tok in rng.integers(0, eng.config.vocab_size, size=a.tokens):
             eng.forward([int(tok)], last_only=True)
         dt = time.perf_counter() - t0
-        samples.append((per_token * a.tokens / dt / 1e9, (before + probe(2)) / 2))
+        samples.append((per_token * a.tokens / dt / 1e9, (before + probe(2)) / 2, ti))
         if turn:
             turn.done()
     if turn:
         turn.leave()
 
     s = np.array(samples)
-    phases = {"slow": s[:, 1] < a.slow_below, "fast": s[:, 1] > a.fast_above, "all": np.ones(len(s), bool)}
     out = {"model": a.model, "dummy_dtype": a.dummy_dtype, "quant": a.quant, "isa": native.isa(),
            "tokens_per_sample": a.tokens, "bytes_per_token": per_token}
-    for name, m in phases.items():
-        out[name] = {"samples": int(m.sum()),
-                     "pct_probe": float(100 * np.mean(s[m, 0] / s[m, 1])) if m.any() else None,
-                     "probe_gbs": float(np.mean(s[m, 1])) if m.any() else None}
+
+    def phases(rows: np.ndarray) -> dict:
+        keep = {"slow": rows[:, 1] < a.slow_below, "fast": rows[:, 1] > a.fast_above, "all": np.ones(len(rows), bool)}
+        return {name: {"samples": int(m.sum()),
+                       "pct_probe": float(100 * np.mean(rows[m, 0] / rows[m, 1])) if m.any() else None,
+                       "probe_gbs": float(np.mean(rows[m, 1])) if m.any() else None} for name, m in keep.items()}
+
+    if a.prefetch:
+        out["prefetch"] = {t: phases(s[s[:, 2] == i]) for i, t in enumerate(targets)}
+    else:
+        out.update(phases(s))
     if a.json:
         print(json.dumps(out))
         return
     weights = a.dummy_dtype + (f" as {a.quant}" if a.quant else "")
     print(f"{a.model} ({weights}, {a.layers} layers, {native.isa()}), {per_token / 1e6:.0f} MB per token")
-    for name in phases:
-        r = out[name]
-        if r["samples"]:
-            print(f"{name:5s} {r['pct_probe']:5.1f}% of the probe ({r['samples']} samples, probe {r['probe_gbs']:.1f} GB/s)")
-        else:
-            print(f"{name:5s} no samples")
+    for label, per_phase in (out["prefetch"].items() if a.prefetch else [("", out)]):
+        for name in ("slow", "fast", "all"):
+            r, head = per_phase[name], f"{label} {name}" if label else name
+            if r["samples"]:
+                print(f"{head:8s} {r['pct_probe']:5.1f}% of the probe ({r['samples']} samples, probe {r['probe_gbs']:.1f} GB/s)")
+            else:
+                print(f"{head:8s} no samples")
 
 
 if __name__ == "__main__":

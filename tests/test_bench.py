@@ -94,6 +94,13 @@ def test_decode_phases_script(capsys):
         assert 0 < out["all"]["pct_probe"] < float("inf")
         outs[out["quant"]] = out["bytes_per_token"]
     assert 0 < outs["q4"] < 0.5 * outs[None]
+    # --prefetch: samples alternate between the targets, each filed apart; the choice is the CPU's after
+    mod.main(["--seconds", "0", "--tokens", "2", "--layers", "2", "--json", "--quant", "q8", "--prefetch", "l1,l2",
+              "--hf-overrides", json.dumps({**SHRINK, "vocab_size": 1000})])
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["prefetch"]) == {"l1", "l2"} and "all" not in out
+    assert all(r["all"]["samples"] == 1 and r["all"]["pct_probe"] > 0 for r in out["prefetch"].values())
+    native.set_gemv_prefetch("auto")
 
 
 def test_decode_phases_turns(capsys, tmp_path):
@@ -146,7 +153,8 @@ def test_gemv_sizes_script(capsys, tmp_path):
                                         (["--model", "nope/nope"], "not a local directory"),
                                         (["--turn", "x"], "--turn must be FILE:I/N"),
                                         (["--turn", "/tmp/t:2/2"], "--turn must be FILE:I/N"),
-                                        (["--turn", "/nonexistent/turn:0/2"], "no counter file")])
+                                        (["--turn", "/nonexistent/turn:0/2"], "no counter file"),
+                                        (["--prefetch", "l1,l3"], "--prefetch takes l1, l2 or auto, not 'l3'")])
 def test_decode_phases_bad_input(capsys, args, words):
     """Bad input to the script: usage error (exit 2) with one line naming the problem, no traceback."""
     with pytest.raises(SystemExit) as e:
