@@ -197,14 +197,14 @@ def _kernels(output, threads, formats, rows, cols, seconds, stream_mb, codes="ra
         _report_verdict(checked)
         return
     fma = max((r.fma_peak_gflops for r in results), default=0.0)
-    render.out.print(f"read bandwidth probe: [bold]{probe:.1f} GB/s[/]"
+    render.out.print(f"read bandwidth probe: [bold]{probe:.1f} GB/s[/] at the start, and around each GEMV"
                      + (f", fp32 FMA probe: [bold]{fma:.0f} GFLOP/s[/]" if fma else "")
                      + f" ({native.get_threads()} threads, implementation {native.isa()})")
     rows_out = []
     for r in results:
         gemv = r.kernel == "gemv"
         rows_out.append([r.kernel, r.format, r.codes, r.shape, r.isa, f"{r.seconds * 1e6:.0f}",
-                         f"{r.gbs:.1f}" if gemv else "", f"{r.pct_probe:.0f}%" if gemv else "",
+                         f"{r.gbs:.1f}" if gemv else "", f"{r.pct_probe:.0f}% of {r.probe_gbs:.1f}" if gemv else "",
                          f"{r.cache_gbs:.1f}" if gemv else "", f"{r.gflops:.1f}",
                          "" if gemv else f"{r.pct_fma_peak:.0f}%"])
     render.table(None, ["kernel", "weights", "codes", "shape", "impl", "us/call", "GB/s", "% of probe",

@@ -38,11 +38,12 @@ class KernelResult:
     isa: str
     seconds: float           # per call, median of passes
     gbs: float               # weight (+ scale) bytes read per second; GEMM: 0
-    pct_probe: float         # gbs / probe GB/s * 100
+    pct_probe: float         # gbs / probe_gbs * 100
     gflops: float
     fma_peak_gflops: float = 0.0   # GEMM: the fp32 FMA probe of the same run (all threads)
     pct_fma_peak: float = 0.0      # GEMM: gflops / fma_peak_gflops * 100
     cache_gbs: float = 0.0         # GEMV: GB/s over weights that stay in cache (gemv_in_cache)
+    probe_gbs: float = 0.0         # GEMV: the read probe right before and after its passes (their mean)
 
 
 def _codes(fmt: str, codes: str, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
@@ -103,11 +104,14 @@ def _time_passes(fn, min_seconds: float) -> float:
     return float(np.median(times))
 
 
-def read_bandwidth(min_seconds: float = 1.0, nbytes: int = STREAM_BYTES * 2) -> float:
-    """GB/s of the read probe over a buffer far larger than any cache."""
-    buf = native.aligned_copy(np.ones(nbytes // 8, np.float64))   # the probe's loads are 64-byte aligned
-    sec = _time_passes(lambda: native.read_probe(buf), min_seconds)
-    return buf.nbytes / sec / 1e9
+def probe_buffer(nbytes: int = STREAM_BYTES * 2) -> np.ndarray:
+    """A buffer for read_bandwidth, far larger than any cache (64-byte aligned, as the probe loads)."""
+    return native.aligned_copy(np.ones(nbytes // 8, np.float64))
+
+
+def read_bandwidth(buf: np.ndarray, min_seconds: float = 1.0) -> float:
+    """GB/s of the read probe over buf (probe_buffer)."""
+    return buf.nbytes / _time_passes(lambda: native.read_probe(buf), min_seconds) / 1e9
 
 
 def fma_peak(min_seconds: float = 0.3) -> float:
@@ -162,8 +166,11 @@ def gemv_in_cache(fmt: str, cols: int, min_seconds: float, rng: np.random.Genera
     return (sizes[1] - sizes[0]) / extra / 1e9
 
 
-def gemv_bandwidth(fmt: str, rows: int, cols: int, min_seconds: float, probe_gbs: float,
+def gemv_bandwidth(fmt: str, rows: int, cols: int, min_seconds: float, probe,
                    rng: np.random.Generator, stream_bytes: int = STREAM_BYTES, codes: str = "random") -> KernelResult:
+    """The GEMV's GB/s from memory, against probe() (GB/s) taken right before and after its passes: a
+    shared host's bandwidth drifts within a run, and a probe taken once for every format misreads the
+    later ones."""
     first = random_weight(fmt, rows, cols, rng, codes)
     copies = [first] + [random_weight(fmt, rows, cols, rng, codes)
                         for _ in range(max(0, -(-stream_bytes // first.nbytes) - 1))]
@@ -174,12 +181,14 @@ def gemv_bandwidth(fmt: str, rows: int, cols: int, min_seconds: float, probe_gbs
         for w in copies:
             native.gemv(w, x, y)
 
+    before = probe()
     sec = _time_passes(one_pass, min_seconds) / len(copies)
+    probe_gbs = (before + probe()) / 2
     gbs = first.nbytes / sec / 1e9
     return KernelResult("gemv", fmt, codes if fmt in QUANTISED else "", f"{rows}x{cols}", native.get_threads(),
                         native.kernel_impl(f"gemv:{fmt.split('-')[0]}"),
                         sec, gbs, 100.0 * gbs / probe_gbs, 2.0 * rows * cols / sec / 1e9,
-                        cache_gbs=gemv_in_cache(fmt, cols, min_seconds, rng, codes))
+                        cache_gbs=gemv_in_cache(fmt, cols, min_seconds, rng, codes), probe_gbs=probe_gbs)
 
 
 def gemm_throughput(fmt: str, rows: int, cols: int, n: int, min_seconds: float,
@@ -202,11 +211,17 @@ def run(formats=FORMATS, rows: int = 10944, cols: int = 2048, gemm_n: int = 128,
         min_seconds: float = 1.0, seed: int = 0, progress=None,
         stream_bytes: int = STREAM_BYTES, codes=("random",)) -> tuple[float, list[KernelResult]]:
     """(probe GB/s, results). progress(label) is called before each measurement. FP8 / FP4 GEMVs run
-    once per code distribution in codes."""
+    once per code distribution in codes; each GEMV's share is of the probe taken around it
+    (KernelResult.probe_gbs), the first value returned is the probe at the start."""
     rng = np.random.default_rng(seed)
     step = progress or (lambda label: None)
     step("read probe")
-    probe = read_bandwidth(min_seconds, 2 * stream_bytes)
+    buf = probe_buffer(2 * stream_bytes)
+    first_probe = read_bandwidth(buf, min_seconds)
+
+    def probe() -> float:
+        return read_bandwidth(buf, min(min_seconds, 0.25))
+
     results = []
     for fmt in formats:
         for c in codes if fmt in QUANTISED else ("random",):
@@ -225,7 +240,7 @@ def run(formats=FORMATS, rows: int = 10944, cols: int = 2048, gemm_n: int = 128,
         for g in gemms:
             g.fma_peak_gflops, g.pct_fma_peak = peak, 100.0 * g.gflops / peak
         results += gemms
-    return probe, results
+    return first_probe, results
 
 
 def as_dicts(results: list[KernelResult]) -> list[dict]:
