@@ -103,7 +103,7 @@ def main(argv=None) -> None:
     x = rng.standard_normal(COLS).astype(np.float32)
     y = np.zeros(max(rows for rows, _ in SIZES.values()), np.float32)
     xp, yp = ctypes.c_void_p(x.ctypes.data), ctypes.c_void_p(y.ctypes.data)
-    probe_buf = native.aligned_copy(np.ones((1 << 29) // 8, np.float64))
+    probe_buf = nb.probe_buffer(1 << 29)
 
     def probe() -> float:
         t0 = time.perf_counter()

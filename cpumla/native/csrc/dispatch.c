@@ -142,8 +142,9 @@ const char *cpumla_cpu_name(void) {
  * prefetcht0 8 KiB ahead read 70-83% of the read probe at two threads, prefetcht1 92-94% (q8, q4, E2M1,
  * E4M3 over large weights), while lighter loops (bf16, avx2's integer products) are best with prefetcht0 there too. Zen 5
  * read 94% with prefetcht0 and less with an L2 hint (docs/benchmarks.md). Other CPUs: prefetcht0, as
- * measured on Zen 5. */
-static int pf_l2_default(void) {
+ * measured on Zen 5. A target set by cpumla_set_gemv_prefetch comes first. */
+static int pf_l2_target(void) {
+    if (pf_forced >= 0) return pf_forced;
     cpumla_cpu_features();
     return amd_family == 0x19;
 }
@@ -161,7 +162,7 @@ int cpumla_set_gemv_prefetch(const char *where) {
     }
     cpumla_enter(NULL);
     pf_forced = v;
-    cpumla_pf_l2 = v >= 0 ? v : pf_l2_default();
+    cpumla_pf_l2 = pf_l2_target();
     return cpumla_leave(0);
 }
 
@@ -347,7 +348,7 @@ static int init(const char *isa) {
     cpumla_kernels k;
     fill_level(&k, target);
     cpumla_k = k;
-    cpumla_pf_l2 = pf_forced >= 0 ? pf_forced : pf_l2_default();
+    cpumla_pf_l2 = pf_l2_target();
     snprintf(chosen, sizeof chosen, "%s", isas[target].name);
     cpumla_pool_threads();
     return 0;
