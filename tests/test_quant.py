@@ -114,10 +114,13 @@ def test_gemm_q(isa, case, n):
 
 @pytest.mark.parametrize("fmt", ["q8", "q4"])
 @pytest.mark.parametrize("n", [1, 4])
-def test_head_gemv_q_absorb_unabsorb(isa, fmt, n):
+@pytest.mark.parametrize("shape", [(5, 24, 20, 160), (5, 24, 20, 544), (2, 70, 6, 512)])
+def test_head_gemv_q_absorb_unabsorb(isa, fmt, n, shape):
     """kv_b_proj quantized: absorb (gemv_t, fp32 activations: x_i * d times the codes) and un-absorb
-    (head_gemv, quantized activations)."""
-    H, dn, dv, R = 5, 24, 20, 160
+    (head_gemv, quantized activations). The widths: fewer than 8 blocks; two spans of 8 blocks and one
+    left over; 70 rows a head (more than a chunk of 64 coefficients) with the columns of 2 heads split
+    between tasks."""
+    H, dn, dv, R = shape
     rng = np.random.default_rng(8)
     w, W = build(fmt, H * (dn + dv), R, rng)
     q = np.full((n, H, dn + 3), np.nan, np.float32)

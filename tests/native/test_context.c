@@ -175,7 +175,50 @@ static void test_pool_spans(void) {
         }
 }
 
+/* cpumla_span_pieces / cpumla_span_piece: the pieces of all threads' spans cover the units once, in
+ * order, cut at multiples of align; within a span each piece is at most about half of what is left,
+ * and the last one about the tail (or the fewest units a cut allows). */
+static void test_span_pieces(void) {
+    const int64_t units[] = {1, 7, 8, 9, 64, 1000, 1408 * 12, 102400};
+    const int64_t unit_bytes[] = {1, 1152, 2176, 1 << 20};
+    const int threads[] = {1, 2, 3, 8};
+    const int64_t aligns[] = {1, 8};
+    for (size_t ui = 0; ui < sizeof units / sizeof units[0]; ui++)
+        for (size_t bi = 0; bi < sizeof unit_bytes / sizeof unit_bytes[0]; bi++)
+            for (size_t ti = 0; ti < sizeof threads / sizeof threads[0]; ti++)
+                for (size_t ai = 0; ai < sizeof aligns / sizeof aligns[0]; ai++) {
+                    const int64_t n = units[ui], ub = unit_bytes[bi], al = aligns[ai];
+                    const int T = threads[ti];
+                    const int64_t k = cpumla_span_pieces(n, ub, al, T);
+                    case_begin();
+                    int64_t at = 0;
+                    int ok = k >= 1 && k <= 24, halves = 1, tail = 1;
+                    for (int64_t t = 0; ok && t < k * T; t++) {
+                        int64_t u0, u1;
+                        cpumla_span_piece(n, k, al, T, t, &u0, &u1);
+                        ok &= u0 == at && u1 >= u0 && (u1 == n || u1 % al == 0);
+                        at = u1;
+                        if (t % k == 0) continue;
+                        /* the span's end: where the last piece of this span ends */
+                        int64_t e0, e1;
+                        cpumla_span_piece(n, k, al, T, t - t % k + k - 1, &e0, &e1);
+                        halves &= u1 - u0 <= (e1 - u0 + 1) / 2 + al || t % k == k - 1;
+                        if (t % k == k - 1)
+                            tail &= (u1 - u0) * ub <= CPUMLA_SPAN_TAIL + al * ub || u1 - u0 <= 3 * al || k == 24;
+                    }
+                    ok &= at == n;
+                    check(ok, "span pieces: %lld units, %d threads, align %lld: %lld pieces a span cover them "
+                          "once, in order", (long long)n, T, (long long)al, (long long)k);
+                    check(halves, "span pieces: %lld units of %lld bytes, %d threads: each piece at most half "
+                          "of the span left", (long long)n, (long long)ub, T);
+                    check(tail, "span pieces: %lld units of %lld bytes, %d threads: the last piece near the tail",
+                          (long long)n, (long long)ub, T);
+                    case_end();
+                }
+}
+
 void test_api_context(void) {
+    test_span_pieces();
     test_pool_spans();
     test_ctx_nesting();
     test_scratch_failure();

@@ -10,8 +10,8 @@
 #include "dispatch.h"
 #include "threadpool.h"
 
-static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 /* ---- routing ---------------------------------------------------------------------------------- */
 static float sqrt_softplus(float v) {
@@ -134,7 +134,8 @@ int cpumla_route(const cpumla_router *r, const float *logits, int64_t ld, int64_
 typedef struct {
     const cpumla_expert *experts;
     const int32_t *idx;          /* [k] */
-    int64_t k, I, D, blocks_in, blocks_out, rows_in, rows_out;
+    int64_t k, I, D, pieces_in, pieces_out;   /* pieces of each thread's span (cpumla_span_pieces) */
+    int threads;
     const float *x;
     float *h;                    /* [k, 2I]: gate rows then up rows of each expert */
     float *o;                    /* [k, D] */
@@ -142,30 +143,37 @@ typedef struct {
     int64_t per_out;
 } moe1_job;
 
+/* gate and up rows of every chosen expert, as one span of k * 2I rows (matrix 2e: gate of slot e,
+ * 2e + 1: its up) */
 static void moe1_in_task(void *p, int64_t t, int tid) {
     (void)tid;
     moe1_job *j = p;
-    int64_t b = t % j->blocks_in, rest = t / j->blocks_in, which = rest % 2, e = rest / 2;
-    if (j->idx[e] < 0) return;
-    const cpumla_expert *ex = &j->experts[j->idx[e]];
-    const cpumla_weight *w = which ? &ex->up : &ex->gate;
-    int64_t r0 = b * j->rows_in, r1 = min64(r0 + j->rows_in, j->I);
-    float *y = j->h + e * 2 * j->I + which * j->I + r0;
-    if (r0 >= r1) return;
-    if (j->qx) cpumla_gemv_qx(w, j->qx, y, r0, r1);
-    else cpumla_k.gemv(w, j->x, y, r0, r1);
+    int64_t u0, u1;
+    cpumla_span_piece(j->k * 2 * j->I, j->pieces_in, 8, j->threads, t, &u0, &u1);
+    for (int64_t m = u0 / j->I; m * j->I < u1; m++) {      /* the matrices the piece touches */
+        int64_t e = m / 2, which = m % 2, r0 = max64(u0 - m * j->I, 0), r1 = min64(u1 - m * j->I, j->I);
+        if (j->idx[e] < 0 || r0 >= r1) continue;
+        const cpumla_expert *ex = &j->experts[j->idx[e]];
+        const cpumla_weight *w = which ? &ex->up : &ex->gate;
+        float *y = j->h + e * 2 * j->I + which * j->I + r0;
+        if (j->qx) cpumla_gemv_qx(w, j->qx, y, r0, r1);
+        else cpumla_k.gemv(w, j->x, y, r0, r1);
+    }
 }
 
+/* down rows of every chosen expert, as one span of k * D rows */
 static void moe1_out_task(void *p, int64_t t, int tid) {
     (void)tid;
     moe1_job *j = p;
-    int64_t b = t % j->blocks_out, e = t / j->blocks_out;
-    if (j->idx[e] < 0) return;
-    int64_t r0 = b * j->rows_out, r1 = min64(r0 + j->rows_out, j->D);
-    const cpumla_weight *w = &j->experts[j->idx[e]].down;
-    if (r0 >= r1) return;
-    if (j->qx) cpumla_gemv_qx(w, j->qx + e * j->per_out, j->o + e * j->D + r0, r0, r1);
-    else cpumla_k.gemv(w, j->h + e * 2 * j->I, j->o + e * j->D + r0, r0, r1);
+    int64_t u0, u1;
+    cpumla_span_piece(j->k * j->D, j->pieces_out, 8, j->threads, t, &u0, &u1);
+    for (int64_t e = u0 / j->D; e * j->D < u1; e++) {
+        int64_t r0 = max64(u0 - e * j->D, 0), r1 = min64(u1 - e * j->D, j->D);
+        if (j->idx[e] < 0 || r0 >= r1) continue;
+        const cpumla_weight *w = &j->experts[j->idx[e]].down;
+        if (j->qx) cpumla_gemv_qx(w, j->qx + e * j->per_out, j->o + e * j->D + r0, r0, r1);
+        else cpumla_k.gemv(w, j->h + e * 2 * j->I, j->o + e * j->D + r0, r0, r1);
+    }
 }
 
 /* bytes of the quantized activation row that the chosen experts' gate and up weights (down: their
@@ -191,14 +199,11 @@ static int moe_one_token(const cpumla_expert *experts, const float *x, const int
     float *h = cpumla_scratch(CPUMLA_SCRATCH_MOE1, sizeof(float) * (size_t)(k * 2 * I + k * D));
     if (!h) return -1;
     int threads = cpumla_pool_threads();
-    moe1_job j = {.experts = experts, .idx = idx, .k = k, .I = I, .D = D, .blocks_in = 1, .blocks_out = 1,
-                  .rows_in = I, .rows_out = D, .x = x, .h = h, .o = h + k * 2 * I};
-    /* ~4 tasks per thread over all k*2 input matrices, a multiple of 8 rows each */
-    j.rows_in = ceil_div(ceil_div(I, ceil_div(4 * (int64_t)threads, 2 * k)), 8) * 8;
-    j.blocks_in = ceil_div(I, j.rows_in);
-    j.rows_out = ceil_div(ceil_div(D, ceil_div(4 * (int64_t)threads, k)), 8) * 8;
-    j.blocks_out = ceil_div(D, j.rows_out);
-    /* both jobs in spans (threadpool.h): a thread takes an expert's row blocks in order */
+    moe1_job j = {.experts = experts, .idx = idx, .k = k, .I = I, .D = D, .threads = threads, .x = x, .h = h,
+                  .o = h + k * 2 * I};
+    j.pieces_in = cpumla_span_pieces(k * 2 * I, experts[0].gate.row_bytes, 8, threads);
+    j.pieces_out = cpumla_span_pieces(k * D, experts[0].down.row_bytes, 8, threads);
+    /* both jobs in spans (threadpool.h): a thread streams its rows of the experts in order */
     int64_t per_in = shared_qx_bytes(experts, idx, k, 0), per_out = shared_qx_bytes(experts, idx, k, 1);
     uint8_t *qx = NULL;
     if (per_in || per_out) {
@@ -211,7 +216,7 @@ static int moe_one_token(const cpumla_expert *experts, const float *x, const int
         cpumla_quant_rows(&experts[*first].gate, x, 0, 1, qx);
         j.qx = qx;
     }
-    cpumla_pool_run_spans(k * 2 * j.blocks_in, moe1_in_task, &j);
+    cpumla_pool_run_spans(threads * j.pieces_in, moe1_in_task, &j);
     for (int64_t e = 0; e < k; e++)
         if (idx[e] >= 0) cpumla_k.swiglu_row(h + e * 2 * I, h + e * 2 * I + I, h + e * 2 * I, I, limit);
     j.qx = NULL;
@@ -221,7 +226,7 @@ static int moe_one_token(const cpumla_expert *experts, const float *x, const int
         j.qx = qx;
         j.per_out = per_out;
     }
-    cpumla_pool_run_spans(k * j.blocks_out, moe1_out_task, &j);
+    cpumla_pool_run_spans(threads * j.pieces_out, moe1_out_task, &j);
     for (int64_t e = 0; e < k; e++) {
         if (idx[e] < 0) continue;
         const float *o = j.o + e * D;

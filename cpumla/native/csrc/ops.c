@@ -14,9 +14,6 @@
 
 #define MIN_PARALLEL_WORK 32768     /* below this many multiply-adds a call stays on one thread */
 #define GEMM_TASK_ROWS 512          /* most weight rows of a gemm task (but see linear_rows) */
-#ifndef CPUMLA_GEMV_SPLIT
-#define CPUMLA_GEMV_SPLIT 4     /* GEMV tasks per thread */
-#endif
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -30,6 +27,8 @@ typedef struct {
     int64_t ldx, n;                       /* tokens */
     float *y;                             /* y[t*ldy + (r - r_begin)] */
     int64_t ldy, rows_per_task, tokens_per_task, row_tasks;
+    int64_t pieces;                       /* gemv: pieces of each thread's span (cpumla_span_pieces) */
+    int threads;
     int64_t halves_from;                  /* row tasks from this one on take half a task's rows */
     const uint16_t *xb;                   /* BF16 weights: x in bf16 for gemm_xb, or NULL */
     int64_t ldb;
@@ -39,7 +38,11 @@ typedef struct {
 static void gemv_task(void *p, int64_t t, int tid) {
     (void)tid;
     lin_job *j = p;
-    int64_t r0 = j->r_begin + t * j->rows_per_task, r1 = min64(r0 + j->rows_per_task, j->r_end);
+    int64_t r0, r1;
+    cpumla_span_piece(j->r_end - j->r_begin, j->pieces, 8, j->threads, t, &r0, &r1);
+    if (r1 <= r0) return;
+    r0 += j->r_begin;
+    r1 += j->r_begin;
     if (j->qx) cpumla_gemv_qx(j->w, j->qx, j->y + (r0 - j->r_begin), r0, r1);
     else cpumla_k.gemv(j->w, j->x, j->y + (r0 - j->r_begin), r0, r1);
 }
@@ -90,10 +93,10 @@ static void linear_rows(const cpumla_weight *w, int64_t r_begin, int64_t r_end, 
             cpumla_quant_rows(w, x, 0, 1, qx);
             j.qx = qx;
         }
-        /* ~4 tasks per thread for balance, a multiple of 8 rows each; each thread streams its span of
-         * the rows (threadpool.h) */
-        j.rows_per_task = ceil_div(ceil_div(rows, CPUMLA_GEMV_SPLIT * (int64_t)threads), 8) * 8;
-        cpumla_pool_run_spans(ceil_div(rows, j.rows_per_task), gemv_task, &j);
+        /* each thread streams its span of the rows in pieces that shrink towards its end (threadpool.h) */
+        j.pieces = cpumla_span_pieces(rows, w->row_bytes, 8, threads);
+        j.threads = threads;
+        cpumla_pool_run_spans(j.pieces * threads, gemv_task, &j);
         return;
     }
     if (w->dtype == CPUMLA_BF16 && cpumla_k.gemm_xb) {      /* convert x once, not once per task */

@@ -151,6 +151,30 @@ int cpumla_pool_threads(void) {
     return pool.n_threads;
 }
 
+int64_t cpumla_span_pieces(int64_t units, int64_t unit_bytes, int64_t align, int threads) {
+    if (threads < 1) threads = 1;
+    if (align < 1) align = 1;
+    int64_t span = units / threads, bytes = span * (unit_bytes > 0 ? unit_bytes : 1), k = 1;
+    /* halve until the last piece is at most the tail, and at least `align` units */
+    while (k < 24 && (bytes >> (k - 1)) > CPUMLA_SPAN_TAIL && (span >> k) >= align) k++;
+    return k;
+}
+
+static int64_t span_start(int64_t units, int64_t align, int threads, int64_t i) {
+    return i >= threads ? units : units * i / threads / align * align;
+}
+
+void cpumla_span_piece(int64_t units, int64_t k, int64_t align, int threads, int64_t t, int64_t *u0,
+                       int64_t *u1) {
+    if (align < 1) align = 1;
+    int64_t i = t / k, j = t % k, s0 = span_start(units, align, threads, i);
+    int64_t len = span_start(units, align, threads, i + 1) - s0;
+    /* piece j starts where the span has 2^-j of it left, rounded down to `align` */
+    int64_t a = (len - (len >> j)) / align * align, b = j + 1 >= k ? len : (len - (len >> (j + 1))) / align * align;
+    *u0 = s0 + a;
+    *u1 = s0 + b;
+}
+
 static void pool_run(int64_t n_tasks, cpumla_task_fn fn, void *ctx, int spans);
 void cpumla_pool_run(int64_t n_tasks, cpumla_task_fn fn, void *ctx) { pool_run(n_tasks, fn, ctx, 0); }
 void cpumla_pool_run_spans(int64_t n_tasks, cpumla_task_fn fn, void *ctx) {
