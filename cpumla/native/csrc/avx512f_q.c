@@ -202,7 +202,7 @@ static void gemv_t_q_rows4(const cpumla_weight *w, int64_t r0, int64_t nr, const
  * rows, so y is written once, not loaded and stored for every four rows. Per row, the products
  * (x[i] * wd) of the 8 blocks are made ahead of the row loop (a chunk of rows at a time) and read by
  * the FMAs as broadcasts. The same operations in the same order as gemv_t_q_rows4: y = 0, then
- * fma(x_i * wd, wq, y) row by row. The rows of a head lie back to back; the row PF_AHEAD ahead is
+ * fma(x_i * wd, wq, y) row by row. The rows of a head lie back to back; the row GT_PF_AHEAD ahead is
  * prefetched whole on the first pass (the second pass over the same rows finds its half in cache). */
 #define GT_CHUNK 64
 #define GT_PF_AHEAD 16
@@ -217,14 +217,14 @@ static void gemv_t_q_8blocks(const cpumla_weight *w, int64_t r0, int64_t nr, con
     for (int64_t i0 = 0; i0 < nr; i0 += GT_CHUNK) {
         const int64_t n = nr - i0 < GT_CHUNK ? nr - i0 : GT_CHUNK;
         for (int64_t i = 0; i < n; i++) {
-            const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w->scale + (r0 + i0 + i) * w->scale_ld + b0));
+            const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)q_scale_row(w, r0 + i0 + i) + b0));
             _mm256_storeu_ps(coef[i], _mm256_mul_ps(_mm256_set1_ps(x[i0 + i]), _mm256_cvtph_ps(h)));
         }
         for (int64_t i = 0; i < n; i++) {
             if (first && i0 + i + GT_PF_AHEAD < nr) {
                 const char *p = (const char *)weight_row(w, r0 + i0 + i + GT_PF_AHEAD);
                 for (int64_t o = 0; o < rb; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
-                _mm_prefetch((const char *)((const uint16_t *)w->scale + (r0 + i0 + i + GT_PF_AHEAD) * w->scale_ld), _MM_HINT_T0);
+                _mm_prefetch((const char *)q_scale_row(w, r0 + i0 + i + GT_PF_AHEAD), _MM_HINT_T0);
             }
             const uint8_t *row = weight_row(w, r0 + i0 + i) + b0 * bb;
             for (int k = 0; k < 8; k++) {
