@@ -260,6 +260,7 @@ static void gemv_t_avx2(const cpumla_weight *w, int64_t r0, int64_t nr, const fl
         float *a = acc - cs;   /* a[c] for cs <= c < ce */
         memset(acc, 0, (size_t)(ce - cs) * sizeof(float));
         for (int64_t i = 0; i < nr; i++) {
+            gt_prefetch(w->data, w->row_bytes, r0, i, 1, nr, cs, ce, gt_col_bytes(dt));
             const uint8_t *row = weight_row(w, r0 + i);
             const float xi = dt == CPUMLA_BF16 ? bf16_round(x[i]) : x[i];
             int64_t c = cs;

@@ -243,6 +243,7 @@ static void gemv_t_avx512(const cpumla_weight *w, int64_t r0, int64_t nr, const 
     for (int64_t c = c0; c < c1; c += 16) _mm512_mask_storeu_ps(y + (c - c0), tail16(c1 - c), _mm512_setzero_ps());
     for (int64_t i0 = 0; i0 < nr; i0 += 4) {
         int R = (int)min64(4, nr - i0);
+        gt_prefetch(w->data, w->row_bytes, r0, i0, 4, nr, c0, c1, gt_col_bytes(dt));
         const uint8_t *rp[4];
         UNROLL for (int i = 0; i < 4; i++) rp[i] = weight_row(w, r0 + i0 + (i < R ? i : 0));
         for (int64_t b0 = c0; b0 < c1;) {

@@ -400,6 +400,7 @@ void cpumla_avx512_gemv_t_bf16(const cpumla_weight *w, int64_t r0, int64_t nr, c
     for (int64_t c = 0; c < n32; c += 16) _mm512_storeu_ps(acc + c, _mm512_setzero_ps());
     for (int64_t i = 0; i < nr; i += 4) {
         int R = (int)min64(4, nr - i);
+        gt_prefetch(w->data, w->row_bytes, r0, i, 4, nr, c0, c1, 2);
         const uint16_t *rp[4];
         UNROLL for (int k = 0; k < 4; k++) rp[k] = (const uint16_t *)weight_row(w, r0 + i + (k < R ? k : 0)) + c0;
         /* rows past nr: no weights loaded (zeros) and x = 0 */

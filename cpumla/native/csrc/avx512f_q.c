@@ -202,14 +202,16 @@ static void gemv_t_q_rows4(const cpumla_weight *w, int64_t r0, int64_t nr, const
  * rows, so y is written once, not loaded and stored for every four rows. Per row, the products
  * (x[i] * wd) of the 8 blocks are made ahead of the row loop (a chunk of rows at a time) and read by
  * the FMAs as broadcasts. The same operations in the same order as gemv_t_q_rows4: y = 0, then
- * fma(x_i * wd, wq, y) row by row. The rows of a head lie back to back; the row GT_PF_AHEAD ahead is
- * prefetched whole on the first pass (the second pass over the same rows finds its half in cache). */
+ * fma(x_i * wd, wq, y) row by row. The rows of a head lie back to back; of the row GT_PF_AHEAD ahead,
+ * the bytes [pf0, pf1) and its scales are prefetched into L2 (pf1 = 0: none). gemv_t_q_avx512f has
+ * the first of its passes prefetch all its columns, so that later passes over the same rows find
+ * them in cache. */
 #define GT_CHUNK 64
 #define GT_PF_AHEAD 16
 static void gemv_t_q_8blocks(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y, int64_t b0,
-                             int first) {
+                             int64_t pf0, int64_t pf1) {
     const int q4 = w->dtype == CPUMLA_Q4;
-    const int64_t bb = q4 ? QK / 2 : QK, rb = w->cols / QK * bb;   /* bytes a block, a row's bytes */
+    const int64_t bb = q4 ? QK / 2 : QK;                            /* bytes a block */
     const __m512 tab = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     __m512 acc[16];
     for (int k = 0; k < 16; k++) acc[k] = _mm512_setzero_ps();
@@ -221,10 +223,10 @@ static void gemv_t_q_8blocks(const cpumla_weight *w, int64_t r0, int64_t nr, con
             _mm256_storeu_ps(coef[i], _mm256_mul_ps(_mm256_set1_ps(x[i0 + i]), _mm256_cvtph_ps(h)));
         }
         for (int64_t i = 0; i < n; i++) {
-            if (first && i0 + i + GT_PF_AHEAD < nr) {
+            if (pf1 && i0 + i + GT_PF_AHEAD < nr) {
                 const char *p = (const char *)weight_row(w, r0 + i0 + i + GT_PF_AHEAD);
-                for (int64_t o = 0; o < rb; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
-                _mm_prefetch((const char *)q_scale_row(w, r0 + i0 + i + GT_PF_AHEAD), _MM_HINT_T0);
+                for (int64_t o = pf0 & ~(int64_t)63; o < pf1; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+                _mm_prefetch((const char *)((const uint16_t *)q_scale_row(w, r0 + i0 + i + GT_PF_AHEAD) + b0), _MM_HINT_T1);
             }
             const uint8_t *row = weight_row(w, r0 + i0 + i) + b0 * bb;
             for (int k = 0; k < 8; k++) {
@@ -250,10 +252,12 @@ static void gemv_t_q_8blocks(const cpumla_weight *w, int64_t r0, int64_t nr, con
  * (fewer than 8 blocks, or columns that do not start a block) by gemv_t_q_rows4. */
 static void gemv_t_q_avx512f(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y, int64_t c0,
                              int64_t c1) {
+    const int64_t bb = w->dtype == CPUMLA_Q4 ? QK / 2 : QK;      /* bytes a block */
     int64_t c = c0;
     if (c0 % QK == 0 && nr > 0)
         for (int first = 1; c + 8 * QK <= c1; c += 8 * QK, first = 0)
-            gemv_t_q_8blocks(w, r0, nr, x, y + (c - c0), c / QK, first);
+            gemv_t_q_8blocks(w, r0, nr, x, y + (c - c0), c / QK, first ? c0 / QK * bb : 0,
+                             first ? (c1 + QK - 1) / QK * bb : 0);
     if (c < c1) gemv_t_q_rows4(w, r0, nr, x, y + (c - c0), c, c1);
 }
 
