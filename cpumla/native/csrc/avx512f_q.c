@@ -198,67 +198,68 @@ static void gemv_t_q_rows4(const cpumla_weight *w, int64_t r0, int64_t nr, const
     }
 }
 
-/* gemv_t over 8 whole blocks (256 columns) from block b0: the 16 sums stay in registers over all the
- * rows, so y is written once, not loaded and stored for every four rows. Per row, the products
- * (x[i] * wd) of the 8 blocks are made ahead of the row loop (a chunk of rows at a time) and read by
- * the FMAs as broadcasts. The same operations in the same order as gemv_t_q_rows4: y = 0, then
- * fma(x_i * wd, wq, y) row by row. The rows of a head lie back to back; of the row GT_PF_AHEAD ahead,
- * the bytes [pf0, pf1) and its scales are prefetched into L2 (pf1 = 0: none). gemv_t_q_avx512f has
- * the first of its passes prefetch all its columns, so that later passes over the same rows find
- * them in cache. */
-#define GT_CHUNK 64
+/* gemv_t over 8 whole blocks (256 columns) from block b0, rows [i0, i0 + n) of the nr from r0: the 16
+ * sums stay in registers over those rows (loaded from y and stored back, y = 0 before row 0), not
+ * loaded and stored for every four rows. Per row, the products (x[i] * wd) of the 8 blocks are made
+ * ahead of the row loop and read by the FMAs as broadcasts. The same operations in the same order as
+ * gemv_t_q_rows4: y = 0, then fma(x_i * wd, wq, y) row by row. Of the row GT_PF_AHEAD ahead (up to
+ * nr), the bytes [pf0, pf1) and the line of its scales from b0 are prefetched into L2 (pf1 = 0: none). */
+#define GT_CHUNK 16
 #define GT_PF_AHEAD 16
-static void gemv_t_q_8blocks(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y, int64_t b0,
-                             int64_t pf0, int64_t pf1) {
+static void gemv_t_q_8blocks(const cpumla_weight *w, int64_t r0, int64_t i0, int64_t n, int64_t nr, const float *x,
+                             float *y, int64_t b0, int64_t pf0, int64_t pf1) {
     const int q4 = w->dtype == CPUMLA_Q4;
     const int64_t bb = q4 ? QK / 2 : QK;                            /* bytes a block */
     const __m512 tab = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     __m512 acc[16];
-    for (int k = 0; k < 16; k++) acc[k] = _mm512_setzero_ps();
+    for (int k = 0; k < 16; k++) acc[k] = i0 ? _mm512_loadu_ps(y + 16 * k) : _mm512_setzero_ps();
     float coef[GT_CHUNK][8];
-    for (int64_t i0 = 0; i0 < nr; i0 += GT_CHUNK) {
-        const int64_t n = nr - i0 < GT_CHUNK ? nr - i0 : GT_CHUNK;
-        for (int64_t i = 0; i < n; i++) {
-            const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)q_scale_row(w, r0 + i0 + i) + b0));
-            _mm256_storeu_ps(coef[i], _mm256_mul_ps(_mm256_set1_ps(x[i0 + i]), _mm256_cvtph_ps(h)));
+    for (int64_t i = 0; i < n; i++) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)q_scale_row(w, r0 + i0 + i) + b0));
+        _mm256_storeu_ps(coef[i], _mm256_mul_ps(_mm256_set1_ps(x[i0 + i]), _mm256_cvtph_ps(h)));
+    }
+    for (int64_t i = 0; i < n; i++) {
+        if (pf1 && i0 + i + GT_PF_AHEAD < nr) {
+            const char *p = (const char *)weight_row(w, r0 + i0 + i + GT_PF_AHEAD);
+            for (int64_t o = pf0 & ~(int64_t)63; o < pf1; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+            _mm_prefetch((const char *)((const uint16_t *)q_scale_row(w, r0 + i0 + i + GT_PF_AHEAD) + b0), _MM_HINT_T1);
         }
-        for (int64_t i = 0; i < n; i++) {
-            if (pf1 && i0 + i + GT_PF_AHEAD < nr) {
-                const char *p = (const char *)weight_row(w, r0 + i0 + i + GT_PF_AHEAD);
-                for (int64_t o = pf0 & ~(int64_t)63; o < pf1; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
-                _mm_prefetch((const char *)((const uint16_t *)q_scale_row(w, r0 + i0 + i + GT_PF_AHEAD) + b0), _MM_HINT_T1);
+        const uint8_t *row = weight_row(w, r0 + i0 + i) + b0 * bb;
+        for (int k = 0; k < 8; k++) {
+            __m512 lo, hi;
+            if (q4) {               /* code j: the low nibble of byte j, code 16 + j its high nibble */
+                const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + 16 * k)));
+                lo = _mm512_permutexvar_ps(d, tab);             /* vpermps reads the index's low 4 bits */
+                hi = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), tab);
+            } else {
+                lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 32 * k))));
+                hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 32 * k + 16))));
             }
-            const uint8_t *row = weight_row(w, r0 + i0 + i) + b0 * bb;
-            for (int k = 0; k < 8; k++) {
-                __m512 lo, hi;
-                if (q4) {               /* code j: the low nibble of byte j, code 16 + j its high nibble */
-                    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + 16 * k)));
-                    lo = _mm512_permutexvar_ps(d, tab);             /* vpermps reads the index's low 4 bits */
-                    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), tab);
-                } else {
-                    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 32 * k))));
-                    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 32 * k + 16))));
-                }
-                const __m512 c = _mm512_set1_ps(coef[i][k]);
-                acc[2 * k] = _mm512_fmadd_ps(c, lo, acc[2 * k]);
-                acc[2 * k + 1] = _mm512_fmadd_ps(c, hi, acc[2 * k + 1]);
-            }
+            const __m512 c = _mm512_set1_ps(coef[i][k]);
+            acc[2 * k] = _mm512_fmadd_ps(c, lo, acc[2 * k]);
+            acc[2 * k + 1] = _mm512_fmadd_ps(c, hi, acc[2 * k + 1]);
         }
     }
     for (int k = 0; k < 16; k++) _mm512_storeu_ps(y + 16 * k, acc[k]);
 }
 
 /* gemv_t for Q8 / Q4 (kernels.h): whole 8-block spans of the columns by gemv_t_q_8blocks, the rest
- * (fewer than 8 blocks, or columns that do not start a block) by gemv_t_q_rows4. */
+ * (fewer than 8 blocks, or columns that do not start a block) by gemv_t_q_rows4. The rows go in
+ * chunks of GT_CHUNK, each through every span before the next: a chunk (8 KiB of Q8 rows of 512
+ * columns) comes from memory once, prefetched whole by the first span's pass, and the other spans
+ * find it in L1, so the stream from memory runs at one rate rather than in a burst for the first
+ * span and none for the rest. */
 static void gemv_t_q_avx512f(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y, int64_t c0,
                              int64_t c1) {
     const int64_t bb = w->dtype == CPUMLA_Q4 ? QK / 2 : QK;      /* bytes a block */
-    int64_t c = c0;
-    if (c0 % QK == 0 && nr > 0)
-        for (int first = 1; c + 8 * QK <= c1; c += 8 * QK, first = 0)
-            gemv_t_q_8blocks(w, r0, nr, x, y + (c - c0), c / QK, first ? c0 / QK * bb : 0,
-                             first ? (c1 + QK - 1) / QK * bb : 0);
-    if (c < c1) gemv_t_q_rows4(w, r0, nr, x, y + (c - c0), c, c1);
+    const int64_t c8 = c0 % QK == 0 ? c0 + (c1 - c0) / (8 * QK) * (8 * QK) : c0;   /* the spans' end */
+    for (int64_t i0 = 0; i0 < nr && c8 > c0; i0 += GT_CHUNK) {
+        const int64_t n = nr - i0 < GT_CHUNK ? nr - i0 : GT_CHUNK;
+        for (int64_t c = c0; c < c8; c += 8 * QK)
+            gemv_t_q_8blocks(w, r0, i0, n, nr, x, y + (c - c0), c / QK, c == c0 ? c0 / QK * bb : 0,
+                             c == c0 ? (c1 + QK - 1) / QK * bb : 0);
+    }
+    if (c8 < c1) gemv_t_q_rows4(w, r0, nr, x, y + (c8 - c0), c8, c1);
 }
 
 void cpumla_fill_avx512f_q(cpumla_kernels *k) {
