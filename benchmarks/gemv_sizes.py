@@ -14,6 +14,12 @@ prefetch target set (cpumla_set_gemv_prefetch), so one build's levels or targets
     python3 benchmarks/gemv_sizes.py --format q4 --seconds 120 /tmp/old /tmp/new
     python3 benchmarks/gemv_sizes.py --format q8 --seconds 60 .@avx512@l1 .@avx512@l2 .@avx2
 
+`--kv-b` times the MLA per-head products instead, on a set of V2-Lite-shaped `kv_b_proj` weights (16
+heads of 128 + 128 rows, 512 columns): `absorb` (`cpumla_head_gemv_t` over each head's first 128 rows)
+and `un-absorb` (`cpumla_head_gemv` over the other 128), each counted as the half of the bytes it reads:
+
+    python3 benchmarks/gemv_sizes.py --kv-b --format q8 --seconds 60 /tmp/old /tmp/new
+
 Prints, per phase of the probe and tree, the mean GB/s of each size as % of the probe.
 """
 
@@ -37,6 +43,8 @@ from cpumla.runtime.weights import hugepage_empty
 # name: rows (columns 2048), and how many distinct weights make a set
 SIZES = {"576 rows": (576, 256), "1408 rows": (1408, 104), "3072 rows": (3072, 48), "49152 rows": (49152, 3)}
 COLS = 2048
+KV_B = (16, 128, 128, 512)      # --kv-b: heads, absorb rows, un-absorb rows a head, columns
+KV_B_SET = 170 << 20            # bytes of kv_b weights in a set
 
 
 def _library(spec: str | None, loaded: set, tmp: Path) -> ctypes.CDLL:
@@ -81,6 +89,8 @@ def main(argv=None) -> None:
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of each set's weights (tests: small)")
     ap.add_argument("--slow-below", type=float, default=55.0, help="probe GB/s under which a sample is 'slow'")
     ap.add_argument("--fast-above", type=float, default=65.0, help="probe GB/s over which a sample is 'fast'")
+    ap.add_argument("--kv-b", action="store_true", help="time the MLA absorb and un-absorb of kv_b_proj "
+                    "weights instead of GEMVs")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of text")
     a = ap.parse_args(argv)
     if a.threads < 1 or not 0 < a.scale <= 1:
@@ -96,13 +106,32 @@ def main(argv=None) -> None:
         lib.cpumla_set_threads(a.threads)
     native.set_threads(a.threads)
     rng = np.random.default_rng(0)
-    sets = {name: [_huge(nb.random_weight(a.format, rows, COLS, rng)) for _ in range(max(1, int(n * a.scale)))]
-            for name, (rows, n) in SIZES.items()}
+    H, dn, dv, R = KV_B
+    if a.kv_b:                                  # one set of weights, read by both products
+        first = _huge(nb.random_weight(a.format, H * (dn + dv), R, rng))
+        kv = [first] + [_huge(nb.random_weight(a.format, H * (dn + dv), R, rng))
+                        for _ in range(max(1, int(KV_B_SET // first.nbytes * a.scale)) - 1)]
+        sets = {"absorb": kv, "un-absorb": kv}
+    else:
+        sets = {name: [_huge(nb.random_weight(a.format, rows, COLS, rng)) for _ in range(max(1, int(n * a.scale)))]
+                for name, (rows, n) in SIZES.items()}
     ptrs = {name: [ctypes.c_void_p(int(native.ffi.cast("intptr_t", w.c))) for w in ws] for name, ws in sets.items()}
-    nbytes = {name: sum(w.nbytes for w in ws) for name, ws in sets.items()}
-    x = rng.standard_normal(COLS).astype(np.float32)
-    y = np.zeros(max(rows for rows, _ in SIZES.values()), np.float32)
+    nbytes = {name: sum(w.nbytes for w in ws) // (2 if a.kv_b else 1) for name, ws in sets.items()}
+    x = rng.standard_normal(max(COLS, H * R)).astype(np.float32)
+    y = np.zeros(max(max(rows for rows, _ in SIZES.values()), H * R), np.float32)
     xp, yp = ctypes.c_void_p(x.ctypes.data), ctypes.c_void_p(y.ctypes.data)
+    i64 = ctypes.c_int64
+    for lib in libs:
+        for f in (lib.cpumla_head_gemv_t, lib.cpumla_head_gemv):    # w, row0, stride, rows, H, n, x, ldx_t,
+            f.argtypes = [ctypes.c_void_p] + [i64] * 5 + [ctypes.c_void_p, i64, i64, ctypes.c_void_p, i64, i64]
+
+    def call(lib, name: str):
+        """the timed call of a set's weight: its GEMV, or the per-head product"""
+        if name == "absorb":       # x [H, dn] -> y [H, R]
+            return lambda p: lib.cpumla_head_gemv_t(p, 0, dn + dv, dn, H, 1, xp, H * dn, dn, yp, H * R, R)
+        if name == "un-absorb":    # x [H, R] -> y [H, dv]
+            return lambda p: lib.cpumla_head_gemv(p, dn, dn + dv, dv, H, 1, xp, H * R, R, yp, H * dv, dv)
+        return lambda p: lib.cpumla_gemv(p, xp, yp)
     probe_buf = nb.probe_buffer(1 << 29)
 
     def probe() -> float:
@@ -111,15 +140,19 @@ def main(argv=None) -> None:
         return probe_buf.nbytes / (time.perf_counter() - t0) / 1e9
 
     def rate(lib, name: str) -> float:
-        gemv = lib.cpumla_gemv
+        gemv = call(lib, name)
         t0 = time.perf_counter()
         for _ in range(2):
             for p in ptrs[name]:
-                gemv(p, xp, yp)
+                gemv(p)
         return 2 * nbytes[name] / (time.perf_counter() - t0) / 1e9
 
-    for lib in libs:                            # warm-up: first touches, workers started
+    for spec, lib in zip(trees, libs):          # warm-up: first touches, workers started
         for name in sets:
+            y[:] = 0.0
+            if a.kv_b and (call(lib, name)(ptrs[name][0]) != 0 or not np.isfinite(y).all() or not y.any()):
+                raise SystemExit(f"gemv_sizes.py: {spec or 'installed'}: {name} failed "
+                                 f"({lib.cpumla_last_error().decode() or 'no output'})")
             rate(lib, name)
     samples = []                                # (tree index, probe GB/s, {size: GB/s})
     end = time.time() + a.seconds
@@ -145,7 +178,8 @@ def main(argv=None) -> None:
     if a.json:
         print(json.dumps(out))
         return
-    print(f"{a.format} GEMV, 2048 columns, {a.threads} threads, % of the probe by weight size")
+    what = f"kv_b_proj {H} x ({dn} + {dv}) x {R}, per-head products" if a.kv_b else "GEMV, 2048 columns"
+    print(f"{a.format} {what}, {a.threads} threads, % of the probe by weight size")
     for phase, per_tree in out["phases"].items():
         for tree, r in per_tree.items():
             sizes = "  ".join(f"{n} {v:5.1f}" for n, v in r["pct_probe"].items())

@@ -142,6 +142,14 @@ def test_gemv_sizes_script(capsys, tmp_path):
     assert set(got) == set(specs) and all(r["samples"] >= 1 for r in got.values())
     with pytest.raises(SystemExit, match="unknown implementation 'sse9'"):
         mod.main([".@sse9", "--seconds", "0"])
+    # the MLA per-head products of kv_b_proj weights, on the installed library and at the scalar level
+    mod.main([".", ".@scalar", "--kv-b", "--seconds", "0", "--scale", "0.01", "--format", "q8", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["set_bytes"]) == {"absorb", "un-absorb"}
+    H, dn, dv, R = mod.KV_B
+    assert out["set_bytes"]["absorb"] == H * (dn + dv) * R * 34 // 32 // 2      # q8: half of one weight's bytes
+    for r in out["phases"]["all"].values():
+        assert r["samples"] >= 1 and all(0 < v < float("inf") for v in r["pct_probe"].values())
     with pytest.raises(SystemExit, match="unknown GEMV prefetch 'l3'"):
         mod.main([f".@{isa}@l3", "--seconds", "0"])
 
