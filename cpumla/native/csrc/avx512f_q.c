@@ -246,9 +246,9 @@ static void gemv_t_q_8blocks(const cpumla_weight *w, int64_t r0, int64_t i0, int
 /* gemv_t for Q8 / Q4 (kernels.h): whole 8-block spans of the columns by gemv_t_q_8blocks, the rest
  * (fewer than 8 blocks, or columns that do not start a block) by gemv_t_q_rows4. The rows go in
  * chunks of GT_CHUNK, each through every span before the next: a chunk (8 KiB of Q8 rows of 512
- * columns) comes from memory once, prefetched whole by the first span's pass, and the other spans
- * find it in L1, so the stream from memory runs at one rate rather than in a burst for the first
- * span and none for the rest. */
+ * columns) comes from memory once, prefetched whole into L2 by the first span's pass, and the other
+ * spans find it in cache, so the stream from memory runs at one rate rather than in a burst for the
+ * first span and none for the rest (docs/benchmarks.md: the absorb's row stream). */
 static void gemv_t_q_avx512f(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y, int64_t c0,
                              int64_t c1) {
     const int64_t bb = w->dtype == CPUMLA_Q4 ? QK / 2 : QK;      /* bytes a block */
