@@ -35,13 +35,18 @@ TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(1, 2) TILE(2, 2) TILE(3, 2) TIL
 typedef void (*tile_fn)(const cpumla_weight *, int64_t, const uint8_t *, int64_t, float *, int64_t);
 static const tile_fn tiles[2][4] = {{tile_1_1, tile_2_1, tile_3_1, tile_4_1}, {tile_1_2, tile_2_2, tile_3_2, tile_4_2}};
 
-/* one token: the rows in order, one at a time (one stream), prefetched QPF_BYTES ahead into L1 or L2 */
+/* one token: the rows in order, one at a time (one stream), prefetched QPF_BYTES ahead into L1 or L2;
+ * the last rows, whose prefetch would land past r1, prefetch nothing: the rows after a range belong to
+ * another range or another tensor (the un-absorb's heads: the next head's absorb rows) */
 #define GEMV_ROWS(fmt)                                                                            \
     do {                                                                                          \
+        const int64_t ahead = (QPF_BYTES + w->row_bytes - 1) / w->row_bytes;                      \
+        const int64_t rp = r1 - ahead > r0 ? r1 - ahead : r0;                                     \
         if (QDRIVER_PF_L2)                                                                        \
-            for (int64_t r = r0; r < r1; r++) tile(w, r, 1, qx, 0, 1, y + (r - r0), 0, fmt, QPF_BYTES, 1); \
+            for (int64_t r = r0; r < rp; r++) tile(w, r, 1, qx, 0, 1, y + (r - r0), 0, fmt, QPF_BYTES, 1); \
         else                                                                                      \
-            for (int64_t r = r0; r < r1; r++) tile(w, r, 1, qx, 0, 1, y + (r - r0), 0, fmt, QPF_BYTES, 0); \
+            for (int64_t r = r0; r < rp; r++) tile(w, r, 1, qx, 0, 1, y + (r - r0), 0, fmt, QPF_BYTES, 0); \
+        for (int64_t r = rp; r < r1; r++) tile(w, r, 1, qx, 0, 1, y + (r - r0), 0, fmt, 0, 0);    \
     } while (0)
 static void gemv_q8(const cpumla_weight *w, const uint8_t *qx, float *y, int64_t r0, int64_t r1) { GEMV_ROWS(F_Q8); }
 static void gemv_q4(const cpumla_weight *w, const uint8_t *qx, float *y, int64_t r0, int64_t r1) { GEMV_ROWS(F_Q4); }
