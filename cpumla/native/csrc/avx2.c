@@ -125,7 +125,7 @@ INLINE void gemv_plain(const cpumla_weight *w, const float *x, float *y, int64_t
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         int64_t c = 0;
         for (; c < K32; c += 32) {
-            for (int64_t b = 0; b < 32 * esz; b += 64) _mm_prefetch((const char *)p + c * esz + b + GEMV_PF_BYTES, _MM_HINT_T0);
+            for (int64_t b = 0; b < 32 * esz; b += 64) _mm_prefetch((const char *)p + c * esz + b + GEMV_PF_BYTES, GEMV_PF_HINT);
             a0 = _mm256_fmadd_ps(ld_plain(p, c, dt), _mm256_loadu_ps(x + c), a0);
             a1 = _mm256_fmadd_ps(ld_plain(p, c + 8, dt), _mm256_loadu_ps(x + c + 8), a1);
             a2 = _mm256_fmadd_ps(ld_plain(p, c + 16, dt), _mm256_loadu_ps(x + c + 16), a2);
@@ -189,7 +189,7 @@ static void gemv_e4m3_rows(const cpumla_weight *w, const float *xs, float *y, in
             __m256 x0 = _mm256_load_ps(xs + c), x1 = _mm256_load_ps(xs + c + 8);
             __m256 x2 = _mm256_load_ps(xs + c + 16), x3 = _mm256_load_ps(xs + c + 24);
             if (PF_ON && (c & 63) == 0)
-                for (int i = 0; i < 4; i++) _mm_prefetch(pf_at(p[0], p[i], pf, lin, i, c), _MM_HINT_T0);
+                for (int i = 0; i < 4; i++) _mm_prefetch(pf_at(p[0], p[i], pf, lin, i, c), GEMV_PF_HINT);
             for (int i = 0; i < 4; i++) {
                 __m256 f[4];
                 e4m3_dec32(_mm256_loadu_si256((const __m256i *)(p[i] + c)), f);

@@ -243,7 +243,7 @@ INLINE int e8m0_plain(const uint8_t *s, int64_t n) {
 }
 
 /* y[t*ldy + i] = row r + i . token t, i < R, t < T; pf: software prefetch distance (0: none); l2 is
- * quant_driver.h's and always 0 here (prefetcht0 was best for these loops on Zen 4 and Zen 5) */
+ * quant_driver.h's and always 0 here (into L1 was best for these loops on Zen 4 and Zen 5) */
 INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
                     int64_t ldy, int fmt, int64_t pf, int l2) {
     const int64_t K = w->cols, nb = K / QK, SB = fmt != F_Q8 ? 128 : 256;     /* weight bytes a step */
@@ -264,8 +264,8 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
     for (; b + 8 <= nb; b += 8) {
         for (int i = 0; i < R; i++) {
             if (pf) {
-                for (int l = 0; l < SB; l += 64) _mm_prefetch((const char *)rp[i] + (b / 8) * SB + pf + l, _MM_HINT_T0);
-                if ((b & 15) == 0) _mm_prefetch((const char *)(sp[i] + ss * b) + pf * ss / (SB / 8), _MM_HINT_T0);
+                for (int l = 0; l < SB; l += 64) _mm_prefetch((const char *)rp[i] + (b / 8) * SB + pf + l, GEMV_PF_HINT);
+                if ((b & 15) == 0) _mm_prefetch((const char *)(sp[i] + ss * b) + pf * ss / (SB / 8), GEMV_PF_HINT);
             }
             __m256i lo[4], hi[4];
             load_step(rp[i] + (b / 8) * SB, fmt, 8, lo, hi);

@@ -67,8 +67,8 @@ INLINE float gemv_row(const cpumla_weight *w, const uint16_t *xb, int64_t r) {
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     int64_t K = w->cols, c = 0;
     for (; c + 64 <= K; c += 64) {
-        _mm_prefetch((const char *)(rp + c) + GEMV_PF_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)(rp + c) + 64 + GEMV_PF_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)(rp + c) + GEMV_PF_BYTES, GEMV_PF_HINT);
+        _mm_prefetch((const char *)(rp + c) + 64 + GEMV_PF_BYTES, GEMV_PF_HINT);
         a0 = _mm512_dpbf16_ps(a0, ld_bh(rp + c), ld_bh(xb + c));
         a1 = _mm512_dpbf16_ps(a1, ld_bh(rp + c + 32), ld_bh(xb + c + 32));
     }
@@ -263,8 +263,8 @@ INLINE float e4_gemv_row(const cpumla_weight *w, const e4_tab *tab, const uint16
             _mm_prefetch((const char *)rp + c + GEMV_PF_BYTES, _MM_HINT_T1);
             _mm_prefetch((const char *)rp + c + 64 + GEMV_PF_BYTES, _MM_HINT_T1);
         } else {
-            _mm_prefetch((const char *)rp + c + GEMV_PF_BYTES, _MM_HINT_T0);
-            _mm_prefetch((const char *)rp + c + 64 + GEMV_PF_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)rp + c + GEMV_PF_BYTES, GEMV_PF_HINT);
+            _mm_prefetch((const char *)rp + c + 64 + GEMV_PF_BYTES, GEMV_PF_HINT);
         }
         __m512i d0 = _mm512_loadu_si512(rp + c), d1 = _mm512_loadu_si512(rp + c + 64);
         __asm__("" : "+v"(d0), "+v"(d1));   /* one load of each line, not one per use: vpermi2b

@@ -24,7 +24,7 @@ INLINE __mmask16 tail16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : n <= 0
 #define PF_BYTES 4096
 #endif
 #ifndef PF_HINT
-#define PF_HINT _MM_HINT_T0
+#define PF_HINT GEMV_PF_HINT
 #endif
 /* The line to prefetch for row i of the group at pf, byte offset off of each row, while a group of
  * R rows is read 64 bytes per row per step. When the 4 rows lie back to back (row_bytes equals the

@@ -226,8 +226,8 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
         UNROLL for (int i = 0; i < R; i++) {
             const char *ahead = (const char *)rp[i] + (b / 16) * SB + pf;
             if (pf) {
-                if (!l2) UNROLL for (int l = 0; l < SB; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
-                _mm_prefetch((const char *)(sp[i] + ss * b) + pf * ss / (SB / 16), _MM_HINT_T0);
+                if (!l2) UNROLL for (int l = 0; l < SB; l += 64) _mm_prefetch(ahead + l, GEMV_PF_HINT);
+                _mm_prefetch((const char *)(sp[i] + ss * b) + pf * ss / (SB / 16), GEMV_PF_HINT);
             }
             __m512i lo[4], hi[4];
             load_step(rp[i] + (b / 16) * SB, fmt, 16, lo, hi);

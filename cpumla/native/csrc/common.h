@@ -21,9 +21,19 @@
 #ifndef GEMV_PF_BYTES
 #define GEMV_PF_BYTES 8192
 #endif
+/* The hint of that prefetch, and of the AVX-512 integer / E4M3 loops' when they prefetch into L1:
+ * prefetchnta (_MM_HINT_NTA, 0 here so that files without the x86 headers read it). A weight line is
+ * used once per token, and a non-temporal fill keeps the stream from pushing the rest out of L2 / L3:
+ * the steps between GEMVs (norms, RoPE, the latent cache, routing, Python between tokens) then find
+ * their data in cache. Zen 5, 2 threads, against prefetcht0 in turn: q4 decode 88.5 -> 93.5% of the
+ * probe in the slow phase, 83.6 -> 84.7 in the fast one; q8 / q4 GEMVs +1.3-2.4 points; bf16 GEMVs
+ * and decode within a point (docs/benchmarks.md). */
+#ifndef GEMV_PF_HINT
+#define GEMV_PF_HINT 0
+#endif
 
 /* Where the AVX-512 GEMVs that do the most work per byte (avx512_q.c's integer products, avx512_bf16.c's
- * E4M3 decode) prefetch their stream: 0 into L1 (prefetcht0), 1 into L2 (prefetcht1). Set by
+ * E4M3 decode) prefetch their stream: 0 into L1 (GEMV_PF_HINT), 1 into L2 (prefetcht1). Set by
  * cpumla_init from the CPU (cpumla_gemv_prefetch, dispatch.c), or by cpumla_set_gemv_prefetch; read by
  * those loops once per call. */
 extern int cpumla_pf_l2;

@@ -141,8 +141,9 @@ const char *cpumla_cpu_name(void) {
  * Zen 4 (AMD family 19h; Zen 3, the same family, has no AVX-512 and never runs those loops): their
  * prefetcht0 8 KiB ahead read 70-83% of the read probe at two threads, prefetcht1 92-94% (q8, q4, E2M1,
  * E4M3 over large weights), while lighter loops (bf16, avx2's integer products) are best with prefetcht0 there too. Zen 5
- * read 94% with prefetcht0 and less with an L2 hint (docs/benchmarks.md). Other CPUs: prefetcht0, as
- * measured on Zen 5. A target set by cpumla_set_gemv_prefetch comes first. */
+ * read 94% with prefetcht0 and less with an L2 hint (docs/benchmarks.md). Other CPUs: L1, as
+ * measured on Zen 5, with the non-temporal hint (common.h GEMV_PF_HINT). A target set by
+ * cpumla_set_gemv_prefetch comes first. */
 static int pf_l2_target(void) {
     if (pf_forced >= 0) return pf_forced;
     cpumla_cpu_features();
