@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include "common.h"
 #include "dispatch.h"
 #include "threadpool.h"
@@ -155,4 +156,18 @@ void *cpumla_scratch(int slot, size_t bytes) {
     b->cap = b->p ? want : 0;
     if (!b->p) return fail(c, slot, bytes, "out of memory");
     return b->p;
+}
+
+void *cpumla_cache_alloc(size_t bytes) {
+    const size_t huge = (size_t)2 << 20;
+#ifdef MADV_HUGEPAGE
+    if (bytes >= huge) {
+        void *p = NULL;
+        size_t rounded = (bytes + huge - 1) & ~(huge - 1);
+        if (posix_memalign(&p, huge, rounded) != 0) return NULL;
+        (void)madvise(p, rounded, MADV_HUGEPAGE);    /* a hint: 4 KiB pages if the kernel declines */
+        return p;
+    }
+#endif
+    return aligned_alloc(64, (bytes + 63) & ~(size_t)63);
 }

@@ -58,7 +58,7 @@ int dsv2_state_init(cpumla_dsv2_state *s, const cpumla_dsv2_model *m, int64_t ct
     size_t row = (size_t)(R + P) * sizeof(float);
     for (int64_t l = 0; l < m->n_layers; l++) {
         /* rows are written before they are read: no need to clear (untouched pages stay unmapped) */
-        s->cache[l] = aligned_alloc(64, ((size_t)ctx * row + 63) & ~(size_t)63);
+        s->cache[l] = cpumla_cache_alloc((size_t)ctx * row);
         if (!s->cache[l]) goto oom;
     }
     return 0;
