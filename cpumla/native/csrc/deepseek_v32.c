@@ -69,7 +69,7 @@ cpumla_dsv32_state *cpumla_dsv32_new(const cpumla_dsv32_model *m, int64_t ctx, i
     s->sel = s->order + ctx;
     s->sel_len = (int64_t *)(((uintptr_t)(s->sel + n * k) + 7) & ~(uintptr_t)7);
     for (int64_t l = 0; l < m->base.n_layers; l++) {
-        s->icache[l] = aligned_alloc(64, ((size_t)(ctx * ID) * 4 + 63) & ~(size_t)63);
+        s->icache[l] = cpumla_cache_alloc((size_t)(ctx * ID) * 4);
         if (!s->icache[l]) goto oom;
     }
     return s;

@@ -32,7 +32,7 @@ static void release(cpumla_dsv4_state *s) {
 }
 
 static float *layer_alloc(int64_t rows, int64_t width) {
-    return aligned_alloc(64, ((size_t)(rows * width) * sizeof(float) + 63) & ~(size_t)63);
+    return cpumla_cache_alloc((size_t)(rows * width) * sizeof(float));
 }
 
 static int check_model(const cpumla_dsv4_model *m) {

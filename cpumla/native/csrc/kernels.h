@@ -182,10 +182,11 @@ enum cpumla_scratch_slot {
     CPUMLA_SCRATCH_COUNT
 };
 CPUMLA_INTERNAL void *cpumla_scratch(int slot, size_t bytes);
-/* Memory for a cache that fills a position at a time (a layer's latent cache), freed with free(): from
- * 2 MiB up in 2 MiB-aligned transparent huge pages, elsewhere 64-byte aligned. Untouched pages stay
- * unmapped either way; a huge page is mapped for ~900 positions of a 576-float row where 4 KiB pages
- * fault every second position, ~20 us each in this VM: 0.56 faults a layer a token, 11 us a layer. */
+/* Memory for a cache that fills a position at a time (a layer's latent cache, V3.2's index keys, V4's
+ * caches), freed with free(): from 2 MiB up in 2 MiB-aligned transparent huge pages, elsewhere 64-byte
+ * aligned. Untouched pages stay unmapped either way; a huge page is mapped for ~900 positions of a
+ * 576-float row where 4 KiB pages fault every second position, ~20 us a fault on the development
+ * machine (a Zen 5 KVM guest): 0.56 faults a layer a token, 11 us a layer. */
 CPUMLA_INTERNAL void *cpumla_cache_alloc(size_t bytes);
 
 /* Each implementation exports one function that overwrites the entries it provides (avxvnni and
