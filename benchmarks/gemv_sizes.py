@@ -86,6 +86,8 @@ def main(argv=None) -> None:
     ap.add_argument("--format", default="q4", choices=["bf16", "e4m3", "e2m1", "q8", "q4"])
     ap.add_argument("--seconds", type=float, default=60.0, help="how long to take samples")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cols", type=int, default=COLS, help="columns of every weight (1408: V2-Lite's expert "
+                    "down projections, whose rows are not whole steps of the integer GEMVs)")
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of each set's weights (tests: small)")
     ap.add_argument("--slow-below", type=float, default=55.0, help="probe GB/s under which a sample is 'slow'")
     ap.add_argument("--fast-above", type=float, default=65.0, help="probe GB/s over which a sample is 'fast'")
@@ -93,8 +95,8 @@ def main(argv=None) -> None:
                     "weights instead of GEMVs")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of text")
     a = ap.parse_args(argv)
-    if a.threads < 1 or not 0 < a.scale <= 1:
-        ap.error("--threads must be at least 1 and --scale in (0, 1]")
+    if a.threads < 1 or not 0 < a.scale <= 1 or a.cols < 32 or a.cols % 32:
+        ap.error("--threads must be at least 1, --scale in (0, 1] and --cols a multiple of 32")
     trees = a.trees or [None]
     loaded: set = set()
     tmp = Path(tempfile.mkdtemp(prefix="gemv_sizes"))
@@ -113,11 +115,13 @@ def main(argv=None) -> None:
                         for _ in range(max(1, int(KV_B_SET // first.nbytes * a.scale)) - 1)]
         sets = {"absorb": kv, "un-absorb": kv}
     else:
-        sets = {name: [_huge(nb.random_weight(a.format, rows, COLS, rng)) for _ in range(max(1, int(n * a.scale)))]
+        # each set keeps its bytes (~170 MB) at any width
+        sets = {name: [_huge(nb.random_weight(a.format, rows, a.cols, rng))
+                       for _ in range(max(1, int(n * COLS / a.cols * a.scale)))]
                 for name, (rows, n) in SIZES.items()}
     ptrs = {name: [ctypes.c_void_p(int(native.ffi.cast("intptr_t", w.c))) for w in ws] for name, ws in sets.items()}
     nbytes = {name: sum(w.nbytes for w in ws) // (2 if a.kv_b else 1) for name, ws in sets.items()}
-    x = rng.standard_normal(max(COLS, H * R)).astype(np.float32)
+    x = rng.standard_normal(max(a.cols, H * R)).astype(np.float32)
     y = np.zeros(max(max(rows for rows, _ in SIZES.values()), H * R), np.float32)
     xp, yp = ctypes.c_void_p(x.ctypes.data), ctypes.c_void_p(y.ctypes.data)
     i64 = ctypes.c_int64
@@ -164,7 +168,7 @@ def main(argv=None) -> None:
             got = {name: rate(lib, name) for name in sets}
             samples.append((i, (before + probe()) / 2, got))
 
-    out = {"format": a.format, "threads": a.threads, "set_bytes": nbytes, "phases": {}}
+    out = {"format": a.format, "threads": a.threads, "cols": a.cols, "set_bytes": nbytes, "phases": {}}
     for phase, keep in (("slow", lambda p: p < a.slow_below), ("fast", lambda p: p > a.fast_above),
                         ("all", lambda p: True)):
         rows = defaultdict(list)
@@ -178,7 +182,7 @@ def main(argv=None) -> None:
     if a.json:
         print(json.dumps(out))
         return
-    what = f"kv_b_proj {H} x ({dn} + {dv}) x {R}, per-head products" if a.kv_b else "GEMV, 2048 columns"
+    what = f"kv_b_proj {H} x ({dn} + {dv}) x {R}, per-head products" if a.kv_b else f"GEMV, {a.cols} columns"
     print(f"{a.format} {what}, {a.threads} threads, % of the probe by weight size")
     for phase, per_tree in out["phases"].items():
         for tree, r in per_tree.items():

@@ -277,6 +277,10 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
     if (b < nb) {
         const int64_t vb = nb - b;
         for (int i = 0; i < R; i++) {
+            if (pf) {        /* the partial step's lines too (avx512_q.c) */
+                for (int64_t l = 0; l < vb * SB / 8; l += 64) _mm_prefetch((const char *)rp[i] + (b / 8) * SB + pf + l, GEMV_PF_HINT);
+                _mm_prefetch((const char *)(sp[i] + ss * b) + pf * ss / (SB / 8), GEMV_PF_HINT);
+            }
             __m256i lo[4], hi[4];
             load_step(rp[i] + (b / 8) * SB, fmt, vb, lo, hi);
             uint8_t s8[16];      /* blocks past the row: a normal scale (their sums and xd are 0) */
