@@ -134,6 +134,16 @@ def test_gemv_sizes_script(capsys, tmp_path):
     assert all(b > 0 for b in out["set_bytes"].values())
     with pytest.raises(SystemExit, match="no built library"):
         mod.main([str(tmp_path), "--seconds", "0"])
+    # --cols: every weight that wide (rows of partial steps), each set about as many bytes as at 2048
+    mod.main(["--seconds", "0", "--scale", "0.01", "--format", "q8", "--cols", "1408", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["cols"] == 1408
+    for name, (rows, n) in mod.SIZES.items():
+        assert out["set_bytes"][name] == max(1, int(n * 2048 / 1408 * 0.01)) * rows * 1408 * 34 // 32
+    assert all(0 < v < float("inf") for v in out["phases"]["all"]["installed"]["pct_probe"].values())
+    with pytest.raises(SystemExit):
+        mod.main(["--seconds", "0", "--cols", "1000"])
+    assert "a multiple of 32" in capsys.readouterr().err
     # one library at two levels or two prefetch targets: each spec is its own copy, timed in turn
     isa = native.available_isas()[-1]
     specs = [f".@{isa}@l1", f".@{isa}@l2", ".@scalar"]
