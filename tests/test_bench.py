@@ -120,6 +120,37 @@ def test_decode_phases_turns(capsys, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["turn"]
 
 
+def test_decode_jobs_script(capsys):
+    """benchmarks/decode_jobs.py: decode and its replay each take samples, every job of the V2 layout is
+    timed (the routed experts counted top_k times an expert's bytes), their bytes add up to the
+    replay's; a model of another layout is a one-line exit."""
+    import json
+
+    from cpumla.runtime.smoke import SHRINK
+
+    mod = _script("decode_jobs")
+    over = json.dumps({**SHRINK, "vocab_size": 1000})
+    mod.main(["--seconds", "0", "--job-seconds", "0", "--tokens", "1", "--layers", "2", "--quant", "q8", "--json",
+              "--hf-overrides", over])
+    out = json.loads(capsys.readouterr().out)
+    got = out["phases"]["all"]
+    assert got["decode"]["samples"] == got["replay"]["samples"] == 1
+    assert all(r["pct_probe"] > 0 for r in got.values())
+    names = [j["job"] for j in out["jobs"]]
+    assert names[0] == "layer 0 q" and names[-1] == "output head"
+    assert any(n.startswith("layer 1 routed experts") for n in names)
+    assert abs(sum(j["mb"] for j in out["jobs"]) * 1e6 - out["replay_bytes"]) < 1.0
+    assert 0 < out["replay_bytes"] <= out["bytes_per_token"]
+    assert all(j["us"] > 0 and j["pct_probe"] > 0 for j in out["jobs"])
+    from cpumla.runtime.smoke import default_overrides
+
+    v4 = "deepseek-ai/DeepSeek-V4-Flash"
+    with pytest.raises(SystemExit):
+        mod.main(["--model", v4, "--seconds", "0", "--layers", "4",
+                  "--hf-overrides", json.dumps(default_overrides(v4, {"vocab_size": 1000}))])
+    assert "V2 / V3 layer layout" in capsys.readouterr().err
+
+
 def test_gemv_sizes_script(capsys, tmp_path):
     """benchmarks/gemv_sizes.py on a few weights of each size: every size gets a positive share of the
     probe from the installed library; a tree without a built library is a one-line exit."""
