@@ -40,7 +40,7 @@ from cpumla import native
 from cpumla.native import bench as nb
 from cpumla.runtime.weights import hugepage_empty
 
-# name: rows (columns 2048), and how many distinct weights make a set
+# name: rows (columns: --cols, 2048 by default), and how many distinct weights make a set at 2048
 SIZES = {"576 rows": (576, 256), "1408 rows": (1408, 104), "3072 rows": (3072, 48), "49152 rows": (49152, 3)}
 COLS = 2048
 KV_B = (16, 128, 128, 512)      # --kv-b: heads, absorb rows, un-absorb rows a head, columns

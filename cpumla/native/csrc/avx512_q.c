@@ -248,8 +248,14 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
             if (pf) {        /* the partial step's lines too: rows whose width is not whole steps (1408
                               * columns: a third of each row) would otherwise stream unprefetched */
                 const char *ahead = (const char *)rp[i] + (b / 16) * SB + pf;
-                for (int64_t l = 0; l < vb * SB / 16; l += 64) _mm_prefetch(ahead + l, l2 ? _MM_HINT_T1 : GEMV_PF_HINT);
-                _mm_prefetch((const char *)(sp[i] + ss * b) + pf * ss / (SB / 16), l2 ? _MM_HINT_T0 : GEMV_PF_HINT);
+                const char *sl = (const char *)(sp[i] + ss * b) + pf * ss / (SB / 16);
+                if (!l2) {
+                    for (int64_t l = 0; l < vb * SB / 16; l += 64) _mm_prefetch(ahead + l, GEMV_PF_HINT);
+                    _mm_prefetch(sl, GEMV_PF_HINT);
+                } else {
+                    for (int64_t l = 0; l < vb * SB / 16; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T1);
+                    _mm_prefetch(sl, _MM_HINT_T0);
+                }
             }
             __m512i lo[4], hi[4];
             load_step(rp[i] + (b / 16) * SB, fmt, vb, lo, hi);
