@@ -24,10 +24,14 @@ import time
 
 import numpy as np
 
-import cpumla
+import sys
+from pathlib import Path
+
 from cpumla import CpumlaError, native
-from cpumla.cli.overrides import parse_hf_overrides
 from cpumla.runtime import bench as rb
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_phases import load_model, model_options  # noqa: E402  (the same model options and loading)
 
 
 def weight_bytes(w) -> int:
@@ -65,25 +69,15 @@ def jobs_of(model, top_k: int) -> list[tuple[str, str, object, int]]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="deepseek-ai/DeepSeek-V2-Lite")
-    ap.add_argument("--dummy-dtype", default="bf16", choices=["bf16", "fp8"])
-    ap.add_argument("--quant", choices=["q8", "q4"], help="quantize the weights as they load")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hf-overrides", default="{}", help="JSON merged into the config (after --layers)")
+    model_options(ap)
     ap.add_argument("--seconds", type=float, default=60.0, help="how long to take decode / replay samples")
     ap.add_argument("--job-seconds", type=float, default=20.0, help="how long to time the jobs one by one")
     ap.add_argument("--tokens", type=int, default=32, help="tokens (replays) per sample")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--slow-below", type=float, default=55.0, help="probe GB/s under which a sample is 'slow'")
-    ap.add_argument("--fast-above", type=float, default=65.0, help="probe GB/s over which a sample is 'fast'")
-    ap.add_argument("--json", action="store_true", help="one JSON object instead of text")
     a = ap.parse_args(argv)
     if a.tokens < 1 or a.threads < 1 or a.seconds < 0 or a.job_seconds < 0:
         ap.error("--tokens and --threads must be at least 1, the seconds not negative")
-    try:                                        # the CLI's parsing and messages for bad input
-        overrides = parse_hf_overrides(a.hf_overrides)
-        eng = cpumla.load(a.model, dummy_weights=True, dummy_dtype=a.dummy_dtype, quant=a.quant,
-                          hf_overrides={"num_hidden_layers": a.layers, **overrides})
+    eng = load_model(ap, a)
+    try:
         top_k = int(getattr(eng.config, "num_experts_per_tok", None) or 1)
         jobs = jobs_of(eng.model, top_k)
     except CpumlaError as e:

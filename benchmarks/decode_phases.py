@@ -76,19 +76,36 @@ class Turns:
             time.sleep(0.0005)
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def model_options(ap: argparse.ArgumentParser) -> None:
+    """The options of the dummy-weight model, the threads, the phase bounds and --json (decode_jobs.py
+    takes them too)."""
     ap.add_argument("--model", default="deepseek-ai/DeepSeek-V2-Lite")
     ap.add_argument("--dummy-dtype", default="bf16", choices=["bf16", "fp8"])
     ap.add_argument("--quant", choices=["q8", "q4"], help="quantize the weights as they load")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hf-overrides", default="{}", help="JSON merged into the config (after --layers)")
-    ap.add_argument("--seconds", type=float, default=110.0, help="how long to take samples")
-    ap.add_argument("--tokens", type=int, default=32, help="decoded tokens per sample")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--slow-below", type=float, default=55.0, help="probe GB/s under which a sample is 'slow'")
     ap.add_argument("--fast-above", type=float, default=65.0, help="probe GB/s over which a sample is 'fast'")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of text")
+
+
+def load_model(ap: argparse.ArgumentParser, a: argparse.Namespace):
+    """The engine of model_options' model, as `cpumla bench` builds it; bad input is the CLI's one-line
+    message (ap.error)."""
+    try:
+        overrides = parse_hf_overrides(a.hf_overrides)
+        return cpumla.load(a.model, dummy_weights=True, dummy_dtype=a.dummy_dtype, quant=a.quant,
+                           hf_overrides={"num_hidden_layers": a.layers, **overrides})
+    except CpumlaError as e:
+        ap.error(str(e))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    model_options(ap)
+    ap.add_argument("--seconds", type=float, default=110.0, help="how long to take samples")
+    ap.add_argument("--tokens", type=int, default=32, help="decoded tokens per sample")
     ap.add_argument("--turn", metavar="FILE:I/N", help="take samples in turn with N-1 other runs (above)")
     ap.add_argument("--prefetch", metavar="T,T", help="GEMV prefetch targets (l1, l2, auto) the samples "
                     "take in turn, each filed apart (cpumla_set_gemv_prefetch)")
@@ -107,12 +124,7 @@ def main(argv=None) -> None:
         turn = Turns(m.group(1), int(m.group(2)), int(m.group(3)))
         if not os.path.isfile(turn.path):
             ap.error(f"--turn: no counter file {turn.path} (write 0 to it first)")
-    try:                                        # the CLI's parsing and messages for bad input
-        overrides = parse_hf_overrides(a.hf_overrides)
-        eng = cpumla.load(a.model, dummy_weights=True, dummy_dtype=a.dummy_dtype, quant=a.quant,
-                          hf_overrides={"num_hidden_layers": a.layers, **overrides})
-    except CpumlaError as e:
-        ap.error(str(e))
+    eng = load_model(ap, a)
 
     native.set_threads(a.threads)
     probe = rb.BandwidthProbe()                 # a buffer of its own, far larger than the caches
