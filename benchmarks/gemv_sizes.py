@@ -47,19 +47,17 @@ KV_B = (16, 128, 128, 512)      # --kv-b: heads, absorb rows, un-absorb rows a h
 KV_B_SET = 170 << 20            # bytes of kv_b weights in a set
 
 
-def _library(spec: str | None, loaded: set, tmp: Path) -> ctypes.CDLL:
-    """The library of a TREE[@ISA[@PREFETCH]] spec, initialised; a file already loaded is loaded again
-    from a copy (ctypes would hand back the same library, with one table and one pool)."""
+def _library(spec: str | None, n: int, tmp: Path) -> ctypes.CDLL:
+    """The library of a TREE[@ISA[@PREFETCH]] spec (the n-th), initialised, always loaded from a copy:
+    ctypes would hand back a file already loaded, with its one table and one pool, and the installed
+    library is the one `cpumla.native` runs the probe on and resets to its own level when it starts."""
     tree, isa, where = ((spec or ".").split("@") + ["", ""])[:3]
     path = Path(tree) / "cpumla" / "native" / "_cpumla.abi3.so" if tree != "." else Path(native.__file__).with_name("_cpumla.abi3.so")
     if not path.is_file():
         raise SystemExit(f"gemv_sizes.py: no built library at {path} (run python3 setup.py build_ext --inplace there)")
-    if path.resolve() in loaded:
-        copy = tmp / f"lib{len(loaded)}.so"
-        shutil.copyfile(path, copy)
-        path = copy
-    loaded.add(path.resolve())
-    lib = ctypes.CDLL(str(path))
+    copy = tmp / f"lib{n}.so"
+    shutil.copyfile(path, copy)
+    lib = ctypes.CDLL(str(copy))
     lib.cpumla_last_error.restype = ctypes.c_char_p
     if lib.cpumla_init(isa.encode()) != 0:
         raise SystemExit(f"gemv_sizes.py: {spec}: {lib.cpumla_last_error().decode()}")
@@ -98,15 +96,14 @@ def main(argv=None) -> None:
     if a.threads < 1 or not 0 < a.scale <= 1 or a.cols < 32 or a.cols % 32:
         ap.error("--threads must be at least 1, --scale in (0, 1] and --cols a multiple of 32")
     trees = a.trees or [None]
-    loaded: set = set()
+    native.set_threads(a.threads)               # cpumla.native at its own level before the copies load
     tmp = Path(tempfile.mkdtemp(prefix="gemv_sizes"))
     try:
-        libs = [_library(t, loaded, tmp) for t in trees]
+        libs = [_library(t, n, tmp) for n, t in enumerate(trees)]
     finally:
         shutil.rmtree(tmp)         # the copies stay mapped while loaded
     for lib in libs:
         lib.cpumla_set_threads(a.threads)
-    native.set_threads(a.threads)
     rng = np.random.default_rng(0)
     H, dn, dv, R = KV_B
     if a.kv_b:                                  # one set of weights, read by both products
@@ -168,7 +165,11 @@ def main(argv=None) -> None:
             got = {name: rate(lib, name) for name in sets}
             samples.append((i, (before + probe()) / 2, got))
 
-    out = {"format": a.format, "threads": a.threads, "cols": a.cols, "set_bytes": nbytes, "phases": {}}
+    for lib in libs:
+        lib.cpumla_isa.restype = ctypes.c_char_p
+    # the level each library ran at, read after the samples
+    isas = {str(t or "installed"): lib.cpumla_isa().decode() for t, lib in zip(trees, libs)}
+    out = {"format": a.format, "threads": a.threads, "cols": a.cols, "set_bytes": nbytes, "isa": isas, "phases": {}}
     for phase, keep in (("slow", lambda p: p < a.slow_below), ("fast", lambda p: p > a.fast_above),
                         ("all", lambda p: True)):
         rows = defaultdict(list)
@@ -184,6 +185,7 @@ def main(argv=None) -> None:
         return
     what = f"kv_b_proj {H} x ({dn} + {dv}) x {R}, per-head products" if a.kv_b else f"GEMV, {a.cols} columns"
     print(f"{a.format} {what}, {a.threads} threads, % of the probe by weight size")
+    print("levels: " + ", ".join(f"{t} {i}" for t, i in isas.items()))
     for phase, per_tree in out["phases"].items():
         for tree, r in per_tree.items():
             sizes = "  ".join(f"{n} {v:5.1f}" for n, v in r["pct_probe"].items())

@@ -179,8 +179,19 @@ def test_gemv_sizes_script(capsys, tmp_path):
     isa = native.available_isas()[-1]
     specs = [f".@{isa}@l1", f".@{isa}@l2", ".@scalar"]
     mod.main([*specs, "--seconds", "0", "--scale", "0.01", "--format", "q8", "--json"])
-    got = json.loads(capsys.readouterr().out)["phases"]["all"]
+    out = json.loads(capsys.readouterr().out)
+    got = out["phases"]["all"]
     assert set(got) == set(specs) and all(r["samples"] >= 1 for r in got.values())
+    # each ran at its own level: the installed library's first copy is not reset by cpumla.native
+    assert out["isa"] == {specs[0]: isa, specs[1]: isa, specs[2]: "scalar"}
+    # ... also in a fresh process, where cpumla.native starts (at its own level) during the run
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, mod.__file__, ".@scalar", "--seconds", "0", "--scale", "0.01",
+                        "--format", "q8", "--json"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["isa"] == {".@scalar": "scalar"}
     with pytest.raises(SystemExit, match="unknown implementation 'sse9'"):
         mod.main([".@sse9", "--seconds", "0"])
     # the MLA per-head products of kv_b_proj weights, on the installed library and at the scalar level
