@@ -203,8 +203,9 @@ INLINE int e8m0_plain(const uint8_t *s, int64_t n) {
     return !bad;
 }
 
-/* y[t*ldy + i] = row r + i . token t, i < R, t < T; pf: prefetch distance in bytes (0: none), l2: the
- * weight lines into L2 (prefetcht1) rather than L1, after each step's products (common.h cpumla_pf_l2) */
+/* y[t*ldy + i] = row r + i . token t, i < R, t < T; pf: prefetch distance in bytes (0: none), each
+ * step's lines prefetched after its products; l2: into L2 (prefetcht1) rather than L1 (common.h
+ * cpumla_pf_l2) */
 INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
                  int64_t ldy, int fmt, int64_t pf, int l2) {
     const int64_t K = w->cols, nb = K / QK, SB = fmt != F_Q8 ? 256 : 512;     /* weight bytes a step */
@@ -225,20 +226,19 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
     for (; b + 16 <= nb; b += 16) {
         UNROLL for (int i = 0; i < R; i++) {
             const char *ahead = (const char *)rp[i] + (b / 16) * SB + pf;
-            if (pf) {
-                const char *sl = (const char *)(sp[i] + ss * b) + pf * ss / (SB / 16);   /* its scales */
-                if (!l2) {
-                    UNROLL for (int l = 0; l < SB; l += 64) _mm_prefetch(ahead + l, GEMV_PF_HINT);
-                    _mm_prefetch(sl, GEMV_PF_HINT);
-                } else {
-                    _mm_prefetch(sl, _MM_HINT_T0);      /* the scale line into L1 as measured on Zen 4 */
-                }
+            if (pf) {            /* the scale line first; the step's lines after its products (below) */
+                const char *sl = (const char *)(sp[i] + ss * b) + pf * ss / (SB / 16);
+                if (!l2) _mm_prefetch(sl, GEMV_PF_HINT);
+                else _mm_prefetch(sl, _MM_HINT_T0);      /* into L1 as measured on Zen 4 */
             }
             __m512i lo[4], hi[4];
             load_step(rp[i] + (b / 16) * SB, fmt, 16, lo, hi);
             const __m512 wd = ld_wd(sp[i] + ss * b, fmt, 0xffff);
             UNROLL for (int t = 0; t < T; t++)
                 acc[i][t] = step_acc(acc[i][t], step_sums(lo, hi, fmt, xq[t] + b * QK, xl[t] + b * QK, xs[t] + b), wd, xd[t] + b);
+            /* Q8's 8 lines a step issued after the products rather than before the loads: Zen 5, 2
+             * threads, q8 GEMVs +3-4 points of the probe (q4 / E2M1, 4 lines a step, the same) */
+            if (pf && !l2) UNROLL for (int l = 0; l < SB; l += 64) _mm_prefetch(ahead + l, GEMV_PF_HINT);
             if (pf && l2) UNROLL for (int l = 0; l < SB; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T1);
         }
     }
