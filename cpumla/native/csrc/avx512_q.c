@@ -237,7 +237,7 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
             UNROLL for (int t = 0; t < T; t++)
                 acc[i][t] = step_acc(acc[i][t], step_sums(lo, hi, fmt, xq[t] + b * QK, xl[t] + b * QK, xs[t] + b), wd, xd[t] + b);
             /* Q8's 8 lines a step issued after the products rather than before the loads: Zen 5, 2
-             * threads, q8 GEMVs +3-4 points of the probe (q4 / E2M1, 4 lines a step, the same) */
+             * threads, q8 GEMVs +3-4 points of the probe (q4 / E2M1, 4 lines a step: within a point) */
             if (pf && !l2) UNROLL for (int l = 0; l < SB; l += 64) _mm_prefetch(ahead + l, GEMV_PF_HINT);
             if (pf && l2) UNROLL for (int l = 0; l < SB; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T1);
         }
