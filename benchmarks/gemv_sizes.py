@@ -58,7 +58,7 @@ def _library(spec: str | None, n: int, tmp: Path) -> ctypes.CDLL:
     copy = tmp / f"lib{n}.so"
     shutil.copyfile(path, copy)
     lib = ctypes.CDLL(str(copy))
-    lib.cpumla_last_error.restype = ctypes.c_char_p
+    lib.cpumla_last_error.restype = lib.cpumla_isa.restype = ctypes.c_char_p
     if lib.cpumla_init(isa.encode()) != 0:
         raise SystemExit(f"gemv_sizes.py: {spec}: {lib.cpumla_last_error().decode()}")
     if where and lib.cpumla_set_gemv_prefetch(where.encode()) != 0:
@@ -165,10 +165,8 @@ def main(argv=None) -> None:
             got = {name: rate(lib, name) for name in sets}
             samples.append((i, (before + probe()) / 2, got))
 
-    for lib in libs:
-        lib.cpumla_isa.restype = ctypes.c_char_p
-    # the level each library ran at, read after the samples
-    isas = {str(t or "installed"): lib.cpumla_isa().decode() for t, lib in zip(trees, libs)}
+    names = [str(t or "installed") for t in trees]
+    isas = {n: lib.cpumla_isa().decode() for n, lib in zip(names, libs)}    # the levels run, read after the samples
     out = {"format": a.format, "threads": a.threads, "cols": a.cols, "set_bytes": nbytes, "isa": isas, "phases": {}}
     for phase, keep in (("slow", lambda p: p < a.slow_below), ("fast", lambda p: p > a.fast_above),
                         ("all", lambda p: True)):
@@ -177,8 +175,8 @@ def main(argv=None) -> None:
             if keep(p):
                 rows[i].append((p, got))
         out["phases"][phase] = {
-            str(trees[i] or "installed"): {"samples": len(r), "probe_gbs": float(np.mean([p for p, _ in r])),
-                                           "pct_probe": {n: float(np.mean([100 * g[n] / p for p, g in r])) for n in sets}}
+            names[i]: {"samples": len(r), "probe_gbs": float(np.mean([p for p, _ in r])),
+                       "pct_probe": {n: float(np.mean([100 * g[n] / p for p, g in r])) for n in sets}}
             for i, r in sorted(rows.items())}
     if a.json:
         print(json.dumps(out))

@@ -203,9 +203,9 @@ INLINE int e8m0_plain(const uint8_t *s, int64_t n) {
     return !bad;
 }
 
-/* y[t*ldy + i] = row r + i . token t, i < R, t < T; pf: prefetch distance in bytes (0: none), each
- * step's lines prefetched after its products; l2: into L2 (prefetcht1) rather than L1 (common.h
- * cpumla_pf_l2) */
+/* y[t*ldy + i] = row r + i . token t, i < R, t < T; pf: prefetch distance in bytes (0: none), a
+ * whole step's lines prefetched after its products (the partial last step's before its loads); l2:
+ * into L2 (prefetcht1) rather than L1 (common.h cpumla_pf_l2) */
 INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
                  int64_t ldy, int fmt, int64_t pf, int l2) {
     const int64_t K = w->cols, nb = K / QK, SB = fmt != F_Q8 ? 256 : 512;     /* weight bytes a step */
