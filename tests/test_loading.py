@@ -175,6 +175,23 @@ def test_prompt_past_context(tiny):
         eng.forward([10 ** 6])
 
 
+def test_one_token_forward_is_the_general_one(tiny):
+    """forward([an int]) takes a path of its own (no numpy conversion); its logits, position and
+    token list are those of the same token as an array, and bad ids leave the state as it was."""
+    a, b = cpumla.load(str(tiny)), cpumla.load(str(tiny))
+    a.forward([5, 6, 7]), b.forward(np.array([5, 6, 7]))
+    for tok in (3, 0, a.config.vocab_size - 1):
+        np.testing.assert_array_equal(a.forward([tok], last_only=True), b.forward(np.array([tok]), last_only=True))
+    assert a.pos == b.pos == 6 and a.tokens == b.tokens == [5, 6, 7, 3, 0, a.config.vocab_size - 1]
+    assert all(type(t) is int for t in a.tokens + b.tokens)
+    for bad, word in (([-1], "vocabulary"), ([a.config.vocab_size], "vocabulary"), ([True], "bool"),
+                      ((2 ** 70,), "vocabulary")):
+        with pytest.raises(CpumlaError, match=word):
+            a.forward(bad)
+    assert a.pos == 6 and len(a.tokens) == 6
+    np.testing.assert_array_equal(a.forward((4,)), b.forward([np.int64(4)]))
+
+
 def test_mtp_layer_is_skipped(tiny, tmp_path):
     """V3 ships its multi-token-prediction layer as model.layers.<L>.*: never read."""
     from safetensors.torch import load_file, save_file

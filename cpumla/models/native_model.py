@@ -31,8 +31,9 @@ class NativeModel:
         """One native forward: ids (int64, contiguous) at pos0, their logits into out (float32)."""
         if self._state is None:
             raise CpumlaError("this model has been closed")
-        rc = self._forward(self._state, native.vptr(ids, "int64_t *"), ids.size, pos0, native.fptr(out),
-                           int(last_only))
+        # from_buffer: a fraction of vptr's cost (numpy's .ctypes), paid once a decode token
+        rc = self._forward(self._state, native.ffi.from_buffer("int64_t[]", ids), ids.size, pos0,
+                           native.ffi.from_buffer("float[]", out, require_writable=True), int(last_only))
         if rc != 0:
             raise CpumlaError(native.last_error())
 

@@ -63,6 +63,7 @@ class Engine:
         self.model = family.Model(cfg, src, ctx, min(PREFILL_CHUNK, ctx))
         self._src = src                  # a checkpoint's mappings stay open while the engine lives
         self._lock = threading.Lock()
+        self._one = np.zeros(1, np.int64)     # the ids of a one-token forward (forward's fast path)
         self.pos = 0
         self.tokens: list[int] = []
 
@@ -103,11 +104,21 @@ class Engine:
 
     def forward(self, token_ids, last_only: bool = False) -> np.ndarray:
         """Logits [n, vocab] (or [1, vocab] for the last position) of token_ids appended to the cache."""
-        ids = token_array(token_ids, self.config.vocab_size)
-        n = ids.size
-        if n == 0:
-            raise CpumlaError("forward needs at least one token")
+        # Decode's call, [a Python int], takes a path of its own: between two tokens the weights'
+        # stream has pushed numpy's code and data out of the caches, where token_array and the
+        # generator below cost ~100 us a token. (type(): a bool is not an int here.)
+        one = type(token_ids) in (list, tuple) and len(token_ids) == 1 and type(token_ids[0]) is int
+        if not one:
+            ids = token_array(token_ids, self.config.vocab_size)
+            if ids.size == 0:
+                raise CpumlaError("forward needs at least one token")
+        elif not 0 <= token_ids[0] < self.config.vocab_size:
+            raise CpumlaError(f"token id {token_ids[0]} is outside the vocabulary of {self.config.vocab_size}")
         with self._lock:
+            if one:
+                ids = self._one
+                ids[0] = token_ids[0]
+            n = ids.size
             if self.pos + n > self.max_seq_len:
                 raise CpumlaError(f"context full: {self.pos} cached + {n} new tokens > max_seq_len {self.max_seq_len}")
             rows = 1 if last_only else n
@@ -127,7 +138,10 @@ class Engine:
                 # on an error pos is unchanged: rows of earlier chunks are simply not counted
                 self.model.forward(ids[c0:c1], self.pos + c0, out, last_only)
             self.pos += n
-            self.tokens.extend(int(t) for t in ids)
+            if one:
+                self.tokens.append(token_ids[0])
+            else:
+                self.tokens.extend(ids.tolist())
         return logits
 
     def generate(self, prompt_ids, max_new_tokens: int, stop_ids=None, **sampling):
