@@ -179,7 +179,8 @@ def test_one_token_forward_is_the_general_one(tiny):
     """forward([an int]) takes a path of its own (no numpy conversion); its logits, position and
     token list are those of the same token as an array, and bad ids leave the state as it was."""
     a, b = cpumla.load(str(tiny)), cpumla.load(str(tiny))
-    a.forward([5, 6, 7]), b.forward(np.array([5, 6, 7]))
+    a.forward([5, 6, 7])
+    b.forward(np.array([5, 6, 7]))
     for tok in (3, 0, a.config.vocab_size - 1):
         np.testing.assert_array_equal(a.forward([tok], last_only=True), b.forward(np.array([tok]), last_only=True))
     assert a.pos == b.pos == 6 and a.tokens == b.tokens == [5, 6, 7, 3, 0, a.config.vocab_size - 1]
