@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import io
 import json
+import subprocess
+import sys
 
 import pytest
 from test_cli import assert_one_line_error, run
@@ -185,9 +187,6 @@ def test_gemv_sizes_script(capsys, tmp_path):
     # each ran at its own level: the installed library's first copy is not reset by cpumla.native
     assert out["isa"] == {specs[0]: isa, specs[1]: isa, specs[2]: "scalar"}
     # ... also in a fresh process, where cpumla.native starts (at its own level) during the run
-    import subprocess
-    import sys
-
     p = subprocess.run([sys.executable, mod.__file__, ".@scalar", "--seconds", "0", "--scale", "0.01",
                         "--format", "q8", "--json"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
