@@ -51,7 +51,7 @@ def test_gemv_q(isa, case, gemv_prefetch):
     assert (np.abs(y - exact) <= W.error_bound(x) + 1e-5 * mag).all()
 
 
-@pytest.mark.parametrize("fmt", ["q8", "q4", "e2m1", "e4m3"])
+@pytest.mark.parametrize("fmt", ["q8", "q4", "e2m1", "e4m3", "bf16", "f16"])
 def test_gemv_prefetch_targets_same_bits(isa, fmt):
     """The GEMV row loops prefetching into L1 and into L2 are separate specialisations: the same bits,
     over enough rows that each thread's stream runs past the prefetch distance, on 1 and 2 threads."""
@@ -79,13 +79,14 @@ def test_gemv_prefetch_targets_same_bits(isa, fmt):
 
 
 def test_gemv_prefetch_choice():
-    """cpumla_gemv_prefetch: L2 on AMD family 19h (Zen 4's AVX-512 loops), L1 elsewhere, unless set; an
-    unknown target is an error and leaves the choice as it was."""
+    """cpumla_gemv_prefetch: L2 on Intel and on AMD family 19h (Zen 4's AVX-512 loops), L1 elsewhere,
+    unless set; an unknown target is an error and leaves the choice as it was."""
     cpuinfo = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     amd19 = bool(re.search(r"^vendor_id\s*:\s*AuthenticAMD", cpuinfo, re.M)) and \
         bool(re.search(r"^cpu family\s*:\s*25$", cpuinfo, re.M))
+    intel = bool(re.search(r"^vendor_id\s*:\s*GenuineIntel", cpuinfo, re.M))
     native.set_gemv_prefetch("auto")
-    assert native.gemv_prefetch().split()[0] == ("l2" if amd19 else "l1")
+    assert native.gemv_prefetch().split()[0] == ("l2" if amd19 or intel else "l1")
     try:
         native.set_gemv_prefetch("l1")
         assert native.gemv_prefetch() == "l1 (set)"
@@ -96,7 +97,7 @@ def test_gemv_prefetch_choice():
         assert native.gemv_prefetch() == "l1 (set)"
     finally:
         native.set_gemv_prefetch("auto")
-    assert native.gemv_prefetch().split()[0] == ("l2" if amd19 else "l1")
+    assert native.gemv_prefetch().split()[0] == ("l2" if amd19 or intel else "l1")
 
 
 @pytest.mark.parametrize("case", Q_CASES, ids=qid)

@@ -4,8 +4,8 @@ wrappers of each kernel for tests, benchmarks and load-time work. The runtime's 
 
 The implementation is chosen on first use: the best this CPU and OS run, or the one named by the
 environment variable CPUMLA_ISA (scalar, avx2, avxvnni, avx512f, avx512vnni, avx512, amx, neon). Asking for one that is not there is
-a CpumlaError, never a crash. CPUMLA_PREFETCH (l1, l2, auto) overrides where the AVX-512 integer and
-E4M3 GEMVs prefetch their weights (gemv_prefetch(); the CPU's own choice by default).
+a CpumlaError, never a crash. CPUMLA_PREFETCH (l1, l2, auto) overrides where the GEMVs prefetch
+their weights (gemv_prefetch(); the CPU's own choice by default).
 """
 
 from __future__ import annotations
@@ -62,8 +62,9 @@ def init(isa: str | None = None) -> str:
 
 
 def set_gemv_prefetch(where: str) -> None:
-    """Where the AVX-512 integer (q8, q4, e2m1) and e4m3 GEMVs prefetch their weight rows: "l1", "l2",
-    or "auto" (this CPU's own, as cpumla_init picks it). Results are the same bits either way."""
+    """Where the GEMVs prefetch their weight rows: "l1", "l2" (every stream), or "auto" (this CPU's
+    own, as cpumla_init picks it: the AVX-512 integer and e4m3 loops and the others apart). Results are
+    the same bits either way."""
     _check(lib.cpumla_set_gemv_prefetch(where.encode()))
 
 

@@ -118,14 +118,14 @@ INLINE const char *pf_at(const uint8_t *p0, const uint8_t *pi, int64_t pf, int l
  * software prefetch GEMV_PF_BYTES ahead of it (common.h). A row is read 32 columns a step into four
  * partial sums; the rows-four-at-a-time form (one x load for four rows) read 78-85% of the one-thread
  * probe where this reads 91-96% (docs/benchmarks.md). */
-INLINE void gemv_plain(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1, int dt) {
+INLINE void gemv_plain_pf(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1, int dt, int l2) {
     const int64_t K = w->cols, K32 = K & ~(int64_t)31, esz = dt == CPUMLA_F32 ? 4 : 2;
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *p = weight_row(w, r);
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         int64_t c = 0;
         for (; c < K32; c += 32) {
-            for (int64_t b = 0; b < 32 * esz; b += 64) _mm_prefetch((const char *)p + c * esz + b + GEMV_PF_BYTES, GEMV_PF_HINT);
+            for (int64_t b = 0; b < 32 * esz; b += 64) GEMV_PF((const char *)p + c * esz + b + GEMV_PF_BYTES, l2);
             a0 = _mm256_fmadd_ps(ld_plain(p, c, dt), _mm256_loadu_ps(x + c), a0);
             a1 = _mm256_fmadd_ps(ld_plain(p, c + 8, dt), _mm256_loadu_ps(x + c + 8), a1);
             a2 = _mm256_fmadd_ps(ld_plain(p, c + 16, dt), _mm256_loadu_ps(x + c + 16), a2);
@@ -177,7 +177,7 @@ static void e4m3_perm_x(float *xp, int64_t n) {
 }
 
 /* rows [rs, re) of one row block, xs prepared by gemv_e4m3 */
-static void gemv_e4m3_rows(const cpumla_weight *w, const float *xs, float *y, int64_t rs, int64_t re) {
+INLINE void gemv_e4m3_rows(const cpumla_weight *w, const float *xs, float *y, int64_t rs, int64_t re, int l2) {
     const int64_t K = w->cols, K32 = K / 32 * 32, pf = PF_ROWS * w->row_bytes;
     for (int64_t r = rs; r < re; r += 4) {
         const int nr = re - r < 4 ? (int)(re - r) : 4, lin = nr == 4 && w->row_bytes == K;
@@ -189,7 +189,7 @@ static void gemv_e4m3_rows(const cpumla_weight *w, const float *xs, float *y, in
             __m256 x0 = _mm256_load_ps(xs + c), x1 = _mm256_load_ps(xs + c + 8);
             __m256 x2 = _mm256_load_ps(xs + c + 16), x3 = _mm256_load_ps(xs + c + 24);
             if (PF_ON && (c & 63) == 0)
-                for (int i = 0; i < 4; i++) _mm_prefetch(pf_at(p[0], p[i], pf, lin, i, c), GEMV_PF_HINT);
+                for (int i = 0; i < 4; i++) GEMV_PF(pf_at(p[0], p[i], pf, lin, i, c), l2);
             for (int i = 0; i < 4; i++) {
                 __m256 f[4];
                 e4m3_dec32(_mm256_loadu_si256((const __m256i *)(p[i] + c)), f);
@@ -218,9 +218,16 @@ static void gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t 
         const int64_t re = (rs / br + 1) * br < r1 ? (rs / br + 1) * br : r1;
         e4m3_act_row(w, rs, x, 0, K, xs, 256.0f);
         e4m3_perm_x(xs, K32);
-        gemv_e4m3_rows(w, xs, y + (rs - r0), rs, re);
+        if (cpumla_pf_l2_plain) gemv_e4m3_rows(w, xs, y + (rs - r0), rs, re, 1);
+        else gemv_e4m3_rows(w, xs, y + (rs - r0), rs, re, 0);
         rs = re;
     }
+}
+
+/* gemv_plain with its prefetch target (common.h cpumla_pf_l2_plain) as a constant */
+static void gemv_plain(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1, int dt) {
+    if (cpumla_pf_l2_plain) gemv_plain_pf(w, x, y, r0, r1, dt, 1);
+    else gemv_plain_pf(w, x, y, r0, r1, dt, 0);
 }
 
 void cpumla_avx2_gemv(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {

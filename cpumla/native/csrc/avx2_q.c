@@ -264,8 +264,8 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
     for (; b + 8 <= nb; b += 8) {
         for (int i = 0; i < R; i++) {
             if (pf) {
-                for (int l = 0; l < SB; l += 64) _mm_prefetch((const char *)rp[i] + (b / 8) * SB + pf + l, GEMV_PF_HINT);
-                if ((b & 15) == 0) _mm_prefetch((const char *)(sp[i] + ss * b) + pf * ss / (SB / 8), GEMV_PF_HINT);
+                for (int l = 0; l < SB; l += 64) GEMV_PF((const char *)rp[i] + (b / 8) * SB + pf + l, l2);
+                if ((b & 15) == 0) GEMV_PF((const char *)(sp[i] + ss * b) + pf * ss / (SB / 8), l2);
             }
             __m256i lo[4], hi[4];
             load_step(rp[i] + (b / 8) * SB, fmt, 8, lo, hi);
@@ -278,8 +278,8 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
         const int64_t vb = nb - b;
         for (int i = 0; i < R; i++) {
             if (pf) {        /* the partial step's lines too (avx512_q.c) */
-                for (int64_t l = 0; l < vb * SB / 8; l += 64) _mm_prefetch((const char *)rp[i] + (b / 8) * SB + pf + l, GEMV_PF_HINT);
-                _mm_prefetch((const char *)(sp[i] + ss * b) + pf * ss / (SB / 8), GEMV_PF_HINT);
+                for (int64_t l = 0; l < vb * SB / 8; l += 64) GEMV_PF((const char *)rp[i] + (b / 8) * SB + pf + l, l2);
+                GEMV_PF((const char *)(sp[i] + ss * b) + pf * ss / (SB / 8), l2);
             }
             __m256i lo[4], hi[4];
             load_step(rp[i] + (b / 8) * SB, fmt, vb, lo, hi);
@@ -300,7 +300,7 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
 #else
 #define QDRIVER_GEMM gemm_q_avx2
 #endif
-#define QDRIVER_PF_L2 0
+#define QDRIVER_PF_L2 cpumla_pf_l2_plain
 #include "quant_driver.h"
 
 #if defined(__AVXVNNI__)

@@ -89,7 +89,7 @@ static void dequant_row_avx512(const cpumla_weight *w, int64_t r, int64_t c0, in
  * stream with a software prefetch ahead of it, which read 93-98% of the one-thread probe where groups
  * of 4 rows read 73-79% (docs/benchmarks.md). */
 INLINE void gemv_rows(const cpumla_weight *w, const float *x, float *y, int64_t r, int R, int32_t dt,
-                      const uint8_t *pf) {
+                      const uint8_t *pf, int l2) {
     const uint8_t *rp[4];
     __m512 acc[4];
     UNROLL for (int i = 0; i < R; i++) { rp[i] = weight_row(w, r + i); acc[i] = _mm512_setzero_ps(); }
@@ -101,7 +101,7 @@ INLINE void gemv_rows(const cpumla_weight *w, const float *x, float *y, int64_t 
         for (; c + 32 <= b1; c += 32) {
             __m512 x0 = _mm512_loadu_ps(x + c), x1 = _mm512_loadu_ps(x + c + 16);
             UNROLL for (int i = 0; i < R; i++) {
-                if ((dt == CPUMLA_F16 || dt == CPUMLA_BF16) && pf) _mm_prefetch(pf_at(pf, w, R, i, 2 * c, 2 * cols), PF_HINT);
+                if ((dt == CPUMLA_F16 || dt == CPUMLA_BF16) && pf) GEMV_PF(pf_at(pf, w, R, i, 2 * c, 2 * cols), l2);
                 p0[i] = _mm512_fmadd_ps(dq16(dt, rp[i], c, 16), x0, p0[i]);
                 p1[i] = _mm512_fmadd_ps(dq16(dt, rp[i], c + 16, 16), x1, p1[i]);
             }
@@ -164,7 +164,8 @@ static void e4m3_acts(const cpumla_weight *w, int64_t r, const float *src, int64
 
 /* ---- gemv: BF16 and E4M3 ------------------------------------------------------------------------ */
 /* E4M3 rows [r, r + R) (R 1..4) against xs (operands of their row block), 64 columns per step */
-INLINE void gemv_e4m3_rows(const cpumla_weight *w, const float *xs, float *y, int64_t r, int R, const uint8_t *pf) {
+INLINE void gemv_e4m3_rows(const cpumla_weight *w, const float *xs, float *y, int64_t r, int R, const uint8_t *pf,
+                           int l2) {
     const uint8_t *rp[4];
     __m512 a0[4], a1[4];
     UNROLL for (int i = 0; i < R; i++) { rp[i] = weight_row(w, r + i); a0[i] = a1[i] = _mm512_setzero_ps(); }
@@ -174,7 +175,7 @@ INLINE void gemv_e4m3_rows(const cpumla_weight *w, const float *xs, float *y, in
         __m512 x2 = _mm512_loadu_ps(xs + c + 32), x3 = _mm512_loadu_ps(xs + c + 48);
         UNROLL for (int i = 0; i < R; i++) {
             __m512 f[4];
-            _mm_prefetch(pf_at(pf, w, R, i, c, K), PF_HINT);
+            GEMV_PF(pf_at(pf, w, R, i, c, K), l2);
             e4m3_64(rp[i] + c, f);
             a0[i] = _mm512_fmadd_ps(f[0], x0, a0[i]);
             a1[i] = _mm512_fmadd_ps(f[1], x1, a1[i]);
@@ -195,8 +196,13 @@ static void gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t 
     for (int64_t b0 = r0; b0 < r1;) {                /* one row block (one activation) at a time */
         int64_t b1 = min64((b0 / w->block_rows + 1) * w->block_rows, r1), r = b0;
         e4m3_acts(w, b0, x, 0, 1, 0, w->cols, xs, 0);
-        for (; r + 4 <= b1; r += 4) gemv_e4m3_rows(w, xs, y + (r - r0), r, 4, pf_rows(w, r, r1));
-        for (; r < b1; r++) gemv_e4m3_rows(w, xs, y + (r - r0), r, 1, pf_rows(w, r, r1));
+        if (cpumla_pf_l2_plain) {
+            for (; r + 4 <= b1; r += 4) gemv_e4m3_rows(w, xs, y + (r - r0), r, 4, pf_rows(w, r, r1), 1);
+            for (; r < b1; r++) gemv_e4m3_rows(w, xs, y + (r - r0), r, 1, pf_rows(w, r, r1), 1);
+        } else {
+            for (; r + 4 <= b1; r += 4) gemv_e4m3_rows(w, xs, y + (r - r0), r, 4, pf_rows(w, r, r1), 0);
+            for (; r < b1; r++) gemv_e4m3_rows(w, xs, y + (r - r0), r, 1, pf_rows(w, r, r1), 0);
+        }
         b0 = b1;
     }
 }
@@ -207,19 +213,25 @@ static void gemv_avx512(const cpumla_weight *w, const float *x, float *y, int64_
     switch (w->dtype) {
     case CPUMLA_F32: {                                /* groups of 4 rows, no software prefetch */
         int64_t r = r0;
-        for (; r + 4 <= r1; r += 4) gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_F32, 0);
-        for (; r < r1; r++) gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F32, 0);
+        for (; r + 4 <= r1; r += 4) gemv_rows(w, x, y + (r - r0), r, 4, CPUMLA_F32, 0, 0);
+        for (; r < r1; r++) gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F32, 0, 0);
         return;
     }
     case CPUMLA_BF16: {
         float *xr = cpumla_scratch(CPUMLA_SCRATCH_AVX512F_XR, sizeof(float) * (size_t)(w->cols + 16));
         if (!xr) return;                             /* out of memory: the call fails */
         bf16_rows(x, 0, 1, w->cols, xr, 0);
-        for (int64_t r = r0; r < r1; r++) gemv_rows(w, xr, y + (r - r0), r, 1, CPUMLA_BF16, weight_row(w, r) + GEMV_PF_BYTES);
+        if (cpumla_pf_l2_plain)
+            for (int64_t r = r0; r < r1; r++) gemv_rows(w, xr, y + (r - r0), r, 1, CPUMLA_BF16, weight_row(w, r) + GEMV_PF_BYTES, 1);
+        else
+            for (int64_t r = r0; r < r1; r++) gemv_rows(w, xr, y + (r - r0), r, 1, CPUMLA_BF16, weight_row(w, r) + GEMV_PF_BYTES, 0);
         return;
     }
     case CPUMLA_F16:
-        for (int64_t r = r0; r < r1; r++) gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F16, weight_row(w, r) + GEMV_PF_BYTES);
+        if (cpumla_pf_l2_plain)
+            for (int64_t r = r0; r < r1; r++) gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F16, weight_row(w, r) + GEMV_PF_BYTES, 1);
+        else
+            for (int64_t r = r0; r < r1; r++) gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F16, weight_row(w, r) + GEMV_PF_BYTES, 0);
         return;
     case CPUMLA_E4M3:
         if (w->block_rows > 0 && w->block_cols > 0) { gemv_e4m3(w, x, y, r0, r1); return; }

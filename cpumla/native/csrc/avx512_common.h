@@ -23,9 +23,6 @@ INLINE __mmask16 tail16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : n <= 0
 #ifndef PF_BYTES
 #define PF_BYTES 4096
 #endif
-#ifndef PF_HINT
-#define PF_HINT GEMV_PF_HINT
-#endif
 /* The line to prefetch for row i of the group at pf, byte offset off of each row, while a group of
  * R rows is read 64 bytes per row per step. When the 4 rows lie back to back (row_bytes equals the
  * row's data bytes), the next group is one contiguous range and is fetched in address order, 4 lines

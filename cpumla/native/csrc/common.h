@@ -33,10 +33,18 @@
 #endif
 
 /* Where the AVX-512 GEMVs that do the most work per byte (avx512_q.c's integer products, avx512_bf16.c's
- * E4M3 decode) prefetch their stream: 0 into L1 (GEMV_PF_HINT), 1 into L2 (prefetcht1). Set by
- * cpumla_init from the CPU (cpumla_gemv_prefetch, dispatch.c), or by cpumla_set_gemv_prefetch; read by
- * those loops once per call. */
-extern int cpumla_pf_l2;
+ * E4M3 decode) prefetch their stream: 0 into L1 (GEMV_PF_HINT), 1 into L2 (prefetcht1); and
+ * cpumla_pf_l2_plain, the same for the other GEMV streams (avx2.c, avx2_q.c, avx512.c, avx512_bf16.c's
+ * bf16). Set by cpumla_init from the CPU (cpumla_gemv_prefetch, dispatch.c), or by
+ * cpumla_set_gemv_prefetch; read by those loops once per call, which pass it on as a constant. */
+extern int cpumla_pf_l2, cpumla_pf_l2_plain;
+/* One prefetch of a GEMV stream's line at p: into L2 (prefetcht1) when l2, else with GEMV_PF_HINT.
+ * l2 is a constant where the loop is specialised, so only one of the two is compiled into it. */
+#define GEMV_PF(p, l2)                                                      \
+    do {                                                                    \
+        if (l2) __builtin_prefetch((const void *)(p), 0, 2);                \
+        else __builtin_prefetch((const void *)(p), 0, GEMV_PF_HINT);        \
+    } while (0)
 
 /* gemv_t (the MLA absorb) reads a head's rows back to back, a group of rows at a time over columns
  * [c0, c1): a stream the hardware prefetchers follow only within a page. Its software prefetch: at

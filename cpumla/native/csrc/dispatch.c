@@ -24,7 +24,8 @@ static uint64_t features;
 static int features_known;
 static char cpu_name[128] = "";
 static int amd_family;                   /* x86: the family of an AMD CPU (0x19: Zen 3 / Zen 4), else 0 */
-int cpumla_pf_l2;
+static int intel_cpu;                    /* x86: GenuineIntel */
+int cpumla_pf_l2, cpumla_pf_l2_plain;
 static int pf_forced = -1;               /* cpumla_set_gemv_prefetch: 0 / 1, or -1: the CPU's own */
 
 void cpumla_set_error(const char *msg) {
@@ -49,6 +50,7 @@ static uint64_t detect(void) {
     memcpy(vendor, &b, 4); memcpy(vendor + 4, &d, 4); memcpy(vendor + 8, &c, 4);
     vendor[12] = 0;
     __cpuid_count(1, 0, a, b, c, d);
+    intel_cpu = !strcmp(vendor, "GenuineIntel");
     if (!strcmp(vendor, "AuthenticAMD"))
         amd_family = (int)((a >> 8) & 0xf) + (((a >> 8) & 0xf) == 0xf ? (int)((a >> 20) & 0xff) : 0);
     int osxsave = (c >> 27) & 1;
@@ -137,17 +139,20 @@ const char *cpumla_cpu_name(void) {
     return cpu_name[0] ? cpu_name : "unknown";
 }
 
-/* ---- the GEMV stream prefetch (common.h cpumla_pf_l2) -------------------------------------------
+/* ---- the GEMV stream prefetch (common.h cpumla_pf_l2, cpumla_pf_l2_plain) ----------------------
  * Zen 4 (AMD family 19h; Zen 3, the same family, has no AVX-512 and never runs those loops): their
  * prefetcht0 8 KiB ahead read 70-83% of the read probe at two threads, prefetcht1 92-94% (q8, q4, E2M1,
  * E4M3 over large weights), while lighter loops (bf16, avx2's integer products) are best with prefetcht0 there too. Zen 5
- * read 94% with prefetcht0 and less with an L2 hint (docs/benchmarks.md). Other CPUs: L1, as
- * measured on Zen 5, with the non-temporal hint (common.h GEMV_PF_HINT). A target set by
- * cpumla_set_gemv_prefetch comes first. */
-static int pf_l2_target(void) {
-    if (pf_forced >= 0) return pf_forced;
+ * read 94% with prefetcht0 and less with an L2 hint (docs/benchmarks.md). Intel (a Xeon with AMX,
+ * 2 threads): the non-temporal hint into L1 read 29-35% of the probe in every GEMV, prefetcht1 74-86%,
+ * so every stream goes to L2 there. Other CPUs: L1, as measured on Zen 5, with the non-temporal hint
+ * (common.h GEMV_PF_HINT). A target set by cpumla_set_gemv_prefetch comes first and applies to every
+ * stream. */
+static void pf_targets(void) {
     cpumla_cpu_features();
-    return amd_family == 0x19;
+    if (pf_forced >= 0) cpumla_pf_l2 = cpumla_pf_l2_plain = pf_forced;
+    else if (intel_cpu) cpumla_pf_l2 = cpumla_pf_l2_plain = 1;
+    else { cpumla_pf_l2 = amd_family == 0x19; cpumla_pf_l2_plain = 0; }
 }
 
 int cpumla_set_gemv_prefetch(const char *where) {
@@ -163,7 +168,7 @@ int cpumla_set_gemv_prefetch(const char *where) {
     }
     cpumla_enter(NULL);
     pf_forced = v;
-    cpumla_pf_l2 = pf_l2_target();
+    pf_targets();
     return cpumla_leave(0);
 }
 
@@ -171,6 +176,8 @@ const char *cpumla_gemv_prefetch(void) {
     cpumla_ensure_init();
     static char buf[64];
     if (pf_forced >= 0) snprintf(buf, sizeof buf, "%s (set)", cpumla_pf_l2 ? "l2" : "l1");
+    else if (intel_cpu) snprintf(buf, sizeof buf, "l2 (Intel)");
+    else if (amd_family == 0x19) snprintf(buf, sizeof buf, "l2 (AMD family 19h; l1 for the plain-weight GEMVs)");
     else if (amd_family) snprintf(buf, sizeof buf, "%s (AMD family %xh)", cpumla_pf_l2 ? "l2" : "l1", amd_family);
     else snprintf(buf, sizeof buf, "%s", cpumla_pf_l2 ? "l2" : "l1");
     return buf;
@@ -349,7 +356,7 @@ static int init(const char *isa) {
     cpumla_kernels k;
     fill_level(&k, target);
     cpumla_k = k;
-    cpumla_pf_l2 = pf_l2_target();
+    pf_targets();
     snprintf(chosen, sizeof chosen, "%s", isas[target].name);
     cpumla_pool_threads();
     return 0;
