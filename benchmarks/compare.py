@@ -8,7 +8,10 @@ PyPI package llama-cpp-python is installed, llama.cpp.
 --quant q8 / q4 loads cpumla with that --quant and gives llama.cpp the same bf16 GGUF quantized to Q8_0 /
 Q4_K_M (--llama-quant picks another llama.cpp type). --llama-lib DIR runs llama-cpp-python's Python
 code on the libllama.so / libggml*.so of DIR (LLAMA_CPP_LIB_PATH), e.g. a llama.cpp build for one
-instruction-set tier; CPUMLA_ISA forces cpumla's level the same way.
+instruction-set tier; CPUMLA_ISA forces cpumla's level the same way. --llama-no-extra-bufts loads
+llama.cpp without its extra weight buffer types (AMX, CPU repack): on a CPU with AMX, llama-cpp-python
+0.3.36 built with -march=native aborts on this deepseek2 model with them (GGML_ASSERT(*cur_backend_id !=
+-1) in ggml-backend's scheduler), so there it runs without.
 
 The model is cpumla's dummy-weight model saved as a bf16 safetensors checkpoint with the original
 tensor names (so every engine reads identical weights). Runs alternate between engines; the table shows
@@ -112,11 +115,23 @@ def time_transformers(path: Path, prompt: list[int], n_gen: int, threads: int, d
     return pp, tg
 
 
-def time_llamacpp(gguf: Path, prompt: list[int], n_gen: int, threads: int):
+def time_llamacpp(gguf: Path, prompt: list[int], n_gen: int, threads: int, extra_bufts: bool = True):
+    import llama_cpp.llama_cpp as low
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(gguf), n_ctx=len(prompt) + n_gen + 8, n_batch=max(512, len(prompt)),
-                n_threads=threads, n_threads_batch=threads, verbose=False)
+    default_params = low.llama_model_default_params
+
+    def params():                                 # Llama() has no argument for use_extra_bufts
+        p = default_params()
+        p.use_extra_bufts = extra_bufts
+        return p
+
+    low.llama_model_default_params = params
+    try:
+        llm = Llama(model_path=str(gguf), n_ctx=len(prompt) + n_gen + 8, n_batch=max(512, len(prompt)),
+                    n_threads=threads, n_threads_batch=threads, verbose=False)
+    finally:
+        low.llama_model_default_params = default_params
     llm.eval(prompt[:8])                          # warm-up
     llm.reset()
     t0 = time.perf_counter()
@@ -202,6 +217,8 @@ def main() -> None:
     ap.add_argument("--llama-quant", choices=tuple(LLAMA_TYPES), default=None,
                     help="llama.cpp's type (default: Q8_0 for q8, Q4_K_M for q4, bf16 without --quant)")
     ap.add_argument("--llama-lib", default=None, help="directory of the libllama.so / libggml*.so to run")
+    ap.add_argument("--llama-no-extra-bufts", action="store_true",
+                    help="llama.cpp without its extra weight buffer types (AMX, CPU repack)")
     args = ap.parse_args()
     if args.llama_lib:                            # read by llama_cpp when it is first imported
         os.environ["LLAMA_CPP_LIB_PATH"] = str(Path(args.llama_lib).resolve())
@@ -223,7 +240,7 @@ def main() -> None:
                 gguf = quantize_gguf(gguf, llama_kind)
             if gguf:
                 engines[f"llama.cpp ({llama_kind or 'bf16'} GGUF)"] = \
-                    lambda: time_llamacpp(gguf, prompt, args.n_gen, args.threads)
+                    lambda: time_llamacpp(gguf, prompt, args.n_gen, args.threads, not args.llama_no_extra_bufts)
         except Exception as e:  # the comparison still runs without llama.cpp
             print(f"llama.cpp: skipped ({e})", file=sys.stderr)
         results = {k: [] for k in engines}
