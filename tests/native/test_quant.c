@@ -379,8 +379,8 @@ void test_quant(const cpumla_kernels *k) {
             const char *nm = dt == CPUMLA_Q8 ? "Q8" : "Q4";
             qweight t = make_qweight(R, C, dt, qcases[ci].pad);
             /* gemv (rows [r0, r1)) and gemm (n tokens, strided x poisoned with NaN past C) */
-            static const int64_t ns[] = {1, 2, 5};
-            for (int ni = 0; ni < 3; ni++) {
+            static const int64_t ns[] = {1, 2, 5, 17, 40};    /* from 16: amx's int8 tiles */
+            for (int ni = 0; ni < 5; ni++) {
                 int64_t n = ns[ni], ldx = C + 3, r0 = R / 4, r1 = R - R / 5, nr = r1 - r0, ldy = nr + 2;
                 float *x, *y = run_q(k, &t.w, n, ldx, 2.0f, r0, r1, ldy, &x);
                 int bad = 0, gap_ok = 1;
@@ -403,6 +403,17 @@ void test_quant(const cpumla_kernels *k) {
                         for (int64_t i = 0; i < nr; i++) same &= y[tt * ldy + i] == spec_qdot32(&t, r0 + i, x + tt * ldx);
                     check(same, "%s %s %lldx%lld differs from the fp32 spec", n == 1 ? "gemv" : "gemm", nm,
                           (long long)R, (long long)C);
+                }
+                if (n > 1) {                 /* each token's row as gemv gives it: prefill and decode agree */
+                    float *y1 = xalloc(sizeof(float) * (size_t)nr);
+                    int same = 1;
+                    for (int64_t tt = 0; tt < n; tt++) {
+                        k->gemv(&t.w, x + tt * ldx, y1, r0, r1);
+                        same &= !memcmp(y1, y + tt * ldy, sizeof(float) * (size_t)nr);
+                    }
+                    check(same, "gemm %s %lldx%lld n=%lld: a token's row differs from gemv's", nm, (long long)R,
+                          (long long)C, (long long)n);
+                    free(y1);
                 }
                 if (n == 1 && nr > 2) {      /* a row's result does not depend on how the rows are split */
                     float *y2 = xalloc(sizeof(float) * (size_t)nr);

@@ -1,5 +1,6 @@
-/* amx.c: AMX tile kernels (Sapphire Rapids and later). Only `gemm` with BF16 weights and n >= 16
- * tokens; everything else keeps the entry the layers below installed (avx512, over avx512f).
+/* amx.c: AMX tile kernels (Sapphire Rapids and later): `gemm` with BF16 weights (tdpbf16ps) and the
+ * integer `gemm_q` of Q8 / Q4 weights (tdpbssd), each from 16 tokens; everything else keeps the entry
+ * the layers below installed (avx512, over avx512f; avx512vnni for the q entries).
  *
  * Precision: the fp32 activations are rounded to bf16 (round to nearest even, vcvtne2ps2bf16) for
  * tdpbf16ps, which multiplies bf16 pairs exactly and accumulates in fp32 (bf16 denormals are flushed).
@@ -7,9 +8,7 @@
  * other weight types, go to the avx512 gemm: who[K_GEMM] = "amx" names the entry, and who_fmt says
  * which formats really reach the tiles.
  *
- * Status: written without AMX hardware (the development machine has none). Compiled, and run only with
- * the tile instructions emulated in C (packing, tile layout, edges checked against scalar.c); never
- * run on a real AMX unit.
+ * Tested on an Intel Xeon with AMX-BF16 / AMX-INT8 (the native and Python suites at this level).
  *
  * Y[t, r] = sum_k X[t, k] W[r, k] maps onto tiles as
  *   A (16 tokens x 32 k, bf16)  = activations converted per 32-column step into a 2 KiB buffer;
@@ -23,6 +22,7 @@
 #include <stdio.h>
 #include "common.h"
 #include "kernels.h"
+#include "quant.h"
 
 const char cpumla_flags_amx[] = CPUMLA_FLAGS;
 
@@ -138,6 +138,217 @@ static void gemm_amx(const cpumla_weight *w, const float *x, int64_t ldx, int64_
         }
     }
     _tile_release();
+}
+
+/* ---- Q8 / Q4: gemm_q on int8 tiles ------------------------------------------------------------
+ * The product of kernels.h for n >= AMXQ_MIN_TOKENS tokens: per block of 32 columns, the exact int32
+ * sums of 16 weight rows x 16 tokens come from one tdpbssd (signed codes times signed codes: Q8's
+ * codes as stored, Q4's nibbles less 8), and each is added to its fp32 sum as (float)sum * (wd * xd),
+ * blocks in order, as avx512vnni adds them. Operands:
+ *   A (16 rows x 32 bytes) = block b of 16 weight rows in column order: Q8's rows as stored (stride
+ *                            row_bytes); Q4's, and a Q8 panel of fewer than 16 rows, unpacked once per
+ *                            panel into a [16][K] int8 buffer;
+ *   B (8 x 64 bytes)       = block b of 16 tokens, dword n of row kk their codes 4kk..4kk+3 (VNNI
+ *                            order), gathered once per call from the avx512 level's quantized rows
+ *                            (quant.h: block b's columns 0-15 at (b/4)*128 + (b%4)*16, 16-31 64 bytes on);
+ *   C (16 x 16 int32)      = rows x tokens, two tiles taking turns so one block's tdpbssd runs while
+ *                            the other's sums are scaled.
+ * Tiles: 0-1 C, 2-3 A, 4-5 B. The sums of 16 rows x 16 tokens stay in 16 registers (one per row, a lane
+ * per token) and are transposed into y at the end. */
+#define AMXQ_MIN_TOKENS 16
+
+static void (*prev_gemm_q)(const cpumla_weight *, const void *, int64_t, float *, int64_t, int64_t, int64_t);
+
+/* B tiles and xd of every group of 16 tokens: bq[(g*nb + b)*128 + kk*16 + n], xdb[(g*nb + b)*16 + n]
+ * (zero for tokens past n) */
+static void amxq_pack_x(const uint8_t *qx, int64_t per, int64_t n, int64_t K, int32_t *bq, float *xdb) {
+    const int64_t nb = K / QK, ng = (n + 15) / 16, kp = qx_kp(K);
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32((int)per));
+    for (int64_t g = 0; g < ng; g++) {
+        const int64_t nt = n - 16 * g < 16 ? n - 16 * g : 16;
+        const __mmask16 m = (__mmask16)((1u << nt) - 1u);
+        const uint8_t *base = qx + 16 * g * per;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t at = (b / 4) * 128 + (b % 4) * 16;
+            int32_t *t = bq + (g * nb + b) * 128;
+            for (int kk = 0; kk < 8; kk++)
+                _mm512_store_si512(t + 16 * kk, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx,
+                                                                            base + at + 4 * kk + (kk >= 4 ? 48 : 0), 1));
+            _mm512_store_ps(xdb + (g * nb + b) * 16,
+                            _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, base + kp + 4 * b, 1));
+        }
+    }
+}
+
+/* rows [p0, p0 + mp) (mp <= 16, missing rows zero) as int8 codes in column order, [16][K] */
+static void amxq_unpack(const cpumla_weight *w, int64_t p0, int64_t mp, int8_t *ap) {
+    const int64_t K = w->cols;
+    for (int64_t i = 0; i < 16; i++) {
+        int8_t *o = ap + i * K;
+        if (i >= mp) { memset(o, 0, (size_t)K); continue; }
+        const uint8_t *row = weight_row(w, p0 + i);
+        if (w->dtype == CPUMLA_Q8) { memcpy(o, row, (size_t)K); continue; }
+        /* Q4: 4 blocks (64 bytes) a step; block j's low nibbles are its columns 0-15, high 16-31 */
+        const __m512i lo_idx = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), hi_idx = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+        const __m512i m4 = _mm512_set1_epi8(15), e8 = _mm512_set1_epi8(8);
+        for (int64_t c = 0; c < K; c += 128) {
+            const int64_t left = K - c;                       /* columns left: a multiple of 32 */
+            const __mmask64 in = left >= 128 ? ~(__mmask64)0 : (((__mmask64)1 << (left / 2)) - 1);
+            const __m512i v = _mm512_maskz_loadu_epi8(in, row + c / 2);
+            const __m512i lo = _mm512_sub_epi8(_mm512_and_si512(v, m4), e8);
+            const __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), e8);
+            const __m512i o0 = _mm512_permutex2var_epi64(lo, lo_idx, hi), o1 = _mm512_permutex2var_epi64(lo, hi_idx, hi);
+            if (left >= 128) {
+                _mm512_storeu_si512(o + c, o0);
+                _mm512_storeu_si512(o + c + 64, o1);
+            } else {
+                const int64_t n0 = left < 64 ? left : 64;
+                _mm512_mask_storeu_epi8(o + c, n0 >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n0) - 1), o0);
+                if (left > 64) _mm512_mask_storeu_epi8(o + c + 64, (((__mmask64)1 << (left - 64)) - 1), o1);
+            }
+        }
+    }
+}
+
+/* acc[i] += (float)c[i][n] * (wd[i] * xd[n]) for the 16 rows i of one block, each product rounded
+ * before the add (no contraction into an FMA): the avx512vnni level's arithmetic, so that a token's
+ * row is the same bits through gemv (decode) and gemm (prefill) */
+#define ROUNDED(v) __asm__("" : "+v"(v))
+static inline __attribute__((always_inline)) void amxq_scale(const int32_t *c, const float *xd, const float *wd,
+                                                             __m512 acc[16]) {
+    const __m512 xv = _mm512_load_ps(xd);
+    for (int i = 0; i < 16; i++) {
+        __m512 f = _mm512_mul_ps(_mm512_set1_ps(wd[i]), xv);
+        ROUNDED(f);
+        __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * i)), f);
+        ROUNDED(p);
+        acc[i] = _mm512_add_ps(acc[i], p);
+    }
+}
+
+/* the block after b in lane order: b + 16 in b's lane, else the first block of the next lane; -1 at
+ * the end */
+static inline int64_t amxq_next(int64_t b, int64_t nb) {
+    if (b + 16 < nb) return b + 16;
+    const int64_t l = b % 16 + 1;
+    return l < 16 && l < nb ? l : -1;
+}
+
+static void gemm_q_amx(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
+                       int64_t r1) {
+    if ((w->dtype != CPUMLA_Q8 && w->dtype != CPUMLA_Q4) || n < AMXQ_MIN_TOKENS) {
+        prev_gemm_q(w, qx, n, y, ldy, r0, r1);
+        return;
+    }
+    const int64_t K = w->cols, nb = K / QK, ng = (n + 15) / 16, per = QX_BYTES(K);
+    /* scratch: B tiles and xd of the tokens; the unpacked panel and its scales */
+    uint8_t *xs = cpumla_scratch(CPUMLA_SCRATCH_AMX_QX, (size_t)(ng * nb * (512 + 64)));
+    uint8_t *ps = cpumla_scratch(CPUMLA_SCRATCH_AMX_PANEL, (size_t)(16 * K + 64 * nb));
+    if (!xs || !ps) return;
+    int32_t *bq = (int32_t *)xs;
+    float *xdb = (float *)(xs + ng * nb * 512);
+    float *wdp = (float *)ps;                          /* [nb][16] */
+    int8_t *ap = (int8_t *)(ps + 64 * nb);
+    amxq_pack_x(qx, per, n, K, bq, xdb);
+
+    amx_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int i = 0; i < 2; i++) { cfg.rows[i] = 16; cfg.colsb[i] = 64; }       /* C */
+    for (int i = 2; i < 4; i++) { cfg.rows[i] = 16; cfg.colsb[i] = 32; }       /* A */
+    for (int i = 4; i < 6; i++) { cfg.rows[i] = 8; cfg.colsb[i] = 64; }        /* B */
+    _tile_loadconfig(&cfg);
+
+    int32_t cb[2][256] __attribute__((aligned(64)));
+    float fb[256] __attribute__((aligned(64)));
+    static __thread float part[16][16][16] __attribute__((aligned(64)));   /* [lane][row][token] */
+    const __m512i tr = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(16));
+    for (int64_t p0 = r0; p0 < r1; p0 += 16) {
+        const int64_t mp = r1 - p0 < 16 ? r1 - p0 : 16;
+        const int8_t *abase;
+        int64_t astride;
+        if (w->dtype == CPUMLA_Q8 && mp == 16) {
+            abase = (const int8_t *)weight_row(w, p0);
+            astride = w->row_bytes;
+        } else {
+            amxq_unpack(w, p0, mp, ap);
+            abase = ap;
+            astride = K;
+        }
+        for (int64_t i = 0; i < 16; i++)
+            for (int64_t b = 0; b < nb; b++) wdp[b * 16 + i] = i < mp ? q_scale(w, p0 + i, b) : 0.0f;
+        for (int64_t g = 0; g < ng; g++) {
+            const int32_t *bg = bq + g * nb * 128;
+            const float *xg = xdb + g * nb * 16;
+            /* lane j of avx512vnni's sums: blocks j, j + 16, j + 32, ... in order (acc, then part[j]);
+             * the lanes visited one after another, each block's tdpbssd issued before the previous
+             * block's sums are scaled */
+            __m512 acc[16];
+            for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+            for (int64_t l = nb < 16 ? nb : 16; l < 16; l++)
+                for (int i = 0; i < 16; i++) _mm512_store_ps(part[l][i], _mm512_setzero_ps());
+#define AMXQ_ISSUE(C, A, B, b)                         /* tile numbers: literals (asm names) */ \
+    do {                                                               \
+        _tile_loadd(A, abase + (b) * QK, astride);                     \
+        _tile_loadd(B, bg + (b) * 128, 64);                            \
+        _tile_zero(C);                                                 \
+        _tile_dpbssd(C, A, B);                                         \
+    } while (0)
+#define AMXQ_TAKE(T, b)                                                                  \
+    do {                                                                                 \
+        _tile_stored(T, cb[T], 64);                                                      \
+        amxq_scale(cb[T], xg + (b) * 16, wdp + (b) * 16, acc);                           \
+        if ((b) + 16 >= nb)                                  /* the lane's last block */ \
+            for (int i = 0; i < 16; i++) {                                               \
+                _mm512_store_ps(part[(b) % 16][i], acc[i]);                              \
+                acc[i] = _mm512_setzero_ps();                                            \
+            }                                                                            \
+    } while (0)
+            int64_t cur = 0, nxt;
+            AMXQ_ISSUE(0, 2, 4, cur);
+            for (;;) {
+                nxt = amxq_next(cur, nb);
+                if (nxt >= 0) AMXQ_ISSUE(1, 3, 5, nxt);
+                AMXQ_TAKE(0, cur);
+                if (nxt < 0) break;
+                cur = nxt;
+                nxt = amxq_next(cur, nb);
+                if (nxt >= 0) AMXQ_ISSUE(0, 2, 4, nxt);
+                AMXQ_TAKE(1, cur);
+                if (nxt < 0) break;
+                cur = nxt;
+            }
+#undef AMXQ_ISSUE
+#undef AMXQ_TAKE
+            /* each row's 16 lanes added as _mm512_reduce_add_ps adds them (halves, quarters, then
+             * lanes 0 + 2 and 1 + 3, then those two), a vector of its tokens at a time */
+            for (int i = 0; i < 16; i++) {
+                __m512 s8[8], s4[4];
+                for (int l = 0; l < 8; l++) s8[l] = _mm512_add_ps(_mm512_load_ps(part[8 + l][i]), _mm512_load_ps(part[l][i]));
+                for (int l = 0; l < 4; l++) s4[l] = _mm512_add_ps(s8[4 + l], s8[l]);
+                _mm512_store_ps(fb + 16 * i, _mm512_add_ps(_mm512_add_ps(s4[0], s4[2]), _mm512_add_ps(s4[1], s4[3])));
+            }
+            /* fb[16 i + t]: row p0 + i, token 16g + t */
+            const int64_t nt = n - 16 * g < 16 ? n - 16 * g : 16;
+            const __mmask16 mr = (__mmask16)((1u << mp) - 1u);
+            for (int64_t t = 0; t < nt; t++)
+                _mm512_mask_storeu_ps(y + (16 * g + t) * ldy + (p0 - r0), mr,
+                                      _mm512_i32gather_ps(_mm512_add_epi32(tr, _mm512_set1_epi32((int)t)), fb, 4));
+        }
+    }
+    _tile_release();
+}
+
+void cpumla_fill_amx_q(cpumla_kernels *k) {
+    static char who[2][64];
+    if (k->gemm_q != gemm_q_amx) prev_gemm_q = k->gemm_q;
+    k->gemm_q = gemm_q_amx;
+    for (int f = CPUMLA_Q8; f <= CPUMLA_Q4; f++) {
+        snprintf(who[f - CPUMLA_Q8], sizeof who[0], "amx (%s below %d tokens)", k->who_fmt[K_GEMM][f], AMXQ_MIN_TOKENS);
+        k->who_fmt[K_GEMM][f] = who[f - CPUMLA_Q8];
+    }
 }
 
 void cpumla_fill_amx(cpumla_kernels *k) {

@@ -177,6 +177,7 @@ enum cpumla_scratch_slot {
     CPUMLA_SCRATCH_AVX512_E4_PANEL,  /* avx512_bf16.c: decoded e4m3 panel */
     CPUMLA_SCRATCH_AVX512_GT,        /* avx512_bf16.c: gemv_t sums */
     CPUMLA_SCRATCH_AMX_PANEL,        /* amx.c: packed weight panel */
+    CPUMLA_SCRATCH_AMX_QX,           /* amx.c: the tokens' int8 tiles of a Q8 / Q4 product */
     CPUMLA_SCRATCH_QX,               /* quant.c: quantized activations of a Q8 / Q4 product */
     CPUMLA_SCRATCH_QX_JOB,           /* ops.c, moe.c: a GEMV job's quantized activations, for all its tasks */
     CPUMLA_SCRATCH_COUNT

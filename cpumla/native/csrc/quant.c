@@ -99,6 +99,7 @@ void cpumla_fill_quant(cpumla_kernels *k, const char *isa) {
     else if (!strcmp(isa, "avxvnni")) cpumla_fill_avxvnni_q(k);
     else if (!strcmp(isa, "avx512f")) cpumla_fill_avx512f_q(k);
     else if (!strcmp(isa, "avx512vnni")) cpumla_fill_avx512vnni_q(k);
+    else if (!strcmp(isa, "amx")) cpumla_fill_amx_q(k);
 #elif defined(__aarch64__)
     else if (!strcmp(isa, "neon")) {
         if (cpumla_cpu_features() & CPUMLA_FEAT_NEON_DOTPROD) cpumla_fill_neon_q_dot(k);

@@ -185,6 +185,7 @@ void cpumla_fill_avxvnni_q(cpumla_kernels *k);     /* avx2_q.c compiled with AVX
 void cpumla_fill_avx512f_q(cpumla_kernels *k);     /* avx512f_q.c: quantize_row, and avx512f_qi.c's */
 void cpumla_fill_avx512f_int(cpumla_kernels *k);   /* avx512f_qi.c: E2M1 (avx512_q.c without VNNI) */
 void cpumla_fill_avx512vnni_q(cpumla_kernels *k);  /* avx512_q.c */
+void cpumla_fill_amx_q(cpumla_kernels *k);         /* amx.c: gemm_q on int8 tiles, over avx512vnni's */
 void cpumla_fill_neon_q(cpumla_kernels *k);
 void cpumla_fill_neon_q_dot(cpumla_kernels *k);    /* neon_q.c with +dotprod, as neon_q_dot.c */
 
