@@ -52,6 +52,11 @@ def test_a_cache_bug_is_not_called_a_tie(monkeypatch):
 def test_continuous_routing_removes_every_choice():
     from cpumla.runtime.loader import load_config
 
+    from cpumla.models import family
+
     cfg, _ = load_config("deepseek-ai/DeepSeek-V3.2", {**sm.SHRINK, "index_topk": 16})
-    ov = sm.continuous_routing(cfg)
-    assert ov["num_experts_per_tok"] == 16 and ov["n_group"] == 1 and ov["index_topk"] >= 1 << 20
+    ov = sm.continuous_routing(cfg, 49)
+    assert ov["num_experts_per_tok"] == 16 and ov["n_group"] == 1 and ov["index_topk"] == 49
+    # the tie check's model is loaded like the first: its memory estimate stays that of a small model
+    wide, _ = load_config("deepseek-ai/DeepSeek-V3.2", {**sm.SHRINK, "index_topk": 16, **ov})
+    assert family(wide.model_type).memory_bytes(wide, 49, "bf16")["scratch"] < 1 << 30

@@ -124,14 +124,15 @@ def _step_errors(full: np.ndarray, inc: np.ndarray) -> np.ndarray:
     return np.abs(full - inc).max(axis=1) / max(float(np.abs(full).max()), 1e-30)
 
 
-def continuous_routing(cfg) -> dict:
-    """hf_overrides that remove every discrete choice a token's forward makes (expert top-k and group
-    limits; V3.2's index top-k) without touching a weight."""
+def continuous_routing(cfg, ctx: int) -> dict:
+    """hf_overrides that remove every discrete choice a token's forward makes in a context of ctx
+    positions (expert top-k and group limits; V3.2's index top-k: ctx, every cached row) without
+    touching a weight. The index top-k sizes the indexer's scratch, so it is ctx and no more."""
     ov = {}
     if getattr(cfg, "n_routed_experts", None):
         ov.update(num_experts_per_tok=cfg.n_routed_experts, n_group=1, topk_group=1)
     if getattr(cfg, "index_topk", None) is not None:
-        ov["index_topk"] = 1 << 30
+        ov["index_topk"] = max(int(ctx), cfg.index_topk)
     return ov
 
 
@@ -145,7 +146,7 @@ def _tie_or_bug(model, cfg, tokens, prompt_tokens, bad_steps, err, load_kw) -> s
 
     what = f"cached decode differs from the full forward ({err:.2g} at step{'s' if len(bad_steps) > 1 else ''} " \
            f"{', '.join(map(str, bad_steps[:4]))}{', ...' if len(bad_steps) > 4 else ''})"
-    ov = continuous_routing(cfg)
+    ov = continuous_routing(cfg, load_kw["max_seq_len"])
     if not ov:
         return what
     kw = dict(load_kw)
