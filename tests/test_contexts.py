@@ -170,6 +170,8 @@ def expected_owner(isa, kernel, fmt):
             return "avx2"                    # avx512f has no q products of its own: avx2's serve
         if isa == "avxvnni":
             return "avxvnni"                 # avx2_q.c with vpdpbusd on ymm
+        if isa == "amx" and kernel in ("gemm", "head_gemv"):
+            return "amx (avx512vnni below 16 tokens)"     # amx.c's int8 tiles, over avx512_q.c
         return "avx512vnni"                  # avx512_q.c, vpdpbusd on zmm: avx512vnni, avx512 and amx
     if isa in ("scalar", "neon", "avx512f"):
         return isa
@@ -187,7 +189,7 @@ def expected_owner(isa, kernel, fmt):
 def expected_entry(isa, kernel):
     """who[] of a kernel's table entry: the top level that fills it"""
     if isa == "amx":
-        return "amx" if kernel == "gemm" else expected_entry("avx512", kernel)
+        return "amx" if kernel in ("gemm", "head_gemv") else expected_entry("avx512", kernel)   # head_gemv: gemm's entry
     if isa == "avx512":
         return "avx512f" if kernel == "dequant" else "avx512"
     if isa in ("avxvnni", "avx512vnni"):     # they fill the integer products alone
