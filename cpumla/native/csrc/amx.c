@@ -75,8 +75,8 @@ static void pack_panel(const cpumla_weight *w, int64_t p0, int64_t mp, int64_t k
 }
 
 /* A tiles for tokens [t0, t0 + nt) (nt <= 32; missing tokens zero), columns [k0, k0 + 32) (zero
- * past K): 32 rows of 32 bf16. */
-static void pack_acts(const float *x, int64_t ldx, int64_t nt, int64_t k0, int64_t K, uint16_t *ab) {
+ * past K), times s (E4M3: the block's scale; BF16: 1, exact): 32 rows of 32 bf16. */
+static void pack_acts(const float *x, int64_t ldx, int64_t nt, int64_t k0, int64_t K, float s, uint16_t *ab) {
     int64_t left = K - k0;
     __mmask16 m0 = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u);
     __mmask16 m1 = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1u);
@@ -84,19 +84,50 @@ static void pack_acts(const float *x, int64_t ldx, int64_t nt, int64_t k0, int64
         __m512i v = _mm512_setzero_si512();
         if (t < nt) {
             const float *xr = x + t * ldx + k0;
-            __m512 lo = _mm512_maskz_loadu_ps(m0, xr), hi = _mm512_maskz_loadu_ps(m1, xr + 16);
+            const __m512 sv = _mm512_set1_ps(s);
+            __m512 lo = _mm512_mul_ps(_mm512_maskz_loadu_ps(m0, xr), sv), hi = _mm512_mul_ps(_mm512_maskz_loadu_ps(m1, xr + 16), sv);
             v = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
         }
         _mm512_store_si512(ab + t * 32, v);
     }
 }
 
+/* E4M3 codes [0, K) -> their bf16 bits (exact), zero to kpad: sign | (code << 4) + 120 << 7 for
+ * normal codes, a table for the subnormal ones (m * 2^-9), NaN for 0x7f / 0xff (e4m3_to_f32) */
+static void e4m3_bf16_row(const uint8_t *src, int64_t K, uint16_t *dst, int64_t kpad) {
+    static const uint16_t subn[32] = {0, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};
+    const __m512i sub = _mm512_loadu_si512(subn);
+    for (int64_t c = 0; c < kpad; c += 32) {
+        const __mmask32 in = K - c >= 32 ? ~(__mmask32)0 : K - c <= 0 ? 0 : (((__mmask32)1 << (K - c)) - 1);
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(in, src + c));
+        const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi16(0x7f)), sign = _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x80)), 8);
+        __m512i b = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+        b = _mm512_mask_permutexvar_epi16(b, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), mag, sub);
+        b = _mm512_mask_mov_epi16(b, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f)), _mm512_set1_epi16(0x7fc0));
+        _mm512_storeu_si512(dst + c, _mm512_or_si512(b, sign));
+    }
+}
+
+/* E4M3 from the tiles: block rows and columns multiples of 32 (a panel and a k-chunk lie in one
+ * block) and panels starting on a block row */
+static int e4m3_tiles(const cpumla_weight *w, int64_t r0) {
+    return w->dtype == CPUMLA_E4M3 && w->block_rows > 0 && w->block_cols > 0 && w->block_rows % 32 == 0 &&
+           w->block_cols % 32 == 0 && r0 % 32 == 0;
+}
+
 static void gemm_amx(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy,
                      int64_t r0, int64_t r1) {
     int64_t K = w->cols, kpad = (K + 31) / 32 * 32;
-    if (w->dtype != CPUMLA_BF16 || n < AMX_MIN_TOKENS || K <= 0) { prev_gemm(w, x, ldx, n, y, ldy, r0, r1); return; }
-    uint16_t *bp = cpumla_scratch(CPUMLA_SCRATCH_AMX_PANEL, sizeof(uint16_t) * (size_t)(32 * kpad));
+    const int e4 = e4m3_tiles(w, r0);
+    if ((w->dtype != CPUMLA_BF16 && !e4) || n < AMX_MIN_TOKENS || K <= 0) { prev_gemm(w, x, ldx, n, y, ldy, r0, r1); return; }
+    /* the packed panel; E4M3: then its rows decoded to bf16 */
+    uint16_t *bp = cpumla_scratch(CPUMLA_SCRATCH_AMX_PANEL, sizeof(uint16_t) * (size_t)(32 * kpad) * (e4 ? 2 : 1));
     if (!bp) return;
+    uint16_t *db = bp + 32 * kpad;
+    cpumla_weight dec = *w;                     /* E4M3: the decoded panel as a BF16 weight */
+    dec.dtype = CPUMLA_BF16;
+    dec.data = db;
+    dec.row_bytes = 2 * kpad;
 
     amx_tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -108,12 +139,18 @@ static void gemm_amx(const cpumla_weight *w, const float *x, int64_t ldx, int64_
     float cb[32 * 32] __attribute__((aligned(64)));
     for (int64_t p0 = r0; p0 < r1; p0 += 32) {
         int64_t mp = r1 - p0 < 32 ? r1 - p0 : 32;
-        pack_panel(w, p0, mp, kpad, bp);
+        if (e4) {
+            for (int64_t i = 0; i < mp; i++)
+                e4m3_bf16_row(weight_row(w, p0 + i), K, db + i * kpad, kpad);
+            pack_panel(&dec, 0, mp, kpad, bp);
+        } else {
+            pack_panel(w, p0, mp, kpad, bp);
+        }
         for (int64_t t0 = 0; t0 < n; t0 += 32) {
             int64_t nt = n - t0 < 32 ? n - t0 : 32;
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             for (int64_t c = 0; c < kpad / 32; c++) {
-                pack_acts(x + t0 * ldx, ldx, nt, c * 32, K, ab);
+                pack_acts(x + t0 * ldx, ldx, nt, c * 32, K, e4 ? weight_scale(w, p0, c * 32) : 1.0f, ab);
                 _tile_loadd(4, ab, 64);                       /* tokens 0-15 */
                 _tile_loadd(5, ab + 16 * 32, 64);             /* tokens 16-31 */
                 _tile_loadd(6, bp + (c * 2 + 0) * 512, 64);   /* rows 0-15 */
@@ -358,6 +395,10 @@ void cpumla_fill_amx(cpumla_kernels *k) {
     k->gemm_xb = NULL;                     /* BF16 goes to the tiles through gemm */
     k->who[K_GEMM] = "amx";
     /* other formats keep who_fmt of the gemm below (avx512 or avx512f) */
+    static char e4m3_gemm[96];
     snprintf(bf16_gemm, sizeof bf16_gemm, "amx (%s below %d tokens)", k->who_fmt[K_GEMM][CPUMLA_BF16], AMX_MIN_TOKENS);
     k->who_fmt[K_GEMM][CPUMLA_BF16] = bf16_gemm;
+    snprintf(e4m3_gemm, sizeof e4m3_gemm, "amx (%s below %d tokens or for blocks not of 32k rows and columns)",
+             k->who_fmt[K_GEMM][CPUMLA_E4M3], AMX_MIN_TOKENS);
+    k->who_fmt[K_GEMM][CPUMLA_E4M3] = e4m3_gemm;
 }
