@@ -1,12 +1,14 @@
-/* amx.c: AMX tile kernels (Sapphire Rapids and later): `gemm` with BF16 weights (tdpbf16ps) and the
- * integer `gemm_q` of Q8 / Q4 weights (tdpbssd), each from 16 tokens; everything else keeps the entry
- * the layers below installed (avx512, over avx512f; avx512vnni for the q entries).
+/* amx.c: AMX tile kernels (Sapphire Rapids and later): `gemm` with BF16 and E4M3 weights (tdpbf16ps)
+ * and the integer `gemm_q` of Q8 / Q4 weights (tdpbssd), each from 16 tokens; everything else keeps
+ * the entry the layers below installed (avx512, over avx512f; avx512vnni for the q entries).
  *
  * Precision: the fp32 activations are rounded to bf16 (round to nearest even, vcvtne2ps2bf16) for
  * tdpbf16ps, which multiplies bf16 pairs exactly and accumulates in fp32 (bf16 denormals are flushed).
- * That is the rounding kernels.h specifies for BF16 weights on every ISA. Fewer than 16 tokens, and
- * other weight types, go to the avx512 gemm: who[K_GEMM] = "amx" names the entry, and who_fmt says
- * which formats really reach the tiles.
+ * That is the rounding kernels.h specifies for BF16 weights on every ISA. E4M3 takes the same path:
+ * its codes decoded to bf16 (exact), the activation times its block's scale before the rounding
+ * (common.h e4m3_act). Fewer than 16 tokens, E4M3 blocks that are not whole 32s, and other weight
+ * types go to the avx512 gemm: who[K_GEMM] = "amx" names the entry, and who_fmt says which formats
+ * really reach the tiles.
  *
  * Tested on an Intel Xeon with AMX-BF16 / AMX-INT8 (the native and Python suites at this level).
  *
