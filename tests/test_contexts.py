@@ -156,6 +156,8 @@ def expected_owner(isa, kernel, fmt):
             return "scalar"
         if isa == "neon":
             return None                      # "neon" or "neon (sdot)", with the hand-back
+        if kernel in ("gemm", "head_gemv") and isa == "amx":              # amx.c's int8 tiles
+            return "amx (avx512vnni below 16 tokens; " + FP4_HANDBACK[2:]
         if kernel in ("gemm", "head_gemv") and isa in FP4_FMA_GEMM:     # avx2_gemm.c / avx512_gemm.c: gemm_fp4
             return f"{isa} (fp32 FMAs from {FP4_FMA_GEMM[isa]} tokens; " + FP4_HANDBACK[2:]
         return ("avx512vnni" if isa in ("avx512", "amx") else isa) + FP4_HANDBACK     # avx512f: avx512f_qi.c

@@ -1,5 +1,5 @@
 /* amx.c: AMX tile kernels (Sapphire Rapids and later): `gemm` with BF16 and E4M3 weights (tdpbf16ps)
- * and the integer `gemm_q` of Q8 / Q4 weights (tdpbssd), each from 16 tokens; everything else keeps
+ * and the integer `gemm_q` of Q8 / Q4 / E2M1 weights (tdpbssd), each from 16 tokens; everything else keeps
  * the entry the layers below installed (avx512, over avx512f; avx512vnni for the q entries).
  *
  * Precision: the fp32 activations are rounded to bf16 (round to nearest even, vcvtne2ps2bf16) for
@@ -179,11 +179,13 @@ static void gemm_amx(const cpumla_weight *w, const float *x, int64_t ldx, int64_
     _tile_release();
 }
 
-/* ---- Q8 / Q4: gemm_q on int8 tiles ------------------------------------------------------------
+/* ---- Q8 / Q4 / E2M1: gemm_q on int8 tiles -----------------------------------------------------
  * The product of kernels.h for n >= AMXQ_MIN_TOKENS tokens: per block of 32 columns, the exact int32
  * sums of 16 weight rows x 16 tokens come from one tdpbssd (signed codes times signed codes: Q8's
- * codes as stored, Q4's nibbles less 8), and each is added to its fp32 sum as (float)sum * (wd * xd),
- * blocks in order, as avx512vnni adds them. Operands:
+ * codes as stored, Q4's nibbles less 8; E2M1's w2 codes, two tdpbssd against the high and the low
+ * bytes of its int16 activation codes, 256 * high + low), and each is added to its fp32 sum as
+ * (float)sum * (wd * xd), blocks in order, as avx512vnni adds them. E2M1 runs one block at a time
+ * (its five tiles leave no room for a second set). Operands:
  *   A (16 rows x 32 bytes) = block b of 16 weight rows in column order: Q8's rows as stored (stride
  *                            row_bytes); Q4's, and a Q8 panel of fewer than 16 rows, unpacked once per
  *                            panel into a [16][K] int8 buffer;
@@ -199,8 +201,9 @@ static void gemm_amx(const cpumla_weight *w, const float *x, int64_t ldx, int64_
 static void (*prev_gemm_q)(const cpumla_weight *, const void *, int64_t, float *, int64_t, int64_t, int64_t);
 
 /* B tiles and xd of every group of 16 tokens: bq[(g*nb + b)*128 + kk*16 + n], xdb[(g*nb + b)*16 + n]
- * (zero for tokens past n) */
-static void amxq_pack_x(const uint8_t *qx, int64_t per, int64_t n, int64_t K, int32_t *bq, float *xdb) {
+ * (zero for tokens past n), from the codes at byte off of each quantized row (0, or E2M1's low bytes at
+ * qx_lo); xdb NULL: no xd */
+static void amxq_pack_x(const uint8_t *qx, int64_t per, int64_t n, int64_t K, int64_t off, int32_t *bq, float *xdb) {
     const int64_t nb = K / QK, ng = (n + 15) / 16, kp = qx_kp(K);
     const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                            _mm512_set1_epi32((int)per));
@@ -213,14 +216,17 @@ static void amxq_pack_x(const uint8_t *qx, int64_t per, int64_t n, int64_t K, in
             int32_t *t = bq + (g * nb + b) * 128;
             for (int kk = 0; kk < 8; kk++)
                 _mm512_store_si512(t + 16 * kk, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx,
-                                                                            base + at + 4 * kk + (kk >= 4 ? 48 : 0), 1));
-            _mm512_store_ps(xdb + (g * nb + b) * 16,
-                            _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, base + kp + 4 * b, 1));
+                                                                            base + off + at + 4 * kk + (kk >= 4 ? 48 : 0), 1));
+            if (xdb)
+                _mm512_store_ps(xdb + (g * nb + b) * 16,
+                                _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, base + kp + 4 * b, 1));
         }
     }
 }
 
-/* rows [p0, p0 + mp) (mp <= 16, missing rows zero) as int8 codes in column order, [16][K] */
+/* rows [p0, p0 + mp) (mp <= 16, missing rows zero) as int8 codes, [16][K]: Q8 in column order; Q4
+ * (nibble - 8) and E2M1 (e2m1_w2) per block as [low nibbles | high nibbles], the order of their
+ * activation codes (Q4: columns 0-15 | 16-31; E2M1: even | odd columns) */
 static void amxq_unpack(const cpumla_weight *w, int64_t p0, int64_t mp, int8_t *ap) {
     const int64_t K = w->cols;
     for (int64_t i = 0; i < 16; i++) {
@@ -231,12 +237,15 @@ static void amxq_unpack(const cpumla_weight *w, int64_t p0, int64_t mp, int8_t *
         /* Q4: 4 blocks (64 bytes) a step; block j's low nibbles are its columns 0-15, high 16-31 */
         const __m512i lo_idx = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), hi_idx = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
         const __m512i m4 = _mm512_set1_epi8(15), e8 = _mm512_set1_epi8(8);
+        const __m512i w2 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)e2m1_w2));
+        const int fp4 = w->dtype == CPUMLA_E2M1;
         for (int64_t c = 0; c < K; c += 128) {
             const int64_t left = K - c;                       /* columns left: a multiple of 32 */
             const __mmask64 in = left >= 128 ? ~(__mmask64)0 : (((__mmask64)1 << (left / 2)) - 1);
             const __m512i v = _mm512_maskz_loadu_epi8(in, row + c / 2);
-            const __m512i lo = _mm512_sub_epi8(_mm512_and_si512(v, m4), e8);
-            const __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), e8);
+            const __m512i ln = _mm512_and_si512(v, m4), hn = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            const __m512i lo = fp4 ? _mm512_shuffle_epi8(w2, ln) : _mm512_sub_epi8(ln, e8);
+            const __m512i hi = fp4 ? _mm512_shuffle_epi8(w2, hn) : _mm512_sub_epi8(hn, e8);
             const __m512i o0 = _mm512_permutex2var_epi64(lo, lo_idx, hi), o1 = _mm512_permutex2var_epi64(lo, hi_idx, hi);
             if (left >= 128) {
                 _mm512_storeu_si512(o + c, o0);
@@ -276,20 +285,23 @@ static inline int64_t amxq_next(int64_t b, int64_t nb) {
 
 static void gemm_q_amx(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
                        int64_t r1) {
-    if ((w->dtype != CPUMLA_Q8 && w->dtype != CPUMLA_Q4) || n < AMXQ_MIN_TOKENS) {
+    const int fp4 = is_e2m1_q(w);
+    if ((w->dtype != CPUMLA_Q8 && w->dtype != CPUMLA_Q4 && !fp4) || n < AMXQ_MIN_TOKENS) {
         prev_gemm_q(w, qx, n, y, ldy, r0, r1);
         return;
     }
     const int64_t K = w->cols, nb = K / QK, ng = (n + 15) / 16, per = QX_BYTES(K);
-    /* scratch: B tiles and xd of the tokens; the unpacked panel and its scales */
-    uint8_t *xs = cpumla_scratch(CPUMLA_SCRATCH_AMX_QX, (size_t)(ng * nb * (512 + 64)));
+    /* scratch: B tiles (E2M1: of the high, then the low code bytes) and xd of the tokens; the unpacked
+     * panel and its scales */
+    uint8_t *xs = cpumla_scratch(CPUMLA_SCRATCH_AMX_QX, (size_t)(ng * nb * (512 * (fp4 ? 2 : 1) + 64)));
     uint8_t *ps = cpumla_scratch(CPUMLA_SCRATCH_AMX_PANEL, (size_t)(16 * K + 64 * nb));
     if (!xs || !ps) return;
-    int32_t *bq = (int32_t *)xs;
-    float *xdb = (float *)(xs + ng * nb * 512);
+    int32_t *bq = (int32_t *)xs, *bql = bq + ng * nb * 128;
+    float *xdb = (float *)(xs + ng * nb * 512 * (fp4 ? 2 : 1));
     float *wdp = (float *)ps;                          /* [nb][16] */
     int8_t *ap = (int8_t *)(ps + 64 * nb);
-    amxq_pack_x(qx, per, n, K, bq, xdb);
+    amxq_pack_x(qx, per, n, K, 0, bq, xdb);
+    if (fp4) amxq_pack_x(qx, per, n, K, (const uint8_t *)qx_lo(qx, K) - (const uint8_t *)qx, bql, NULL);
 
     amx_tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -308,7 +320,7 @@ static void gemm_q_amx(const cpumla_weight *w, const void *qx, int64_t n, float 
         const int64_t mp = r1 - p0 < 16 ? r1 - p0 : 16;
         const int8_t *abase;
         int64_t astride;
-        if (w->dtype == CPUMLA_Q8 && mp == 16) {
+        if (w->dtype == CPUMLA_Q8 && mp == 16) {           /* Q4, E2M1: always unpacked */
             abase = (const int8_t *)weight_row(w, p0);
             astride = w->row_bytes;
         } else {
@@ -338,6 +350,10 @@ static void gemm_q_amx(const cpumla_weight *w, const void *qx, int64_t n, float 
 #define AMXQ_TAKE(T, b)                                                                  \
     do {                                                                                 \
         _tile_stored(T, cb[T], 64);                                                      \
+        AMXQ_TAKE_SUMS(T, b);                                                            \
+    } while (0)
+#define AMXQ_TAKE_SUMS(T, b)                                 /* cb[T] holds block b's sums */ \
+    do {                                                                                 \
         amxq_scale(cb[T], xg + (b) * 16, wdp + (b) * 16, acc);                           \
         if ((b) + 16 >= nb)                                  /* the lane's last block */ \
             for (int i = 0; i < 16; i++) {                                               \
@@ -345,6 +361,23 @@ static void gemm_q_amx(const cpumla_weight *w, const void *qx, int64_t n, float 
                 acc[i] = _mm512_setzero_ps();                                            \
             }                                                                            \
     } while (0)
+            if (fp4) {          /* 256 times the sums over the high bytes plus those over the low */
+                for (int64_t b = 0; b >= 0; b = amxq_next(b, nb)) {
+                    _tile_loadd(2, abase + b * QK, astride);
+                    _tile_loadd(4, bg + b * 128, 64);
+                    _tile_loadd(5, bql + g * nb * 128 + b * 128, 64);
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_dpbssd(0, 2, 4);
+                    _tile_dpbssd(1, 2, 5);
+                    _tile_stored(0, cb[0], 64);
+                    _tile_stored(1, cb[1], 64);
+                    for (int i = 0; i < 256; i += 16)
+                        _mm512_store_si512(cb[0] + i, _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(cb[0] + i), 8),
+                                                                       _mm512_load_si512(cb[1] + i)));
+                    AMXQ_TAKE_SUMS(0, b);
+                }
+            } else {
             int64_t cur = 0, nxt;
             AMXQ_ISSUE(0, 2, 4, cur);
             for (;;) {
@@ -359,7 +392,9 @@ static void gemm_q_amx(const cpumla_weight *w, const void *qx, int64_t n, float 
                 if (nxt < 0) break;
                 cur = nxt;
             }
+            }
 #undef AMXQ_ISSUE
+#undef AMXQ_TAKE_SUMS
 #undef AMXQ_TAKE
             /* each row's 16 lanes added as _mm512_reduce_add_ps adds them (halves, quarters, then
              * lanes 0 + 2 and 1 + 3, then those two), a vector of its tokens at a time */
@@ -388,6 +423,7 @@ void cpumla_fill_amx_q(cpumla_kernels *k) {
         snprintf(who[f - CPUMLA_Q8], sizeof who[0], "amx (%s below %d tokens)", k->who_fmt[K_GEMM][f], AMXQ_MIN_TOKENS);
         k->who_fmt[K_GEMM][f] = who[f - CPUMLA_Q8];
     }
+    k->who_fmt[K_GEMM][CPUMLA_E2M1] = "amx (avx512vnni below 16 tokens; " E2M1_HANDBACK ")";
 }
 
 void cpumla_fill_amx(cpumla_kernels *k) {
