@@ -30,6 +30,11 @@ const char cpumla_flags_amx[] = CPUMLA_FLAGS;
 
 #define AMX_MIN_TOKENS 16
 
+/* lane i: i * s (gather offsets of 16 rows or tokens s bytes apart) */
+static inline __m512i lanes_times(int32_t s) {
+    return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(s));
+}
+
 static void (*prev_gemm)(const cpumla_weight *, const float *, int64_t, int64_t, float *, int64_t,
                          int64_t, int64_t);
 
@@ -58,8 +63,7 @@ static void pack_panel(const cpumla_weight *w, int64_t p0, int64_t mp, int64_t k
             if (k0 + 32 <= K) {
                 /* one masked gather per B row: dword (k0/2 + kk) of 16 weight rows */
                 __mmask16 m = (__mmask16)((1u << rows) - 1u);
-                __m512i off = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                 _mm512_set1_epi32((int)w->row_bytes));
+                __m512i off = lanes_times((int32_t)w->row_bytes);
                 const uint8_t *base = weight_row(w, p0 + 16 * j) + k0 * 2;
                 for (int kk = 0; kk < 16; kk++)
                     _mm512_store_si512(tile + kk * 16,
@@ -180,7 +184,7 @@ static void gemm_amx(const cpumla_weight *w, const float *x, int64_t ldx, int64_
 }
 
 /* ---- Q8 / Q4 / E2M1: gemm_q on int8 tiles -----------------------------------------------------
- * The product of kernels.h for n >= AMXQ_MIN_TOKENS tokens: per block of 32 columns, the exact int32
+ * The product of kernels.h for n >= AMX_MIN_TOKENS tokens: per block of 32 columns, the exact int32
  * sums of 16 weight rows x 16 tokens come from one tdpbssd (signed codes times signed codes: Q8's
  * codes as stored, Q4's nibbles less 8; E2M1's w2 codes, two tdpbssd against the high and the low
  * bytes of its int16 activation codes, 256 * high + low), and each is added to its fp32 sum as
@@ -196,8 +200,6 @@ static void gemm_amx(const cpumla_weight *w, const float *x, int64_t ldx, int64_
  *                            the other's sums are scaled.
  * Tiles: 0-1 C, 2-3 A, 4-5 B. The sums of 16 rows x 16 tokens stay in 16 registers (one per row, a lane
  * per token) and are transposed into y at the end. */
-#define AMXQ_MIN_TOKENS 16
-
 static void (*prev_gemm_q)(const cpumla_weight *, const void *, int64_t, float *, int64_t, int64_t, int64_t);
 
 /* B tiles and xd of every group of 16 tokens: bq[(g*nb + b)*128 + kk*16 + n], xdb[(g*nb + b)*16 + n]
@@ -205,8 +207,7 @@ static void (*prev_gemm_q)(const cpumla_weight *, const void *, int64_t, float *
  * qx_lo); xdb NULL: no xd */
 static void amxq_pack_x(const uint8_t *qx, int64_t per, int64_t n, int64_t K, int64_t off, int32_t *bq, float *xdb) {
     const int64_t nb = K / QK, ng = (n + 15) / 16, kp = qx_kp(K);
-    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32((int)per));
+    const __m512i idx = lanes_times((int32_t)per);
     for (int64_t g = 0; g < ng; g++) {
         const int64_t nt = n - 16 * g < 16 ? n - 16 * g : 16;
         const __mmask16 m = (__mmask16)((1u << nt) - 1u);
@@ -286,7 +287,7 @@ static inline int64_t amxq_next(int64_t b, int64_t nb) {
 static void gemm_q_amx(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
                        int64_t r1) {
     const int fp4 = is_e2m1_q(w);
-    if ((w->dtype != CPUMLA_Q8 && w->dtype != CPUMLA_Q4 && !fp4) || n < AMXQ_MIN_TOKENS) {
+    if ((w->dtype != CPUMLA_Q8 && w->dtype != CPUMLA_Q4 && !fp4) || n < AMX_MIN_TOKENS) {
         prev_gemm_q(w, qx, n, y, ldy, r0, r1);
         return;
     }
@@ -314,8 +315,7 @@ static void gemm_q_amx(const cpumla_weight *w, const void *qx, int64_t n, float 
     int32_t cb[2][256] __attribute__((aligned(64)));
     float fb[256] __attribute__((aligned(64)));
     static __thread float part[16][16][16] __attribute__((aligned(64)));   /* [lane][row][token] */
-    const __m512i tr = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32(16));
+    const __m512i tr = lanes_times(16);
     for (int64_t p0 = r0; p0 < r1; p0 += 16) {
         const int64_t mp = r1 - p0 < 16 ? r1 - p0 : 16;
         const int8_t *abase;
@@ -420,10 +420,10 @@ void cpumla_fill_amx_q(cpumla_kernels *k) {
     if (k->gemm_q != gemm_q_amx) prev_gemm_q = k->gemm_q;
     k->gemm_q = gemm_q_amx;
     for (int f = CPUMLA_Q8; f <= CPUMLA_Q4; f++) {
-        snprintf(who[f - CPUMLA_Q8], sizeof who[0], "amx (%s below %d tokens)", k->who_fmt[K_GEMM][f], AMXQ_MIN_TOKENS);
+        snprintf(who[f - CPUMLA_Q8], sizeof who[0], "amx (%s below %d tokens)", k->who_fmt[K_GEMM][f], AMX_MIN_TOKENS);
         k->who_fmt[K_GEMM][f] = who[f - CPUMLA_Q8];
     }
-    k->who_fmt[K_GEMM][CPUMLA_E2M1] = "amx (avx512vnni below 16 tokens; " E2M1_HANDBACK ")";
+    k->who_fmt[K_GEMM][CPUMLA_E2M1] = "amx (avx512vnni below " FP4_STR(AMX_MIN_TOKENS) " tokens; " E2M1_HANDBACK ")";
 }
 
 void cpumla_fill_amx(cpumla_kernels *k) {

@@ -238,8 +238,7 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
                 acc[i][t] = step_acc(acc[i][t], step_sums(lo, hi, fmt, xq[t] + b * QK, xl[t] + b * QK, xs[t] + b), wd, xd[t] + b);
             /* Q8's 8 lines a step issued after the products rather than before the loads: Zen 5, 2
              * threads, q8 GEMVs +3-4 points of the probe (q4 / E2M1, 4 lines a step: within a point) */
-            if (pf && !l2) UNROLL for (int l = 0; l < SB; l += 64) _mm_prefetch(ahead + l, GEMV_PF_HINT);
-            if (pf && l2) UNROLL for (int l = 0; l < SB; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T1);
+            if (pf) UNROLL for (int l = 0; l < SB; l += 64) GEMV_PF(ahead + l, l2);
         }
     }
     if (b < nb) {
@@ -249,13 +248,9 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
                               * columns: a third of each row) would otherwise stream unprefetched */
                 const char *ahead = (const char *)rp[i] + (b / 16) * SB + pf;
                 const char *sl = (const char *)(sp[i] + ss * b) + pf * ss / (SB / 16);
-                if (!l2) {
-                    for (int64_t l = 0; l < vb * SB / 16; l += 64) _mm_prefetch(ahead + l, GEMV_PF_HINT);
-                    _mm_prefetch(sl, GEMV_PF_HINT);
-                } else {
-                    for (int64_t l = 0; l < vb * SB / 16; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T1);
-                    _mm_prefetch(sl, _MM_HINT_T0);
-                }
+                for (int64_t l = 0; l < vb * SB / 16; l += 64) GEMV_PF(ahead + l, l2);
+                if (!l2) _mm_prefetch(sl, GEMV_PF_HINT);
+                else _mm_prefetch(sl, _MM_HINT_T0);      /* into L1 as measured on Zen 4 */
             }
             __m512i lo[4], hi[4];
             load_step(rp[i] + (b / 16) * SB, fmt, vb, lo, hi);
