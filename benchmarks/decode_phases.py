@@ -107,15 +107,15 @@ def main(argv=None) -> None:
     ap.add_argument("--seconds", type=float, default=110.0, help="how long to take samples")
     ap.add_argument("--tokens", type=int, default=32, help="decoded tokens per sample")
     ap.add_argument("--turn", metavar="FILE:I/N", help="take samples in turn with N-1 other runs (above)")
-    ap.add_argument("--prefetch", metavar="T,T", help="GEMV prefetch targets (l1, l2, auto) the samples "
+    ap.add_argument("--prefetch", metavar="T,T", help="GEMV prefetch targets (l1, l2, l2+l1, auto) the samples "
                     "take in turn, each filed apart (cpumla_set_gemv_prefetch)")
     a = ap.parse_args(argv)
     if a.tokens < 1 or a.threads < 1:
         ap.error("--tokens and --threads must be at least 1")
     targets = [t.strip() for t in a.prefetch.split(",")] if a.prefetch else [None]
     for t in targets:
-        if t is not None and t not in ("l1", "l2", "auto"):
-            ap.error(f"--prefetch takes l1, l2 or auto, not '{t}'")
+        if t is not None and t not in ("l1", "l2", "l2+l1", "auto"):
+            ap.error(f"--prefetch takes l1, l2, l2+l1 or auto, not '{t}'")
     turn = None
     if a.turn:
         m = re.fullmatch(r"(.+):(\d+)/(\d+)", a.turn)

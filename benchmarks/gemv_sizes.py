@@ -7,7 +7,7 @@ pages, as the loader places quantized weights), between two passes of the read p
 sample by that probe. Each TREE is a source tree with a built library (`python3 setup.py build_ext
 --inplace`); their libraries are loaded side by side (each with its own thread pool) and take turns,
 so builds are compared on the same host phase. Without TREE, the installed cpumla's library is timed.
-TREE@ISA runs that tree's library at one implementation level, and TREE@ISA@l1 or @l2 with its GEMV
+TREE@ISA runs that tree's library at one implementation level, and TREE@ISA@l1, @l2 or @l2+l1 with its GEMV
 prefetch target set (cpumla_set_gemv_prefetch), so one build's levels or targets take turns too
 (`.` is the installed library):
 
@@ -79,7 +79,7 @@ def _huge(w: native.Weight) -> native.Weight:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("trees", nargs="*", help="source trees with a built library, each TREE[@ISA[@l1|l2]] "
+    ap.add_argument("trees", nargs="*", help="source trees with a built library, each TREE[@ISA[@l1|l2|l2+l1]] "
                     "(default: the installed one)")
     ap.add_argument("--format", default="q4", choices=["bf16", "e4m3", "e2m1", "q8", "q4"])
     ap.add_argument("--seconds", type=float, default=60.0, help="how long to take samples")

@@ -29,10 +29,10 @@ def isa(request):
     native.init("")
 
 
-@pytest.fixture(params=["l1", "l2"])
+@pytest.fixture(params=["l1", "l2", "l2+l1"])
 def gemv_prefetch(request):
-    """Both targets of the AVX-512 GEMVs' software prefetch (cpumla_set_gemv_prefetch): each is its own
-    specialisation of the row loop, so each is checked; afterwards the CPU's own choice again."""
+    """Every target of the GEMVs' software prefetch (cpumla_set_gemv_prefetch): each is its own
+    specialisation of the row loops, so each is checked; afterwards the CPU's own choice again."""
     native.set_gemv_prefetch(request.param)
     yield request.param
     native.set_gemv_prefetch("auto")

@@ -179,7 +179,7 @@ def test_gemv_sizes_script(capsys, tmp_path):
     assert "a multiple of 32" in capsys.readouterr().err
     # one library at two levels or two prefetch targets: each spec is its own copy, timed in turn
     isa = native.available_isas()[-1]
-    specs = [f".@{isa}@l1", f".@{isa}@l2", ".@scalar"]
+    specs = [f".@{isa}@l1", f".@{isa}@l2+l1", ".@scalar"]
     mod.main([*specs, "--seconds", "0", "--scale", "0.01", "--format", "q8", "--json"])
     out = json.loads(capsys.readouterr().out)
     got = out["phases"]["all"]
@@ -213,7 +213,7 @@ def test_gemv_sizes_script(capsys, tmp_path):
                                         (["--turn", "x"], "--turn must be FILE:I/N"),
                                         (["--turn", "/tmp/t:2/2"], "--turn must be FILE:I/N"),
                                         (["--turn", "/nonexistent/turn:0/2"], "no counter file"),
-                                        (["--prefetch", "l1,l3"], "--prefetch takes l1, l2 or auto, not 'l3'")])
+                                        (["--prefetch", "l1,l3"], "--prefetch takes l1, l2, l2+l1 or auto, not 'l3'")])
 def test_decode_phases_bad_input(capsys, args, words):
     """Bad input to the script: usage error (exit 2) with one line naming the problem, no traceback."""
     with pytest.raises(SystemExit) as e:

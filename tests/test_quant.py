@@ -53,8 +53,9 @@ def test_gemv_q(isa, case, gemv_prefetch):
 
 @pytest.mark.parametrize("fmt", ["q8", "q4", "e2m1", "e4m3", "bf16", "f16"])
 def test_gemv_prefetch_targets_same_bits(isa, fmt):
-    """The GEMV row loops prefetching into L1 and into L2 are separate specialisations: the same bits,
-    over enough rows that each thread's stream runs past the prefetch distance, on 1 and 2 threads."""
+    """The GEMV row loops prefetching into L1, into L2, and into both are separate specialisations: the
+    same bits, over enough rows that each thread's stream runs past the prefetch distance, on 1 and 2
+    threads."""
     rng = np.random.default_rng(5)
     rows, cols = 300, 2048
     if fmt in native.QUANT_FORMATS:
@@ -68,26 +69,30 @@ def test_gemv_prefetch_targets_same_bits(isa, fmt):
         for t in (1, 2):
             native.set_threads(t)
             got = {}
-            for where in ("l1", "l2"):
+            for where in ("l1", "l2", "l2+l1"):
                 native.set_gemv_prefetch(where)
                 got[where] = native.gemv(w, x)
             assert np.isfinite(got["l1"]).all()
-            assert np.array_equal(got["l1"].view(np.uint32), got["l2"].view(np.uint32)), f"{fmt} {isa} {t} threads"
+            for where in ("l2", "l2+l1"):
+                assert np.array_equal(got["l1"].view(np.uint32), got[where].view(np.uint32)), f"{fmt} {isa} {t} threads {where}"
     finally:
         native.set_gemv_prefetch("auto")
         native.set_threads(threads)
 
 
 def test_gemv_prefetch_choice():
-    """cpumla_gemv_prefetch: L2 on Intel and on AMD family 19h (Zen 4's AVX-512 loops), L1 elsewhere,
-    unless set; an unknown target is an error and leaves the choice as it was."""
+    """cpumla_gemv_prefetch: L2 and L1 on Intel, L2 on AMD family 19h (Zen 4's AVX-512 loops), L1
+    elsewhere, unless set; an unknown target is an error and leaves the choice as it was."""
     cpuinfo = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     amd19 = bool(re.search(r"^vendor_id\s*:\s*AuthenticAMD", cpuinfo, re.M)) and \
         bool(re.search(r"^cpu family\s*:\s*25$", cpuinfo, re.M))
     intel = bool(re.search(r"^vendor_id\s*:\s*GenuineIntel", cpuinfo, re.M))
+    own = "l2+l1" if intel else "l2" if amd19 else "l1"
     native.set_gemv_prefetch("auto")
-    assert native.gemv_prefetch().split()[0] == ("l2" if amd19 or intel else "l1")
+    assert native.gemv_prefetch().split()[0] == own
     try:
+        native.set_gemv_prefetch("l2+l1")
+        assert native.gemv_prefetch() == "l2+l1 (set)"
         native.set_gemv_prefetch("l1")
         assert native.gemv_prefetch() == "l1 (set)"
         native.init("")                      # a chosen target outlives a new implementation choice
@@ -97,7 +102,7 @@ def test_gemv_prefetch_choice():
         assert native.gemv_prefetch() == "l1 (set)"
     finally:
         native.set_gemv_prefetch("auto")
-    assert native.gemv_prefetch().split()[0] == ("l2" if amd19 or intel else "l1")
+    assert native.gemv_prefetch().split()[0] == own
 
 
 @pytest.mark.parametrize("case", Q_CASES, ids=qid)

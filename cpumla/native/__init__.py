@@ -4,7 +4,7 @@ wrappers of each kernel for tests, benchmarks and load-time work. The runtime's 
 
 The implementation is chosen on first use: the best this CPU and OS run, or the one named by the
 environment variable CPUMLA_ISA (scalar, avx2, avxvnni, avx512f, avx512vnni, avx512, amx, neon). Asking for one that is not there is
-a CpumlaError, never a crash. CPUMLA_PREFETCH (l1, l2, auto) overrides where the GEMVs prefetch
+a CpumlaError, never a crash. CPUMLA_PREFETCH (l1, l2, l2+l1, auto) overrides where the GEMVs prefetch
 their weights (gemv_prefetch(); the CPU's own choice by default).
 """
 
@@ -62,14 +62,14 @@ def init(isa: str | None = None) -> str:
 
 
 def set_gemv_prefetch(where: str) -> None:
-    """Where the GEMVs prefetch their weight rows: "l1", "l2" (every stream), or "auto" (this CPU's
-    own, as cpumla_init picks it: the AVX-512 integer and e4m3 loops and the others apart). Results are
-    the same bits either way."""
+    """Where the GEMVs prefetch their weight rows: "l1", "l2", "l2+l1" (into L2, and again nearer into
+    L1) for every stream, or "auto" (this CPU's own, as cpumla_init picks it: the AVX-512 integer and
+    e4m3 loops and the others apart). Results are the same bits either way."""
     _check(lib.cpumla_set_gemv_prefetch(where.encode()))
 
 
 def gemv_prefetch() -> str:
-    """"l1" or "l2", and why in parentheses (cpumla.h cpumla_gemv_prefetch)."""
+    """"l1", "l2" or "l2+l1", and why in parentheses (cpumla.h cpumla_gemv_prefetch)."""
     ensure_init()
     return ffi.string(lib.cpumla_gemv_prefetch()).decode()
 

@@ -125,7 +125,7 @@ INLINE void gemv_plain_pf(const cpumla_weight *w, const float *x, float *y, int6
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         int64_t c = 0;
         for (; c < K32; c += 32) {
-            for (int64_t b = 0; b < 32 * esz; b += 64) GEMV_PF((const char *)p + c * esz + b + GEMV_PF_BYTES, l2);
+            for (int64_t b = 0; b < 32 * esz; b += 64) GEMV_PF_LINE((const char *)p + c * esz + b + GEMV_PF_BYTES, GEMV_PF_BYTES, l2);
             a0 = _mm256_fmadd_ps(ld_plain(p, c, dt), _mm256_loadu_ps(x + c), a0);
             a1 = _mm256_fmadd_ps(ld_plain(p, c + 8, dt), _mm256_loadu_ps(x + c + 8), a1);
             a2 = _mm256_fmadd_ps(ld_plain(p, c + 16, dt), _mm256_loadu_ps(x + c + 16), a2);
@@ -226,8 +226,7 @@ static void gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t 
 
 /* gemv_plain with its prefetch target (common.h cpumla_pf_l2_plain) as a constant */
 static void gemv_plain(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1, int dt) {
-    if (cpumla_pf_l2_plain) gemv_plain_pf(w, x, y, r0, r1, dt, 1);
-    else gemv_plain_pf(w, x, y, r0, r1, dt, 0);
+    GEMV_PF_CASES(cpumla_pf_l2_plain, gemv_plain_pf(w, x, y, r0, r1, dt, L2));
 }
 
 void cpumla_avx2_gemv(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {

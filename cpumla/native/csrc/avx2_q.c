@@ -242,8 +242,9 @@ INLINE int e8m0_plain(const uint8_t *s, int64_t n) {
     return ok;
 }
 
-/* y[t*ldy + i] = row r + i . token t, i < R, t < T; pf: software prefetch distance (0: none); l2 is
- * quant_driver.h's and always 0 here (into L1 was best for these loops on Zen 4 and Zen 5) */
+/* y[t*ldy + i] = row r + i . token t, i < R, t < T; pf: software prefetch distance (0: none); l2 the
+ * target (common.h cpumla_pf_l2_plain: L1 on AMD, as measured on Zen 4 and Zen 5; the two-level one
+ * on Intel) */
 INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
                     int64_t ldy, int fmt, int64_t pf, int l2) {
     const int64_t K = w->cols, nb = K / QK, SB = fmt != F_Q8 ? 128 : 256;     /* weight bytes a step */
@@ -264,7 +265,7 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
     for (; b + 8 <= nb; b += 8) {
         for (int i = 0; i < R; i++) {
             if (pf) {
-                for (int l = 0; l < SB; l += 64) GEMV_PF((const char *)rp[i] + (b / 8) * SB + pf + l, l2);
+                for (int l = 0; l < SB; l += 64) GEMV_PF_LINE((const char *)rp[i] + (b / 8) * SB + pf + l, pf, l2);
                 if ((b & 15) == 0) GEMV_PF((const char *)(sp[i] + ss * b) + pf * ss / (SB / 8), l2);
             }
             __m256i lo[4], hi[4];
@@ -278,7 +279,7 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
         const int64_t vb = nb - b;
         for (int i = 0; i < R; i++) {
             if (pf) {        /* the partial step's lines too (avx512_q.c) */
-                for (int64_t l = 0; l < vb * SB / 8; l += 64) GEMV_PF((const char *)rp[i] + (b / 8) * SB + pf + l, l2);
+                for (int64_t l = 0; l < vb * SB / 8; l += 64) GEMV_PF_LINE((const char *)rp[i] + (b / 8) * SB + pf + l, pf, l2);
                 GEMV_PF((const char *)(sp[i] + ss * b) + pf * ss / (SB / 8), l2);
             }
             __m256i lo[4], hi[4];

@@ -85,11 +85,11 @@ static void dequant_row_avx512(const cpumla_weight *w, int64_t r, int64_t c0, in
 /* ---- gemv --------------------------------------------------------------------------------------- */
 /* R rows (1..4) at once so each x load serves all of them; one block at a time (the whole row when
  * unblocked), two partial sums per row per block for latency. F16 / BF16 run it one row at a time
- * (R = 1, pf the row itself + GEMV_PF_BYTES, common.h): the rows of a range are then one sequential
- * stream with a software prefetch ahead of it, which read 93-98% of the one-thread probe where groups
- * of 4 rows read 73-79% (docs/benchmarks.md). */
+ * (R = 1, pf GEMV_PF_BYTES, common.h's GEMV_PF_LINE with the target l2): the rows of a range are then
+ * one sequential stream with a software prefetch ahead of it, which read 93-98% of the one-thread
+ * probe where groups of 4 rows read 73-79% (docs/benchmarks.md). */
 INLINE void gemv_rows(const cpumla_weight *w, const float *x, float *y, int64_t r, int R, int32_t dt,
-                      const uint8_t *pf, int l2) {
+                      int64_t pf, int l2) {
     const uint8_t *rp[4];
     __m512 acc[4];
     UNROLL for (int i = 0; i < R; i++) { rp[i] = weight_row(w, r + i); acc[i] = _mm512_setzero_ps(); }
@@ -101,7 +101,7 @@ INLINE void gemv_rows(const cpumla_weight *w, const float *x, float *y, int64_t 
         for (; c + 32 <= b1; c += 32) {
             __m512 x0 = _mm512_loadu_ps(x + c), x1 = _mm512_loadu_ps(x + c + 16);
             UNROLL for (int i = 0; i < R; i++) {
-                if ((dt == CPUMLA_F16 || dt == CPUMLA_BF16) && pf) GEMV_PF(pf_at(pf, w, R, i, 2 * c, 2 * cols), l2);
+                if ((dt == CPUMLA_F16 || dt == CPUMLA_BF16) && pf) GEMV_PF_LINE(rp[i] + 2 * c + pf, pf, l2);
                 p0[i] = _mm512_fmadd_ps(dq16(dt, rp[i], c, 16), x0, p0[i]);
                 p1[i] = _mm512_fmadd_ps(dq16(dt, rp[i], c + 16, 16), x1, p1[i]);
             }
@@ -221,17 +221,13 @@ static void gemv_avx512(const cpumla_weight *w, const float *x, float *y, int64_
         float *xr = cpumla_scratch(CPUMLA_SCRATCH_AVX512F_XR, sizeof(float) * (size_t)(w->cols + 16));
         if (!xr) return;                             /* out of memory: the call fails */
         bf16_rows(x, 0, 1, w->cols, xr, 0);
-        if (cpumla_pf_l2_plain)
-            for (int64_t r = r0; r < r1; r++) gemv_rows(w, xr, y + (r - r0), r, 1, CPUMLA_BF16, weight_row(w, r) + GEMV_PF_BYTES, 1);
-        else
-            for (int64_t r = r0; r < r1; r++) gemv_rows(w, xr, y + (r - r0), r, 1, CPUMLA_BF16, weight_row(w, r) + GEMV_PF_BYTES, 0);
+        GEMV_PF_CASES(cpumla_pf_l2_plain,
+                      for (int64_t r = r0; r < r1; r++) gemv_rows(w, xr, y + (r - r0), r, 1, CPUMLA_BF16, GEMV_PF_BYTES, L2));
         return;
     }
     case CPUMLA_F16:
-        if (cpumla_pf_l2_plain)
-            for (int64_t r = r0; r < r1; r++) gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F16, weight_row(w, r) + GEMV_PF_BYTES, 1);
-        else
-            for (int64_t r = r0; r < r1; r++) gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F16, weight_row(w, r) + GEMV_PF_BYTES, 0);
+        GEMV_PF_CASES(cpumla_pf_l2_plain,
+                      for (int64_t r = r0; r < r1; r++) gemv_rows(w, x, y + (r - r0), r, 1, CPUMLA_F16, GEMV_PF_BYTES, L2));
         return;
     case CPUMLA_E4M3:
         if (w->block_rows > 0 && w->block_cols > 0) { gemv_e4m3(w, x, y, r0, r1); return; }

@@ -61,14 +61,14 @@ INLINE __m512bh ld_bh_tail(const uint16_t *p, int64_t n) { return (__m512bh)_mm5
 
 /* ---- gemv --------------------------------------------------------------------------------------- */
 /* y = row r . xb, the row read in order 64 columns (128 bytes) a step, two prefetches GEMV_PF_BYTES
- * ahead (l2: into L2, common.h cpumla_pf_l2_plain); xb is zero-padded past K */
+ * ahead (l2: the target, common.h cpumla_pf_l2_plain); xb is zero-padded past K */
 INLINE float gemv_row(const cpumla_weight *w, const uint16_t *xb, int64_t r, int l2) {
     const uint16_t *rp = (const uint16_t *)weight_row(w, r);
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     int64_t K = w->cols, c = 0;
     for (; c + 64 <= K; c += 64) {
-        GEMV_PF((const char *)(rp + c) + GEMV_PF_BYTES, l2);
-        GEMV_PF((const char *)(rp + c) + 64 + GEMV_PF_BYTES, l2);
+        GEMV_PF_LINE((const char *)(rp + c) + GEMV_PF_BYTES, GEMV_PF_BYTES, l2);
+        GEMV_PF_LINE((const char *)(rp + c) + 64 + GEMV_PF_BYTES, GEMV_PF_BYTES, l2);
         a0 = _mm512_dpbf16_ps(a0, ld_bh(rp + c), ld_bh(xb + c));
         a1 = _mm512_dpbf16_ps(a1, ld_bh(rp + c + 32), ld_bh(xb + c + 32));
     }
@@ -81,10 +81,7 @@ void cpumla_avx512_gemv_bf16(const cpumla_weight *w, const float *x, float *y, i
     uint16_t *xb = cpumla_scratch(CPUMLA_SCRATCH_AVX512_XB, sizeof(uint16_t) * (size_t)Kp);
     if (!xb) return;
     to_bf16(x, 0, 1, K, xb, Kp);
-    if (cpumla_pf_l2_plain)
-        for (int64_t r = r0; r < r1; r++) y[r - r0] = gemv_row(w, xb, r, 1);
-    else
-        for (int64_t r = r0; r < r1; r++) y[r - r0] = gemv_row(w, xb, r, 0);
+    GEMV_PF_CASES(cpumla_pf_l2_plain, for (int64_t r = r0; r < r1; r++) y[r - r0] = gemv_row(w, xb, r, L2));
 }
 
 /* ---- gemm --------------------------------------------------------------------------------------- */
@@ -255,15 +252,15 @@ static void e4_act(const cpumla_weight *w, int64_t r, const float *x, int64_t ld
 }
 
 /* y = row r . xs, the row read in order 128 codes a step (as gemv_row, the same prefetch distance; l2:
- * into L2, common.h cpumla_pf_l2) */
+ * the target, common.h cpumla_pf_l2) */
 INLINE float e4_gemv_row(const cpumla_weight *w, const e4_tab *tab, const uint16_t *xs, int64_t r, int l2) {
     const uint8_t *rp = weight_row(w, r);
     __m512 a[4];
     UNROLL for (int j = 0; j < 4; j++) a[j] = _mm512_setzero_ps();
     int64_t K = w->cols, c = 0;
     for (; c + 128 <= K; c += 128) {
-        GEMV_PF((const char *)rp + c + GEMV_PF_BYTES, l2);
-        GEMV_PF((const char *)rp + c + 64 + GEMV_PF_BYTES, l2);
+        GEMV_PF_LINE((const char *)rp + c + GEMV_PF_BYTES, GEMV_PF_BYTES, l2);
+        GEMV_PF_LINE((const char *)rp + c + 64 + GEMV_PF_BYTES, GEMV_PF_BYTES, l2);
         __m512i d0 = _mm512_loadu_si512(rp + c), d1 = _mm512_loadu_si512(rp + c + 64);
         __asm__("" : "+v"(d0), "+v"(d1));   /* one load of each line, not one per use: vpermi2b
                                              * clobbers its index, and gcc reloaded the line for each lookup */
@@ -289,10 +286,7 @@ void cpumla_avx512_gemv_e4m3(const cpumla_weight *w, const float *x, float *y, i
     for (int64_t b0 = r0; b0 < r1;) {                /* one row block (one activation) at a time */
         int64_t b1 = min64((b0 / w->block_rows + 1) * w->block_rows, r1);
         e4_act(w, b0, x, 0, 1, xs, Kp);
-        if (cpumla_pf_l2)
-            for (int64_t r = b0; r < b1; r++) y[r - r0] = e4_gemv_row(w, &tab, xs, r, 1);
-        else
-            for (int64_t r = b0; r < b1; r++) y[r - r0] = e4_gemv_row(w, &tab, xs, r, 0);
+        GEMV_PF_CASES(cpumla_pf_l2, for (int64_t r = b0; r < b1; r++) y[r - r0] = e4_gemv_row(w, &tab, xs, r, L2));
         b0 = b1;
     }
 }

@@ -18,8 +18,8 @@ static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 /* lanes [0, n) of 16: all for n >= 16, none for n <= 0 */
 INLINE __mmask16 tail16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1u); }
 
-/* ---- gemv software prefetch (avx512.c: pf_at in gemv_rows and the E4M3 loop; pf_rows, the group
- * ahead, for the E4M3 groups only: BF16 / F16 read one row at a time, GEMV_PF_BYTES ahead) ---- */
+/* ---- gemv software prefetch (avx512.c's E4M3 groups: pf_at, and pf_rows, the group ahead; BF16 /
+ * F16 read one row at a time, GEMV_PF_BYTES ahead: common.h GEMV_PF_LINE) ---- */
 #ifndef PF_BYTES
 #define PF_BYTES 4096
 #endif

@@ -203,9 +203,16 @@ INLINE int e8m0_plain(const uint8_t *s, int64_t n) {
     return !bad;
 }
 
+/* The scale line's prefetch: with the L1 target as the stream's, else into L1 (prefetcht0) as
+ * measured on Zen 4 */
+INLINE void pf_scale(const char *sl, int l2) {
+    if (!l2) _mm_prefetch(sl, GEMV_PF_HINT);
+    else _mm_prefetch(sl, _MM_HINT_T0);
+}
+
 /* y[t*ldy + i] = row r + i . token t, i < R, t < T; pf: prefetch distance in bytes (0: none), a
  * whole step's lines prefetched after its products (the partial last step's before its loads); l2:
- * into L2 (prefetcht1) rather than L1 (common.h cpumla_pf_l2) */
+ * the target (common.h cpumla_pf_l2) */
 INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
                  int64_t ldy, int fmt, int64_t pf, int l2) {
     const int64_t K = w->cols, nb = K / QK, SB = fmt != F_Q8 ? 256 : 512;     /* weight bytes a step */
@@ -226,11 +233,8 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
     for (; b + 16 <= nb; b += 16) {
         UNROLL for (int i = 0; i < R; i++) {
             const char *ahead = (const char *)rp[i] + (b / 16) * SB + pf;
-            if (pf) {            /* the scale line first; the step's lines after its products (below) */
-                const char *sl = (const char *)(sp[i] + ss * b) + pf * ss / (SB / 16);
-                if (!l2) _mm_prefetch(sl, GEMV_PF_HINT);
-                else _mm_prefetch(sl, _MM_HINT_T0);      /* into L1 as measured on Zen 4 */
-            }
+            /* the scale line first; the step's lines after its products (below) */
+            if (pf) pf_scale((const char *)(sp[i] + ss * b) + pf * ss / (SB / 16), l2);
             __m512i lo[4], hi[4];
             load_step(rp[i] + (b / 16) * SB, fmt, 16, lo, hi);
             const __m512 wd = ld_wd(sp[i] + ss * b, fmt, 0xffff);
@@ -238,7 +242,7 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
                 acc[i][t] = step_acc(acc[i][t], step_sums(lo, hi, fmt, xq[t] + b * QK, xl[t] + b * QK, xs[t] + b), wd, xd[t] + b);
             /* Q8's 8 lines a step issued after the products rather than before the loads: Zen 5, 2
              * threads, q8 GEMVs +3-4 points of the probe (q4 / E2M1, 4 lines a step: within a point) */
-            if (pf) UNROLL for (int l = 0; l < SB; l += 64) GEMV_PF(ahead + l, l2);
+            if (pf) UNROLL for (int l = 0; l < SB; l += 64) GEMV_PF_LINE(ahead + l, pf, l2);
         }
     }
     if (b < nb) {
@@ -247,10 +251,8 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
             if (pf) {        /* the partial step's lines too: rows whose width is not whole steps (1408
                               * columns: a third of each row) would otherwise stream unprefetched */
                 const char *ahead = (const char *)rp[i] + (b / 16) * SB + pf;
-                const char *sl = (const char *)(sp[i] + ss * b) + pf * ss / (SB / 16);
-                for (int64_t l = 0; l < vb * SB / 16; l += 64) GEMV_PF(ahead + l, l2);
-                if (!l2) _mm_prefetch(sl, GEMV_PF_HINT);
-                else _mm_prefetch(sl, _MM_HINT_T0);      /* into L1 as measured on Zen 4 */
+                for (int64_t l = 0; l < vb * SB / 16; l += 64) GEMV_PF_LINE(ahead + l, pf, l2);
+                pf_scale((const char *)(sp[i] + ss * b) + pf * ss / (SB / 16), l2);
             }
             __m512i lo[4], hi[4];
             load_step(rp[i] + (b / 16) * SB, fmt, vb, lo, hi);

@@ -33,17 +33,43 @@
 #endif
 
 /* Where the AVX-512 GEMVs that do the most work per byte (avx512_q.c's integer products, avx512_bf16.c's
- * E4M3 decode) prefetch their stream: 0 into L1 (GEMV_PF_HINT), 1 into L2 (prefetcht1); and
+ * E4M3 decode) prefetch their stream: 0 into L1 (GEMV_PF_HINT), 1 into L2 (prefetcht1), 2 into L2
+ * and again, GEMV_PF_NEAR bytes ahead, into L1 (prefetcht0: the two-level target); and
  * cpumla_pf_l2_plain, the same for the other GEMV streams (avx2.c, avx2_q.c, avx512.c, avx512_bf16.c's
  * bf16). Set by cpumla_init from the CPU (cpumla_gemv_prefetch, dispatch.c), or by
- * cpumla_set_gemv_prefetch; read by those loops once per call, which pass it on as a constant. */
+ * cpumla_set_gemv_prefetch; read by those loops once per call, which pass it on as a constant
+ * (GEMV_PF_CASES). Loops without a near prefetch of their own (row groups, scale lines) take 2 as 1. */
 extern int cpumla_pf_l2, cpumla_pf_l2_plain;
-/* One prefetch of a GEMV stream's line at p: into L2 (prefetcht1) when l2, else with GEMV_PF_HINT.
- * l2 is a constant where the loop is specialised, so only one of the two is compiled into it. */
+/* The near distance of the two-level target. Intel Xeon with AMX, 2 threads, q8 GEMVs with the far
+ * prefetch 8 KiB ahead: near 512 B / 1 KiB / 2 KiB read +2-3 / +2-4 / +5-8 points of the probe over
+ * no near prefetch, 3 and 4 KiB within 2 points of 2 KiB (docs/benchmarks.md). */
+#ifndef GEMV_PF_NEAR
+#define GEMV_PF_NEAR 3072
+#endif
+/* One prefetch of a GEMV stream's line at p: into L2 (prefetcht1) when l2 (1 or 2), else with
+ * GEMV_PF_HINT. l2 is a constant where the loop is specialised, so only one of the two is compiled
+ * into it. */
 #define GEMV_PF(p, l2)                                                      \
     do {                                                                    \
         if (l2) __builtin_prefetch((const void *)(p), 0, 2);                \
         else __builtin_prefetch((const void *)(p), 0, GEMV_PF_HINT);        \
+    } while (0)
+/* The prefetches of a row stream at p, `dist` bytes ahead of the line read now: GEMV_PF there, and
+ * with the two-level target (l2 == 2) a prefetcht0 GEMV_PF_NEAR bytes ahead of the line read now.
+ * (Written from the far address: the same addresses computed from the line read now scheduled the
+ * avx512 q8 loop differently, and it read 3 points of the probe less.) */
+#define GEMV_PF_LINE(p, dist, l2)                                           \
+    do {                                                                    \
+        GEMV_PF(p, l2);                                                     \
+        if ((l2) == 2) __builtin_prefetch((const char *)(p) - (dist) + GEMV_PF_NEAR, 0, 3); \
+    } while (0)
+/* stmt with L2 declared as the constant 0, 1 or 2 that the target v holds: one specialisation of
+ * the loop stmt calls for each target */
+#define GEMV_PF_CASES(v, stmt)                                              \
+    do {                                                                    \
+        if ((v) == 2) { const int L2 = 2; stmt; }                           \
+        else if (v) { const int L2 = 1; stmt; }                             \
+        else { const int L2 = 0; stmt; }                                    \
     } while (0)
 
 /* gemv_t (the MLA absorb) reads a head's rows back to back, a group of rows at a time over columns

@@ -26,7 +26,7 @@ static char cpu_name[128] = "";
 static int amd_family;                   /* x86: the family of an AMD CPU (0x19: Zen 3 / Zen 4), else 0 */
 static int intel_cpu;                    /* x86: GenuineIntel */
 int cpumla_pf_l2, cpumla_pf_l2_plain;
-static int pf_forced = -1;               /* cpumla_set_gemv_prefetch: 0 / 1, or -1: the CPU's own */
+static int pf_forced = -1;               /* cpumla_set_gemv_prefetch: 0 / 1 / 2, or -1: the CPU's own */
 
 void cpumla_set_error(const char *msg) {
     snprintf(last_error, sizeof last_error, "%s", msg);
@@ -145,13 +145,16 @@ const char *cpumla_cpu_name(void) {
  * E4M3 over large weights), while lighter loops (bf16, avx2's integer products) are best with prefetcht0 there too. Zen 5
  * read 94% with prefetcht0 and less with an L2 hint (docs/benchmarks.md). Intel (a Xeon with AMX,
  * 2 threads): the non-temporal hint into L1 read 29-35% of the probe in every GEMV, prefetcht1 74-86%,
- * so every stream goes to L2 there. Other CPUs: L1, as measured on Zen 5, with the non-temporal hint
- * (common.h GEMV_PF_HINT). A target set by cpumla_set_gemv_prefetch comes first and applies to every
- * stream. */
+ * and prefetcht1 with a second, near prefetcht0 (the two-level target, common.h GEMV_PF_NEAR) another
+ * 3-8 points in the q8 / q4 / E4M3 GEMVs (bf16 within 1.5), so every stream takes the two-level target
+ * there (but avx512_q.c's E2M1, quant_driver.h). Other CPUs: L1, as measured on Zen 5, with the non-temporal hint (common.h GEMV_PF_HINT). A
+ * target set by cpumla_set_gemv_prefetch comes first and applies to every stream. */
+static const char *const pf_names[] = {"l1", "l2", "l2+l1"};
+
 static void pf_targets(void) {
     cpumla_cpu_features();
     if (pf_forced >= 0) cpumla_pf_l2 = cpumla_pf_l2_plain = pf_forced;
-    else if (intel_cpu) cpumla_pf_l2 = cpumla_pf_l2_plain = 1;
+    else if (intel_cpu) cpumla_pf_l2 = cpumla_pf_l2_plain = 2;
     else { cpumla_pf_l2 = amd_family == 0x19; cpumla_pf_l2_plain = 0; }
 }
 
@@ -160,9 +163,10 @@ int cpumla_set_gemv_prefetch(const char *where) {
     if (!where || !where[0] || !strcmp(where, "auto")) v = -1;
     else if (!strcmp(where, "l1")) v = 0;
     else if (!strcmp(where, "l2")) v = 1;
+    else if (!strcmp(where, "l2+l1")) v = 2;
     else {
         char msg[160];
-        snprintf(msg, sizeof msg, "unknown GEMV prefetch '%.40s' (l1, l2 or auto)", where);
+        snprintf(msg, sizeof msg, "unknown GEMV prefetch '%.40s' (l1, l2, l2+l1 or auto)", where);
         cpumla_set_error(msg);
         return -1;
     }
@@ -175,11 +179,11 @@ int cpumla_set_gemv_prefetch(const char *where) {
 const char *cpumla_gemv_prefetch(void) {
     cpumla_ensure_init();
     static char buf[64];
-    if (pf_forced >= 0) snprintf(buf, sizeof buf, "%s (set)", cpumla_pf_l2 ? "l2" : "l1");
-    else if (intel_cpu) snprintf(buf, sizeof buf, "l2 (Intel)");
+    if (pf_forced >= 0) snprintf(buf, sizeof buf, "%s (set)", pf_names[cpumla_pf_l2]);
+    else if (intel_cpu) snprintf(buf, sizeof buf, "l2+l1 (Intel; l2 for E2M1 on AVX-512)");
     else if (amd_family == 0x19) snprintf(buf, sizeof buf, "l2 (AMD family 19h; l1 for the plain-weight GEMVs)");
-    else if (amd_family) snprintf(buf, sizeof buf, "%s (AMD family %xh)", cpumla_pf_l2 ? "l2" : "l1", amd_family);
-    else snprintf(buf, sizeof buf, "%s", cpumla_pf_l2 ? "l2" : "l1");
+    else if (amd_family) snprintf(buf, sizeof buf, "%s (AMD family %xh)", pf_names[cpumla_pf_l2], amd_family);
+    else snprintf(buf, sizeof buf, "%s", pf_names[cpumla_pf_l2]);
     return buf;
 }
 
