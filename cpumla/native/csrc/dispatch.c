@@ -146,9 +146,10 @@ const char *cpumla_cpu_name(void) {
  * read 94% with prefetcht0 and less with an L2 hint (docs/benchmarks.md). Intel (a Xeon with AMX,
  * 2 threads): the non-temporal hint into L1 read 29-35% of the probe in every GEMV, prefetcht1 74-86%,
  * and prefetcht1 with a second, near prefetcht0 (the two-level target, common.h GEMV_PF_NEAR) another
- * 3-8 points in the q8 / q4 / E4M3 GEMVs (bf16 within 1.5), so every stream takes the two-level target
- * there (but avx512_q.c's E2M1, quant_driver.h). Other CPUs: L1, as measured on Zen 5, with the non-temporal hint (common.h GEMV_PF_HINT). A
- * target set by cpumla_set_gemv_prefetch comes first and applies to every stream. */
+ * 3-8 points in the q8 / q4 / E4M3 GEMVs (bf16 within 1.5), so every stream takes the two-level
+ * target there (but avx512_q.c's E2M1, which takes L2). Other CPUs: L1, as measured on Zen 5, with
+ * the non-temporal hint (common.h GEMV_PF_HINT). A target set by cpumla_set_gemv_prefetch comes first
+ * and applies to every stream. */
 static const char *const pf_names[] = {"l1", "l2", "l2+l1"};
 
 static void pf_targets(void) {

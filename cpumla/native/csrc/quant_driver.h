@@ -6,9 +6,13 @@
  *   the distance of a software prefetch (0: none), l2 its target (common.h cpumla_pf_l2), always inlined so
  *   its constant arguments specialise it,
  *   e8m0_plain(s, n): 1 when every E8M0 byte of s[0..n) is in [2, 254],
- * QDRIVER_GEMM, the name the GEMM entry gets, and QDRIVER_PF_L2, the gemv's l2 (read once a call). */
+ * QDRIVER_GEMM, the name the GEMM entry gets, and QDRIVER_PF_L2, the gemv's l2 (read once a call);
+ * optionally QDRIVER_FP4_L2 1: the E2M1 gemv runs the two-level target as L2, one copy for both. */
 #if !defined(QDRIVER_GEMM) || !defined(QDRIVER_PF_L2)
 #error "define QDRIVER_GEMM and QDRIVER_PF_L2 before including quant_driver.h"
+#endif
+#ifndef QDRIVER_FP4_L2
+#define QDRIVER_FP4_L2 0
 #endif
 
 /* tile_run; E2M1 rows with a scale byte 0, 1 or 0xff (never in a released checkpoint) take the full
@@ -36,15 +40,14 @@ typedef void (*tile_fn)(const cpumla_weight *, int64_t, const uint8_t *, int64_t
 static const tile_fn tiles[2][4] = {{tile_1_1, tile_2_1, tile_3_1, tile_4_1}, {tile_1_2, tile_2_2, tile_3_2, tile_4_2}};
 
 /* one token: the rows in order, one at a time (one stream), prefetched QPF_BYTES ahead (common.h's
- * targets: L1, L2, or L2 and L1; E2M1 takes the two-level target as L2: the E2M1 loop with the near
- * prefetch read 2-7 points of the probe less on the Intel Xeon where q8 / q4 gained 5-8);
+ * targets: L1, L2, or L2 and L1; with QDRIVER_FP4_L2, E2M1 takes the two-level target as L2);
  * the last rows, whose prefetch would land past r1, prefetch nothing: the rows after a range belong to
  * another range or another tensor (the un-absorb's heads: the next head's absorb rows) */
 #define GEMV_ROWS(fmt)                                                                            \
     do {                                                                                          \
         const int64_t ahead = (QPF_BYTES + w->row_bytes - 1) / w->row_bytes;                      \
         const int64_t rp = r1 - ahead > r0 ? r1 - ahead : r0;                                     \
-        GEMV_PF_CASES(fmt >= F_FP4 && QDRIVER_PF_L2 == 2 ? 1 : QDRIVER_PF_L2,                      \
+        GEMV_PF_CASES(fmt >= F_FP4 && QDRIVER_FP4_L2 && QDRIVER_PF_L2 == 2 ? 1 : QDRIVER_PF_L2,    \
             for (int64_t r = r0; r < rp; r++) tile(w, r, 1, qx, 0, 1, y + (r - r0), 0, fmt, QPF_BYTES, L2)); \
         for (int64_t r = rp; r < r1; r++) tile(w, r, 1, qx, 0, 1, y + (r - r0), 0, fmt, 0, 0);    \
     } while (0)
