@@ -119,10 +119,11 @@ const char *cpumla_cpu_name(void);
  * prefetch their row stream: "l1", "l2", or "l2+l1" (into L2 and again, nearer, into L1), with the
  * reason in parentheses ("l2+l1 (Intel; l2 for E2M1 on AVX-512)", "l2 (AMD family 19h; l1 for the
  * plain-weight GEMVs)", "l1 (set)" when cpumla_set_gemv_prefetch chose it). The other GEMV streams
- * (bf16 / f16 / f32, avx2's integer products) take l2+l1 on Intel and l1 elsewhere. Each cpumla_init
- * picks them from the CPU unless cpumla_set_gemv_prefetch chose one target for every stream: where is
- * "l1", "l2", "l2+l1", or NULL / "" / "auto" for the CPU's own again. Returns 0, or -1 for any other
- * string (cpumla_last_error says so). Results are the same either way: only speed differs. */
+ * (bf16 / f16 / f32, avx2's integer products) take l2+l1 on Intel (l2 in the loops over groups of
+ * rows: FP8 below the avx512 level) and l1 elsewhere. Each cpumla_init picks them from the CPU unless
+ * cpumla_set_gemv_prefetch chose one target for every stream: where is "l1", "l2", "l2+l1", or NULL /
+ * "" / "auto" for the CPU's own again. Returns 0, or -1 for any other string (cpumla_last_error says
+ * so). Results are the same either way: only speed differs. */
 int cpumla_set_gemv_prefetch(const char *where);
 const char *cpumla_gemv_prefetch(void);
 /* Which implementation serves a kernel: "gemv" names the file owning the table entry; "gemv:e2m1"
