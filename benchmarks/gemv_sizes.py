@@ -20,6 +20,15 @@ and `un-absorb` (`cpumla_head_gemv` over the other 128), each counted as the hal
 
     python3 benchmarks/gemv_sizes.py --kv-b --format q8 --seconds 60 /tmp/old /tmp/new
 
+`--moe` times one-token `cpumla_moe` calls instead, the decode step of a MoE layer: `routed` picks 6 of
+a table of 256 V2-Lite-shaped experts (gate / up 1408 x 2048, down 2048 x 1408) at random, and `wide`
+runs one expert of the same bytes (intermediate 6 x 1408) from a set of 32; both count the experts'
+bytes. Each set is ~2 GB at q8 (caches of several hundred MB would hold a smaller one).
+A thread's span of `routed` crosses from one expert matrix to the next a few times a call, `wide`'s
+does not, so the two differ by what those crossings cost:
+
+    python3 benchmarks/gemv_sizes.py --moe --format q8 --seconds 60 /tmp/old /tmp/new
+
 Prints, per phase of the probe and tree, the mean GB/s of each size as % of the probe.
 """
 
@@ -45,6 +54,9 @@ SIZES = {"576 rows": (576, 256), "1408 rows": (1408, 104), "3072 rows": (3072, 4
 COLS = 2048
 KV_B = (16, 128, 128, 512)      # --kv-b: heads, absorb rows, un-absorb rows a head, columns
 KV_B_SET = 170 << 20            # bytes of kv_b weights in a set
+MOE = (256, 6, 1408, 2048)      # --moe: experts in the table, experts a token, intermediate, hidden
+MOE_WIDE = 32                   # --moe: the wide experts in a set
+MOE_PICKS = 32                  # --moe: the random choices of experts a pass takes in turn
 
 
 def _library(spec: str | None, n: int, tmp: Path) -> ctypes.CDLL:
@@ -91,8 +103,12 @@ def main(argv=None) -> None:
     ap.add_argument("--fast-above", type=float, default=65.0, help="probe GB/s over which a sample is 'fast'")
     ap.add_argument("--kv-b", action="store_true", help="time the MLA absorb and un-absorb of kv_b_proj "
                     "weights instead of GEMVs")
+    ap.add_argument("--moe", action="store_true", help="time one-token MoE calls (routed 6 of 64 experts, and "
+                    "one wide expert of the same bytes) instead of GEMVs")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of text")
     a = ap.parse_args(argv)
+    if a.kv_b and a.moe:
+        ap.error("--kv-b and --moe time different things: give one")
     if a.threads < 1 or not 0 < a.scale <= 1 or a.cols < 32 or a.cols % 32:
         ap.error("--threads must be at least 1, --scale in (0, 1] and --cols a multiple of 32")
     trees = a.trees or [None]
@@ -111,20 +127,48 @@ def main(argv=None) -> None:
         kv = [first] + [_huge(nb.random_weight(a.format, H * (dn + dv), R, rng))
                         for _ in range(max(1, int(KV_B_SET // first.nbytes * a.scale)) - 1)]
         sets = {"absorb": kv, "un-absorb": kv}
+    elif a.moe:
+        E, K, I, D = MOE
+
+        def table(n: int, inter: int):
+            """an expert table of n experts (huge pages) and the Weights it points at"""
+            keep = [tuple(_huge(nb.random_weight(a.format, r, c, rng)) for r, c in ((inter, D), (inter, D), (D, inter)))
+                    for _ in range(max(1, n))]
+            t = native.ffi.new("cpumla_expert[]", len(keep))
+            for i, (g, u, d) in enumerate(keep):
+                t[i].gate, t[i].up, t[i].down = g.c[0], u.c[0], d.c[0]
+            return t, keep
+        routed = table(int(E * a.scale), I)
+        wide = table(int(MOE_WIDE * a.scale), K * I)
+        n_routed = len(routed[1])
+        picks = [np.ascontiguousarray(rng.choice(n_routed, K, replace=K > n_routed), np.int32) for _ in range(MOE_PICKS)]
+        moe = {"routed": (routed, K, picks), "wide": (wide, 1, [np.array([i], np.int32) for i in range(len(wide[1]))])}
+        expert_bytes = {n: sum(w.nbytes for w in t[1][0]) for n, (t, _, _) in moe.items()}
     else:
         # each set keeps its bytes (~170 MB) at any width
         sets = {name: [_huge(nb.random_weight(a.format, rows, a.cols, rng))
                        for _ in range(max(1, int(n * COLS / a.cols * a.scale)))]
                 for name, (rows, n) in SIZES.items()}
-    ptrs = {name: [ctypes.c_void_p(int(native.ffi.cast("intptr_t", w.c))) for w in ws] for name, ws in sets.items()}
-    nbytes = {name: sum(w.nbytes for w in ws) // (2 if a.kv_b else 1) for name, ws in sets.items()}
-    x = rng.standard_normal(max(a.cols, H * R)).astype(np.float32)
+    if a.moe:                                  # a pass: each choice of experts once
+        sets = {n: c for n, (_, _, c) in moe.items()}
+        ptrs = {n: [ctypes.c_void_p(p.ctypes.data) for p in c] for n, c in sets.items()}
+        nbytes = {n: len(c) * k * expert_bytes[n] for n, (_, k, c) in moe.items()}
+    else:
+        ptrs = {name: [ctypes.c_void_p(int(native.ffi.cast("intptr_t", w.c))) for w in ws] for name, ws in sets.items()}
+        nbytes = {name: sum(w.nbytes for w in ws) // (2 if a.kv_b else 1) for name, ws in sets.items()}
+    x = rng.standard_normal(max(a.cols, H * R, MOE[3])).astype(np.float32)
     y = np.zeros(max(max(rows for rows, _ in SIZES.values()), H * R), np.float32)
     xp, yp = ctypes.c_void_p(x.ctypes.data), ctypes.c_void_p(y.ctypes.data)
     i64 = ctypes.c_int64
     for lib in libs:
         for f in (lib.cpumla_head_gemv_t, lib.cpumla_head_gemv):    # w, row0, stride, rows, H, n, x, ldx_t,
             f.argtypes = [ctypes.c_void_p] + [i64] * 5 + [ctypes.c_void_p, i64, i64, ctypes.c_void_p, i64, i64]
+        lib.cpumla_moe.argtypes = [ctypes.c_void_p, i64, ctypes.c_void_p, i64, i64, ctypes.c_void_p, ctypes.c_void_p,
+                                   i64, ctypes.c_void_p, i64, ctypes.c_float]
+    if a.moe:
+        gates = {n: ctypes.c_void_p(int(native.ffi.cast("intptr_t", t[0]))) for n, (t, _, _) in moe.items()}
+        weights = {n: np.full(k, 1.0 / k, np.float32) for n, (_, k, _) in moe.items()}
+        h = np.zeros(MOE[3], np.float32)
 
     def call(lib, name: str):
         """the timed call of a set's weight: its GEMV, or the per-head product"""
@@ -132,6 +176,10 @@ def main(argv=None) -> None:
             return lambda p: lib.cpumla_head_gemv_t(p, 0, dn + dv, dn, H, 1, xp, H * dn, dn, yp, H * R, R)
         if name == "un-absorb":    # x [H, R] -> y [H, dv]
             return lambda p: lib.cpumla_head_gemv(p, dn, dn + dv, dv, H, 1, xp, H * R, R, yp, H * dv, dv)
+        if a.moe:                  # p: the chosen experts' indices
+            (t, keep), k, _ = moe[name]
+            wp, hp = ctypes.c_void_p(weights[name].ctypes.data), ctypes.c_void_p(h.ctypes.data)
+            return lambda p: lib.cpumla_moe(gates[name], len(keep), xp, MOE[3], 1, p, wp, k, hp, MOE[3], 0.0)
         return lambda p: lib.cpumla_gemv(p, xp, yp)
     probe_buf = nb.probe_buffer(1 << 29)
 
@@ -151,6 +199,11 @@ def main(argv=None) -> None:
     for spec, lib in zip(trees, libs):          # warm-up: first touches, workers started
         for name in sets:
             y[:] = 0.0
+            if a.moe:
+                h[:] = 0.0
+                if call(lib, name)(ptrs[name][0]) != 0 or not np.isfinite(h).all() or not h.any():
+                    raise SystemExit(f"gemv_sizes.py: {spec or 'installed'}: {name} MoE failed "
+                                     f"({lib.cpumla_last_error().decode() or 'no output'})")
             if a.kv_b and (call(lib, name)(ptrs[name][0]) != 0 or not np.isfinite(y).all() or not y.any()):
                 raise SystemExit(f"gemv_sizes.py: {spec or 'installed'}: {name} failed "
                                  f"({lib.cpumla_last_error().decode() or 'no output'})")
@@ -181,7 +234,9 @@ def main(argv=None) -> None:
     if a.json:
         print(json.dumps(out))
         return
-    what = f"kv_b_proj {H} x ({dn} + {dv}) x {R}, per-head products" if a.kv_b else f"GEMV, {a.cols} columns"
+    what = (f"kv_b_proj {H} x ({dn} + {dv}) x {R}, per-head products" if a.kv_b else
+            f"one-token MoE, {MOE[1]} of {MOE[0]} experts {MOE[2]} x {MOE[3]} or one {MOE[1]}x as wide" if a.moe
+            else f"GEMV, {a.cols} columns")
     print(f"{a.format} {what}, {a.threads} threads, % of the probe by weight size")
     print("levels: " + ", ".join(f"{t} {i}" for t, i in isas.items()))
     for phase, per_tree in out["phases"].items():

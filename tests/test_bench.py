@@ -173,6 +173,17 @@ def test_gemv_sizes_script(capsys, tmp_path):
     assert out["cols"] == 1408
     for name, (rows, n) in mod.SIZES.items():
         assert out["set_bytes"][name] == max(1, int(n * 2048 / 1408 * 0.01)) * rows * 1408 * 34 // 32
+    # --moe: one-token MoE calls, 6 random experts of a table and one expert six times as wide; each
+    # pass takes every choice of experts once, and counts the chosen experts' codes and scales
+    mod.main(["--moe", "--seconds", "0", "--scale", "0.02", "--format", "q4", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    got = out["phases"]["all"]["installed"]
+    assert set(got["pct_probe"]) == {"routed", "wide"} and all(0 < v < float("inf") for v in got["pct_probe"].values())
+    E, K, I, D = mod.MOE
+    assert out["set_bytes"] == {"routed": mod.MOE_PICKS * K * 3 * I * D * 18 // 32, "wide": 3 * K * I * D * 18 // 32}
+    with pytest.raises(SystemExit):
+        mod.main(["--moe", "--kv-b", "--seconds", "0"])
+    assert "give one" in capsys.readouterr().err
     assert all(0 < v < float("inf") for v in out["phases"]["all"]["installed"]["pct_probe"].values())
     with pytest.raises(SystemExit):
         mod.main(["--seconds", "0", "--cols", "1000"])
