@@ -2,7 +2,8 @@
 
 Decode runs hundreds of GEMVs a token, most of them 0.5-4 MB (q4 at V2-Lite widths: kv_a 0.66 MB,
 an expert's gate 1.6 MB, q_proj 3.5 MB). This times back-to-back `cpumla_gemv` calls over sets of
-distinct weights of each size (each set ~170 MB, so every call streams from memory; all in 2 MiB huge
+distinct weights of each size (each set ~170 MB, so every call streams from memory where the
+last-level cache is tens of MB; `--scale 6` makes them ~1 GB for a cache of hundreds; all in 2 MiB huge
 pages, as the loader places quantized weights), between two passes of the read probe, and files each
 sample by that probe. Each TREE is a source tree with a built library (`python3 setup.py build_ext
 --inplace`); their libraries are loaded side by side (each with its own thread pool) and take turns,
@@ -98,7 +99,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cols", type=int, default=COLS, help="columns of every weight (1408: V2-Lite's expert "
                     "down projections, whose rows are not whole steps of the integer GEMVs)")
-    ap.add_argument("--scale", type=float, default=1.0, help="fraction of each set's weights (tests: small)")
+    ap.add_argument("--scale", type=float, default=1.0, help="each set's weights times this (tests: small; up to "
+                    "16: sets well past a last-level cache of several hundred MB)")
     ap.add_argument("--slow-below", type=float, default=55.0, help="probe GB/s under which a sample is 'slow'")
     ap.add_argument("--fast-above", type=float, default=65.0, help="probe GB/s over which a sample is 'fast'")
     ap.add_argument("--kv-b", action="store_true", help="time the MLA absorb and un-absorb of kv_b_proj "
@@ -109,8 +111,8 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if a.kv_b and a.moe:
         ap.error("--kv-b and --moe time different things: give one")
-    if a.threads < 1 or not 0 < a.scale <= 1 or a.cols < 32 or a.cols % 32:
-        ap.error("--threads must be at least 1, --scale in (0, 1] and --cols a multiple of 32")
+    if a.threads < 1 or not 0 < a.scale <= 16 or a.cols < 32 or a.cols % 32:
+        ap.error("--threads must be at least 1, --scale in (0, 16] and --cols a multiple of 32")
     trees = a.trees or [None]
     native.set_threads(a.threads)               # cpumla.native at its own level before the copies load
     tmp = Path(tempfile.mkdtemp(prefix="gemv_sizes"))
