@@ -105,8 +105,8 @@ def main(argv=None) -> None:
     ap.add_argument("--fast-above", type=float, default=65.0, help="probe GB/s over which a sample is 'fast'")
     ap.add_argument("--kv-b", action="store_true", help="time the MLA absorb and un-absorb of kv_b_proj "
                     "weights instead of GEMVs")
-    ap.add_argument("--moe", action="store_true", help="time one-token MoE calls (routed 6 of 64 experts, and "
-                    "one wide expert of the same bytes) instead of GEMVs")
+    ap.add_argument("--moe", action="store_true", help="time one-token MoE calls (routed: 6 of 256 experts; wide: "
+                    "one expert of the same bytes) instead of GEMVs")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of text")
     a = ap.parse_args(argv)
     if a.kv_b and a.moe:
