@@ -145,17 +145,19 @@ def main(argv=None) -> None:
         n_routed = len(routed[1])
         picks = [np.ascontiguousarray(rng.choice(n_routed, K, replace=K > n_routed), np.int32) for _ in range(MOE_PICKS)]
         moe = {"routed": (routed, K, picks), "wide": (wide, 1, [np.array([i], np.int32) for i in range(len(wide[1]))])}
-        expert_bytes = {n: sum(w.nbytes for w in t[1][0]) for n, (t, _, _) in moe.items()}
+        # a pass: each choice of experts once, counting the chosen experts' bytes
+        sets = {n: c for n, (_, _, c) in moe.items()}
+        ptrs = {n: [ctypes.c_void_p(p.ctypes.data) for p in c] for n, c in sets.items()}
+        nbytes = {n: len(c) * k * sum(w.nbytes for w in t[1][0]) for n, (t, k, c) in moe.items()}
+        gates = {n: ctypes.c_void_p(int(native.ffi.cast("intptr_t", t[0]))) for n, (t, _, _) in moe.items()}
+        weights = {n: np.full(k, 1.0 / k, np.float32) for n, (_, k, _) in moe.items()}
+        h = np.zeros(D, np.float32)
     else:
         # each set keeps its bytes (~170 MB) at any width
         sets = {name: [_huge(nb.random_weight(a.format, rows, a.cols, rng))
                        for _ in range(max(1, int(n * COLS / a.cols * a.scale)))]
                 for name, (rows, n) in SIZES.items()}
-    if a.moe:                                  # a pass: each choice of experts once
-        sets = {n: c for n, (_, _, c) in moe.items()}
-        ptrs = {n: [ctypes.c_void_p(p.ctypes.data) for p in c] for n, c in sets.items()}
-        nbytes = {n: len(c) * k * expert_bytes[n] for n, (_, k, c) in moe.items()}
-    else:
+    if not a.moe:
         ptrs = {name: [ctypes.c_void_p(int(native.ffi.cast("intptr_t", w.c))) for w in ws] for name, ws in sets.items()}
         nbytes = {name: sum(w.nbytes for w in ws) // (2 if a.kv_b else 1) for name, ws in sets.items()}
     x = rng.standard_normal(max(a.cols, H * R, MOE[3])).astype(np.float32)
@@ -167,10 +169,6 @@ def main(argv=None) -> None:
             f.argtypes = [ctypes.c_void_p] + [i64] * 5 + [ctypes.c_void_p, i64, i64, ctypes.c_void_p, i64, i64]
         lib.cpumla_moe.argtypes = [ctypes.c_void_p, i64, ctypes.c_void_p, i64, i64, ctypes.c_void_p, ctypes.c_void_p,
                                    i64, ctypes.c_void_p, i64, ctypes.c_float]
-    if a.moe:
-        gates = {n: ctypes.c_void_p(int(native.ffi.cast("intptr_t", t[0]))) for n, (t, _, _) in moe.items()}
-        weights = {n: np.full(k, 1.0 / k, np.float32) for n, (_, k, _) in moe.items()}
-        h = np.zeros(MOE[3], np.float32)
 
     def call(lib, name: str):
         """the timed call of a set's weight: its GEMV, or the per-head product"""
