@@ -3,6 +3,7 @@ CpumlaError line naming what it needs and what is available, within a second: ne
 MemoryError traceback or a hang. A checkpoint's mapped weights are not counted (llama.cpp's mmap)."""
 
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -55,6 +56,31 @@ def test_v4_weight_bytes_are_what_dummy_weights_hold(dtype):
     names = [*src.table, *src.scales, *src.e8m0]
     want = sum(int(np.prod(src.info(n)[1])) * size[src.info(n)[0]] for n in names)
     assert fam.memory_bytes(cfg, 1000, dtype)["weights"] == want
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE here")
+def test_v4_dummy_tensors_sit_in_the_huge_page_arena():
+    """Every dummy tensor a V4 token streams (FP4 codes, E8M0 scales, f32 mHC matrices, bf16 and FP8
+    linears) is made in the huge-page arena, not as a plain numpy array on 4 KiB pages; the hash
+    tables (read a row a token) may stay plain."""
+    cfg = config_from_dict({**preset_config("deepseek-ai/DeepSeek-V4-Flash"), "num_hidden_layers": 2,
+                            "n_routed_experts": 8, "compress_ratios": [4, 128], "num_hash_layers": 1})
+    src = DummySource(family(cfg.model_type).tensors(cfg), cfg.block, dtype="bf16")
+
+    def mapped(a: np.ndarray) -> bool:
+        """a's memory is one of the arena's mappings (np.frombuffer over an mmap), not numpy's own"""
+        while isinstance(a, np.ndarray) and a.base is not None:
+            a = a.base
+        return isinstance(a, memoryview) and isinstance(a.obj, mmap.mmap)
+
+    kinds = set()
+    for name in [*src.table, *src.e8m0]:
+        if name in src.table and src.table[name][1].startswith("ids:"):
+            continue
+        assert mapped(src.tensor(name)), name
+        kinds.add(src.info(name)[0])
+    assert not mapped(np.empty(1 << 22, np.uint8))
+    assert {"I8", "F8_E8M0", "F32", "F8_E4M3", "BF16"} <= kinds
 
 
 HUGE = [

@@ -274,26 +274,26 @@ class DummySource:
             mean_square = E4M3_MEAN_SQUARE if kind == "e4m3" else E2M1_MEAN_SQUARE
             # the power of two nearest to a scale giving a row of random codes variance ~1/in
             code = 127 + int(round(-0.5 * np.log2(mean_square * c)))
-            return np.full(self.info(name)[1], code, np.uint8)
+            return _in_arena(np.full(self.info(name)[1], code, np.uint8))
         shape, kind = self.table.get(name, (None, ""))
         if kind.startswith("ids:"):
             return self._rng(name).integers(0, int(kind[4:]), size=shape, dtype=np.int64)
         if kind == "f32":
-            return (self._rng(name).standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[-1]))).astype(np.float32)
+            return _in_arena(self._rng(name).standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[-1])))
         if name in self.table and self._kind_dtype(name) == "I8":
-            return self._rng(name).integers(0, 256, size=self.info(name)[1], dtype=np.uint8)
+            return _in_arena(self._rng(name).integers(0, 256, size=self.info(name)[1], dtype=np.uint8))
         if name in self.scales:
             shape = self.info(name)[1]
             cols = self.table[self.scales[name]][0][1]
             # scale so a row of random_e4m3 codes has variance ~1/in, like the bf16 dummies
-            return np.full(shape, 1.0 / np.sqrt(E4M3_MEAN_SQUARE * cols), np.float32)
+            return _in_arena(np.full(shape, 1.0 / np.sqrt(E4M3_MEAN_SQUARE * cols), np.float32))
         shape, kind = self.table[name]
         rng = self._rng(name)
         if kind == "norm":
             v = np.ones(shape, np.float32)
-            return v if self._kind_dtype(name) == "F32" else (v.view(np.uint32) >> 16).astype(np.uint16)
+            return _in_arena(v if self._kind_dtype(name) == "F32" else (v.view(np.uint32) >> 16).astype(np.uint16))
         if kind == "bias":
-            return (rng.standard_normal(shape, dtype=np.float32) * 0.01).astype(np.float32)
+            return _in_arena((rng.standard_normal(shape, dtype=np.float32) * 0.01).astype(np.float32))
         if self._kind_dtype(name) == "F8_E4M3":
             return random_e4m3(shape, rng)
         std = 1.0 if kind == "embed" else 1.0 / np.sqrt(shape[1])
@@ -345,11 +345,21 @@ _arena = _HugeArena()
 hugepage_empty = _arena.empty
 
 
+def _in_arena(a: np.ndarray) -> np.ndarray:
+    """a copied into the huge-page arena, so that every dummy tensor but the hash tables (FP4 codes, E8M0
+    and FP8 scales, fp32 matrices such as V4's mHC weights, norms) sits in huge pages as the linear
+    weights do (random_normal, random_e4m3). V4-Flash's FP4 experts, on 4 KiB pages for about half of
+    their bytes, read 14% slower (Intel Xeon, docs/benchmarks.md)."""
+    out = hugepage_empty(a.shape, a.dtype, small=True)
+    np.copyto(out, a)
+    return out
+
+
 def random_normal(shape, std: float, rng: np.random.Generator, bf16: bool) -> np.ndarray:
     """N(0, std^2) values as float32 or bf16 bits (truncated: fine for noise). One chunk is drawn;
     later chunks are random rotations with random signs of it, so a multi-GB dummy model builds at
     memory speed and peak memory stays near the output's own size."""
-    out = hugepage_empty(shape, np.uint16 if bf16 else np.float32)
+    out = hugepage_empty(shape, np.uint16 if bf16 else np.float32, small=True)
     flat = out.reshape(-1)
     base = rng.standard_normal(min(CHUNK, flat.size), dtype=np.float32) * np.float32(std)
     if bf16:
@@ -376,7 +386,7 @@ E2M1_MEAN_SQUARE = float(np.mean(np.square([0, .5, 1, 1.5, 2, 3, 4, 6])))
 
 def random_e4m3(shape, rng: np.random.Generator) -> np.ndarray:
     """Random FP8 e4m3 codes with exponents 5..9 (|value| in [0.25, 3.75]), random signs."""
-    out = hugepage_empty(shape, np.uint8)
+    out = hugepage_empty(shape, np.uint8, small=True)
     flat = out.reshape(-1)
     for i in range(0, flat.size, CHUNK * 16):       # chunks keep the temporaries small
         n = min(CHUNK * 16, flat.size - i)
