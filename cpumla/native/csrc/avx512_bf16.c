@@ -61,7 +61,7 @@ INLINE __m512bh ld_bh_tail(const uint16_t *p, int64_t n) { return (__m512bh)_mm5
 
 /* ---- gemv --------------------------------------------------------------------------------------- */
 /* y = row r . xb, the row read in order 128 columns (4 lines) a step, each line prefetched
- * GEMV_PF_BYTES ahead (l2: the target, common.h cpumla_pf_l2_plain) after the step's products, then 64
+ * GEMV_PF_DIST(l2) ahead (l2: the target, common.h cpumla_pf_l2_plain) after the step's products, then 64
  * columns a step; xb is zero-padded past K. Four lines a step with their prefetches after the products,
  * as the integer GEMVs issue them, against two lines with theirs first: Intel Xeon with AMX, 2 threads,
  * 4096 columns, 1 GB sets, +5-6 points of the read probe at every size (docs/benchmarks.md). */
@@ -74,13 +74,13 @@ INLINE float gemv_row(const cpumla_weight *w, const uint16_t *xb, int64_t r, int
         a1 = _mm512_dpbf16_ps(a1, ld_bh(rp + c + 32), ld_bh(xb + c + 32));
         a2 = _mm512_dpbf16_ps(a2, ld_bh(rp + c + 64), ld_bh(xb + c + 64));
         a3 = _mm512_dpbf16_ps(a3, ld_bh(rp + c + 96), ld_bh(xb + c + 96));
-        UNROLL for (int l = 0; l < 256; l += 64) GEMV_PF_LINE((const char *)(rp + c) + l + GEMV_PF_BYTES, GEMV_PF_BYTES, l2);
+        UNROLL for (int l = 0; l < 256; l += 64) GEMV_PF_LINE((const char *)(rp + c) + l + GEMV_PF_DIST(l2), GEMV_PF_DIST(l2), l2);
     }
     a0 = _mm512_add_ps(a0, a2);
     a1 = _mm512_add_ps(a1, a3);
     for (; c + 64 <= K; c += 64) {
-        GEMV_PF_LINE((const char *)(rp + c) + GEMV_PF_BYTES, GEMV_PF_BYTES, l2);
-        GEMV_PF_LINE((const char *)(rp + c) + 64 + GEMV_PF_BYTES, GEMV_PF_BYTES, l2);
+        GEMV_PF_LINE((const char *)(rp + c) + GEMV_PF_DIST(l2), GEMV_PF_DIST(l2), l2);
+        GEMV_PF_LINE((const char *)(rp + c) + 64 + GEMV_PF_DIST(l2), GEMV_PF_DIST(l2), l2);
         a0 = _mm512_dpbf16_ps(a0, ld_bh(rp + c), ld_bh(xb + c));
         a1 = _mm512_dpbf16_ps(a1, ld_bh(rp + c + 32), ld_bh(xb + c + 32));
     }

@@ -267,10 +267,6 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
 
 #define QDRIVER_GEMM gemm_q_avx512
 #define QDRIVER_PF_L2 cpumla_pf_l2
-/* E2M1 without the near prefetch: with it, this loop read 2-7 points of the probe less on the Intel
- * Xeon where q8 / q4 gained 3-8, in the one build measured (its code layout alone moved it by as
- * much: docs/benchmarks.md) */
-#define QDRIVER_FP4_L2 1
 #include "quant_driver.h"
 
 #ifdef AVX512_NO_VNNI

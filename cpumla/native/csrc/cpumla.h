@@ -117,7 +117,7 @@ uint64_t cpumla_cpu_features(void);
 const char *cpumla_cpu_name(void);
 /* Where the AVX-512 GEMVs that decode the most per weight byte (Q8 / Q4 / E2M1 integer products, E4M3)
  * prefetch their row stream: "l1", "l2", or "l2+l1" (into L2 and again, nearer, into L1), with the
- * reason in parentheses ("l2+l1 (Intel; l2 for E2M1 on AVX-512)", "l2 (AMD family 19h; l1 for the
+ * reason in parentheses ("l2+l1 (Intel)", "l2 (AMD family 19h; l1 for the
  * plain-weight GEMVs)", "l1 (set)" when cpumla_set_gemv_prefetch chose it). The other GEMV streams
  * (bf16 / f16 / f32, avx2's integer products) take l2+l1 on Intel (l2 in the loops over groups of
  * rows: FP8 below the avx512 level) and l1 elsewhere. Each cpumla_init picks them from the CPU unless

@@ -147,7 +147,8 @@ const char *cpumla_cpu_name(void) {
  * 2 threads): the non-temporal hint into L1 read 29-35% of the probe in every GEMV, prefetcht1 74-86%,
  * and prefetcht1 with a second, near prefetcht0 (the two-level target, common.h GEMV_PF_NEAR) another
  * 3-8 points in the q8 / q4 / E4M3 GEMVs (bf16 within 1.5), so every stream takes the two-level
- * target there (but avx512_q.c's E2M1, which takes L2). Other CPUs: L1, as measured on Zen 5, with
+ * target there; with that target's own distances (common.h GEMV_PF_FAR_2L) the bf16 and integer
+ * GEMVs read another 5-9 points. Other CPUs: L1, as measured on Zen 5, with
  * the non-temporal hint (common.h GEMV_PF_HINT). A target set by cpumla_set_gemv_prefetch comes first
  * and applies to every stream. */
 static const char *const pf_names[] = {"l1", "l2", "l2+l1"};
@@ -181,7 +182,7 @@ const char *cpumla_gemv_prefetch(void) {
     cpumla_ensure_init();
     static char buf[64];
     if (pf_forced >= 0) snprintf(buf, sizeof buf, "%s (set)", pf_names[cpumla_pf_l2]);
-    else if (intel_cpu) snprintf(buf, sizeof buf, "l2+l1 (Intel; l2 for E2M1 on AVX-512)");
+    else if (intel_cpu) snprintf(buf, sizeof buf, "l2+l1 (Intel)");
     else if (amd_family == 0x19) snprintf(buf, sizeof buf, "l2 (AMD family 19h; l1 for the plain-weight GEMVs)");
     else if (amd_family) snprintf(buf, sizeof buf, "%s (AMD family %xh)", pf_names[cpumla_pf_l2], amd_family);
     else snprintf(buf, sizeof buf, "%s", pf_names[cpumla_pf_l2]);

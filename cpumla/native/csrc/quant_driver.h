@@ -6,13 +6,9 @@
  *   the distance of a software prefetch (0: none), l2 its target (common.h cpumla_pf_l2), always inlined so
  *   its constant arguments specialise it,
  *   e8m0_plain(s, n): 1 when every E8M0 byte of s[0..n) is in [2, 254],
- * QDRIVER_GEMM, the name the GEMM entry gets, and QDRIVER_PF_L2, the gemv's l2 (read once a call);
- * optionally QDRIVER_FP4_L2 1: the E2M1 gemv runs the two-level target as L2, one copy for both. */
+ * QDRIVER_GEMM, the name the GEMM entry gets, and QDRIVER_PF_L2, the gemv's l2 (read once a call). */
 #if !defined(QDRIVER_GEMM) || !defined(QDRIVER_PF_L2)
 #error "define QDRIVER_GEMM and QDRIVER_PF_L2 before including quant_driver.h"
-#endif
-#ifndef QDRIVER_FP4_L2
-#define QDRIVER_FP4_L2 0
 #endif
 
 /* tile_run; E2M1 rows with a scale byte 0, 1 or 0xff (never in a released checkpoint) take the full
@@ -39,21 +35,22 @@ TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(1, 2) TILE(2, 2) TILE(3, 2) TIL
 typedef void (*tile_fn)(const cpumla_weight *, int64_t, const uint8_t *, int64_t, float *, int64_t);
 static const tile_fn tiles[2][4] = {{tile_1_1, tile_2_1, tile_3_1, tile_4_1}, {tile_1_2, tile_2_2, tile_3_2, tile_4_2}};
 
-/* one token: the rows in order, one at a time (one stream), prefetched QPF_BYTES ahead (common.h's
- * targets: L1, L2, or L2 and L1; with QDRIVER_FP4_L2, E2M1 takes the two-level target as L2).
- * The prefetch runs on past r1 to the weight's last row, as the other GEMVs' does: a span job's
- * thread takes the rows after its task's range next (threadpool.h), so its next task starts on rows
- * already on their way (V2-Lite q8 decode, Intel Xeon: +0.5-1 point of the probe). The last rows of
- * the weight, whose prefetch would land past it, prefetch nothing. */
+/* one token: the rows in order, one at a time (one stream), prefetched pf bytes ahead with target l2
+ * (common.h: L1, L2, or L2 and L1). The prefetch runs on past r1 to the weight's last row, as the
+ * other GEMVs' does: a span job's thread takes the rows after its task's range next (threadpool.h),
+ * so its next task starts on rows already on their way (V2-Lite q8 decode, Intel Xeon: +0.5-1 point
+ * of the probe). The last rows of the weight, whose prefetch would land past it, prefetch nothing. */
+INLINE void gemv_rows(const cpumla_weight *w, const uint8_t *qx, float *y, int64_t r0, int64_t r1, int fmt,
+                      int64_t pf, int l2) {
+    const int64_t ahead = (pf + w->row_bytes - 1) / w->row_bytes;
+    const int64_t last = w->rows - ahead < r1 ? w->rows - ahead : r1;
+    const int64_t rp = last > r0 ? last : r0;
+    for (int64_t r = r0; r < rp; r++) tile(w, r, 1, qx, 0, 1, y + (r - r0), 0, fmt, pf, l2);
+    for (int64_t r = rp; r < r1; r++) tile(w, r, 1, qx, 0, 1, y + (r - r0), 0, fmt, 0, 0);
+}
+/* QPF_BYTES ahead, or the two-level target's own distance (common.h GEMV_PF_FAR_2L) */
 #define GEMV_ROWS(fmt)                                                                            \
-    do {                                                                                          \
-        const int64_t ahead = (QPF_BYTES + w->row_bytes - 1) / w->row_bytes;                      \
-        const int64_t last = w->rows - ahead < r1 ? w->rows - ahead : r1;                         \
-        const int64_t rp = last > r0 ? last : r0;                                                 \
-        GEMV_PF_CASES(fmt >= F_FP4 && QDRIVER_FP4_L2 && QDRIVER_PF_L2 == 2 ? 1 : QDRIVER_PF_L2,    \
-            for (int64_t r = r0; r < rp; r++) tile(w, r, 1, qx, 0, 1, y + (r - r0), 0, fmt, QPF_BYTES, L2)); \
-        for (int64_t r = rp; r < r1; r++) tile(w, r, 1, qx, 0, 1, y + (r - r0), 0, fmt, 0, 0);    \
-    } while (0)
+    GEMV_PF_CASES(QDRIVER_PF_L2, gemv_rows(w, qx, y, r0, r1, fmt, L2 == 2 ? GEMV_PF_FAR_2L : QPF_BYTES, L2))
 static void gemv_q8(const cpumla_weight *w, const uint8_t *qx, float *y, int64_t r0, int64_t r1) { GEMV_ROWS(F_Q8); }
 static void gemv_q4(const cpumla_weight *w, const uint8_t *qx, float *y, int64_t r0, int64_t r1) { GEMV_ROWS(F_Q4); }
 static void gemv_fp4(const cpumla_weight *w, const uint8_t *qx, float *y, int64_t r0, int64_t r1) { GEMV_ROWS(F_FP4); }
