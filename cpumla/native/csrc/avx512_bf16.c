@@ -263,7 +263,7 @@ static void e4_act(const cpumla_weight *w, int64_t r, const float *x, int64_t ld
     }
 }
 
-/* y = row r . xs, the row read in order 128 codes a step (as gemv_row, the same prefetch distance; l2:
+/* y = row r . xs, the row read in order 128 codes a step, prefetched GEMV_PF_DIST_E4M3(l2) ahead (l2:
  * the target, common.h cpumla_pf_l2) */
 INLINE float e4_gemv_row(const cpumla_weight *w, const e4_tab *tab, const uint16_t *xs, int64_t r, int l2) {
     const uint8_t *rp = weight_row(w, r);
@@ -271,8 +271,8 @@ INLINE float e4_gemv_row(const cpumla_weight *w, const e4_tab *tab, const uint16
     UNROLL for (int j = 0; j < 4; j++) a[j] = _mm512_setzero_ps();
     int64_t K = w->cols, c = 0;
     for (; c + 128 <= K; c += 128) {
-        GEMV_PF_LINE((const char *)rp + c + GEMV_PF_BYTES, GEMV_PF_BYTES, l2);
-        GEMV_PF_LINE((const char *)rp + c + 64 + GEMV_PF_BYTES, GEMV_PF_BYTES, l2);
+        GEMV_PF_LINE((const char *)rp + c + GEMV_PF_DIST_E4M3(l2), GEMV_PF_DIST_E4M3(l2), l2);
+        GEMV_PF_LINE((const char *)rp + c + 64 + GEMV_PF_DIST_E4M3(l2), GEMV_PF_DIST_E4M3(l2), l2);
         __m512i d0 = _mm512_loadu_si512(rp + c), d1 = _mm512_loadu_si512(rp + c + 64);
         __asm__("" : "+v"(d0), "+v"(d1));   /* one load of each line, not one per use: vpermi2b
                                              * clobbers its index, and gcc reloaded the line for each lookup */

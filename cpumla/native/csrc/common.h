@@ -46,19 +46,24 @@ extern int cpumla_pf_l2, cpumla_pf_l2_plain;
 #ifndef GEMV_PF_NEAR
 #define GEMV_PF_NEAR 3072
 #endif
-/* The two-level target's own distances, for the GEMVs that stream at most a few instructions per byte
- * (avx512_bf16.c's bf16, the integer GEMVs of quant_driver.h; E4M3 keeps GEMV_PF_BYTES and
- * GEMV_PF_NEAR): far 4 KiB, near 1.5 KiB. Intel Xeon with AMX, 2 threads, ~1 GB sets of the largest
- * weights, against 8 KiB / 3 KiB in turn: bf16 +8-9 points of the probe, q8 +5, q4 +6.5, E2M1 +5;
- * E4M3 -1. bf16 at far 2 / 3 / 12 KiB read 5 / 1.5 / -3 points against 4 (docs/benchmarks.md). */
+/* The two-level target's own distances in the avx512-level GEMVs: far 4 KiB for those that spend a
+ * few instructions a byte (avx512_bf16.c's bf16, the integer GEMVs of quant_driver.h), 6 KiB for
+ * avx512_bf16.c's E4M3 decode, and near 1.5 KiB. Intel Xeon with AMX, 2 threads, ~1 GB sets of the
+ * largest weights, against 8 KiB / 3 KiB in turn: bf16 +8-9 points of the probe, q8 +5, q4 +6.5, E2M1
+ * +5, E4M3 +2 (at 4 KiB: -1). bf16 at far 2 / 3 / 12 KiB read 5 / 1.5 / -3 points below 4 KiB
+ * (docs/benchmarks.md). The other loops keep GEMV_PF_BYTES and GEMV_PF_NEAR under that target. */
 #ifndef GEMV_PF_FAR_2L
 #define GEMV_PF_FAR_2L 4096
+#endif
+#ifndef GEMV_PF_FAR_2L_E4M3
+#define GEMV_PF_FAR_2L_E4M3 6144
 #endif
 #ifndef GEMV_PF_NEAR_2L
 #define GEMV_PF_NEAR_2L 1536
 #endif
 /* the far distance of such a stream under target l2 (a constant where the loop is specialised) */
 #define GEMV_PF_DIST(l2) ((l2) == 2 ? GEMV_PF_FAR_2L : GEMV_PF_BYTES)
+#define GEMV_PF_DIST_E4M3(l2) ((l2) == 2 ? GEMV_PF_FAR_2L_E4M3 : GEMV_PF_BYTES)
 /* One prefetch of a GEMV stream's line at p: into L2 (prefetcht1) when l2 (1 or 2), else with
  * GEMV_PF_HINT. l2 is a constant where the loop is specialised, so only one of the two is compiled
  * into it. */
@@ -69,7 +74,7 @@ extern int cpumla_pf_l2, cpumla_pf_l2_plain;
     } while (0)
 /* The prefetches of a row stream at p, `dist` bytes ahead of the line read now: GEMV_PF there, and
  * with the two-level target (l2 == 2) a prefetcht0 GEMV_PF_NEAR bytes ahead of the line read now
- * (GEMV_PF_NEAR_2L when dist is GEMV_PF_FAR_2L).
+ * (GEMV_PF_NEAR_2L when dist is one of the two-level target's own far distances).
  * (Written from the far address: the same addresses computed from the line read now scheduled the
  * avx512 q8 loop differently, and it read 3 points of the probe less.) */
 #define GEMV_PF_LINE(p, dist, l2)                                           \
@@ -77,7 +82,8 @@ extern int cpumla_pf_l2, cpumla_pf_l2_plain;
         GEMV_PF(p, l2);                                                     \
         if ((l2) == 2)                                                      \
             __builtin_prefetch((const char *)(p) - (dist) +                 \
-                               ((dist) == GEMV_PF_FAR_2L ? GEMV_PF_NEAR_2L : GEMV_PF_NEAR), 0, 3); \
+                               ((dist) == GEMV_PF_FAR_2L || (dist) == GEMV_PF_FAR_2L_E4M3 ? \
+                                GEMV_PF_NEAR_2L : GEMV_PF_NEAR), 0, 3);                          \
     } while (0)
 /* stmt with L2 declared as the constant 0, 1 or 2 that the target v holds: one specialisation of
  * the loop stmt calls for each target */
