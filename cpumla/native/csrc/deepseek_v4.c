@@ -190,11 +190,10 @@ static int hc_pre(cpumla_dsv4_state *s, const cpumla_dsv4_hc *hc, int64_t n) {
         }
         const float *X = s->X + t * ND;
         float *y = s->y + t * D;
-        for (int64_t d = 0; d < D; d++) {
-            float v = 0.0f;
-            for (int64_t i = 0; i < N; i++) v += pre[i] * X[i * D + d];
-            y[d] = v;
-        }
+        /* stream by stream over d (vectorised), each y[d] summed in stream order as the spec's loop */
+        for (int64_t d = 0; d < D; d++) y[d] = 0.0f;
+        for (int64_t i = 0; i < N; i++)
+            for (int64_t d = 0; d < D; d++) y[d] += pre[i] * X[i * D + d];
     }
     return 0;
 }
@@ -206,12 +205,13 @@ static void hc_post(cpumla_dsv4_state *s, int64_t n) {
     for (int64_t t = 0; t < n; t++) {
         float *X = s->X + t * N * D, *tmp = s->tmp;
         const float *o = s->o + t * D, *post = s->post + t * N, *c = s->comb + t * N * N;
-        for (int64_t k = 0; k < N; k++)
-            for (int64_t d = 0; d < D; d++) {
-                float v = post[k] * o[d];
-                for (int64_t j = 0; j < N; j++) v += c[j * N + k] * X[j * D + d];
-                tmp[k * D + d] = v;
-            }
+        /* inner loops over d (vectorised); each element summed in the order post_k o, then j = 0..N-1 */
+        for (int64_t k = 0; k < N; k++) {
+            float *out = tmp + k * D;
+            for (int64_t d = 0; d < D; d++) out[d] = post[k] * o[d];
+            for (int64_t j = 0; j < N; j++)
+                for (int64_t d = 0; d < D; d++) out[d] += c[j * N + k] * X[j * D + d];
+        }
         memcpy(X, tmp, sizeof(float) * (size_t)(N * D));
     }
 }
