@@ -83,6 +83,25 @@ def test_v4_dummy_tensors_sit_in_the_huge_page_arena():
     assert {"I8", "F8_E8M0", "F32", "F8_E4M3", "BF16"} <= kinds
 
 
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE here")
+def test_small_arena_tensors_never_share_a_block_with_large_ones():
+    """A norm or scale grid made before a weight that is quantized and dropped must not keep that
+    weight's block resident: small tensors (under 2 MiB) are packed in blocks of their own."""
+    from cpumla.runtime.weights import HUGE as TWO_MIB, _HugeArena
+
+    def block(a: np.ndarray):
+        while isinstance(a, np.ndarray) and a.base is not None:
+            a = a.base
+        return a.obj
+
+    arena = _HugeArena()
+    norm = arena.empty((4096,), np.float32, small=True)
+    weight = arena.empty((TWO_MIB + 4096,), np.uint8)
+    scale = arena.empty((64, 32), np.uint8, small=True)
+    assert block(norm) is block(scale)
+    assert block(norm) is not block(weight)
+
+
 HUGE = [
     ("deepseek-ai/DeepSeek-V4-Flash", {}, None),
     ("deepseek-ai/DeepSeek-V4-Pro", {}, None),
