@@ -286,14 +286,14 @@ class DummySource:
             shape = self.info(name)[1]
             cols = self.table[self.scales[name]][0][1]
             # scale so a row of random_e4m3 codes has variance ~1/in, like the bf16 dummies
-            return _in_arena(np.full(shape, 1.0 / np.sqrt(E4M3_MEAN_SQUARE * cols), np.float32))
+            return np.full(shape, 1.0 / np.sqrt(E4M3_MEAN_SQUARE * cols), np.float32)
         shape, kind = self.table[name]
         rng = self._rng(name)
         if kind == "norm":
             v = np.ones(shape, np.float32)
-            return _in_arena(v if self._kind_dtype(name) == "F32" else (v.view(np.uint32) >> 16).astype(np.uint16))
+            return v if self._kind_dtype(name) == "F32" else (v.view(np.uint32) >> 16).astype(np.uint16)
         if kind == "bias":
-            return _in_arena((rng.standard_normal(shape, dtype=np.float32) * 0.01).astype(np.float32))
+            return (rng.standard_normal(shape, dtype=np.float32) * 0.01).astype(np.float32)
         if self._kind_dtype(name) == "F8_E4M3":
             return random_e4m3(shape, rng)
         std = 1.0 if kind == "embed" else 1.0 / np.sqrt(shape[1])
@@ -355,10 +355,10 @@ hugepage_empty = _arena.empty
 
 
 def _in_arena(a: np.ndarray) -> np.ndarray:
-    """a copied into the huge-page arena, so that every dummy tensor but the hash tables (FP4 codes, E8M0
-    and FP8 scales, fp32 matrices such as V4's mHC weights, norms) sits in huge pages as the linear
-    weights do (random_normal, random_e4m3). V4-Flash's FP4 experts, on 4 KiB pages for about half of
-    their bytes, read 14% slower (Intel Xeon, docs/benchmarks.md)."""
+    """a copied into the huge-page arena: V4's release-format dummies (FP4 codes, E8M0 scale grids, fp32
+    matrices such as the mHC weights), which the forward streams every token, sit in huge pages as the
+    linear weights of 2 MiB and more do (random_normal, random_e4m3). V4-Flash's FP4 experts, on 4 KiB
+    pages for about half of their bytes, read 14% slower (Intel Xeon, docs/benchmarks.md)."""
     out = hugepage_empty(a.shape, a.dtype, small=True)
     np.copyto(out, a)
     return out
@@ -368,7 +368,7 @@ def random_normal(shape, std: float, rng: np.random.Generator, bf16: bool) -> np
     """N(0, std^2) values as float32 or bf16 bits (truncated: fine for noise). One chunk is drawn;
     later chunks are random rotations with random signs of it, so a multi-GB dummy model builds at
     memory speed and peak memory stays near the output's own size."""
-    out = hugepage_empty(shape, np.uint16 if bf16 else np.float32, small=True)
+    out = hugepage_empty(shape, np.uint16 if bf16 else np.float32)
     flat = out.reshape(-1)
     base = rng.standard_normal(min(CHUNK, flat.size), dtype=np.float32) * np.float32(std)
     if bf16:
@@ -395,7 +395,7 @@ E2M1_MEAN_SQUARE = float(np.mean(np.square([0, .5, 1, 1.5, 2, 3, 4, 6])))
 
 def random_e4m3(shape, rng: np.random.Generator) -> np.ndarray:
     """Random FP8 e4m3 codes with exponents 5..9 (|value| in [0.25, 3.75]), random signs."""
-    out = hugepage_empty(shape, np.uint8, small=True)
+    out = hugepage_empty(shape, np.uint8)
     flat = out.reshape(-1)
     for i in range(0, flat.size, CHUNK * 16):       # chunks keep the temporaries small
         n = min(CHUNK * 16, flat.size - i)
