@@ -58,6 +58,14 @@ def test_v4_weight_bytes_are_what_dummy_weights_hold(dtype):
     assert fam.memory_bytes(cfg, 1000, dtype)["weights"] == want
 
 
+def _owner(a: np.ndarray):
+    """the object that owns a's memory: an mmap for the huge-page arena's arrays (np.frombuffer over a
+    mapping), the root array for numpy's own"""
+    while isinstance(a, np.ndarray) and a.base is not None:
+        a = a.base
+    return a.obj if isinstance(a, memoryview) else a
+
+
 @pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE here")
 def test_v4_dummy_tensors_sit_in_the_huge_page_arena():
     """V4's release-format dummies (FP4 codes, E8M0 scales, f32 mHC matrices) and every linear of 2 MiB
@@ -69,9 +77,7 @@ def test_v4_dummy_tensors_sit_in_the_huge_page_arena():
 
     def mapped(a: np.ndarray) -> bool:
         """a's memory is one of the arena's mappings (np.frombuffer over an mmap), not numpy's own"""
-        while isinstance(a, np.ndarray) and a.base is not None:
-            a = a.base
-        return isinstance(a, memoryview) and isinstance(a.obj, mmap.mmap)
+        return isinstance(_owner(a), mmap.mmap)
 
     kinds = set()
     for name in [*src.table, *src.e8m0]:
@@ -91,17 +97,13 @@ def test_small_arena_tensors_never_share_a_block_with_large_ones():
     weight's block resident: small tensors (under 2 MiB) are packed in blocks of their own."""
     from cpumla.runtime.weights import HUGE as TWO_MIB, _HugeArena
 
-    def block(a: np.ndarray):
-        while isinstance(a, np.ndarray) and a.base is not None:
-            a = a.base
-        return a.obj
-
     arena = _HugeArena()
     norm = arena.empty((4096,), np.float32, small=True)
     weight = arena.empty((TWO_MIB + 4096,), np.uint8)
     scale = arena.empty((64, 32), np.uint8, small=True)
-    assert block(norm) is block(scale)
-    assert block(norm) is not block(weight)
+    assert isinstance(_owner(norm), mmap.mmap) and isinstance(_owner(weight), mmap.mmap)
+    assert _owner(norm) is _owner(scale)
+    assert _owner(norm) is not _owner(weight)
 
 
 HUGE = [

@@ -316,9 +316,9 @@ class _HugeArena:
     (a norm, a scale grid) never keeps alive the block of a large one that goes away (Quantizer: a
     weight's source once it is quantized)."""
 
-    def __init__(self):
+    def __init__(self, small_apart: bool = True):
         self.raw, self.off = None, 0
-        self.small_raw, self.small_off = None, 0
+        self.small = _HugeArena(small_apart=False) if small_apart else None    # tensors under 2 MiB
 
     def _map(self, size: int) -> np.ndarray:
         m = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -337,12 +337,8 @@ class _HugeArena:
         if n > ARENA // 4:                            # big tensors get a mapping of their own
             raw = self._map((n + HUGE - 1) & ~(HUGE - 1))
             return raw[:n].view(dtype).reshape(shape)
-        if n < HUGE:
-            if self.small_raw is None or self.small_off + n > ARENA:
-                self.small_raw, self.small_off = self._map(ARENA), 0
-            a = self.small_raw[self.small_off:self.small_off + n].view(dtype).reshape(shape)
-            self.small_off = (self.small_off + n + 63) & ~63
-            return a
+        if n < HUGE and self.small is not None:
+            return self.small.empty(shape, dtype, small=True)
         if self.raw is None or self.off + n > ARENA:
             self.raw, self.off = self._map(ARENA), 0
         a = self.raw[self.off:self.off + n].view(dtype).reshape(shape)
