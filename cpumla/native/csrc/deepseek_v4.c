@@ -149,6 +149,14 @@ int cpumla_dsv4_resumable(const cpumla_dsv4_state *s, int64_t pos0) {
     return 1;
 }
 
+/* y = sum_i pre_i X_i over the N streams of D values at X: stream by stream over d (vectorised), each
+ * y[d] summed in stream order as the spec's loop */
+static void hc_mix(const float *pre, const float *X, int64_t N, int64_t D, float *y) {
+    for (int64_t d = 0; d < D; d++) y[d] = 0.0f;
+    for (int64_t i = 0; i < N; i++)
+        for (int64_t d = 0; d < D; d++) y[d] += pre[i] * X[i * D + d];
+}
+
 /* The mHC weights of one sub-block from s->X: s->pre, s->post, s->comb, and s->y = sum_i pre_i X_i. */
 static int hc_pre(cpumla_dsv4_state *s, const cpumla_dsv4_hc *hc, int64_t n) {
     const cpumla_dsv4_model *m = s->m;
@@ -188,12 +196,7 @@ static int hc_pre(cpumla_dsv4_state *s, const cpumla_dsv4_hc *hc, int64_t n) {
                 for (int64_t j = 0; j < N; j++) c[j * N + k] /= sum + eps;
             }
         }
-        const float *X = s->X + t * ND;
-        float *y = s->y + t * D;
-        /* stream by stream over d (vectorised), each y[d] summed in stream order as the spec's loop */
-        for (int64_t d = 0; d < D; d++) y[d] = 0.0f;
-        for (int64_t i = 0; i < N; i++)
-            for (int64_t d = 0; d < D; d++) y[d] += pre[i] * X[i * D + d];
+        hc_mix(pre, s->X + t * ND, N, D, s->y + t * D);
     }
     return 0;
 }
@@ -289,11 +292,7 @@ static int forward(cpumla_dsv4_state *s, const int64_t *ids, int64_t n, int64_t 
         for (int64_t i = 0; i < N; i++)
             pre[i] = 1.0f / (1.0f + expf(-(s->mix[t * N + i] * scale +
                                            vec_at(m->hc_head.base.data, m->hc_head.base.dtype, i)))) + m->hc_eps;
-        for (int64_t d = 0; d < D; d++) {
-            float v = 0.0f;
-            for (int64_t i = 0; i < N; i++) v += pre[i] * Xf[t * ND + i * D + d];
-            s->y[t * D + d] = v;
-        }
+        hc_mix(pre, Xf + t * ND, N, D, s->y + t * D);
     }
     cpumla_rmsnorm(s->y, D, s->x, D, rows, D, m->norm.data, m->norm.dtype, m->rms_norm_eps);
     DSV4_TRY(cpumla_gemm(m->lm_head, s->x, D, rows, logits, m->vocab));
