@@ -46,10 +46,10 @@ def save_dummy(model: str, overrides: str | None, seed: int, out: Path) -> dict:
     import torch
     from safetensors.torch import save_file
 
+    from cpumla.checkpoint.dummy import DummySource
     from cpumla.cli.overrides import parse_hf_overrides
     from cpumla.models import family
-    from cpumla.runtime.loader import load_config
-    from cpumla.runtime.weights import DummySource
+    from cpumla.runtime.resolve import load_config
 
     cfg, _ = load_config(model, parse_hf_overrides(overrides))
     src = DummySource(family(cfg.model_type).tensors(cfg), cfg.block, seed=seed, dtype="bf16")

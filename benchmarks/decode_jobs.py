@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-import sys
-from pathlib import Path
-
 from cpumla import CpumlaError, native
-from cpumla.runtime import bench as rb
+from cpumla.bench import model as rb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_phases import load_model, model_options  # noqa: E402  (the same model options and loading)

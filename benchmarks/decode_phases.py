@@ -35,8 +35,8 @@ import numpy as np
 
 import cpumla
 from cpumla import CpumlaError, native
+from cpumla.bench import model as rb
 from cpumla.cli.overrides import parse_hf_overrides
-from cpumla.runtime import bench as rb
 
 
 class Turns:

@@ -47,8 +47,8 @@ from pathlib import Path
 import numpy as np
 
 from cpumla import native
-from cpumla.native import bench as nb
-from cpumla.runtime.weights import hugepage_empty
+from cpumla.bench import kernels as nb
+from cpumla.checkpoint.arena import hugepage_empty
 
 # name: rows (columns: --cols, 2048 by default), and how many distinct weights make a set at 2048
 SIZES = {"576 rows": (576, 256), "1408 rows": (1408, 104), "3072 rows": (3072, 48), "49152 rows": (49152, 3)}

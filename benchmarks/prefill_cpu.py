@@ -23,8 +23,8 @@ import numpy as np
 
 import cpumla
 from cpumla import native
-from cpumla.native import bench as kb
-from cpumla.runtime import bench as mb
+from cpumla.bench import kernels as kb
+from cpumla.bench import model as mb
 
 
 def fma_peak() -> float:

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 import cpumla
-from cpumla.runtime import weights as W
+from cpumla.checkpoint import quant as W
 
 
 def log_softmax(z: np.ndarray) -> np.ndarray:

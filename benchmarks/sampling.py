@@ -18,8 +18,7 @@ import time
 
 import numpy as np
 
-from cpumla import native
-from cpumla.chat import sampling
+from cpumla import native, sampling
 from cpumla.native import sample as native_sample
 
 N = 129280

@@ -57,8 +57,14 @@ def build_v32(out: Path, dtype=torch.float32, seed: int = V32_SEED, **overrides)
 
 
 def build_from_kwargs(model_type: str, kw: dict, out: Path, dtype=torch.float32, seed: int = 0):
-    from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
-                              DeepseekV32Config, DeepseekV32ForCausalLM)
+    from transformers import (
+        DeepseekV2Config,
+        DeepseekV2ForCausalLM,
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        DeepseekV32Config,
+        DeepseekV32ForCausalLM,
+    )
 
     if model_type == "deepseek_v2":
         cfg, cls = DeepseekV2Config(**kw), DeepseekV2ForCausalLM
@@ -200,6 +206,7 @@ def quantize_v4(saved: Path, out: Path, cfg_extra: dict | None = None):
     from safetensors.torch import load_file, save_file
 
     from cpumla.models import deepseek_v4 as v4
+    from cpumla.models.deepseek_v4_tensors import hf_name
 
     sd = load_file(saved / "model.safetensors")
     cfg_json = json.loads((saved / "config.json").read_text())
@@ -209,7 +216,7 @@ def quantize_v4(saved: Path, out: Path, cfg_extra: dict | None = None):
     kinds = v4.tensors(v4.Config.from_dict(cfg_json))
     new, deq = {}, {}
     for name, (shape, kind) in kinds.items():
-        hf = v4.hf_name(name)
+        hf = hf_name(name)
         t = sd[hf]
         if kind == "e4m3":
             r, c = t.shape

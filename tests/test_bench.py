@@ -83,7 +83,7 @@ def test_decode_phases_script(capsys):
     token reads fewer bytes than the same model in bf16)."""
     import json
 
-    from cpumla.runtime.smoke import SHRINK
+    from cpumla.cli.smoke import SHRINK
 
     mod = _script("decode_phases")
     outs = {}
@@ -110,7 +110,7 @@ def test_decode_phases_turns(capsys, tmp_path):
     the number of samples), and the ready file is gone at the end."""
     import json
 
-    from cpumla.runtime.smoke import SHRINK
+    from cpumla.cli.smoke import SHRINK
 
     counter = tmp_path / "turn"
     counter.write_text("0")
@@ -128,7 +128,7 @@ def test_decode_jobs_script(capsys):
     replay's; a model of another layout is a one-line exit."""
     import json
 
-    from cpumla.runtime.smoke import SHRINK
+    from cpumla.cli.smoke import SHRINK
 
     mod = _script("decode_jobs")
     over = json.dumps({**SHRINK, "vocab_size": 1000})
@@ -144,7 +144,7 @@ def test_decode_jobs_script(capsys):
     assert abs(sum(j["mb"] for j in out["jobs"]) * 1e6 - out["replay_bytes"]) < 1.0
     assert 0 < out["replay_bytes"] <= out["bytes_per_token"]
     assert all(j["us"] > 0 and j["pct_probe"] > 0 for j in out["jobs"])
-    from cpumla.runtime.smoke import default_overrides
+    from cpumla.cli.smoke import default_overrides
 
     v4 = "deepseek-ai/DeepSeek-V4-Flash"
     with pytest.raises(SystemExit):
@@ -241,12 +241,12 @@ def test_depth_is_the_depth_asked_for():
     import numpy as np
 
     import cpumla
-    from cpumla.runtime.bench import _Depth
+    from cpumla.bench.model import AtDepth
 
     eng = cpumla.load("deepseek-ai/DeepSeek-V2-Lite", dummy_weights=True, max_seq_len=64,
                       hf_overrides={"num_hidden_layers": 1, "hidden_size": 64, "n_routed_experts": 4,
                                     "vocab_size": 512})
-    at = _Depth(eng, 24, np.random.default_rng(0))
+    at = AtDepth(eng, 24, np.random.default_rng(0))
     for depth in [0, 24, 8, 24, 0, 16, 24]:
         at(depth)
         assert eng.pos == depth and eng.tokens == [int(t) for t in at.tokens[:depth]]

@@ -150,7 +150,7 @@ def test_context_full_with_one_shot_prompt_does_not_promise_a_next_turn():
 
 
 def test_help_is_honest_about_flags_and_dummy_dtypes():
-    from cpumla.runtime.weights import DUMMY_DTYPES
+    from cpumla.checkpoint.dummy import DUMMY_DTYPES
 
     for cmd in ("chat", "smoke", "bench"):
         rc, out, _ = cli(cmd, "--help")

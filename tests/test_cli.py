@@ -149,7 +149,7 @@ def test_gemv_in_cache_drops_the_call_cost(monkeypatch):
     """The in-cache rate is the extra rows' bytes over their extra time: a GEMV that costs a fixed 5 ms a
     call plus 1 ns a byte reads 1 GB/s by it (the whole call's rate would be far lower); where noise
     makes the larger call no slower, the larger call's own rate stands in."""
-    from cpumla.native import bench as kb
+    from cpumla.bench import kernels as kb
 
     clock = [0.0]
     monkeypatch.setattr(kb.time, "perf_counter", lambda: clock[0])

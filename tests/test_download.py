@@ -110,7 +110,7 @@ def test_a_cached_repo_chats_with_its_own_tokenizer(hub):
 def test_only_the_files_a_run_needs_are_fetched():
     from huggingface_hub.utils import filter_repo_objects
 
-    from cpumla.runtime.download import ALLOW_PATTERNS
+    from cpumla.cli.download import ALLOW_PATTERNS
 
     repo = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "README.md",
             "model-00001-of-000163.safetensors", "model.safetensors.index.json", "pytorch_model.bin",

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 import cpumla
+from cpumla.checkpoint.safetensors import SafetensorsFile
 from cpumla.cli.overrides import parse_hf_overrides
 from cpumla.errors import CpumlaError
 from cpumla.models import config_from_dict, family
 from cpumla.runtime.resolve import apply_overrides, preset_config
-from cpumla.runtime.safetensors import SafetensorsFile
 
 CASES = 150
 SECONDS = 10          # per case

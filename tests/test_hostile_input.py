@@ -51,7 +51,7 @@ def test_config_json_limits(tmp_path, text):
 @pytest.mark.parametrize("text", [DEEP_OBJ, '{"t": {"dtype": "F32", "shape": [' + LONG_INT + '], "data_offsets": [0, 4]}}'],
                          ids=["deep", "long-int"])
 def test_safetensors_header_json_limits(tmp_path, text):
-    from cpumla.runtime.safetensors import SafetensorsFile
+    from cpumla.checkpoint.safetensors import SafetensorsFile
 
     f = tmp_path / "model.safetensors"
     write_safetensors(f, text.encode())
@@ -62,7 +62,7 @@ def test_safetensors_header_json_limits(tmp_path, text):
 
 @pytest.mark.parametrize("text", [DEEP_OBJ, '{"weight_map": {"a": ' + LONG_INT + "}}"], ids=["deep", "long-int"])
 def test_index_json_limits(tmp_path, text):
-    from cpumla.runtime.safetensors import Checkpoint
+    from cpumla.checkpoint.safetensors import Checkpoint
 
     (tmp_path / "model.safetensors.index.json").write_text(text)
     with pytest.raises(CpumlaError) as e:
@@ -169,7 +169,8 @@ def test_misaligned_tensor_data_gives_the_same_logits(tmp_path, pad):
     import shutil
 
     import models
-    from cpumla.runtime.safetensors import SafetensorsFile
+
+    from cpumla.checkpoint.safetensors import SafetensorsFile
 
     good = tmp_path / "good"
     models.build("v3", good)

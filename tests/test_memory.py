@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 import cpumla
+from cpumla.checkpoint.dummy import DummySource
 from cpumla.errors import CpumlaError
 from cpumla.models import config_from_dict, family
-from cpumla.runtime import loader
+from cpumla.runtime import memory, resolve
 from cpumla.runtime.resolve import preset_config
-from cpumla.runtime.weights import DummySource
 
 GIB = 1 << 30
 SMALL = {"num_hidden_layers": 5, "first_k_dense_replace": 2, "hidden_size": 256, "intermediate_size": 128,
@@ -95,9 +95,10 @@ def test_v4_dummy_tensors_sit_in_the_huge_page_arena():
 def test_small_arena_tensors_never_share_a_block_with_large_ones():
     """A norm or scale grid made before a weight that is quantized and dropped must not keep that
     weight's block resident: small tensors (under 2 MiB) are packed in blocks of their own."""
-    from cpumla.runtime.weights import HUGE as TWO_MIB, _HugeArena
+    from cpumla.checkpoint.arena import HUGE as TWO_MIB
+    from cpumla.checkpoint.arena import HugeArena
 
-    arena = _HugeArena()
+    arena = HugeArena()
     norm = arena.empty((4096,), np.float32, small=True)
     weight = arena.empty((TWO_MIB + 4096,), np.uint8)
     scale = arena.empty((64, 32), np.uint8, small=True)
@@ -133,7 +134,7 @@ def test_models_that_cannot_fit_are_refused_at_once(monkeypatch, model, override
 def test_the_limit_is_the_available_memory(monkeypatch):
     """A small model loads under a limit above its count and is refused under one below it."""
     ov = {"num_hidden_layers": 1, "n_routed_experts": 4, "hidden_size": 128, "num_attention_heads": 2}
-    cfg, _ = loader.load_config("deepseek-ai/DeepSeek-V2-Lite", ov)
+    cfg, _ = resolve.load_config("deepseek-ai/DeepSeek-V2-Lite", ov)
     b = family(cfg.model_type).memory_bytes(cfg, 64, "bf16")
     total = sum(b.values())
     monkeypatch.setenv("CPUMLA_MEMORY_AVAILABLE", str(total))
@@ -149,7 +150,7 @@ def test_mapped_checkpoint_weights_are_not_counted(tmp_path, monkeypatch):
 
     d = tmp_path / "m"
     models.build("v2-lite", d)
-    cfg, _ = loader.load_config(str(d))
+    cfg, _ = resolve.load_config(str(d))
     b = family(cfg.model_type).memory_bytes(cfg, 32, "bf16")
     monkeypatch.setenv("CPUMLA_MEMORY_AVAILABLE", str(b["cache"] + b["scratch"]))   # less than the weights
     assert (d / "model.safetensors").stat().st_size > b["cache"] + b["scratch"] - b["weights"]
@@ -191,13 +192,13 @@ def test_cgroup_limits_v1_and_v2(tmp_path):
                "fs/a/memory.max": str(10 * GIB), "fs/a/memory.current": str(4 * GIB),
                "fs/a/memory.stat": f"anon 1\ninactive_file {GIB}\n",
                "fs/a/b/memory.max": "max\n", "fs/a/b/memory.current": "5\n"})
-    room, where = loader._cgroup_room(v2 / "proc", v2 / "fs")
+    room, where = memory.cgroup_room(v2 / "proc", v2 / "fs")
     assert room == 7 * GIB and where == v2 / "fs" / "a"
     v1 = tmp_path / "v1"
     _tree(v1, {"proc": "4:memory:/x\n1:cpu:/\n", "fs/memory/x/memory.limit_in_bytes": str(3 * GIB),
                "fs/memory/x/memory.usage_in_bytes": str(GIB), "fs/memory/memory.limit_in_bytes": str(2**63 - 4096)})
-    assert loader._cgroup_room(v1 / "proc", v1 / "fs")[0] == 2 * GIB
-    assert loader._cgroup_room(tmp_path / "missing", tmp_path) is None
+    assert memory.cgroup_room(v1 / "proc", v1 / "fs")[0] == 2 * GIB
+    assert memory.cgroup_room(tmp_path / "missing", tmp_path) is None
 
 
 def _cli(*args, env=None):

@@ -59,9 +59,8 @@ def test_a_query_that_sees_nothing_still_gives_zeros(isa):
 
 def _nan_checkpoint(tmp_path, tensor):
     pytest.importorskip("torch")
-    from safetensors.numpy import load_file, save_file
-
     import models
+    from safetensors.numpy import load_file, save_file
 
     d = tmp_path / "m"
     models.build("v2-lite", d)
@@ -77,7 +76,7 @@ def _nan_checkpoint(tmp_path, tensor):
                                     "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"])
 def test_nan_weights_give_nan_logits_and_smoke_says_so(tmp_path, tensor):
     import cpumla
-    from cpumla.runtime import smoke
+    from cpumla.cli import smoke
 
     d = _nan_checkpoint(tmp_path, tensor)
     eng = cpumla.load(str(d))

@@ -8,14 +8,14 @@ import math
 
 import numpy as np
 import pytest
+from test_loading import cli, one_line_error
 
 import cpumla
 from cpumla import CpumlaError
+from cpumla.checkpoint import safetensors as st
 from cpumla.models import family
-from cpumla.runtime import loader
-from cpumla.runtime import safetensors as st
+from cpumla.runtime import resolve
 from cpumla.runtime.plan import plan
-from test_loading import cli, one_line_error
 
 V3 = "deepseek-ai/DeepSeek-V3"
 TINY = {"num_hidden_layers": 3, "first_k_dense_replace": 1, "hidden_size": 256, "intermediate_size": 512,
@@ -37,7 +37,7 @@ def tensor_bytes(directory) -> int:
                                              ("deepseek-ai/DeepSeek-V2-Lite", {"num_hidden_layers": 3})])
 def test_counts_match_the_tensor_table(model, overrides):
     """Parameters and bytes from the grouped walk equal a walk over every tensor the model reads."""
-    cfg, _ = loader.load_config(model, overrides)
+    cfg, _ = resolve.load_config(model, overrides)
     table = family(cfg.model_type).tensors(cfg)
     p = plan(model, overrides)
     assert p.params == sum(math.prod(s) for s, _ in table.values())
@@ -94,7 +94,7 @@ def test_info_model(monkeypatch):
 def test_v4_cache_grows_with_compressed_entries():
     """V4's cache per 1k tokens is the compressed one, far below a latent cache of the same width."""
     p = plan("deepseek-ai/DeepSeek-V4-Flash")
-    cfg, _ = loader.load_config("deepseek-ai/DeepSeek-V4-Flash")
+    cfg, _ = resolve.load_config("deepseek-ai/DeepSeek-V4-Flash")
     assert p.cache_per_1k < 4 * cfg.head_dim * cfg.num_hidden_layers * 1000 / 4
     assert np.isfinite(p.cache_per_1k) and p.cache > p.cache_per_1k
 
@@ -104,7 +104,7 @@ def test_v4_base_ships_fp8_experts():
     128x128 E8M0 grid (1 byte a weight + a scale per block) instead of FP4 with one per 32 (0.5 + 1/32)."""
     for repo in ("deepseek-ai/DeepSeek-V4-Flash", "deepseek-ai/DeepSeek-V4-Pro"):
         fp4, fp8 = plan(repo), plan(repo + "-Base")
-        cfg, _ = loader.load_config(repo)
+        cfg, _ = resolve.load_config(repo)
         D, I = cfg.hidden_size, cfg.moe_intermediate_size
         n = 3 * cfg.n_routed_experts * cfg.num_hidden_layers
         per = (D * I + -(-D // 128) * -(-I // 128)) - (D * I // 2 + D * I // 32)

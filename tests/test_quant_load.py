@@ -10,15 +10,15 @@ import signal
 import subprocess
 import sys
 
+import models
 import numpy as np
 import pytest
+from test_loading import cli, one_line_error, snapshot
 
 import cpumla
-import models
 from cpumla import CpumlaError, native
-from cpumla.runtime import quantize as Q
-from cpumla.runtime import safetensors as st
-from test_loading import cli, one_line_error, snapshot
+from cpumla.checkpoint import safetensors as st
+from cpumla.cli import quantize as Q
 
 V3 = "deepseek-ai/DeepSeek-V3"
 TINY = {"num_hidden_layers": 2, "first_k_dense_replace": 1, "hidden_size": 256, "intermediate_size": 512,
@@ -69,7 +69,7 @@ def test_quantize_on_load(fmt, bf16_logits):
 
 
 def test_smoke_with_quant():
-    from cpumla.runtime import smoke
+    from cpumla.cli import smoke
 
     r = smoke.run(V3, dummy_weights=True, hf_overrides=TINY, quant="q4", prompt_tokens=12, decode_tokens=6)
     assert r.passed, r.status

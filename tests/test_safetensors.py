@@ -10,8 +10,8 @@ import torch
 from safetensors.numpy import save_file as np_save
 from safetensors.torch import save_file as torch_save
 
+from cpumla.checkpoint.safetensors import Checkpoint, SafetensorsFile
 from cpumla.errors import CpumlaError
-from cpumla.runtime.safetensors import Checkpoint, SafetensorsFile
 
 
 def snapshot(directory):

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from cpumla.chat import sampling as S
+from cpumla import sampling as S
 from cpumla.chat.stops import StopText, parse_stop
 from cpumla.errors import CpumlaError
 from cpumla.native import sample as native_sample

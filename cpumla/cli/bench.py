@@ -80,15 +80,15 @@ def bench(
 
 def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, reps, threads, depths, output, seed,
            quant=None):
-    import cpumla
-    from cpumla.runtime import bench as mb
+    from cpumla.bench import model as mb
+    from cpumla.runtime.loader import load
 
     native.init()
     thr = _ints(threads, "--threads") if threads else [native.get_threads()]
-    check_threads(thr)        # the one rule of every command (runtime.bench warns about counts above the cores)
+    check_threads(thr)        # the one rule of every command (bench.model warns about counts above the cores)
     dep = _ints(depths, "--n-depth")
     need = max(dep) + max(n_prompt, n_gen, 0) + 1
-    from cpumla.runtime.loader import load_config
+    from cpumla.runtime.resolve import load_config
     cfg, _ = load_config(model, hf_overrides)
     for w in mb.check_args(cfg.max_position_embeddings, n_prompt, n_gen, reps, thr, dep):
         render.print_warning(w)
@@ -104,7 +104,7 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
             bf16_peaks[t] = mb.fma_peak_gflops(kind="bf16")
         prog.update(task, description=f"loading {render.escape(model)}")
         t0 = time.perf_counter()
-        eng = cpumla.load(model, dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed,
+        eng = load(model, dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed,
                           max_seq_len=need, dummy_dtype=dummy_dtype, quant=quant,
                           progress=lambda done, total: prog.update(task, description=f"quantizing to {quant}",
                                                                    completed=done, total=total))
@@ -120,7 +120,7 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
 
 
 def _print(results, output, eng, peaks, bf16_peaks):
-    from cpumla.runtime import bench as mb
+    from cpumla.bench import model as mb
 
     dicts = [mb.as_dict(r) for r in results]
     if output == "json":
@@ -157,7 +157,7 @@ def _print(results, output, eng, peaks, bf16_peaks):
 
 
 def _kernels(output, threads, formats, rows, cols, seconds, stream_mb, codes="random", report=False):
-    from cpumla.native import bench as kb
+    from cpumla.bench import kernels as kb
 
     fmts = [f.strip() for f in formats.split(",") if f.strip()]
     bad = [f for f in fmts if f not in kb.FORMATS]
@@ -169,7 +169,7 @@ def _kernels(output, threads, formats, rows, cols, seconds, stream_mb, codes="ra
         raise CpumlaError(f"unknown code distribution '{bad[0]}' for --codes (choose from: {', '.join(kb.CODES)})")
     if rows < 1 or cols < 32 or cols % 32:
         raise CpumlaError("--rows must be >= 1 and --cols a positive multiple of 32")
-    from cpumla.runtime.loader import available_memory, gib
+    from cpumla.runtime.memory import available_memory, gib
 
     stream = max(1, stream_mb) << 20
     need = 5 * stream + 2 * 4 * rows * cols + 4 * 4 * 2048 * 2048   # probe buffers, weight copies, gemm
@@ -228,8 +228,8 @@ def _kernels(output, threads, formats, rows, cols, seconds, stream_mb, codes="ra
 
 
 def _report(output):
+    from cpumla.bench import report as kr
     from cpumla.cli.info import collect
-    from cpumla.native import report as kr
 
     return {"info": collect(), "operands": kr.operands(), "checks": kr.as_dicts(kr.checks())}
 

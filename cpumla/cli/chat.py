@@ -62,9 +62,9 @@ def chat(
     threads: int = typer.Option(None, "--threads", "-t", help="Threads (default: one per core)."),
     quant: str = typer.Option(None, "--quant", help=QUANT_HELP),
 ) -> None:
-    from cpumla.chat.sampling import check
     from cpumla.chat.stops import parse_stop
     from cpumla.cli.options import check_quant, check_seed, check_threads
+    from cpumla.sampling import check
 
     check_quant(quant)
     interactive = prompt is None and sys.stdin.isatty()
@@ -101,15 +101,14 @@ def chat(
 # ---- setup ----
 def _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, system, sampling, think, interactive,
           quant=None):
-    import cpumla
     from cpumla import native
     from cpumla.chat.chat_format import ChatFormat, detect_family
     from cpumla.chat.conversation import Conversation, Settings
     from cpumla.chat.tokenizer import load_tokenizer
-    from cpumla.cli.overrides import parse_hf_overrides
-    from cpumla.runtime.loader import load_config
-
     from cpumla.cli.options import check_ctx
+    from cpumla.cli.overrides import parse_hf_overrides
+    from cpumla.runtime.loader import load
+    from cpumla.runtime.resolve import load_config
 
     overrides = parse_hf_overrides(hf_overrides)
     cfg, resolved = load_config(model, overrides)
@@ -122,7 +121,7 @@ def _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, sys
             notices.append(f"the tokenizer has {tok.vocab_size} ids, the model {cfg.vocab_size}")
     t0 = time.perf_counter()
     with render.loading(f"loading {model}", quant, show=interactive or quant is not None) as progress:
-        engine = cpumla.load(model, dummy_weights=dummy_weights, hf_overrides=overrides, seed=seed or 0,
+        engine = load(model, dummy_weights=dummy_weights, hf_overrides=overrides, seed=seed or 0,
                              threads=threads, max_seq_len=ctx, quant=quant, progress=progress)
     load_s = time.perf_counter() - t0
     notices += ctx_notes

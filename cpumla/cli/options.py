@@ -44,7 +44,7 @@ def check_seed(seed, flag: str = "--seed") -> None:
 
 
 def dummy_dtypes_help() -> str:
-    from cpumla.runtime.weights import DUMMY_DTYPES
+    from cpumla.checkpoint.dummy import DUMMY_DTYPES
 
     return ", ".join(DUMMY_DTYPES[:-1]) + " or " + DUMMY_DTYPES[-1]
 
@@ -54,7 +54,7 @@ QUANT_HELP = "Quantize the linear layers as they load: q8 (8.5 bits a weight) or
 
 def check_quant(quant) -> None:
     """--quant: None, q8 or q4."""
-    from cpumla.runtime.weights import QUANTS
+    from cpumla.checkpoint.formats import QUANTS
 
     if quant is not None and quant not in QUANTS:
         raise CpumlaError(f"--quant must be one of {', '.join(QUANTS)}, not '{quant}'")

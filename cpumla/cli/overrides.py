@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from cpumla.checkpoint.jsonfile import MAX_JSON_DEPTH, check_depth
 from cpumla.errors import CpumlaError
-from cpumla.runtime.resolve import MAX_JSON_DEPTH, check_depth
 
 
 def parse_hf_overrides(text: str | None) -> dict[str, Any]:

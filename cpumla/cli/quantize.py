@@ -1,12 +1,176 @@
-"""`cpumla quantize MODEL OUTDIR --quant q8|q4`: write a q8 / q4 checkpoint (runtime/quantize.py)."""
+"""`cpumla quantize MODEL OUTDIR --quant q8|q4`: writes a checkpoint whose linear layers are cpumla's q8 / q4
+(cpumla.h), written as safetensors that load zero-copy like any other checkpoint.
+
+What is written: every tensor the model reads (the family's tensors(); tensors it never reads, such as
+V3's MTP layer, are left out), the linear weights chosen by checkpoint.quant.quant_plan as I8 (q8) or U8 (q4,
+two codes a byte) with an F16 scale grid named `<weight>_qscale`, the others as stored (FP8 ones with
+their `weight_scale_inv`); config.json with a `quantization_config` naming the format and its version;
+the source directory's other files (tokenizer, generation config) copied. Everything goes to a hidden
+directory next to OUTDIR that is renamed to OUTDIR only once complete, so an interrupted or failed
+write (a full disk) never leaves a checkpoint that looks valid; the source is only read.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+from pathlib import Path
+
 import typer
 
+from cpumla import native
+from cpumla.checkpoint.dummy import DummySource
+from cpumla.checkpoint.formats import Q_DTYPE, QSCALE, QUANT_VERSION, QUANTS, quantized_as
+from cpumla.checkpoint.quant import Quantizer, quant_plan
+from cpumla.checkpoint.safetensors import INDEX_NAME, Checkpoint, nbytes, write_file
+from cpumla.checkpoint.tensors import stored_linear, where
 from cpumla.cli import render
 from cpumla.cli.options import check_quant, check_threads, dummy_dtypes_help
+from cpumla.cli.overrides import parse_hf_overrides
 from cpumla.errors import CpumlaError
+from cpumla.models import family
+from cpumla.runtime.resolve import load_config
+
+SHARD_BYTES = 4 << 30          # a new shard file once one reaches this many bytes
+SKIP_FILES = {"config.json", "model.safetensors.index.json"}
+
+
+def plan(cfg, fam, src, fmt: str):
+    """[(group of entries written together)], entries (name, dtype, shape, get, elements to quantize)."""
+    qz = Quantizer(fmt)
+    groups = []
+    tied = getattr(cfg, "tie_word_embeddings", False)
+    for name, (shape, kind) in fam.tensors(cfg).items():
+        if not src.has(name):
+            if tied and name in ("lm_head.weight", "head.weight"):
+                continue
+            raise CpumlaError(f"{where(src)}: checkpoint is missing tensor '{name}'")
+        dtype, got = src.info(name)
+        to = quant_plan(name, dtype, got, fmt) if kind in ("linear", "plain") else None
+        if to is not None:
+            stored_linear(src, name, tuple(shape), tuple(cfg.block))     # shape and FP8 scale checks
+            rows, cols = shape
+            made = {}
+
+            def data(name=name, shape=tuple(shape), made=made):
+                w = qz(name, stored_linear(src, name, shape, tuple(cfg.block)))
+                made["scale"] = w.scale
+                return w.data
+
+            groups.append([(name, Q_DTYPE[to], (rows, cols // (2 if to == "q4" else 1)), data, rows * cols),
+                           (name + QSCALE, "F16", (rows, cols // 32), lambda made=made: made.pop("scale"), 0)])
+            continue
+        group = [(name, dtype, got, lambda name=name: src.tensor(name), 0)]
+        for s in (name + "_scale_inv",):
+            if src.has(s):
+                group.append((s, *src.info(s), lambda s=s: src.tensor(s), 0))
+        groups.append(group)
+    qz.total = sum(e[4] for g in groups for e in g)
+    return groups, qz
+
+
+def _shards(groups, shard_bytes: int):
+    shards, cur, size = [], [], 0
+    for g in groups:
+        b = sum(nbytes(e[1], tuple(e[2])) for e in g)
+        if cur and size + b > shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur += g
+        size += b
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def quantize_checkpoint(model: str, outdir, fmt: str, *, force: bool = False, dummy_weights: bool = False,
+                        hf_overrides=None, seed: int = 0, dummy_dtype: str = "bf16", threads: int | None = None,
+                        progress=None, shard_bytes: int = SHARD_BYTES) -> dict:
+    """Writes the q8 / q4 checkpoint of `model` to outdir; returns a summary (tensors per format, bytes).
+    progress(done, total) in weight elements quantized. Raises CpumlaError (outdir untouched then)."""
+    if fmt not in QUANTS:
+        raise CpumlaError(f"--quant must be one of {', '.join(QUANTS)}, not '{fmt}'")
+    out = Path(outdir)
+    if out.exists() and not force:
+        raise CpumlaError(f"{out} exists (pass --force to replace it)")
+    if out.exists() and not out.is_dir():
+        raise CpumlaError(f"{out} exists and is not a directory")
+    cfg, resolved = load_config(model, hf_overrides)
+    fam = family(cfg.model_type)
+    if quantized_as(cfg):
+        raise CpumlaError(f"{model} is already quantized ({quantized_as(cfg)}): quantize its original checkpoint")
+    if not getattr(fam, "QUANTIZABLE", True):
+        raise CpumlaError(f"quantizing {cfg.model_type} is not supported yet")
+    if resolved.directory is not None and not dummy_weights:
+        srcdir = resolved.directory.resolve()
+        o = out.resolve()
+        if o == srcdir or srcdir in o.parents or o in srcdir.parents:
+            raise CpumlaError(f"{out} overlaps the source checkpoint {resolved.directory}: choose another directory")
+        src = Checkpoint(resolved.directory)
+    elif dummy_weights:
+        src = DummySource(fam.tensors(cfg), cfg.block, seed=seed, dtype=dummy_dtype)
+    else:
+        raise CpumlaError(f"'{model}' is a preset (config only): pass --dummy-weights, or download the "
+                          f"weights with `cpumla download {model}`")
+    native.ensure_init()
+    if threads is not None:
+        native.set_threads(threads)
+    groups, qz = plan(cfg, fam, src, fmt)
+    qz.progress = progress
+    shards = _shards(groups, shard_bytes)
+    parent = out.absolute().parent
+    if not parent.is_dir():
+        raise CpumlaError(f"{parent}: no such directory")
+    tmp = parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    written = 0
+    try:
+        tmp.mkdir()
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        weight_map = {}
+        for fname, entries in zip(names, shards):
+            written += write_file(tmp / fname, [e[:4] for e in entries], {"format": "pt"})
+            weight_map.update({e[0]: fname for e in entries})
+        (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": written}, "weight_map": weight_map},
+                                                 indent=2) + "\n")
+        d = cfg.to_dict()
+        qc = {"quant_method": "cpumla", "format": fmt, "format_version": QUANT_VERSION, "group_size": 32,
+              "scale_suffix": QSCALE, "output_head": "q8",
+              "kept": "MoE router, V3.2 indexer, norms, embeddings, widths not a multiple of 32"}
+        old = d.get("quantization_config") or {}
+        if old.get("weight_block_size"):         # FP8 tensors kept as stored keep their block size
+            qc["weight_block_size"] = old["weight_block_size"]
+        d["quantization_config"] = qc
+        (tmp / "config.json").write_text(json.dumps(d, indent=2) + "\n")
+        if resolved.directory is not None and not dummy_weights:
+            for f in sorted(resolved.directory.iterdir()):
+                if f.is_file() and f.name not in SKIP_FILES and f.suffix not in (".safetensors", ".bin", ".pt", ".pth"):
+                    shutil.copy2(f, tmp / f.name)
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CpumlaError(f"{out}: writing failed: {e.strerror or e} (nothing was written there)") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if hasattr(src, "close"):
+            src.close()
+    kept = sum(1 for g in groups if g[0][1] not in ("I8", "U8"))
+    return {"outdir": str(out), "format": fmt, "quantized": dict(qz.formats), "kept": kept, "bytes": written,
+            "source_bytes": sum(nbytes(*src_info) for src_info in source_infos(groups, src))}
+
+
+def source_infos(groups, src):
+    """(dtype, shape) as stored of every tensor the plan reads (scale tensors included)."""
+    for g in groups:
+        for e in g:
+            if src.has(e[0]):
+                dtype, shape = src.info(e[0])
+                yield dtype, tuple(shape)
 
 
 def quantize(
@@ -20,9 +184,6 @@ def quantize(
     seed: int = typer.Option(0, "--seed", help="Dummy weights' seed."),
     threads: int = typer.Option(None, "--threads", "-t"),
 ) -> None:
-    from cpumla.cli.overrides import parse_hf_overrides
-    from cpumla.runtime.quantize import quantize_checkpoint
-
     if quant is None:
         raise CpumlaError("--quant is required: q8 or q4")
     check_quant(quant)

@@ -4,7 +4,8 @@ A family module owns everything specific to it: its config (HF field names), the
 from a checkpoint and their quirks, building its layers (routing included), its native description
 and state, and the bytes and FLOPs per token that `cpumla bench` reports. The runtime only sees the
 module's `Config` and `Model` (see `Model` in deepseek_v2.py for the interface). Adding a family is
-one Python module here, one C file in cpumla/native/csrc with its header, presets and parity tests.
+one Python module here, one C file in the kernel library's models/ with its header in include/,
+presets and parity tests.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import importlib
 
 from cpumla.errors import CpumlaError
+from cpumla.models.native_model import PREFILL_CHUNK  # noqa: F401  (the runtime's chunk, the models' scratch)
 
 # model_type -> module under cpumla.models
 FAMILIES = {

@@ -57,7 +57,7 @@ def validate_quantization(qc, need) -> None:
     need(isinstance(qc, dict), f"'quantization_config' must be an object, got {short(qc)}")
     method = qc.get("quant_method")
     if method == "cpumla":
-        return                          # cpumla's q8 / q4: runtime.weights.check_quant_config
+        return                          # cpumla's q8 / q4: checkpoint.formats.check_quant_config
     need(method in (None, "fp8"), f"quantization {short(method)} is not supported (fp8 block, or cpumla's q8 / q4)")
     b = qc.get("weight_block_size")
     if b is None:

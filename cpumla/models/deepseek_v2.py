@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cpumla import native
+from cpumla.checkpoint import tensors as W
+from cpumla.checkpoint.formats import check_quant_config
 from cpumla.errors import CpumlaError
 from cpumla.models import deepseek_v2_tensors as tables
 from cpumla.models.checks import MAX_SIZE, is_int, is_real, short, validate_quantization, validate_rope_scaling
-from cpumla.models.native_model import ConfigBase, NativeModel
-from cpumla.runtime import weights as W
+from cpumla.models.native_model import PREFILL_CHUNK, ConfigBase, NativeModel
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
@@ -154,7 +155,7 @@ class Config(ConfigBase):
                 g = self.n_group
                 need(self.n_routed_experts % g == 0, f"n_routed_experts {self.n_routed_experts} is not divisible by n_group {g}")
                 need(self.topk_group and 1 <= self.topk_group <= g, "'topk_group' must be between 1 and n_group")
-        W.check_quant_config(self.quantization_config, source)
+        check_quant_config(self.quantization_config, source)
 
     # ---- structure ----
     @property
@@ -406,8 +407,6 @@ class Model(NativeModel):
         the weight products of every token (routed experts at top_k) plus each chunk's attention in its
         form: absorbed (absorb + un-absorb per token, R+P scores and R values per pair) or un-absorbed
         (kv_b over every cached row, dn+P scores and dv values per pair)."""
-        from cpumla.runtime.engine import PREFILL_CHUNK
-
         cfg = self.config
         macs = self.lm_head.rows * self.lm_head.cols / n       # lm_head on the last token only
         H, dn, dv, R = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from cpumla import native
+from cpumla.checkpoint import tensors as W
 from cpumla.errors import CpumlaError
 from cpumla.models import deepseek_v2 as v2
 from cpumla.models import deepseek_v2_tensors as tables
-from cpumla.runtime import weights as W
 
 MODEL_TYPES = ("deepseek_v32",)
 INDEX_NORM_EPS = 1e-6          # DeepseekV32Indexer.k_norm = nn.LayerNorm(index_head_dim, eps=1e-6)

@@ -10,6 +10,8 @@ import numpy as np
 from cpumla import native
 from cpumla.errors import CpumlaError
 
+PREFILL_CHUNK = 512     # tokens per native forward call: the scratch of the model's state is sized for it
+
 
 class NativeModel:
     """Base of a family Model. STATE names the family's native new / free / forward functions."""

@@ -1,14 +1,15 @@
 """Model-description helpers of the kernel library's Python face: the router (cpumla_router), expert
-tables (cpumla_expert[] for cpumla_moe), and pointing a cpumla_vec at an array. Imported by, and
-re-exported from, cpumla.native."""
+tables (cpumla_expert[] for cpumla_moe), and pointing a cpumla_vec at an array."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from cpumla.errors import CpumlaError
-from cpumla.native import F32, Weight, _check, _weight, checks, ensure_init, ffi, fptr, ld, lib, vptr
-
+from cpumla.native import checks
+from cpumla.native.checks import ld
+from cpumla.native.library import check, ensure_init, ffi, fptr, lib, vptr
+from cpumla.native.weight import F32, Weight, as_weight
 
 ROUTE_METHODS = {"softmax": lib.CPUMLA_ROUTE_SOFTMAX, "group_limited": lib.CPUMLA_ROUTE_GROUP_LIMITED,
                  "noaux_tc": lib.CPUMLA_ROUTE_NOAUX_TC, "sqrtsoftplus": lib.CPUMLA_ROUTE_SQRTSOFTPLUS,
@@ -65,7 +66,7 @@ class Router:
         rc = lib.cpumla_route(self.c, fptr(logits), ld(logits), n,
                               ffi.NULL if ids is None else vptr(ids, "int64_t *"),
                               vptr(idx, "int32_t *"), fptr(w))
-        _check(rc)
+        check(rc)
         return idx, w
 
 
@@ -77,11 +78,11 @@ class Experts:
             raise CpumlaError("an expert table needs at least one expert")
         self._keep = experts
         self.c = ffi.new("cpumla_expert[]", len(experts))
-        I, D = _weight(experts[0][0]).rows, experts[0][0].cols
+        I, D = as_weight(experts[0][0]).rows, experts[0][0].cols
         for i, trio in enumerate(experts):
             if len(trio) != 3:
                 raise CpumlaError(f"expert {i} is not a (gate, up, down) trio")
-            g, u, d = (_weight(t) for t in trio)
+            g, u, d = (as_weight(t) for t in trio)
             if (g.rows, g.cols, u.rows, u.cols, d.rows, d.cols) != (I, D, I, D, D, I):
                 raise CpumlaError(f"expert {i} has shapes {g.rows}x{g.cols}/{u.rows}x{u.cols}/{d.rows}x{d.cols}, "
                                   f"want {I}x{D}/{I}x{D}/{D}x{I}")
@@ -101,7 +102,7 @@ class Experts:
         limit = checks.real(limit, "limit")
         rc = lib.cpumla_moe(self.c, self.n, fptr(x), ld(x), n, vptr(idx, "int32_t *"), fptr(w),
                             idx.shape[1], fptr(out), ld(out), limit)
-        _check(rc)
+        check(rc)
         return out
 
 

@@ -1,4 +1,4 @@
-"""The kernel library's sampler (csrc/sample.c): one token from a logits row by the definition in
+"""The kernel library's sampler (cpumla_sample): one token from a logits row by the definition in
 cpumla.chat.sampling's docstring, and the work buffer it needs. Single-threaded, no library lock: a
 caller keeps its own work (one per Sampler) and may call from any thread."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from cpumla.errors import CpumlaError
-from cpumla.native import ffi, last_error, lib
+from cpumla.native.library import ffi, last_error, lib
 
 
 def work(n: int) -> np.ndarray:

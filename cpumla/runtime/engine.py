@@ -10,8 +10,10 @@ import numpy as np
 
 from cpumla import native
 from cpumla.errors import CpumlaError
+from cpumla.models import PREFILL_CHUNK
+from cpumla.runtime.memory import available_memory, gib
+from cpumla.sampling import Sampler
 
-PREFILL_CHUNK = 512     # tokens per native forward call: the scratch of the model's state is sized for it
 BIG_LOGITS = 256 << 20  # logits buffers above this are checked against the available memory first
 
 
@@ -124,8 +126,6 @@ class Engine:
             rows = 1 if last_only else n
             need = 4 * rows * self.config.vocab_size
             if need > BIG_LOGITS:
-                from cpumla.runtime.loader import available_memory, gib
-
                 avail, what = available_memory()
                 if need > avail:
                     raise CpumlaError(f"the logits of {n} tokens need {gib(need)} but {gib(avail)} is available "
@@ -146,10 +146,8 @@ class Engine:
 
     def generate(self, prompt_ids, max_new_tokens: int, stop_ids=None, **sampling):
         """Yields generated token ids; the prompt is appended to the cache first. sampling: the
-        arguments of cpumla.chat.sampling.Sampler (temperature, top_k, top_p, min_p, seed,
+        arguments of cpumla.sampling.Sampler (temperature, top_k, top_p, min_p, seed,
         repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty)."""
-        from cpumla.chat.sampling import Sampler
-
         sampler = Sampler(**sampling)
         sampler.start(prompt_ids)
         stops = set(self.config.eos_ids if stop_ids is None else stop_ids)

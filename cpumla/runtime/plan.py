@@ -3,7 +3,7 @@ that cannot fit): parameters, the bytes of its weights as released or stored and
 the cache per 1k tokens and at the context asked for, and which of those fits this machine's memory.
 
 Everything comes from the config and, for a checkpoint directory, the safetensors headers: nothing is
-read or allocated. The q8 / q4 bytes follow weights.quant_plan, the rule the loader quantizes by.
+read or allocated. The q8 / q4 bytes follow checkpoint.quant.quant_plan, the rule the loader quantizes by.
 """
 
 from __future__ import annotations
@@ -11,8 +11,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from cpumla.checkpoint.formats import QSCALE, QUANTS, quantized_as
+from cpumla.checkpoint.quant import quant_plan
+from cpumla.checkpoint.safetensors import Checkpoint
 from cpumla.errors import CpumlaError
-from cpumla.runtime import weights as W
+from cpumla.models import PREFILL_CHUNK, family
+from cpumla.runtime.engine import context_length
+from cpumla.runtime.memory import available_memory, gib
+from cpumla.runtime.resolve import load_config
 
 QBYTES = {"q8": 1.0, "q4": 0.5}          # bytes per weight of the codes; each block of 32 adds an fp16 scale
 ITEM = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I8": 1, "U8": 1, "I64": 8, "I32": 4}
@@ -48,7 +54,7 @@ def _scale_names(name: str) -> list[str]:
     """The scale grids a checkpoint may store beside weight `name`: FP8's weight_scale_inv (V2/V3),
     the official V4 `.scale` (FP8 and FP4), cpumla's q8 / q4 `_qscale`."""
     base = name[: -len(".weight")] if name.endswith(".weight") else name
-    return [base + ".weight_scale_inv", base + ".scale", name + W.QSCALE]
+    return [base + ".weight_scale_inv", base + ".scale", name + QSCALE]
 
 
 def _as(shape, fmt: str) -> int:
@@ -81,7 +87,7 @@ class Plan:
 
     def smallest_fitting_quant(self) -> str | None:
         """The --quant that would fit (q8 before q4), or None when neither does or none applies."""
-        for fmt in W.QUANTS:
+        for fmt in QUANTS:
             if fmt in self.weights and self.fits(fmt):
                 return fmt
         return None
@@ -98,27 +104,21 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
     """The Plan of `model` (a directory, a cached repo id or a preset). Raises CpumlaError as load does
     for a model it cannot resolve. loaded: (cfg, resolved, checkpoint or None) the caller already made
     of this model and overrides (load_config, and its directory's Checkpoint, left open here)."""
-    from cpumla.models import family
-    from cpumla.runtime.engine import PREFILL_CHUNK, context_length
-    from cpumla.runtime.loader import available_memory, load_config
-
     cfg, resolved, src = loaded if loaded is not None else (*load_config(model, hf_overrides), None)
     fam = family(cfg.model_type)
     ctx = context_length(cfg, max_seq_len)
     groups = fam.weight_groups(cfg) if hasattr(fam, "weight_groups") else \
         [(name, shape, kind, 1) for name, (shape, kind) in fam.tensors(cfg).items()]
     block = tuple(getattr(cfg, "block", (128, 128)))
-    quantizable = getattr(fam, "QUANTIZABLE", True) and W.quantized_as(cfg) is None
+    quantizable = getattr(fam, "QUANTIZABLE", True) and quantized_as(cfg) is None
     qc = getattr(cfg, "quantization_config", None) or {}
     fp8 = qc.get("quant_method") == "fp8"
     scale_bytes = 1 if qc.get("scale_fmt") == "ue8m0" else 4
     own = src is None and resolved.directory is not None
     if own:
-        from cpumla.runtime.safetensors import Checkpoint
-
         src = Checkpoint(resolved.directory)
     try:
-        params, sizes = 0, {"stored": 0, **({"bf16": 0, **{f: 0 for f in W.QUANTS}} if quantizable else {})}
+        params, sizes = 0, {"stored": 0, **({"bf16": 0, **{f: 0 for f in QUANTS}} if quantizable else {})}
         for name, shape, kind, count in groups:
             n = math.prod(shape)
             params += n * count
@@ -133,8 +133,8 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
             if not quantizable:
                 continue
             sizes["bf16"] += count * (stored if dtype in ("F32", "I64", "I32") else 2 * n)
-            for fmt in W.QUANTS:
-                to = W.quant_plan(name, dtype, shape, fmt) if kind in ("linear", "plain") else None
+            for fmt in QUANTS:
+                to = quant_plan(name, dtype, shape, fmt) if kind in ("linear", "plain") else None
                 sizes[fmt] += count * (_as(shape, to) if to else stored)
     finally:
         if own:
@@ -145,7 +145,7 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
     avail, what = available_memory()
     notes = []
     if not quantizable:
-        notes.append("already quantized: --quant does not apply" if W.quantized_as(cfg)
+        notes.append("already quantized: --quant does not apply" if quantized_as(cfg)
                      else f"--quant is not supported for {cfg.model_type}")
     if sizes.get("bf16") == sizes["stored"]:
         sizes.pop("bf16")
@@ -153,7 +153,7 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
                 where=str(resolved.directory) if resolved.directory else f"preset {model}", params=params,
                 stored="as stored" if src is not None else "as released", weights=sizes,
                 cache_per_1k=k1, ctx=ctx, cache=mem["cache"], scratch=mem["scratch"], available=avail,
-                available_from=what, quantized=W.quantized_as(cfg), notes=notes)
+                available_from=what, quantized=quantized_as(cfg), notes=notes)
 
 
 def check_fits(p: Plan, fmt: str, what: str) -> None:
@@ -161,7 +161,6 @@ def check_fits(p: Plan, fmt: str, what: str) -> None:
     memory available, naming the --quant that would fit."""
     if p.fits(fmt):
         return
-    gib = lambda b: f"{b / 2**30:.1f} GiB"   # noqa: E731
     hint = p.smallest_fitting_quant()
     tail = f"; --quant {hint} would fit ({gib(p.need(hint))})" if hint and hint != fmt else \
         "; use a smaller --ctx / max_seq_len or a smaller model"

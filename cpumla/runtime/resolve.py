@@ -8,14 +8,15 @@ local read, whatever HF_HUB_OFFLINE says, and downloading is `cpumla download`'s
 from __future__ import annotations
 
 import copy
-import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from cpumla.checkpoint.jsonfile import check_depth, read_json_object
 from cpumla.errors import CpumlaError
+from cpumla.models import config_from_dict, family
 from cpumla.models.presets import DIR as PRESET_DIR
 
 # repo id -> preset config.json; file "<org>--<name>.json" holds repo "<org>/<name>".
@@ -34,50 +35,6 @@ class Resolved:
     config: dict[str, Any]  # config.json contents (or the preset's)
 
 
-def load_config(path: Path) -> dict[str, Any]:
-    """Parse a config.json; any problem is one CpumlaError line naming the file."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise CpumlaError(f"{path}: cannot read: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise CpumlaError(f"{path}: not UTF-8 text: {e}") from None
-    value = parse_json(text, str(path))
-    if not isinstance(value, dict):
-        raise CpumlaError(f"{path}: is a JSON {type(value).__name__}, not an object")
-    return value
-
-
-MAX_JSON_DEPTH = 64     # configs, indexes, headers and overrides nest a few levels; deeper is not ours
-
-
-def check_depth(value: Any, what: str, limit: int = MAX_JSON_DEPTH) -> None:
-    """CpumlaError when containers in value nest deeper than limit (walked without recursion)."""
-    stack = [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, (dict, list)):
-            if depth > limit:
-                raise CpumlaError(f"{what}: nested more than {limit} levels deep")
-            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
-
-
-def parse_json(text: str | bytes, what: str, bad: str = "invalid JSON", **kw) -> Any:
-    """json.loads with every failure as one CpumlaError line, "{what}: {bad} ...": bad syntax (with line
-    and column), nesting past Python's recursion limit or MAX_JSON_DEPTH, integers too long to convert."""
-    try:
-        value = json.loads(text, **kw)
-    except json.JSONDecodeError as e:
-        raise CpumlaError(f"{what}: {bad} at line {e.lineno} column {e.colno}: {e.msg}") from None
-    except RecursionError:
-        raise CpumlaError(f"{what}: nested more than {MAX_JSON_DEPTH} levels deep") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise CpumlaError(f"{what}: {bad}: {msg}") from None
-    check_depth(value, what)
-    return value
-
-
 def _preset_key(repo_id: str) -> str | None:
     """Hub repo ids are case-insensitive: accept any spelling, return ours."""
     folded = repo_id.casefold()
@@ -88,7 +45,7 @@ def preset_config(repo_id: str) -> dict[str, Any]:
     key = _preset_key(repo_id)
     if key is None:
         raise CpumlaError(f"'{repo_id}' is not a known preset (presets: {', '.join(PRESETS)})")
-    return load_config(PRESETS[key])
+    return read_json_object(PRESETS[key])
 
 
 def hf_hub_cache() -> Path:
@@ -138,7 +95,7 @@ def resolve_model(model: str) -> Resolved:
         config_path = path / "config.json"
         if not config_path.is_file():
             raise CpumlaError(f"{path}: has no config.json (is it a model directory?)")
-        return Resolved("dir", path.resolve(), None, load_config(config_path))
+        return Resolved("dir", path.resolve(), None, read_json_object(config_path))
     if path.exists():
         raise CpumlaError(f"{path}: is a file; --model wants a model directory or a repo id")
     if _looks_like_path(model):
@@ -147,10 +104,10 @@ def resolve_model(model: str) -> Resolved:
     if _REPO_ID.match(model):
         snapshot = _cached_snapshot(model)
         if snapshot is not None:
-            return Resolved("cache", snapshot, model, load_config(snapshot / "config.json"))
+            return Resolved("cache", snapshot, model, read_json_object(snapshot / "config.json"))
         key = _preset_key(model)
         if key is not None:
-            return Resolved("preset", None, key, load_config(PRESETS[key]))
+            return Resolved("preset", None, key, read_json_object(PRESETS[key]))
 
     raise CpumlaError(
         f"'{model}' is not a local directory, not in the Hugging Face cache (HF_HOME={hf_home()}), "
@@ -190,3 +147,14 @@ def check_overrides(overrides: dict[str, Any] | None) -> dict[str, Any]:
         raise CpumlaError(f"hf_overrides must be a dict, not a {type(overrides).__name__}")
     check_depth(overrides, "hf_overrides")
     return overrides
+
+
+def load_config(model: str, hf_overrides=None):
+    """(family config, Resolved) for a local directory, a cached repo id or a preset."""
+    resolved = resolve_model(model)
+    where = f"{resolved.directory / 'config.json'}" if resolved.directory else f"preset {model}"
+    cfg_dict = apply_overrides(resolved.config, hf_overrides)
+    fit = getattr(family(cfg_dict.get("model_type"), where), "fit_overrides", None)
+    if fit is not None:
+        cfg_dict = fit(cfg_dict, check_overrides(hf_overrides))
+    return config_from_dict(cfg_dict, source=where), resolved

@@ -20,12 +20,11 @@ from typing import Callable
 
 from cpumla.chat.chat_format import END_THINK, THINK, ChatFormat, Message, detect_family
 from cpumla.chat.reuse import Pieces, answer_pieces, ids_of, prompt_pieces, sync_cache
-from cpumla.chat.sampling import Sampler
 from cpumla.chat.tokenizer import IncrementalDecoder, Tokenizer
 from cpumla.errors import CpumlaError
-from cpumla.runtime.engine import PREFILL_CHUNK
+from cpumla.models import PREFILL_CHUNK
+from cpumla.sampling import Sampler
 from cpumla.server.protocol import Sampling, bad
-
 
 
 @dataclass
@@ -229,9 +228,9 @@ def load_served(model: str, *, dummy_weights: bool = False, hf_overrides=None, d
                 progress=None) -> tuple[ServedModel, list[str]]:
     """(ServedModel, notices): the engine, tokenizer and chat format as `cpumla chat` sets them up
     (a dummy model's vocabulary grows to fit the tokenizer). Raises CpumlaError."""
-    import cpumla
     from cpumla.chat.tokenizer import load_tokenizer
-    from cpumla.runtime.loader import load_config
+    from cpumla.runtime.loader import load
+    from cpumla.runtime.resolve import load_config
 
     overrides = dict(hf_overrides or {})
     cfg, resolved = load_config(model, overrides)
@@ -243,7 +242,7 @@ def load_served(model: str, *, dummy_weights: bool = False, hf_overrides=None, d
             overrides["vocab_size"] = tok.vocab_size
         elif not tok.bundled:
             notices.append(f"the tokenizer has {tok.vocab_size} ids, the model {cfg.vocab_size}")
-    engine = cpumla.load(model, dummy_weights=dummy_weights, hf_overrides=overrides, seed=seed, threads=threads,
+    engine = load(model, dummy_weights=dummy_weights, hf_overrides=overrides, seed=seed, threads=threads,
                          max_seq_len=ctx, dummy_dtype=dummy_dtype, quant=quant, progress=progress)
     name = resolved.repo_id or (resolved.directory.name if resolved.directory else model)
     own_template = None if tok.bundled else tok.chat_template

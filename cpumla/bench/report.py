@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from cpumla import native
+from cpumla.bench import kernels as kb
 from cpumla.errors import CpumlaError
-from cpumla.native import bench as kb
 
 RTOL = 1e-5
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cpumla.checkpoint.jsonfile import parse_json
 from cpumla.errors import CpumlaError
-from cpumla.runtime.resolve import parse_json
 
 MAX_HEADER_BYTES = 100_000_000  # same limit as the safetensors package
 
@@ -56,7 +56,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 INDEX_NAME = "model.safetensors.index.json"
 
 
-def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * DTYPES[dtype][1] // 8
 
 
@@ -149,7 +149,7 @@ class SafetensorsFile:
         if bits < 8 and math.prod(shape) * bits % 8:
             raise CpumlaError(f"{where}: {dtype} shape {list(shape)} does not fill whole bytes")
         begin, end = offsets
-        want = _nbytes(dtype, shape)
+        want = nbytes(dtype, shape)
         if end - begin != want:
             raise CpumlaError(
                 f"{where}: {dtype} {list(shape)} needs {want} bytes but data_offsets span {end - begin}")
@@ -342,7 +342,7 @@ def write_file(path: str | os.PathLike, entries, metadata: dict | None = None) -
     header: dict = {}
     off = 0
     for name, dtype, shape, _ in entries:
-        n = _nbytes(dtype, tuple(shape))
+        n = nbytes(dtype, tuple(shape))
         header[name] = {"dtype": dtype, "shape": [int(d) for d in shape], "data_offsets": [off, off + n]}
         off += n
     if metadata:

@@ -80,7 +80,7 @@ def fma_peak_gflops(seconds: float = 0.3, kind: str = "fp32") -> float:
         iters *= 2
 
 
-class _Depth:
+class AtDepth:
     """Puts the cache at a depth: the first `depth` rows of one fixed run of random tokens. A test
     overwrites the rows past its depth, so `valid` counts the leading rows that still hold that run;
     a deeper depth prefills only the missing rows. A deep cache is built once per run, not once per
@@ -149,7 +149,7 @@ def run(eng, *, model_name: str, n_prompt: int, n_gen: int, reps: int, threads: 
     tests = [("pp", n_prompt) for _ in [0] if n_prompt > 0] + [("tg", n_gen) for _ in [0] if n_gen > 0]
     total = len(threads) * len(depths) * len(tests) * (reps + 1)
     done = 0
-    at_depth = _Depth(eng, max(depths), np.random.default_rng([seed, 1]))
+    at_depth = AtDepth(eng, max(depths), np.random.default_rng([seed, 1]))
     for t in threads:
         native.set_threads(t)
         for d in depths:
