@@ -1,7 +1,7 @@
 """Token sampling over one logits row: greedy, temperature, top-k, top-p, min-p, repetition / presence /
 frequency penalties, seeded.
 
-What is sampled (the definition; the native sampler, csrc/sample.c, and the numpy code below both
+What is sampled (the definition; the native sampler, cpumla_sample, and the numpy code below both
 compute exactly this, in exact arithmetic wherever a sum or a threshold is involved):
   x    the logits after the penalties (float32), n of them; m = max x
   p_i  = exp(y_i), y_i = (x_i - m) * s in float32, s = float32(1 / temperature) (the largest float32
@@ -146,7 +146,7 @@ def draw_of(u: float) -> int:
 
 
 def _exp(y: np.ndarray) -> np.ndarray:
-    """The definition's exp of float32 y <= 0: the float32 steps of csrc/sample_passes.h's sample_exp,
+    """The definition's exp of float32 y <= 0: the float32 steps of the native sampler's sample_exp,
     in its order (numpy's elementwise operations round each step as C does; nothing is fused). In
     place where it can be: fewer temporaries of the row's size."""
     f = np.float32

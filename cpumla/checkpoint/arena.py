@@ -15,7 +15,7 @@ ARENA = 256 << 20
 class HugeArena:
     """Bump allocator over 256 MiB anonymous mappings backed by 2 MiB transparent huge pages (Linux, THP
     in madvise mode). A GEMV streaming GBs per token then walks 512x fewer pages and the hardware
-    prefetchers, which stop at page boundaries, run on (~8% more read bandwidth measured here). Tensors
+    prefetchers, which stop at page boundaries, run on. Tensors
     sit back to back, so the huge pages waste nothing per tensor; the untouched tail of a mapping is
     never resident. Tensors under 2 MiB are packed in blocks of their own, so that a long-lived small one
     (a norm, a scale grid) never keeps alive the block of a large one that goes away (Quantizer: a
@@ -64,8 +64,7 @@ def drop_current_block() -> None:
 def in_arena(a: np.ndarray) -> np.ndarray:
     """a copied into the huge-page arena: V4's release-format dummies (FP4 codes, E8M0 scale grids, fp32
     matrices such as the mHC weights), which the forward streams every token, sit in huge pages as the
-    linear weights of 2 MiB and more do (random_normal, random_e4m3). V4-Flash's FP4 experts, on 4 KiB
-    pages for about half of their bytes, read 14% slower (Intel Xeon, docs/benchmarks.md)."""
+    linear weights of 2 MiB and more do (random_normal, random_e4m3): on 4 KiB pages they read slower."""
     out = hugepage_empty(a.shape, a.dtype, small=True)
     np.copyto(out, a)
     return out

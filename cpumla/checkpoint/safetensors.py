@@ -2,13 +2,14 @@
 
 We do not use the `safetensors` package here: the hot path needs raw views (and, later, raw
 pointers and file offsets for the native kernels) into the mapped file, never a copy or a torch
-tensor. The format is simple (docs/deepseek-architectures.md 7.1):
+tensor. The format is simple:
 
     u64 little-endian N | N bytes of JSON header | data section (raw little-endian tensors)
     header = {name: {"dtype": str, "shape": [int], "data_offsets": [begin, end]}, "__metadata__": {...}}
 
 Offsets are relative to the start of the data section. Opening a file reads only its header, so
-opening a checkpoint costs O(header size), not O(model size). Nothing is ever unpickled or written.
+opening a checkpoint costs O(header size), not O(model size). Nothing is ever unpickled; write_file
+writes new files only (`cpumla quantize`).
 A tensor whose data is not aligned to its element size (a header of odd length) is the one
 exception to zero copy: it is copied once, aligned. A file truncated on disk while mapped ends the
 process with SIGBUS when a missing page is read (the kernel's doing; nothing in Python can catch it).

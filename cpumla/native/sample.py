@@ -1,5 +1,5 @@
 """The kernel library's sampler (cpumla_sample): one token from a logits row by the definition in
-cpumla.chat.sampling's docstring, and the work buffer it needs. Single-threaded, no library lock: a
+cpumla.sampling's docstring, and the work buffer it needs. Single-threaded, no library lock: a
 caller keeps its own work (one per Sampler) and may call from any thread."""
 
 from __future__ import annotations
