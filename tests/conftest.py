@@ -16,6 +16,17 @@ def pytest_report_header(config):
             f"runnable here {' '.join(native.available_isas())}; threads {native.get_threads()}"]
 
 
+@pytest.fixture(scope="session")
+def v2_lite_dir(tmp_path_factory):
+    """A tiny random DeepSeek-V2-Lite saved by transformers' save_pretrained, shared by the session: copy it
+    before changing anything in it."""
+    from support import models
+
+    d = tmp_path_factory.mktemp("v2lite")
+    models.build("v2-lite", d)
+    return d
+
+
 @pytest.fixture(params=ALL_ISAS)
 def isa(request):
     """Every implementation: runs on those this CPU has, skips (saying why) the others."""

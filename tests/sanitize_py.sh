@@ -25,7 +25,7 @@ export CPUMLA_TEST_SANITIZED=1
 cd "$out"                     # cpumla is imported from here, not from the source tree
 "$py" -c "import cpumla.native as n, sys; sys.exit(0 if n.__file__.startswith('$out') else 'not the sanitized build')"
 "$py" -m cpumla smoke --dummy-weights -p 12 -n 4
-"$py" -m pytest -q -p no:cacheprovider "$root/tests/test_parity.py" "$root/tests/test_nan.py" \
-    "$root/tests/test_native_args.py" "$root/tests/test_fuzz.py" \
-    "$root/tests/test_hostile_input.py" -k "not cli and not closed_stdout and not path and not override_key and not tensor_name" \
+"$py" -m pytest -q -p no:cacheprovider "$root/tests/models/test_parity.py" "$root/tests/robustness/test_nan.py" \
+    "$root/tests/robustness/test_native_args.py" "$root/tests/robustness/test_fuzz.py" \
+    "$root/tests/robustness/test_hostile_input.py" -k "not cli and not closed_stdout and not path and not override_key and not tensor_name" \
     "${@}"

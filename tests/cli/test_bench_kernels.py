@@ -1,0 +1,110 @@
+"""`cpumla bench --kernels`: GEMV GB/s per weight format next to the read probe, the in-cache rate, code
+distributions, GEMM GFLOP/s, the --report document, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from cpumla import native
+
+from support.cli import assert_one_line_error, run_cli
+
+
+def test_bench_kernels_json():
+    p = run_cli("bench", "--kernels", "-o", "json", "--rows", "64", "--cols", "256", "--seconds", "0.01",
+            "--stream-mb", "1", "--formats", "bf16,e4m3,e2m1")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["read_probe_gbs"] > 0 and d["isa"] == native.available_isas()[-1]
+    gemv = [r for r in d["results"] if r["kernel"] == "gemv"]
+    assert [r["format"] for r in gemv] == ["bf16", "e4m3", "e2m1"]
+    for r in gemv:
+        assert r["gbs"] > 0 and r["probe_gbs"] > 0
+        assert r["pct_probe"] == pytest.approx(100 * r["gbs"] / r["probe_gbs"])
+        assert 0 < r["cache_gbs"] < float("inf")
+    gemm = [r for r in d["results"] if r["kernel"] == "gemm"]
+    assert gemm and all(r["gflops"] > 0 and r["fma_peak_gflops"] > 0 and r["cache_gbs"] == 0 for r in gemm)
+    for r in gemm:
+        assert r["pct_fma_peak"] == pytest.approx(100 * r["gflops"] / r["fma_peak_gflops"])
+    assert {r["shape"] for r in gemm} >= {"512x2048 @ 2048x2048", "48x2048 @ 1408x2048"}
+
+
+def test_gemv_in_cache_drops_the_call_cost(monkeypatch):
+    """The in-cache rate is the extra rows' bytes over their extra time: a GEMV that costs a fixed 5 ms a
+    call plus 1 ns a byte reads 1 GB/s by it (the whole call's rate would be far lower); where noise
+    makes the larger call no slower, the larger call's own rate stands in."""
+    from cpumla.bench import kernels as kb
+
+    clock = [0.0]
+    monkeypatch.setattr(kb.time, "perf_counter", lambda: clock[0])
+
+    def fake_gemv(w, x, y):
+        clock[0] += 5e-3 + w.nbytes * 1e-9
+    monkeypatch.setattr(kb.native, "gemv", fake_gemv)
+    rng = np.random.default_rng(0)
+    for fmt in ("bf16", "e2m1", "q4"):
+        assert kb.gemv_in_cache(fmt, 256, 0.01, rng) == pytest.approx(1.0)
+
+    def flat_gemv(w, x, y):
+        clock[0] += 1e-3
+    monkeypatch.setattr(kb.native, "gemv", flat_gemv)
+    per_row = kb.random_weight("bf16", 1, 256, rng).nbytes
+    big = max(64, kb.CACHE_BYTES * kb.native.get_threads() // per_row // 64 * 64)
+    assert kb.gemv_in_cache("bf16", 256, 0.01, rng) == pytest.approx(big * per_row / 1e-3 / 1e9)
+
+
+def test_bench_kernels_codes():
+    """--codes runs the FP8 / FP4 GEMVs once per code distribution; other formats once."""
+    p = run_cli("bench", "--kernels", "-o", "json", "--rows", "64", "--cols", "256", "--seconds", "0.01",
+            "--stream-mb", "1", "--formats", "bf16,e4m3-e8m0,e2m1", "--codes", "random,subnormal,zero")
+    assert p.returncode == 0, p.stderr
+    gemv = [(r["format"], r["codes"]) for r in json.loads(p.stdout)["results"] if r["kernel"] == "gemv"]
+    assert gemv == [("bf16", ""), *[(f, c) for f in ("e4m3-e8m0", "e2m1") for c in ("random", "subnormal", "zero")]]
+    p = run_cli("bench", "--kernels", "--rows", "64", "--cols", "256", "--seconds", "0.01", "--stream-mb", "1",
+            "--formats", "e4m3", "--codes", "subnormal")
+    assert p.returncode == 0, p.stderr
+    assert "subnormal" in p.stdout
+
+
+def test_bench_kernels_report():
+    """--report: info, the GEMV operands of every level and every level checked against the spec."""
+    p = run_cli("bench", "--kernels", "--report", "-o", "json", "--rows", "64", "--cols", "256", "--seconds", "0.01",
+            "--stream-mb", "1", "--formats", "e4m3", "--codes", "zero")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["info"]["implementations_available"] == native.available_isas()
+    assert {o["isa"] for o in d["operands"]} == set(native.available_isas())
+    assert all(o["subnormal_operands"] == 0 and o["wrong_values"] == 0 for o in d["operands"])
+    checked = {c["isa"] for c in d["checks"]}
+    assert checked == set(native.available_isas()) - {"scalar"}
+    assert all(c["ok"] for c in d["checks"]), [c for c in d["checks"] if not c["ok"]][:3]
+    kinds = {(c["kernel"], c["format"], c["codes"]) for c in d["checks"]}
+    assert ("gemm_many", "e4m3", "subnormal") in kinds and ("head_gemv_t", "bf16", "") in kinds
+    p = run_cli("bench", "--kernels", "--report", "--rows", "64", "--cols", "256", "--seconds", "0.01",
+            "--stream-mb", "1", "--formats", "f32")
+    assert p.returncode == 0, p.stderr
+    assert "against the scalar spec" in p.stdout and "WRONG" not in p.stdout
+
+
+def test_bench_table():
+    p = run_cli("bench", "--kernels", "--rows", "64", "--cols", "256", "--seconds", "0.01", "--stream-mb", "1",
+            "--formats", "f32")
+    assert p.returncode == 0, p.stderr
+    assert "read bandwidth probe" in p.stdout and "% of probe" in p.stdout
+
+
+@pytest.mark.parametrize("args,words", [
+    (["bench", "--kernels", "-o", "xml"], ["unknown output format", "xml"]),
+    (["bench", "--kernels", "--formats", "int3"], ["unknown weight format", "int3"]),
+    (["bench", "--kernels", "--cols", "33"], ["--cols"]),
+    (["bench", "--kernels", "--threads", "0"], ["--threads"]),
+    (["bench"], ["--kernels"]),
+    (["bench", "--kernels", "--codes", "denormal"], ["unknown code distribution", "denormal"]),
+    (["bench", "--kernels", "--codes", ","], ["--codes"]),
+    (["bench", "deepseek-ai/DeepSeek-V2-Lite", "--dummy-weights", "--report"], ["--report", "--kernels"]),
+])
+def test_bench_bad_input(args, words):
+    assert_one_line_error(run_cli(*args), *words)

@@ -1,0 +1,134 @@
+"""What a model takes before loading (runtime/plan.py, `cpumla info MODEL`): its sizes agree with what
+loading and `cpumla quantize` really make, and the memory refusal names the --quant that would fit."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+import cpumla
+from cpumla import CpumlaError
+from cpumla.checkpoint import safetensors as st
+from cpumla.models import family
+from cpumla.runtime import resolve
+from cpumla.runtime.plan import plan
+
+from support.cli import assert_one_line_error, run_cli
+
+V3 = "deepseek-ai/DeepSeek-V3"
+TINY = {"num_hidden_layers": 3, "first_k_dense_replace": 1, "hidden_size": 256, "intermediate_size": 512,
+        "moe_intermediate_size": 128, "n_routed_experts": 8, "num_attention_heads": 4, "q_lora_rank": 192,
+        "vocab_size": 1000}
+GIB = 1 << 30
+
+
+def tensor_bytes(directory) -> int:
+    """Bytes of every tensor in a checkpoint directory's safetensors files (headers left out)."""
+    ck = st.Checkpoint(directory)
+    try:
+        return sum(ck.tensor_nbytes(n) for n in ck.keys())
+    finally:
+        ck.close()
+
+
+@pytest.mark.parametrize("model,overrides", [(V3, TINY), ("deepseek-ai/DeepSeek-V3.2", TINY),
+                                             ("deepseek-ai/DeepSeek-V2-Lite", {"num_hidden_layers": 3})])
+def test_counts_match_the_tensor_table(model, overrides):
+    """Parameters and bytes from the grouped walk equal a walk over every tensor the model reads."""
+    cfg, _ = resolve.load_config(model, overrides)
+    table = family(cfg.model_type).tensors(cfg)
+    p = plan(model, overrides)
+    assert p.params == sum(math.prod(s) for s, _ in table.values())
+    bf16 = sum(4 * math.prod(s) if k == "bias" else 2 * math.prod(s) for s, k in table.values())
+    assert p.weights.get("bf16", p.weights["stored"]) == bf16
+    assert p.weights["q4"] < p.weights["q8"] < bf16
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_quantized_bytes_are_what_quantize_writes(tmp_path, fmt):
+    """`cpumla quantize` of a checkpoint: the tensors written take the bytes the plan said, and the plan
+    of the written checkpoint says the same as stored."""
+    p = run_cli("quantize", V3, str(tmp_path / "dummy-q"), "--quant", fmt, "--dummy-weights", "--hf-overrides",
+            json.dumps(TINY))
+    assert p.returncode == 0, p.stderr
+    want = plan(V3, TINY).weights[fmt]
+    got = tensor_bytes(tmp_path / "dummy-q")
+    assert got == want, (got, want)
+    assert plan(str(tmp_path / "dummy-q")).weights["stored"] == want
+
+
+def test_quantize_on_load_refused_when_it_cannot_fit(monkeypatch):
+    need_q8 = plan("deepseek-ai/DeepSeek-V2-Lite").need("q8")
+    need_q4 = plan("deepseek-ai/DeepSeek-V2-Lite").need("q4")
+    monkeypatch.setenv("CPUMLA_MEMORY_AVAILABLE", str((need_q8 + need_q4) // 2))
+    with pytest.raises(CpumlaError, match="--quant q4 would fit") as e:
+        cpumla.load("deepseek-ai/DeepSeek-V2-Lite", dummy_weights=True, quant="q8")
+    assert "\n" not in str(e.value) and "q8 weights" in str(e.value)
+    with pytest.raises(CpumlaError, match="--quant q8 would fit"):     # bf16 dummy weights: q8 is the hint
+        monkeypatch.setenv("CPUMLA_MEMORY_AVAILABLE", str(need_q8 + 1))
+        cpumla.load("deepseek-ai/DeepSeek-V2-Lite", dummy_weights=True)
+    monkeypatch.setenv("CPUMLA_MEMORY_AVAILABLE", str(need_q4 // 2))
+    with pytest.raises(CpumlaError, match="smaller --ctx"):
+        cpumla.load("deepseek-ai/DeepSeek-V2-Lite", dummy_weights=True, quant="q4")
+
+
+def test_info_model(monkeypatch):
+    monkeypatch.setenv("CPUMLA_MEMORY_AVAILABLE", str(20 * GIB))
+    p = run_cli("info", "deepseek-ai/DeepSeek-V2-Lite", "--json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert 15e9 < d["params"] < 16.5e9                       # V2-Lite: 15.7 B parameters
+    assert d["fits"] == {"stored": False, "q8": True, "q4": True}
+    # the latent cache: (kv_lora_rank + rope dims) fp32 per layer and token
+    assert d["cache_per_1k_tokens"] == 4 * (512 + 64) * 27 * 1000
+    p = run_cli("info", "deepseek-ai/DeepSeek-V2-Lite")
+    assert p.returncode == 0 and "--quant q8 would fit" in p.stdout, p.stdout
+    p = run_cli("info", "deepseek-ai/DeepSeek-V4-Flash", "--ctx", "100000")
+    assert p.returncode == 0 and "not supported for deepseek_v4" in p.stdout
+    assert_one_line_error(run_cli("info", "no/such-model"), "not a known preset")
+    assert_one_line_error(run_cli("info", "deepseek-ai/DeepSeek-V2-Lite", "--ctx", "0"), "--ctx")
+
+
+def test_v4_cache_grows_with_compressed_entries():
+    """V4's cache per 1k tokens is the compressed one, far below a latent cache of the same width."""
+    p = plan("deepseek-ai/DeepSeek-V4-Flash")
+    cfg, _ = resolve.load_config("deepseek-ai/DeepSeek-V4-Flash")
+    assert p.cache_per_1k < 4 * cfg.head_dim * cfg.num_hidden_layers * 1000 / 4
+    assert np.isfinite(p.cache_per_1k) and p.cache > p.cache_per_1k
+
+
+def test_v4_base_ships_fp8_experts():
+    """The -Base presets differ from V4-Flash / -Pro in the routed experts' format only: FP8 with a
+    128x128 E8M0 grid (1 byte a weight + a scale per block) instead of FP4 with one per 32 (0.5 + 1/32)."""
+    for repo in ("deepseek-ai/DeepSeek-V4-Flash", "deepseek-ai/DeepSeek-V4-Pro"):
+        fp4, fp8 = plan(repo), plan(repo + "-Base")
+        cfg, _ = resolve.load_config(repo)
+        D, I = cfg.hidden_size, cfg.moe_intermediate_size
+        n = 3 * cfg.n_routed_experts * cfg.num_hidden_layers
+        per = (D * I + -(-D // 128) * -(-I // 128)) - (D * I // 2 + D * I // 32)
+        assert fp8.params == fp4.params and fp8.weights["stored"] - fp4.weights["stored"] == n * per
+
+
+def test_peak_rss_of_a_quantized_model():
+    """Quantized on load, a model's peak RSS stays within its q4 weights + cache + 300 MB: the dummy
+    bf16 weights it came from are not kept resident (in a fresh process, measured by the kernel)."""
+    import subprocess
+    import sys
+
+    code = """
+import resource, sys, numpy as np, cpumla
+from cpumla.runtime.plan import plan
+ov = {"num_hidden_layers": 4}
+p = plan("deepseek-ai/DeepSeek-V2-Lite", ov, 1024)
+e = cpumla.load("deepseek-ai/DeepSeek-V2-Lite", dummy_weights=True, hf_overrides=ov, quant="q4", max_seq_len=1024)
+e.forward(np.arange(600) % 1000, last_only=True)
+e.forward([5], last_only=True)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - p.weights["q4"] - p.cache)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    excess = int(r.stdout.split()[-1])
+    assert excess <= 300 << 20, f"peak RSS is {excess >> 20} MiB over the q4 weights and the cache"
