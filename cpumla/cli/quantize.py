@@ -1,9 +1,9 @@
-"""`cpumla quantize MODEL OUTDIR --quant q8|q4`: writes a checkpoint whose linear layers are cpumla's q8 / q4
+"""`cpumla quantize MODEL OUTDIR --quant q8|q4`: a checkpoint whose linear layers are cpumla's q8 / q4
 (cpumla.h), written as safetensors that load zero-copy like any other checkpoint.
 
 What is written: every tensor the model reads (the family's tensors(); tensors it never reads, such as
-V3's MTP layer, are left out), the linear weights chosen by checkpoint.quant.quant_plan as I8 (q8) or U8 (q4,
-two codes a byte) with an F16 scale grid named `<weight>_qscale`, the others as stored (FP8 ones with
+V3's MTP layer, are left out), the linear weights chosen by checkpoint.quant.quant_plan as I8 (q8) or U8
+(q4, two codes a byte) with an F16 scale grid named `<weight>_qscale`, the others as stored (FP8 ones with
 their `weight_scale_inv`); config.json with a `quantization_config` naming the format and its version;
 the source directory's other files (tokenizer, generation config) copied. Everything goes to a hidden
 directory next to OUTDIR that is renamed to OUTDIR only once complete, so an interrupted or failed
