@@ -2,7 +2,7 @@
 PY ?= python3
 PIP ?= $(PY) -m pip
 
-.PHONY: install dev test test-py test-native test-arm test-nehalem test-sanitize cross-deps bench info clean help
+.PHONY: install dev test test-py test-native test-arm test-nehalem test-sanitize cross-deps bench performance info clean help
 
 help:
 	@echo "make install      install cpumla (builds the kernel library for every ISA of this arch)"
@@ -13,6 +13,8 @@ help:
 	@echo "make test-sanitize C runner under ASan+UBSan and under TSan, then a Python smoke and parity"
 	@echo "                  subset on an ASan+UBSan build of the extension (libasan preloaded)"
 	@echo "make bench        kernel micro-benchmark (GEMV GB/s vs measured read bandwidth)"
+	@echo "make performance  rerun every measurement of docs/performance.md and rewrite it (about an hour;"
+	@echo "                  LLAMA=\"--llama-lib DIR --llama-sdist DIR --convert FILE\" adds llama.cpp)"
 
 install:
 	$(PIP) install .
@@ -48,6 +50,9 @@ test-nehalem: cross-deps
 
 bench:
 	cpumla bench --kernels
+
+performance:
+	$(PY) benchmarks/performance.py $(LLAMA)
 
 info:
 	cpumla info

@@ -196,9 +196,9 @@ def peers(m: dict, a) -> tuple[str, str]:
     llama = bool(a.convert and a.llama_lib)
     base = ["python3", "benchmarks/compare.py", "-p", "512", "-n", "32", "-r", "3"]
     extra = ["--convert", a.convert, "--llama-lib", a.llama_lib] if llama else []
-    if llama and a.llama_no_extra_bufts:
-        extra.append("--llama-no-extra-bufts")
-    cmds = [base + extra] + ([base + ["--quant", q, "--skip-transformers"] + extra for q in ("q8", "q4")] if llama else [])
+    quantized = extra + (["--llama-no-extra-bufts"] if a.llama_no_extra_bufts else [])
+    cmds = [base + extra] + ([base + ["--quant", q, "--skip-transformers"] + quantized for q in ("q8", "q4")]
+                             if llama else [])
     env = {"PYTHONPATH": a.llama_sdist} if llama and a.llama_sdist else {}
     rows = []
     for cmd in cmds:
@@ -206,8 +206,8 @@ def peers(m: dict, a) -> tuple[str, str]:
             body = [line for line in t.splitlines() if line.startswith("| ") and not line.startswith("| engine")]
             rows += [[c.strip() for c in line.strip("|").split("|")] for line in body]
     tab = table(["engine", "pp512 tok/s", "tg32 tok/s", "cpumla prefill x", "cpumla decode x"], rows)
-    note = ("llama.cpp runs without its extra weight buffers (AMX, repack): with them it aborts on this model's "
-            "quantized files on an AMX CPU. " if llama and a.llama_no_extra_bufts else "")
+    note = ("llama.cpp's quantized runs go without its extra weight buffers (AMX, repack): with them it aborts "
+            "on this model's quantized files on an AMX CPU. " if llama and a.llama_no_extra_bufts else "")
     page = ("## Side by side with llama.cpp and transformers\n\nThe same weights in every engine: the 4-layer "
             "V2-Lite-width model saved as a bf16 checkpoint (vocabulary 129280, for llama.cpp's converter), "
             "converted to GGUF and quantized by llama.cpp's own tools for its rows; engines alternate run by run, "
@@ -238,7 +238,8 @@ def main() -> None:
     ap.add_argument("--llama-lib", default=None, help="directory of llama.cpp's libllama.so (a shared build)")
     ap.add_argument("--llama-sdist", default=None, help="llama-cpp-python's unpacked sdist (its Python code)")
     ap.add_argument("--convert", default=None, help="llama.cpp's convert_hf_to_gguf.py")
-    ap.add_argument("--llama-no-extra-bufts", action="store_true", help="see compare.py")
+    ap.add_argument("--llama-no-extra-bufts", action="store_true",
+                    help="llama.cpp's quantized runs without its AMX / repack buffers (see compare.py)")
     ap.add_argument("--out", default=str(PAGE))
     a = ap.parse_args()
     want = [s.strip() for s in a.sections.split(",") if s.strip()]
