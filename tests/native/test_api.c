@@ -1,6 +1,6 @@
 /* test_api.c: the public API (cpumla.h) under each implementation this CPU runs: cpumla_init and
  * introspection, then the multi-threaded kernels against the references of ref.h. */
-#include "kernels.h"
+#include "core/kernels.h"
 #include "ref.h"
 
 static int g_pass, g_fail;

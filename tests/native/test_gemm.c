@@ -6,7 +6,7 @@
  *   FP8 with partial 128x128 blocks in both directions, row ranges starting inside a block, E8M0 and
  *   F32 scales; NaN codes inside a packed panel (their rows, and only those, give NaN); FP8 rows
  *   long enough that the activations are converted in several chunks of tokens. */
-#include "kernels.h"
+#include "core/kernels.h"
 #include "ref.h"
 
 #define SENT 12345.0f

@@ -7,7 +7,7 @@
  *     --expect-isa  cpumla_init("") must pick NAME (run.sh nehalem: scalar)
  * Prints one line per implementation and case group, then "N passed, M failed"; exits 1 on failure.
  * The pass/fail bookkeeping (check, case_begin/case_end, watchdog) is in harness.c. */
-#include "kernels.h"
+#include "core/kernels.h"
 #include "ref.h"
 
 /* one line per (implementation, case group) */

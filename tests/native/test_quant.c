@@ -10,8 +10,8 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
-#include "kernels.h"
-#include "quant.h"
+#include "core/kernels.h"
+#include "core/quant.h"
 #include "ref.h"
 
 #define QSENT 12345.0f

@@ -4,7 +4,7 @@
  *   test_values (after the public API): cpumla_decode_operands for every level and format, every code
  *     normal or zero and value * 2^-k exactly; cpumla_isa_for_features over the x86 chain. */
 #include <float.h>
-#include "kernels.h"
+#include "core/kernels.h"
 #include "ref.h"
 
 /* ---- no subnormal operand or result in the linear algebra --------------------------------------
