@@ -1,6 +1,6 @@
-/* quant_driver.h: the integer (q8 / q4 / e2m1) GEMV and GEMM drivers over an ISA file's row x token
- * tile, shared by avx2_q.c and avx512_q.c, which are compiled with different flags and so cannot share
- * a function. Include it after defining
+/* quant_driver.h: the integer (q8 / q4 / e2m1) GEMV and GEMM drivers over a level's row x token tile,
+ * compiled once per level (avx2_q.c, avxvnni_q.c over int_avx2.h; avx512vnni_q.c, avx512f_fp4.c over
+ * int_avx512.h), whose flags differ, so they cannot share a function. Include it after defining
  *   tile_run(w, r, R, qx, per, T, y, ldy, fmt, prefetch, l2): R rows from r times T tokens of quantized
  *   activations (per bytes apart) into y (T rows ldy apart), fmt F_Q8 / F_Q4 / F_FP4 / F_FP4X, prefetch
  *   the distance of a software prefetch (0: none), l2 its target (common.h cpumla_pf_l2), always inlined so
@@ -38,8 +38,8 @@ static const tile_fn tiles[2][4] = {{tile_1_1, tile_2_1, tile_3_1, tile_4_1}, {t
 /* one token: the rows in order, one at a time (one stream), prefetched pf bytes ahead with target l2
  * (common.h: L1, L2, or L2 and L1). The prefetch runs on past r1 to the weight's last row, as the
  * other GEMVs' does: a span job's thread takes the rows after its task's range next (threadpool.h),
- * so its next task starts on rows already on their way (V2-Lite q8 decode, Intel Xeon: +0.5-1 point
- * of the probe). The last rows of the weight, whose prefetch would land past it, prefetch nothing. */
+ * so its next task starts on rows already on their way. The last rows of the weight, whose prefetch
+ * would land past it, prefetch nothing. */
 INLINE void gemv_rows(const cpumla_weight *w, const uint8_t *qx, float *y, int64_t r0, int64_t r1, int fmt,
                       int64_t pf, int l2) {
     const int64_t ahead = (pf + w->row_bytes - 1) / w->row_bytes;

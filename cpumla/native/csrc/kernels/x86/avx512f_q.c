@@ -266,5 +266,5 @@ void cpumla_fill_avx512f_q(cpumla_kernels *k) {
     k->quantize_row = quantize_row_avx512f;
     k->gemv_t_q = gemv_t_q_avx512f;
     for (int f = CPUMLA_Q8; f <= CPUMLA_Q4; f++) k->who_fmt[K_GEMV_T][f] = "avx512f";
-    cpumla_fill_avx512f_int(k);        /* avx512f_qi.c: E2M1's integer products */
+    cpumla_fill_avx512f_fp4(k);        /* avx512f_fp4.c: E2M1's integer products */
 }
