@@ -27,7 +27,7 @@ static int run_case(const cpumla_kernels *k, const tweight *t, const char *nm, i
     float *y = xalloc(sizeof(float) * (size_t)(n * ldy));
     for (int64_t i = 0; i < n * ldy; i++) y[i] = SENT;
     case_begin();
-    k->gemm(&t->w, x, ldx, n, y, ldy, r0, r1);
+    kern_gemm(k, &t->w, x, ldx, n, y, ldy, r0, r1);
     int bad = 0, gap_ok = 1, before = n_fail;
     for (int64_t tt = 0; tt < n; tt++) {
         for (int64_t i = 0; i < nr && bad < 3; i++) {
@@ -65,7 +65,7 @@ static void gemm_e4m3_token_chunks(const cpumla_kernels *k) {
     for (int64_t i = 0; i < n * ldx; i++) if (i % ldx < C) x[i] = rng_sym(1.0f);
     float *y = xalloc(sizeof(float) * (size_t)(n * R));
     case_begin();
-    k->gemm(&t.w, x, ldx, n, y, R, 0, R);
+    kern_gemm(k, &t.w, x, ldx, n, y, R, 0, R);
     int bad = 0;
     for (int64_t tt = 0; tt < n && bad < 3; tt++)
         for (int64_t r = 0; r < R && bad < 3; r++) {

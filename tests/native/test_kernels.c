@@ -109,7 +109,7 @@ static void test_gemv(const cpumla_kernels *k) {
             float *y = xalloc(sizeof(float) * (size_t)(nr + 4));
             for (int64_t i = 0; i < nr + 4; i++) y[i] = SENT;
             case_begin();
-            k->gemv(&t.w, x, y, r0, r1);
+            kern_gemv(k, &t.w, x, y, r0, r1);
             int bad = 0;
             for (int64_t i = 0; i < nr && bad < 3; i++) {
                 double mag, ref = ref_row_dot(&t, r0 + i, x, &mag);
@@ -141,7 +141,7 @@ static void test_gemm(const cpumla_kernels *k) {
             float *y = xalloc(sizeof(float) * (size_t)(n * ldy));
             for (int64_t i = 0; i < n * ldy; i++) y[i] = SENT;
             case_begin();
-            k->gemm(&t.w, x, ldx, n, y, ldy, r0, r1);
+            kern_gemm(k, &t.w, x, ldx, n, y, ldy, r0, r1);
             int bad = 0, gap_ok = 1;
             for (int64_t tt = 0; tt < n; tt++) {
                 for (int64_t i = 0; i < nr && bad < 3; i++) {
@@ -178,7 +178,7 @@ static void test_gemv_t(const cpumla_kernels *k) {
             float *y = xalloc(sizeof(float) * (size_t)(nc + 4));
             for (int64_t i = 0; i < nc + 4; i++) y[i] = SENT;
             case_begin();
-            k->gemv_t(&t.w, r0, nr, x, y, c0, c1);
+            kern_gemv_t(k, &t.w, r0, nr, x, y, c0, c1);
             int bad = 0;
             for (int64_t cc = c0; cc < c1 && bad < 3; cc++) {
                 double s = 0, mag = 0;
@@ -215,7 +215,7 @@ static void test_dequant(const cpumla_kernels *k) {
         for (int ri = 0; ri < 3; ri++) {
             for (int64_t i = 0; i < nc + 4; i++) out[i] = SENT;
             case_begin();
-            k->dequant_row(&t.w, rs[ri], c0, c1, out);
+            kern_dequant(k, &t.w, rs[ri], c0, c1, out);
             int ok = 1;
             int64_t at = -1;
             for (int64_t cc = c0; cc < c1; cc++)

@@ -18,11 +18,11 @@
 #include <xmmintrin.h>
 
 static void run_linear(const cpumla_kernels *k, const cpumla_weight *w, const float *x, float *out, int64_t per) {
-    k->gemv(&w[0], x, out, 0, w->rows);
-    k->gemm(&w[0], x, w->cols, 5, out + per, w->rows, 0, w->rows);
-    k->gemm(&w[0], x, w->cols, 2, out + 6 * per, w->rows, 0, w->rows);
-    k->gemv_t(&w[0], 0, w->rows, x, out + 8 * per, 0, w->cols);
-    for (int64_t r = 0; r < w->rows; r++) k->dequant_row(&w[0], r, 0, w->cols, out + 9 * per + r * w->cols);
+    kern_gemv(k, &w[0], x, out, 0, w->rows);
+    kern_gemm(k, &w[0], x, w->cols, 5, out + per, w->rows, 0, w->rows);
+    kern_gemm(k, &w[0], x, w->cols, 2, out + 6 * per, w->rows, 0, w->rows);
+    kern_gemv_t(k, &w[0], 0, w->rows, x, out + 8 * per, 0, w->cols);
+    for (int64_t r = 0; r < w->rows; r++) kern_dequant(k, &w[0], r, 0, w->cols, out + 9 * per + r * w->cols);
 }
 
 void test_daz_ftz(const cpumla_kernels *k) {

@@ -189,14 +189,23 @@ const char *cpumla_gemv_prefetch(void) {
     return buf;
 }
 
-/* ---- implementations: what each needs, and the level it builds on ------------------------------ */
+/* ---- levels: what each needs, the level it builds on, its fill ----------------------------------
+ * Levels form a tree (a level's table is its parent's with its own entries over it), listed from the
+ * least to the most preferred: the dispatcher picks the last one the CPU runs. avxvnni (AVX2 with
+ * AVX-VNNI's ymm vpdpbusd: Alder Lake and later clients, Sierra Forest) and avx512vnni (avx512f with
+ * AVX512_VNNI: Ice Lake, Cascade and Cooper Lake) replace their parent's integer products only.
+ * avx512f builds on avx2, not on avxvnni, because Ice Lake and Zen 4 have AVX-512 without AVX-VNNI (a
+ * CPU with both has AVX512_VNNI too, and avx512vnni uses it at twice the width).
+ * Adding a level is one line here (and its NEED_ mask), its fill and flags in kernels.h, its files
+ * and their FLAGS lines. Levels of the other architecture stay listed, unbuilt (fill NULL), so that
+ * CPUMLA_ISA names them with the right error. */
 typedef struct {
     const char *name;
-    void (*fill)(cpumla_kernels *);           /* NULL: all its entries come from its q fill (quant.c) */
-    uint64_t needs;                           /* its own features and every ancestor's */
-    const char *flags;
-    int (*decode)(int dtype, float *out);     /* cpumla_decode_operands; NULL: none */
     int parent;                               /* index of the level it builds on; -1: none */
+    uint64_t needs;                           /* its own features and every ancestor's */
+    void (*fill)(cpumla_kernels *);           /* its entries over its parent's; NULL: not built here */
+    const char *flags;                        /* its files' compiler flags, for cpumla_build_info */
+    int (*decode)(int dtype, float *out);     /* cpumla_decode_operands; NULL: none */
 } isa_t;
 
 #define NEED_AVX2 (CPUMLA_FEAT_AVX | CPUMLA_FEAT_AVX2 | CPUMLA_FEAT_FMA | CPUMLA_FEAT_F16C | CPUMLA_FEAT_OS_AVX)
@@ -207,30 +216,37 @@ typedef struct {
 #define NEED_AVX512 (NEED_AVX512VNNI | CPUMLA_FEAT_AVX512BF16 | CPUMLA_FEAT_AVX512VBMI)
 #define NEED_AMX (NEED_AVX512 | CPUMLA_FEAT_AMX_TILE | CPUMLA_FEAT_AMX_BF16 | CPUMLA_FEAT_AMX_INT8 | CPUMLA_FEAT_OS_AMX)
 
-/* Levels form a tree (a level's table is its parent's with its own entries over it), listed from the
- * least to the most preferred: the dispatcher picks the last one the CPU runs. avxvnni (AVX2 with
- * AVX-VNNI's ymm vpdpbusd: Alder Lake and later clients, Sierra Forest) and avx512vnni (avx512f with
- * AVX512_VNNI: Ice Lake, Cascade and Cooper Lake) replace their parent's integer products only.
- * avx512f builds on avx2, not on avxvnni, because Ice Lake and Zen 4 have AVX-512 without AVX-VNNI (a
- * CPU with both has AVX512_VNNI too, and avx512vnni uses it at twice the width). */
-static const isa_t isas[] = {
-    {"scalar", cpumla_fill_scalar, 0, cpumla_flags_scalar, cpumla_decode_operands_scalar, -1},
+/* a level's fill, flags and decode where its architecture is this one's, else none */
 #if defined(__x86_64__)
-    {"avx2", cpumla_fill_avx2, NEED_AVX2, cpumla_flags_avx2, cpumla_decode_operands_avx2, 0},
-    {"avxvnni", NULL, NEED_AVXVNNI, cpumla_flags_avxvnni, cpumla_decode_operands_avx2, 1},
-    {"avx512f", cpumla_fill_avx512f, NEED_AVX512F, cpumla_flags_avx512f, cpumla_decode_operands_avx512f, 1},
-    {"avx512vnni", NULL, NEED_AVX512VNNI, cpumla_flags_avx512vnni, cpumla_decode_operands_avx512f, 3},
-    {"avx512", cpumla_fill_avx512, NEED_AVX512, cpumla_flags_avx512, cpumla_decode_operands_avx512, 4},
-    {"amx", cpumla_fill_amx, NEED_AMX, cpumla_flags_amx, cpumla_decode_operands_avx512, 5},
-#elif defined(__aarch64__)
-    {"neon", cpumla_fill_neon, CPUMLA_FEAT_NEON, cpumla_flags_neon, cpumla_decode_operands_neon, 0},
+#define X86(fill, flags, decode) fill, flags, decode
+#else
+#define X86(fill, flags, decode) NULL, NULL, NULL
 #endif
+#if defined(__aarch64__)
+#define ARM(fill, flags, decode) fill, flags, decode
+#else
+#define ARM(fill, flags, decode) NULL, NULL, NULL
+#endif
+
+static const isa_t isas[] = {
+    {"scalar", -1, 0, cpumla_fill_scalar, cpumla_flags_scalar, cpumla_decode_operands_scalar},
+    {"avx2", 0, NEED_AVX2, X86(cpumla_fill_avx2, cpumla_flags_avx2, cpumla_decode_operands_avx2)},
+    {"avxvnni", 1, NEED_AVXVNNI, X86(cpumla_fill_avxvnni, cpumla_flags_avxvnni, cpumla_decode_operands_avx2)},
+    {"avx512f", 1, NEED_AVX512F, X86(cpumla_fill_avx512f, cpumla_flags_avx512f, cpumla_decode_operands_avx512f)},
+    {"avx512vnni", 3, NEED_AVX512VNNI,
+     X86(cpumla_fill_avx512vnni, cpumla_flags_avx512vnni, cpumla_decode_operands_avx512f)},
+    {"avx512", 4, NEED_AVX512, X86(cpumla_fill_avx512, cpumla_flags_avx512, cpumla_decode_operands_avx512)},
+    {"amx", 5, NEED_AMX, X86(cpumla_fill_amx, cpumla_flags_amx, cpumla_decode_operands_avx512)},
+    {"neon", 0, CPUMLA_FEAT_NEON, ARM(cpumla_fill_neon, cpumla_flags_neon, cpumla_decode_operands_neon)},
 };
 #define N_ISAS ((int)(sizeof isas / sizeof isas[0]))
 
+static int built(int i) { return isas[i].fill != NULL; }
+
+/* a level built for this architecture, by name; -1: none */
 static int isa_index(const char *name) {
     for (int i = 0; i < N_ISAS; i++)
-        if (!strcmp(isas[i].name, name)) return i;
+        if (built(i) && !strcmp(isas[i].name, name)) return i;
     return -1;
 }
 
@@ -242,7 +258,7 @@ static int chain_of(int i, int chain[N_ISAS]) {
     return n;
 }
 
-static int runnable_with(int i, uint64_t f) { return (f & isas[i].needs) == isas[i].needs; }
+static int runnable_with(int i, uint64_t f) { return built(i) && (f & isas[i].needs) == isas[i].needs; }
 static int runnable(int i) { return runnable_with(i, cpumla_cpu_features()); }
 
 /* the most preferred level whose needs (its ancestors' included) the features meet */
@@ -276,7 +292,8 @@ const char *cpumla_isa_list(void) {
     static char buf[128];
     buf[0] = 0;
     for (int i = 0; i < N_ISAS; i++) {
-        if (i) strcat(buf, " ");
+        if (!built(i)) continue;
+        if (buf[0]) strcat(buf, " ");
         strcat(buf, isas[i].name);
     }
     return buf;
@@ -310,22 +327,19 @@ const char *cpumla_isa_missing(const char *isa) {
     return buf;
 }
 
-static const char *known_isas[] = {"scalar", "avx2", "avxvnni", "avx512f", "avx512vnni", "avx512", "amx", "neon"};
-
+/* a level of either architecture, built here or not */
 static int is_known_isa(const char *name) {
-    for (size_t i = 0; i < sizeof known_isas / sizeof known_isas[0]; i++)
-        if (!strcmp(known_isas[i], name)) return 1;
+    for (int i = 0; i < N_ISAS; i++)
+        if (!strcmp(isas[i].name, name)) return 1;
     return 0;
 }
 
-/* level i's table: every fill of its chain from the root, then each level's q fill (quant.c) */
+/* level i's table: every fill of its chain, from the root */
 static void fill_level(cpumla_kernels *k, int i) {
     int chain[N_ISAS];
     const int n = chain_of(i, chain);
     memset(k, 0, sizeof *k);
-    for (int j = 0; j < n; j++)
-        if (isas[chain[j]].fill) isas[chain[j]].fill(k);
-    for (int j = 0; j < n; j++) cpumla_fill_quant(k, isas[chain[j]].name);
+    for (int j = 0; j < n; j++) isas[chain[j]].fill(k);
 }
 
 int cpumla_fill_level(cpumla_kernels *k, const char *isa) {
@@ -426,7 +440,7 @@ const char *cpumla_build_info(void) {
     static char buf[2048];
     int n = snprintf(buf, sizeof buf, "compiler: %s", __VERSION__);
     for (int i = 0; i < N_ISAS && n < (int)sizeof buf; i++)
-        n += snprintf(buf + n, sizeof buf - n, "\n%s: %s", isas[i].name, isas[i].flags);
+        if (built(i)) n += snprintf(buf + n, sizeof buf - n, "\n%s: %s", isas[i].name, isas[i].flags);
     return buf;
 }
 

@@ -1,11 +1,13 @@
-/* kernels.h: the table each implementation fills (scalar.c, avx2.c, avx512.c, amx.c, neon.c).
+/* kernels.h: the kernel table each instruction-set level fills, and the numeric contract its entries
+ * keep.
  *
  * Entries are single-threaded kernels over a range (rows, columns, KV entries); ops.c splits the work
- * of a public call (cpumla.h) over the thread pool and calls these. The dispatcher fills the table
- * from scalar.c first, then lets each better implementation the CPU supports overwrite the entries it
- * has, in order scalar -> avx2 -> avx512f -> avx512 -> amx (x86) or scalar -> neon (arm64). who[] names the file
- * that owns each entry and who_fmt[] the one that serves each weight format of the linear-algebra
- * entries (a fill sets it for the formats it really handles), for `cpumla info`.
+ * of a public call (cpumla.h) over the thread pool and calls these. Levels form a tree (dispatch.c's
+ * isas[]): a level's table is its parent's with the level's own entries written over it, so a table is
+ * filled by the fill of every level from the root down to the chosen one: scalar -> avx2 -> avxvnni,
+ * or scalar -> avx2 -> avx512f -> avx512vnni -> avx512 -> amx (x86-64); scalar -> neon (arm64). who[]
+ * names the level that owns each entry and who_fmt[] the one that serves each weight format of the
+ * linear-algebra entries (a fill sets it for the formats it really handles), for `cpumla info`.
  *
  * Every entry's semantics are those of its scalar twin in scalar.c, which is the spec.
  *
@@ -39,9 +41,9 @@
  * E2M1's other layouts (a partial edge block: cols % 32 != 0; wider blocks; F32 scales) keep the fp32
  * product of scalar.c (x as given, each block scale applied once to the block's partial sum), to
  * which every implementation hands them, gemv and gemm alike.
- * The table entries gemv, gemm, gemv_t and dequant_row take Q8 / Q4 weights too: quant.c wraps the
- * entries the implementations installed and sends those two formats (and E2M1's 1x32 E8M0 layout, in
- * gemv and gemm) to the q entries below.
+ * The table entries gemv, gemm, gemv_t and dequant_row take the checkpoint formats only. Every caller
+ * goes through kern_gemv, kern_gemm, kern_gemv_t and kern_dequant (below), which send Q8 / Q4 weights
+ * (and E2M1's 1x32 E8M0 layout, in gemv and gemm) to the table's q entries.
  */
 #ifndef CPUMLA_KERNELS_H
 #define CPUMLA_KERNELS_H
@@ -143,6 +145,10 @@ typedef struct cpumla_kernels {
      * for NaN- and inf-free input. */
     void (*quantize_row)(int32_t dtype, const float *row, int64_t nb, uint8_t *q, uint16_t *scales);
 
+    /* the sampler's passes over a logits row (core/sample.h), compiled for this level's vectors: every
+     * level's compute the same bits, so a level without passes of its own keeps its parent's */
+    const struct sample_passes *sample_passes;
+
     const char *who[K_COUNT];
 
     /* who_fmt[K_GEMV .. K_DEQUANT][weight dtype]: the implementation that really serves that format
@@ -190,35 +196,68 @@ CPUMLA_INTERNAL void *cpumla_scratch(int slot, size_t bytes);
  * machine (a Zen 5 KVM guest): 0.56 faults a layer a token, 11 us a layer. */
 CPUMLA_INTERNAL void *cpumla_cache_alloc(size_t bytes);
 
-/* Each implementation exports one function that overwrites the entries it provides (avxvnni and
- * avx512vnni provide only q entries: their q fill, cpumla_fill_quant, is all they have). avx2, avx512 and
- * neon keep their row-wise and attention kernels apart from their linear algebra: their fill calls
- * the _rows one (and avx2's and avx512f's the _gemm one, their gemm being a file of its own). */
-void cpumla_fill_scalar(cpumla_kernels *k);
-void cpumla_fill_avx2(cpumla_kernels *k);
-void cpumla_fill_avx2_rows(cpumla_kernels *k);     /* avx2_rows.c; called by cpumla_fill_avx2 */
-void cpumla_fill_avx2_gemm(cpumla_kernels *k);     /* avx2_gemm.c; called by cpumla_fill_avx2 */
-void cpumla_fill_avx512f(cpumla_kernels *k);      /* avx512.c: AVX-512 F/BW/VL/DQ */
-void cpumla_fill_avx512_rows(cpumla_kernels *k);   /* avx512_rows.c; called by cpumla_fill_avx512f */
-void cpumla_fill_avx512_gemm(cpumla_kernels *k);   /* avx512_gemm.c; called by cpumla_fill_avx512f */
-void cpumla_fill_avx512(cpumla_kernels *k);        /* avx512_bf16.c: + BF16/VBMI, over avx512vnni */
-void cpumla_fill_amx(cpumla_kernels *k);
-void cpumla_fill_neon(cpumla_kernels *k);
-void cpumla_fill_neon_rows(cpumla_kernels *k);     /* neon_rows.c; called by cpumla_fill_neon */
-/* Q8 / Q4 (quant.c): called by dispatch.c once per level of the chosen chain, after every level's fill;
- * "scalar" installs the spec and wraps gemv / gemm / gemv_t / dequant_row so that Q8 / Q4 weights go
- * to the q entries, the others fill the q entries they implement (unknown names: none). */
-void cpumla_fill_quant(cpumla_kernels *k, const char *isa);
+/* ---- the linear algebra as callers reach it (quant.c) ---------------------------------------------
+ * k's gemv / gemm / gemv_t / dequant_row for the checkpoint formats; Q8 / Q4 weights to k's q entries
+ * (quant_x + gemm_q, gemv_t_q, dequant_q), and E2M1 weights of 1x32 E8M0 blocks in gemv and gemm to
+ * quant_x + gemm_q, or gemm_fp4 from gemm_fp4_min_n tokens. A Q8 / Q4 / E2M1 product quantizes its
+ * activation rows into this thread's CPUMLA_SCRATCH_QX (out of memory: nothing done, the call fails). */
+CPUMLA_INTERNAL void kern_gemv(const cpumla_kernels *k, const cpumla_weight *w, const float *x, float *y, int64_t r0,
+                               int64_t r1);
+CPUMLA_INTERNAL void kern_gemm(const cpumla_kernels *k, const cpumla_weight *w, const float *x, int64_t ldx,
+                               int64_t n, float *y, int64_t ldy, int64_t r0, int64_t r1);
+CPUMLA_INTERNAL void kern_gemv_t(const cpumla_kernels *k, const cpumla_weight *w, int64_t r0, int64_t nr,
+                                 const float *x, float *y, int64_t c0, int64_t c1);
+CPUMLA_INTERNAL void kern_dequant(const cpumla_kernels *k, const cpumla_weight *w, int64_t r, int64_t c0,
+                                  int64_t c1, float *out);
+/* A GEMV job over weights that take quantized activations: the caller quantizes x once and every task
+ * multiplies from that, rather than each task quantizing it again. The results are bit for bit
+ * kern_gemv's.
+ *   kern_qx_bytes: bytes of one quantized row for w; 0 when w's gemv takes x as it is.
+ *   kern_quant_rows: n rows of x (ldx apart) -> qx, kern_qx_bytes(k, w) bytes apart.
+ *   kern_gemv_qx: y[i] = W[r0 + i, :] . x for rows [r0, r1), from qx. */
+CPUMLA_INTERNAL int64_t kern_qx_bytes(const cpumla_kernels *k, const cpumla_weight *w);
+CPUMLA_INTERNAL void kern_quant_rows(const cpumla_kernels *k, const cpumla_weight *w, const float *x, int64_t ldx,
+                                     int64_t n, void *qx);
+CPUMLA_INTERNAL void kern_gemv_qx(const cpumla_kernels *k, const cpumla_weight *w, const void *qx, float *y,
+                                  int64_t r0, int64_t r1);
+
+/* ---- the levels' fills, called by dispatch.c root first ------------------------------------------
+ * Each level exports one fill that overwrites the entries it provides: its q entries last (its q fill,
+ * quant.h) and the sampler's passes where it compiles its own. A level whose kernels are split over
+ * several files calls their fills from its own. */
+void cpumla_fill_scalar(cpumla_kernels *k);        /* scalar.c; + scalar_q.c, scalar_sample.c */
+void cpumla_fill_avx2(cpumla_kernels *k);          /* avx2.c; + avx2_q.c, avx2_sample.c and: */
+void cpumla_fill_avx2_rows(cpumla_kernels *k);     /* avx2_rows.c */
+void cpumla_fill_avx2_gemm(cpumla_kernels *k);     /* avx2_gemm.c */
+void cpumla_fill_avxvnni(cpumla_kernels *k);       /* avxvnni_q.c: the integer products only */
+void cpumla_fill_avx512f(cpumla_kernels *k);       /* avx512f.c; + avx512f_q.c, avx512f_sample.c and: */
+void cpumla_fill_avx512f_rows(cpumla_kernels *k);  /* avx512f_rows.c */
+void cpumla_fill_avx512f_gemm(cpumla_kernels *k);  /* avx512f_gemm.c */
+void cpumla_fill_avx512vnni(cpumla_kernels *k);    /* avx512vnni_q.c: the integer products only */
+void cpumla_fill_avx512(cpumla_kernels *k);        /* avx512.c: BF16 and E4M3 products */
+void cpumla_fill_amx(cpumla_kernels *k);           /* amx.c: the tiled gemm */
+void cpumla_fill_neon(cpumla_kernels *k);          /* neon.c; + neon_q.c or neon_q_dot.c and: */
+void cpumla_fill_neon_rows(cpumla_kernels *k);     /* neon_rows.c */
+/* the q entries (quant.h: the formats), each called last by its level's fill; avxvnni's and
+ * avx512vnni's fills set nothing else */
+void cpumla_fill_scalar_q(cpumla_kernels *k);      /* scalar_q.c: the spec */
+void cpumla_fill_avx2_q(cpumla_kernels *k);        /* avx2_q.c */
+void cpumla_fill_avx512f_q(cpumla_kernels *k);     /* avx512f_q.c: quantize_row, gemv_t_q, and: */
+void cpumla_fill_avx512f_fp4(cpumla_kernels *k);   /* avx512f_fp4.c: E2M1 (int_avx512.h without VNNI) */
+void cpumla_fill_amx_q(cpumla_kernels *k);         /* amx.c: gemm_q on int8 tiles, over avx512vnni's */
+void cpumla_fill_neon_q(cpumla_kernels *k);        /* neon_q.c: int_neon.h at baseline */
+void cpumla_fill_neon_q_dot(cpumla_kernels *k);    /* neon_q_dot.c: int_neon.h with +dotprod */
 
 /* The flags each file was compiled with, recorded by the build (CPUMLA_FLAGS_<ISA> macros). */
 extern const char cpumla_flags_scalar[], cpumla_flags_avx2[], cpumla_flags_avxvnni[], cpumla_flags_avx512f[],
     cpumla_flags_avx512vnni[], cpumla_flags_avx512[], cpumla_flags_amx[], cpumla_flags_neon[];
 
-/* A table filled as cpumla_init(isa) fills it (the level's chain, then the q fills), for the tests that
- * check each level's table on its own: -1 when isa is unknown or not built for this architecture. */
+/* A table filled as cpumla_init(isa) fills it (every fill of the level's chain, root first), for the
+ * tests that check each level's table on its own: -1 when isa is unknown or not built for this
+ * architecture. */
 int cpumla_fill_level(cpumla_kernels *k, const char *isa);
 
-/* cpumla_decode_operands (cpumla.h) per implementation: dtype CPUMLA_E4M3 or CPUMLA_E2M1; fills
+/* cpumla_decode_operands (cpumla.h) per level: dtype CPUMLA_E4M3 or CPUMLA_E2M1; fills
  * out[code] with the GEMV hot loop's weight operand, returns the power of two k with operand * 2^k =
  * the code's value, -1 for a format it has no loop for. */
 int cpumla_decode_operands_scalar(int dtype, float *out);

@@ -70,9 +70,9 @@ static void kv_b_rows(const mha_job *job, int64_t j0, int64_t nk, float *lat, in
     if (job->xb) {
         cpumla_k.gemm_xb(a->kv_b, job->xb + (j0 - job->j_begin) * job->ldb, job->ldb, nk, y, ldy, r0, r1);
     } else if (a->kv_dtype == CPUMLA_BF16) {
-        cpumla_k.gemm(a->kv_b, lat, pad16(a->rank), nk, y, ldy, r0, r1);
+        kern_gemm(&cpumla_k, a->kv_b, lat, pad16(a->rank), nk, y, ldy, r0, r1);
     } else {
-        cpumla_k.gemm(a->kv_b, (const float *)a->kv + j0 * a->ld_kv, a->ld_kv, nk, y, ldy, r0, r1);
+        kern_gemm(&cpumla_k, a->kv_b, (const float *)a->kv + j0 * a->ld_kv, a->ld_kv, nk, y, ldy, r0, r1);
     }
 }
 
@@ -126,12 +126,12 @@ static void mha_task(void *p, int64_t t, int tid) {
             for (int64_t i = s0; i < q1; i++) ne = max64(ne, min64(visible(a, i) - j0, nk));
             if (ne <= 0) continue;
             cpumla_weight kw = f32_rows(k, ne, dk, dk), vw = f32_rows(vt, dv, ne, MHA_KB);
-            cpumla_k.gemm(&kw, a->q + s0 * a->ldq_t + h * a->ldq_h, a->ldq_t, q1 - s0, s, MHA_KB, 0, ne);
+            kern_gemm(&cpumla_k, &kw, a->q + s0 * a->ldq_t + h * a->ldq_h, a->ldq_t, q1 - s0, s, MHA_KB, 0, ne);
             for (int64_t i = s0; i < q1; i++) {
                 int64_t valid = max64(0, min64(visible(a, i) - j0, ne));
                 c[i - s0] = cpumla_k.softmax_block(s + (i - s0) * MHA_KB, ne, valid, a->scale, &m[i], &l[i]);
             }
-            cpumla_k.gemm(&vw, s, MHA_KB, q1 - s0, pv, dv, 0, dv);
+            kern_gemm(&cpumla_k, &vw, s, MHA_KB, q1 - s0, pv, dv, 0, dv);
             for (int64_t i = s0; i < q1; i++) {
                 float *o = a->out + i * a->ldo_t + h * a->ldo_h, ci = c[i - s0];
                 const float *add = pv + (i - s0) * dv;

@@ -156,8 +156,8 @@ static void moe1_in_task(void *p, int64_t t, int tid) {
         const cpumla_expert *ex = &j->experts[j->idx[e]];
         const cpumla_weight *w = which ? &ex->up : &ex->gate;
         float *y = j->h + e * 2 * j->I + which * j->I + r0;
-        if (j->qx) cpumla_gemv_qx(w, j->qx, y, r0, r1);
-        else cpumla_k.gemv(w, j->x, y, r0, r1);
+        if (j->qx) kern_gemv_qx(&cpumla_k, w, j->qx, y, r0, r1);
+        else kern_gemv(&cpumla_k, w, j->x, y, r0, r1);
     }
 }
 
@@ -171,13 +171,13 @@ static void moe1_out_task(void *p, int64_t t, int tid) {
         int64_t r0 = max64(u0 - e * j->D, 0), r1 = min64(u1 - e * j->D, j->D);
         if (j->idx[e] < 0 || r0 >= r1) continue;
         const cpumla_weight *w = &j->experts[j->idx[e]].down;
-        if (j->qx) cpumla_gemv_qx(w, j->qx + e * j->per_out, j->o + e * j->D + r0, r0, r1);
-        else cpumla_k.gemv(w, j->h + e * 2 * j->I, j->o + e * j->D + r0, r0, r1);
+        if (j->qx) kern_gemv_qx(&cpumla_k, w, j->qx + e * j->per_out, j->o + e * j->D + r0, r0, r1);
+        else kern_gemv(&cpumla_k, w, j->h + e * 2 * j->I, j->o + e * j->D + r0, r0, r1);
     }
 }
 
 /* bytes of the quantized activation row that the chosen experts' gate and up weights (down: their
- * down weights) all take (cpumla_qx_bytes), when they are of one dtype: the job then quantizes its
+ * down weights) all take (kern_qx_bytes), when they are of one dtype: the job then quantizes its
  * activations once, not once a task; else 0 */
 static int64_t shared_qx_bytes(const cpumla_expert *experts, const int32_t *idx, int64_t k, int down) {
     const cpumla_weight *first = NULL;
@@ -187,10 +187,11 @@ static int64_t shared_qx_bytes(const cpumla_expert *experts, const int32_t *idx,
         const cpumla_weight *ws[2] = {down ? &ex->down : &ex->gate, down ? &ex->down : &ex->up};
         for (int i = 0; i < 2; i++) {
             if (!first) first = ws[i];
-            if (!cpumla_qx_bytes(ws[i]) || ws[i]->dtype != first->dtype || ws[i]->cols != first->cols) return 0;
+            if (!kern_qx_bytes(&cpumla_k, ws[i]) || ws[i]->dtype != first->dtype || ws[i]->cols != first->cols)
+                return 0;
         }
     }
-    return first ? cpumla_qx_bytes(first) : 0;
+    return first ? kern_qx_bytes(&cpumla_k, first) : 0;
 }
 
 static int moe_one_token(const cpumla_expert *experts, const float *x, const int32_t *idx, const float *w,
@@ -213,7 +214,7 @@ static int moe_one_token(const cpumla_expert *experts, const float *x, const int
     if (per_in) {
         const int32_t *first = idx;
         while (*first < 0) first++;           /* per_in > 0: some expert was chosen */
-        cpumla_quant_rows(&experts[*first].gate, x, 0, 1, qx);
+        kern_quant_rows(&cpumla_k, &experts[*first].gate, x, 0, 1, qx);
         j.qx = qx;
     }
     cpumla_pool_run_spans(threads * j.pieces_in, moe1_in_task, &j);
@@ -222,7 +223,7 @@ static int moe_one_token(const cpumla_expert *experts, const float *x, const int
     j.qx = NULL;
     if (per_out) {
         for (int64_t e = 0; e < k; e++)
-            if (idx[e] >= 0) cpumla_quant_rows(&experts[idx[e]].down, h + e * 2 * I, 0, 1, qx + e * per_out);
+            if (idx[e] >= 0) kern_quant_rows(&cpumla_k, &experts[idx[e]].down, h + e * 2 * I, 0, 1, qx + e * per_out);
         j.qx = qx;
         j.per_out = per_out;
     }

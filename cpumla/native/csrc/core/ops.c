@@ -43,8 +43,8 @@ static void gemv_task(void *p, int64_t t, int tid) {
     if (r1 <= r0) return;
     r0 += j->r_begin;
     r1 += j->r_begin;
-    if (j->qx) cpumla_gemv_qx(j->w, j->qx, j->y + (r0 - j->r_begin), r0, r1);
-    else cpumla_k.gemv(j->w, j->x, j->y + (r0 - j->r_begin), r0, r1);
+    if (j->qx) kern_gemv_qx(&cpumla_k, j->w, j->qx, j->y + (r0 - j->r_begin), r0, r1);
+    else kern_gemv(&cpumla_k, j->w, j->x, j->y + (r0 - j->r_begin), r0, r1);
 }
 
 static void gemm_task(void *p, int64_t t, int tid) {
@@ -60,7 +60,7 @@ static void gemm_task(void *p, int64_t t, int tid) {
         cpumla_k.gemm_xb(j->w, j->xb + t0 * j->ldb, j->ldb, t1 - t0, j->y + t0 * j->ldy + (r0 - j->r_begin),
                          j->ldy, r0, r1);
     else
-        cpumla_k.gemm(j->w, j->x + t0 * j->ldx, j->ldx, t1 - t0, j->y + t0 * j->ldy + (r0 - j->r_begin),
+        kern_gemm(&cpumla_k, j->w, j->x + t0 * j->ldx, j->ldx, t1 - t0, j->y + t0 * j->ldy + (r0 - j->r_begin),
                       j->ldy, r0, r1);
 }
 
@@ -85,12 +85,12 @@ static void linear_rows(const cpumla_weight *w, int64_t r_begin, int64_t r_end, 
     int small = threads == 1 || rows * w->cols * n < MIN_PARALLEL_WORK;
     lin_job j = {.w = w, .r_begin = r_begin, .r_end = r_end, .x = x, .ldx = ldx, .n = n, .y = y, .ldy = ldy};
     if (n == 1) {
-        if (small) { cpumla_k.gemv(w, x, y, r_begin, r_end); return; }
-        int64_t per = cpumla_qx_bytes(w);
+        if (small) { kern_gemv(&cpumla_k, w, x, y, r_begin, r_end); return; }
+        int64_t per = kern_qx_bytes(&cpumla_k, w);
         if (per) {
             void *qx = cpumla_scratch(CPUMLA_SCRATCH_QX_JOB, (size_t)per);
             if (!qx) return;
-            cpumla_quant_rows(w, x, 0, 1, qx);
+            kern_quant_rows(&cpumla_k, w, x, 0, 1, qx);
             j.qx = qx;
         }
         /* each thread streams its span of the rows in pieces that shrink towards its end (threadpool.h) */
@@ -106,7 +106,7 @@ static void linear_rows(const cpumla_weight *w, int64_t r_begin, int64_t r_end, 
     }
     if (small) {
         if (j.xb) cpumla_k.gemm_xb(w, j.xb, j.ldb, n, y, ldy, r_begin, r_end);
-        else cpumla_k.gemm(w, x, ldx, n, y, ldy, r_begin, r_end);
+        else kern_gemm(&cpumla_k, w, x, ldx, n, y, ldy, r_begin, r_end);
         return;
     }
     /* row blocks of 64 (128 for FP8 with 128-row scale blocks: the rows of a scale block share one
@@ -196,8 +196,8 @@ static void head_gemv_task(void *p, int64_t t, int tid) {
     int64_t r0 = j->row0 + h * j->head_stride;
     const float *x = j->x + h * j->ldx_h + tok * j->ldx_t;
     float *y = j->y + h * j->ldy_h + tok * j->ldy_t;
-    if (j->n == 1) cpumla_k.gemv(j->w, x, y, r0, r0 + j->head_rows);
-    else cpumla_k.gemm(j->w, x, j->ldx_t, j->n, y, j->ldy_t, r0, r0 + j->head_rows);
+    if (j->n == 1) kern_gemv(&cpumla_k, j->w, x, y, r0, r0 + j->head_rows);
+    else kern_gemm(&cpumla_k, j->w, x, j->ldx_t, j->n, y, j->ldy_t, r0, r0 + j->head_rows);
 }
 
 int cpumla_head_gemv(const cpumla_weight *w, int64_t row0, int64_t head_stride, int64_t head_rows,
@@ -222,7 +222,7 @@ static void head_gemv_t_task(void *p, int64_t t, int tid) {
     int64_t ct = t % j->col_tasks, rest = t / j->col_tasks;
     int64_t tok = rest % j->n, h = rest / j->n;      /* a head's tokens in a row: its rows stay in L2 */
     int64_t c0 = ct * j->cols_per_task, c1 = min64(c0 + j->cols_per_task, j->w->cols);
-    cpumla_k.gemv_t(j->w, j->row0 + h * j->head_stride, j->head_rows, j->x + tok * j->ldx_t + h * j->ldx_h,
+    kern_gemv_t(&cpumla_k, j->w, j->row0 + h * j->head_stride, j->head_rows, j->x + tok * j->ldx_t + h * j->ldx_h,
                     j->y + tok * j->ldy_t + h * j->ldy_h + c0, c0, c1);
 }
 
@@ -258,7 +258,7 @@ int cpumla_head_gemv_t(const cpumla_weight *w, int64_t row0, int64_t head_stride
 void cpumla_dequant(const cpumla_weight *w, int64_t r0, int64_t r1, float *out, int64_t ldo) {
     cpumla_enter(NULL);
     cpumla_ensure_init();
-    for (int64_t r = r0; r < r1; r++) cpumla_k.dequant_row(w, r, 0, w->cols, out + (r - r0) * ldo);
+    for (int64_t r = r0; r < r1; r++) kern_dequant(&cpumla_k, w, r, 0, w->cols, out + (r - r0) * ldo);
     cpumla_leave(0);
 }
 

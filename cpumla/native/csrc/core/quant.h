@@ -178,15 +178,4 @@ static inline int8_t q_hi(int32_t q) { return (int8_t)((q - q_lo(q)) / 256); }
 /* who_fmt of gemm for E2M1 on a level with gemm_fp4 */
 #define E2M1_GEMM_WHO(isa, min) isa " (fp32 FMAs from " FP4_STR(min) " tokens; " E2M1_HANDBACK ")"
 
-/* Implementations' q fills (quant.c calls them by name) */
-void cpumla_fill_scalar_q(cpumla_kernels *k);
-void cpumla_fill_avx2_q(cpumla_kernels *k);
-void cpumla_fill_avxvnni_q(cpumla_kernels *k);     /* avxvnni_q.c: int_avx2.h with AVX-VNNI */
-void cpumla_fill_avx512f_q(cpumla_kernels *k);     /* avx512f_q.c: quantize_row, and avx512f_fp4.c's */
-void cpumla_fill_avx512f_fp4(cpumla_kernels *k);   /* avx512f_fp4.c: E2M1 (int_avx512.h without VNNI) */
-void cpumla_fill_avx512vnni_q(cpumla_kernels *k);  /* avx512vnni_q.c: int_avx512.h */
-void cpumla_fill_amx_q(cpumla_kernels *k);         /* amx.c: gemm_q on int8 tiles, over avx512vnni's */
-void cpumla_fill_neon_q(cpumla_kernels *k);
-void cpumla_fill_neon_q_dot(cpumla_kernels *k);    /* neon_q_dot.c: int_neon.h with +dotprod */
-
 #endif

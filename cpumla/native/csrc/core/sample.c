@@ -11,18 +11,19 @@
  *      the draw) walks the bins from the top, gathers the crossing bin's ids (one vectorised scan,
  *      kept for the next query on the same bin), and refines them on p's next 8 bits until one bit
  *      pattern is left: tokens with identical p, which follow in id order.
- * The passes of 1-4 are in sample_passes.h, compiled per instruction set (sample_avx2.c,
- * sample_avx512.c) with identical results. Masses are integers (p truncated to a multiple of 2^-S,
- * S = 53 - the bit length of n), so every sum is exact in any order: the histogram finds the same
- * crossings as a full sort. Bits order like non-negative floats, so bins follow the order.
- * FLAGS compiles these files with -ffp-contract=off (the exp is a fixed sequence of float32
- * operations that numpy repeats; a fused multiply-add would round differently) and
- * -fno-trapping-math (lets gcc vectorise the exp's selects; no value changes). */
+ * The passes of 1-4 are the chosen level's (kernels.h's sample_passes: sample_passes.h compiled by
+ * scalar_sample.c, avx2_sample.c, avx512f_sample.c), with identical results at every level. Masses
+ * are integers (p truncated to a multiple of 2^-S, S = 53 - the bit length of n), so every sum is
+ * exact in any order: the histogram finds the same crossings as a full sort. Bits order like
+ * non-negative floats, so bins follow the order. FLAGS compiles this file and the passes with
+ * -ffp-contract=off (the exp is a fixed sequence of float32 operations that numpy repeats; a fused
+ * multiply-add would round differently) and -fno-trapping-math (lets gcc vectorise the exp's selects;
+ * no value changes). */
 #include <math.h>
 #include <string.h>
 #include "cpumla.h"
 #include "core/dispatch.h"
-#include "kernels/generic/sample_passes.h"
+#include "core/sample.h"
 
 #define MAX_S 52                            /* masses are p in units of 2^-S, S <= MAX_S */
 #define L1_BINS 4096                        /* level-1 bins at most */
@@ -62,17 +63,10 @@ static const char *row_error(int status) {
     }
 }
 
-/* The passes over the row for the implementation cpumla_init chose (the same values at each). */
-DEFINE_SAMPLE_PASSES(sample_passes_baseline);
-
+/* The passes over the row of the level cpumla_init chose (the same values at each). */
 static const sample_passes *passes(void) {
-#if defined(__x86_64__)
-    const char *isa = cpumla_isa();
-    if (!strcmp(isa, "avx2")) return &cpumla_sample_passes_avx2;
-    if (!strcmp(isa, "avx512f") || !strcmp(isa, "avx512") || !strcmp(isa, "amx"))
-        return &cpumla_sample_passes_avx512;
-#endif
-    return &sample_passes_baseline;
+    cpumla_ensure_init();
+    return cpumla_k.sample_passes;
 }
 
 /* the row's max into *m, or -1 with the row's error (NaN, or no finite logit) set */

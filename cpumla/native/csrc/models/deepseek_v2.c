@@ -106,7 +106,7 @@ int dsv2_begin(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int64_t pos0
     for (int64_t t = 0; t < n; t++) {
         s->pos[t] = pos0 + t;
         s->kv_len[t] = pos0 + t + 1;
-        cpumla_k.dequant_row(m->embed, ids[t], 0, D, s->h + t * D);
+        kern_dequant(&cpumla_k, m->embed, ids[t], 0, D, s->h + t * D);
     }
     return 0;
 }

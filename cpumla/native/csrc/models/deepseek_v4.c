@@ -267,7 +267,7 @@ static int forward(cpumla_dsv4_state *s, const int64_t *ids, int64_t n, int64_t 
     int64_t D = m->hidden, N = m->hc_mult;
     for (int64_t t = 0; t < n; t++) {
         s->pos[t] = pos0 + t;
-        cpumla_k.dequant_row(m->embed, ids[t], 0, D, s->X + t * N * D);
+        kern_dequant(&cpumla_k, m->embed, ids[t], 0, D, s->X + t * N * D);
         for (int64_t i = 1; i < N; i++) memcpy(s->X + (t * N + i) * D, s->X + t * N * D, sizeof(float) * (size_t)D);
     }
     for (int64_t l = 0; l < m->n_layers; l++) {

@@ -496,4 +496,6 @@ void cpumla_fill_neon(cpumla_kernels *k) {
     for (int i = K_GEMV; i <= K_DEQUANT; i++)          /* every format, every layout */
         for (int f = 0; f <= CPUMLA_E2M1; f++) k->who_fmt[i][f] = "neon";
     k->who_fmt[K_GEMV][CPUMLA_E2M1] = k->who_fmt[K_GEMM][CPUMLA_E2M1] = "scalar";     /* handed back */
+    if (cpumla_cpu_features() & CPUMLA_FEAT_NEON_DOTPROD) cpumla_fill_neon_q_dot(k);  /* neon_q_dot.c */
+    else cpumla_fill_neon_q(k);                                                       /* neon_q.c */
 }

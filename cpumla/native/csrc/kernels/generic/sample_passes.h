@@ -1,37 +1,17 @@
-/* sample_passes.h: the passes of the sampler (sample.c) over a whole logits row, written once as plain
- * loops that gcc vectorises, compiled at three levels: sample.c (the baseline: SSE2 on x86-64, NEON
- * on aarch64), sample_avx2.c and sample_avx512.c (their FLAGS). Each of those files defines one
- * table with DEFINE_SAMPLE_PASSES; sample.c picks the one for the implementation cpumla_init chose.
- * Every level computes the same bits: only single IEEE operations, each rounded as written (FLAGS:
- * -ffp-contract=off, so no fused multiply-adds; -fno-trapping-math lets gcc vectorise the selects
- * and changes no value). */
+/* sample_passes.h: the bodies of the sampler's passes (core/sample.h) over a whole logits row, written
+ * once as plain loops that gcc vectorises, compiled once per level that has its own vectors:
+ * scalar_sample.c (the baseline: SSE2 on x86-64, NEON on aarch64), avx2_sample.c, avx512f_sample.c
+ * (their FLAGS). Each of those files defines its level's table with DEFINE_SAMPLE_PASSES and the
+ * level's fill sets kernels.h's sample_passes to it. Every level computes the same bits: only single
+ * IEEE operations, each rounded as written (FLAGS: -ffp-contract=off, so no fused multiply-adds;
+ * -fno-trapping-math lets gcc vectorise the selects and changes no value). */
 #ifndef CPUMLA_SAMPLE_PASSES_H
 #define CPUMLA_SAMPLE_PASSES_H
 #include <stdint.h>
 #include <string.h>
+#include "core/sample.h"
 
 #define SAMPLE_Y_MIN (-87.0f)       /* p = 0 below: exp(-87) is near float32's smallest normal */
-
-enum { SAMPLE_ROW_OK = 0, SAMPLE_ROW_NAN = 1, SAMPLE_ROW_INF = 2, SAMPLE_ROW_ALL_NEG_INF = 3 };
-
-typedef struct sample_passes {
-    /* max of x into *max; SAMPLE_ROW_OK, or why the row cannot be sampled */
-    int (*row_max)(const float *x, int64_t n, float *max);
-    /* p_i = the definition's exp of (x_i - m) * s */
-    void (*probs)(const float *x, int64_t n, float m, float s, float *p);
-    /* the least of bits[0..n) */
-    uint32_t (*least)(const uint32_t *bits, int64_t n);
-    /* mass[bin] += trunc(p_i * scale) and, when count is not NULL, count[bin] += 1 for each i, where
-     * bin = (bits_i - lo) >> shift, or for bits_i < lo (no mass) one of dump .. dump + 15 */
-    void (*histogram)(const uint32_t *bits, int64_t n, uint32_t lo, int shift, uint32_t dump, float scale,
-                      uint32_t *count, uint64_t *mass);
-    /* out = the ids i (ascending) with bits[i] - base < width (unsigned); returns their count, and in
-     * *same whether they all have the same bits */
-    int64_t (*gather)(const uint32_t *bits, int64_t n, uint32_t base, uint32_t width, uint32_t *out, int *same);
-} sample_passes;
-
-static inline uint32_t sample_f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline float sample_u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
 /* The definition's exp of y <= 0 (Cody-Waite reduction, Cephes' expf polynomial), float32 steps in
  * this order; sampling.py's _exp is the same steps in numpy. The constants are the float32 values of
@@ -129,10 +109,5 @@ static int64_t sample_gather(const uint32_t *bits, int64_t n, uint32_t base, uin
 
 #define DEFINE_SAMPLE_PASSES(name) \
     const sample_passes name = {sample_row_max, sample_probs, sample_least, sample_histogram, sample_gather}
-
-#if defined(__x86_64__)
-extern const sample_passes cpumla_sample_passes_avx2;      /* sample_avx2.c */
-extern const sample_passes cpumla_sample_passes_avx512;    /* sample_avx512.c: AVX-512 F/BW/VL/DQ */
-#endif
 
 #endif

@@ -6,6 +6,7 @@
 #include <string.h>
 #include "core/common.h"
 #include "core/kernels.h"
+#include "core/sample.h"
 
 const char cpumla_flags_scalar[] = CPUMLA_FLAGS;
 
@@ -193,6 +194,8 @@ void cpumla_fill_scalar(cpumla_kernels *k) {
     for (int i = 0; i < K_COUNT; i++) k->who[i] = "scalar";
     for (int i = K_GEMV; i <= K_DEQUANT; i++)
         for (int f = 0; f <= CPUMLA_E2M1; f++) k->who_fmt[i][f] = "scalar";
+    k->sample_passes = &cpumla_sample_passes_scalar;
+    cpumla_fill_scalar_q(k);               /* scalar_q.c: the integer products' spec */
 }
 
 /* The weight operands row_dot multiplies (cpumla_decode_operands): the codes' exact values. */

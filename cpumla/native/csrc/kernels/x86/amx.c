@@ -439,4 +439,5 @@ void cpumla_fill_amx(cpumla_kernels *k) {
     snprintf(e4m3_gemm, sizeof e4m3_gemm, "amx (%s below %d tokens or for blocks not of 32k rows and columns)",
              k->who_fmt[K_GEMM][CPUMLA_E4M3], AMX_MIN_TOKENS);
     k->who_fmt[K_GEMM][CPUMLA_E4M3] = e4m3_gemm;
+    cpumla_fill_amx_q(k);
 }

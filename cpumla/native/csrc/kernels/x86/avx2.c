@@ -24,6 +24,7 @@
 #include "core/common.h"
 #include "core/kernels.h"
 #include "core/dispatch.h"
+#include "core/sample.h"
 #include "kernels/x86/avx2_common.h"
 
 const char cpumla_flags_avx2[] = CPUMLA_FLAGS;
@@ -346,7 +347,9 @@ void cpumla_fill_avx2(cpumla_kernels *k) {
         k->who[i] = "avx2";
         for (int f = 0; f <= CPUMLA_E2M1; f++) k->who_fmt[i][f] = "avx2";
     }
-    /* E2M1 gemv / gemm go back to the entry below (the spec's fp32 product); quant.c takes its 1x32
-     * E8M0 layout to the integer product first */
+    /* E2M1 gemv / gemm go back to the entry below (the spec's fp32 product); kern_gemv / kern_gemm
+     * take its 1x32 E8M0 layout to the integer product first */
     k->who_fmt[K_GEMV][CPUMLA_E2M1] = k->who_fmt[K_GEMM][CPUMLA_E2M1] = "scalar";
+    k->sample_passes = &cpumla_sample_passes_avx2;
+    cpumla_fill_avx2_q(k);                 /* avx2_q.c: the integer products */
 }

@@ -33,6 +33,7 @@
 #include <string.h>
 #include "core/common.h"
 #include "core/kernels.h"
+#include "core/sample.h"
 #include "kernels/x86/avx512_common.h"
 
 const char cpumla_flags_avx512f[] = CPUMLA_FLAGS;
@@ -311,10 +312,10 @@ int cpumla_decode_operands_avx512f(int dtype, float *out) {
 }
 
 void cpumla_fill_avx512f(cpumla_kernels *k) {
-    cpumla_fill_avx512_rows(k);
+    cpumla_fill_avx512f_rows(k);
     if (k->gemv != gemv_avx512) prev_gemv = k->gemv;
     k->gemv = gemv_avx512;
-    cpumla_fill_avx512_gemm(k);         /* avx512_gemm.c; its small-n path calls the gemv above */
+    cpumla_fill_avx512f_gemm(k);        /* avx512f_gemm.c; its small-n path calls the gemv above */
     k->gemv_t = gemv_t_avx512;
     k->dequant_row = dequant_row_avx512;
     static const int ids[] = {K_GEMV, K_GEMM, K_GEMV_T, K_DEQUANT};
@@ -323,4 +324,6 @@ void cpumla_fill_avx512f(cpumla_kernels *k) {
         for (int f = 0; f <= CPUMLA_E2M1; f++) k->who_fmt[ids[i]][f] = "avx512f";    /* every format, every layout */
     }
     k->who_fmt[K_GEMV][CPUMLA_E2M1] = k->who_fmt[K_GEMM][CPUMLA_E2M1] = "scalar";     /* handed back */
+    k->sample_passes = &cpumla_sample_passes_avx512f;
+    cpumla_fill_avx512f_q(k);           /* avx512f_q.c, avx512f_fp4.c: the integer products */
 }

@@ -487,7 +487,7 @@ static void gemm_fp4_avx512f(const cpumla_weight *w, const float *x, int64_t ldx
     }
 }
 
-void cpumla_fill_avx512_gemm(cpumla_kernels *k) {
+void cpumla_fill_avx512f_gemm(cpumla_kernels *k) {
     g_gemv = k->gemv;
     if (k->gemm != gemm_avx512f) g_prev = k->gemm;
     k->gemm = gemm_avx512f;

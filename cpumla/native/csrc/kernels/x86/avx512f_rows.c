@@ -335,7 +335,7 @@ static double fma_loop_avx512(int64_t iters, float *sink) {
     return 2.0 * 12.0 * 16.0 * (double)iters;
 }
 
-void cpumla_fill_avx512_rows(cpumla_kernels *k) {
+void cpumla_fill_avx512f_rows(cpumla_kernels *k) {
     k->fma_loop = fma_loop_avx512;
     k->dot_loop = fma_loop_avx512;         /* BF16 products on this level are fp32 FMAs */
     k->who[K_FMA] = k->who[K_DOT] = "avx512f";

@@ -9,7 +9,7 @@
 
 const char cpumla_flags_avx512vnni[] = CPUMLA_FLAGS;
 
-void cpumla_fill_avx512vnni_q(cpumla_kernels *k) {
+void cpumla_fill_avx512vnni(cpumla_kernels *k) {
     k->quant_x = quant_x_avx512;
     k->gemm_q = gemm_q_avx512;
     k->gemm_fp4 = NULL;          /* E2M1: these tiles are level with avx512f's FMA gemm at 128 tokens, faster below */

@@ -9,7 +9,7 @@
 
 const char cpumla_flags_avxvnni[] = CPUMLA_FLAGS;
 
-void cpumla_fill_avxvnni_q(cpumla_kernels *k) {
+void cpumla_fill_avxvnni(cpumla_kernels *k) {
     k->gemm_q = gemm_q_avxvnni;
     k->gemm_fp4 = NULL;           /* these tiles are as fast as avx2_gemm.c's FMA form at any token count (quant.h) */
     k->gemm_fp4_min_n = 0;
