@@ -56,7 +56,7 @@ static void name_of(const gcase *c, char *buf, size_t n) {
 }
 
 /* FP8 rows long enough that a gemm converts its activations in several chunks of tokens
- * (avx512_bf16.c: 2 MiB of bf16 per chunk, 26 tokens of 40000 columns), one row block of 8 rows. */
+ * (avx512.c: 2 MiB of bf16 per chunk, 26 tokens of 40000 columns), one row block of 8 rows. */
 static void gemm_e4m3_token_chunks(const cpumla_kernels *k) {
     if (small_mode) return;
     int64_t R = 8, C = 40000, n = 30, ldx = C + 1;
@@ -103,7 +103,7 @@ void test_gemm_tiles(const cpumla_kernels *k) {
         free_weight(&t);
     }
 
-    /* more tokens than one token chunk holds (avx2_gemm.c: 192 for E4M3; avx512_gemm.c: 256) */
+    /* more tokens than one token chunk holds (avx2_gemm.c: 192 for E4M3; avx512f_gemm.c: 256) */
     static const gcase many[] = {{40, 100, CPUMLA_BF16, 0, 0, 0, 0}, {40, 300, CPUMLA_E4M3, CPUMLA_F32, 128, 128, 0}};
     for (size_t ci = 0; ci < sizeof many / sizeof many[0] && !small_mode; ci++) {
         char nm[96];

@@ -48,7 +48,7 @@ static const wcase wcases[] = {
     {7, 100, CPUMLA_BF16, 0, 0, 0, 6, 0},
     {64, 512, CPUMLA_BF16, 0, 0, 0, 0, 0},
     {129, 1031, CPUMLA_BF16, 0, 0, 0, 0, 1},
-    {37, 4133, CPUMLA_BF16, 0, 0, 0, 4, 0},       /* past avx512_bf16.c's 2048-column gemm chunks */
+    {37, 4133, CPUMLA_BF16, 0, 0, 0, 4, 0},       /* past avx512.c's 2048-column gemm chunks */
     {2, 5, CPUMLA_F16, 0, 0, 0, 0, 0},
     {17, 130, CPUMLA_F16, 0, 0, 0, 2, 0},
     {129, 1031, CPUMLA_F16, 0, 0, 0, 0, 1},

@@ -12,7 +12,7 @@
  * subnormal result is flushed: the results change exactly when a kernel meets a subnormal (where
  * Intel cores take a microcode assist). So every entry, on weights holding only e4m3's subnormal codes,
  * all non-NaN codes, or random FP4 codes, must give the same bits with and without DAZ/FTZ. (x86 only:
- * the flags are MXCSR's. vdpbf16ps always reads subnormals as zero, which is why avx512_bf16.c decodes
+ * the flags are MXCSR's. vdpbf16ps always reads subnormals as zero, which is why avx512.c decodes
  * to normal bf16.) */
 #if defined(__x86_64__)
 #include <xmmintrin.h>

@@ -1,4 +1,4 @@
-/* common.h: portable helpers shared by every implementation file (static inline, no ISA flags). */
+/* common.h: portable helpers shared by every kernel and runtime file (static inline, no ISA flags). */
 #ifndef CPUMLA_COMMON_H
 #define CPUMLA_COMMON_H
 #include <math.h>
@@ -10,13 +10,13 @@
 #define CPUMLA_FLAGS "(unrecorded)"
 #endif
 
-/* Functions one implementation file shares with its sibling (avx2.c / avx2_gemm.c, avx512.c /
- * avx512_bf16.c): not part of the library's interface, so not exported from the shared object and
- * called directly rather than through the PLT. */
+/* Functions one file shares with the others of the library (avx2.c's with avx2_gemm.c, quant.c's
+ * kern_gemv for every caller): not part of the library's interface, so not exported from the shared
+ * object and called directly rather than through the PLT. */
 #define CPUMLA_INTERNAL __attribute__((visibility("hidden")))
 
 /* The software prefetch distance of the GEMVs that read a thread's rows one at a time, as one stream
- * (avx2.c and avx512.c's plain weights, avx512_bf16.c's bf16 and E4M3): the hardware prefetchers stop
+ * (avx2.c's and avx512f.c's plain weights, avx512.c's bf16 and E4M3): the hardware prefetchers stop
  * at each page. */
 #ifndef GEMV_PF_BYTES
 #define GEMV_PF_BYTES 8192
@@ -25,33 +25,28 @@
  * prefetchnta (_MM_HINT_NTA, 0 here so that files without the x86 headers read it). A weight line is
  * used once per token, and a non-temporal fill keeps the stream from pushing the rest out of L2 / L3:
  * the steps between GEMVs (norms, RoPE, the latent cache, routing, Python between tokens) then find
- * their data in cache. Zen 5, 2 threads, against prefetcht0 in turn: q4 decode 88.5 -> 93.5% of the
- * probe in the slow phase, 83.6 -> 84.7 in the fast one; q8 / q4 GEMVs +1.3-2.4 points; bf16 GEMVs
- * and decode within a point (docs/benchmarks.md). */
+ * their data in cache. */
 #ifndef GEMV_PF_HINT
 #define GEMV_PF_HINT 0
 #endif
 
-/* Where the AVX-512 GEMVs that do the most work per byte (avx512_q.c's integer products, avx512_bf16.c's
+/* Where the AVX-512 GEMVs that do the most work per byte (int_avx512.h's integer products, avx512.c's
  * E4M3 decode) prefetch their stream: 0 into L1 (GEMV_PF_HINT), 1 into L2 (prefetcht1), 2 into L2
  * and again, GEMV_PF_NEAR bytes ahead, into L1 (prefetcht0: the two-level target); and
- * cpumla_pf_l2_plain, the same for the other GEMV streams (avx2.c, avx2_q.c, avx512.c, avx512_bf16.c's
+ * cpumla_pf_l2_plain, the same for the other GEMV streams (avx2.c, int_avx2.h, avx512f.c, avx512.c's
  * bf16). Set by cpumla_init from the CPU (cpumla_gemv_prefetch, dispatch.c), or by
  * cpumla_set_gemv_prefetch; read by those loops once per call, which pass it on as a constant
  * (GEMV_PF_CASES). Loops without a near prefetch of their own (row groups, scale lines) take 2 as 1. */
 extern int cpumla_pf_l2, cpumla_pf_l2_plain;
-/* The near distance of the two-level target. Intel Xeon with AMX, 2 threads, q8 GEMVs with the far
- * prefetch 8 KiB ahead: near 512 B / 1 KiB / 2 KiB read +2-3 / +2-4 / +5-8 points of the probe over
- * no near prefetch, 3 and 4 KiB within 2 points of 2 KiB (docs/benchmarks.md). */
+/* The near distance of the two-level target: far enough that the L1 fill lands before the loads,
+ * near enough that it is not evicted first. */
 #ifndef GEMV_PF_NEAR
 #define GEMV_PF_NEAR 3072
 #endif
-/* The two-level target's own distances in the avx512-level GEMVs: far 4 KiB for those that spend a
- * few instructions a byte (avx512_bf16.c's bf16, the integer GEMVs of quant_driver.h), 6 KiB for
- * avx512_bf16.c's E4M3 decode, and near 1.5 KiB. Intel Xeon with AMX, 2 threads, ~1 GB sets of the
- * largest weights, against 8 KiB / 3 KiB in turn: bf16 +8-9 points of the probe, q8 +5, q4 +6.5, E2M1
- * +5, E4M3 +2 (at 4 KiB: -1). bf16 at far 2 / 3 / 12 KiB read 5 / 1.5 / -3 points below 4 KiB
- * (docs/benchmarks.md). The other loops keep GEMV_PF_BYTES and GEMV_PF_NEAR under that target. */
+/* The two-level target's own distances in the AVX-512 GEMVs: far 4 KiB for those that spend a few
+ * instructions a byte (avx512.c's bf16, the integer GEMVs of quant_driver.h), 6 KiB for avx512.c's
+ * E4M3 decode, and near 1.5 KiB: each tuned on Intel with AMX, where the two-level target is the
+ * default. The other loops keep GEMV_PF_BYTES and GEMV_PF_NEAR under that target. */
 #ifndef GEMV_PF_FAR_2L
 #define GEMV_PF_FAR_2L 4096
 #endif
@@ -74,9 +69,8 @@ extern int cpumla_pf_l2, cpumla_pf_l2_plain;
     } while (0)
 /* The prefetches of a row stream at p, `dist` bytes ahead of the line read now: GEMV_PF there, and
  * with the two-level target (l2 == 2) a prefetcht0 GEMV_PF_NEAR bytes ahead of the line read now
- * (GEMV_PF_NEAR_2L when dist is one of the two-level target's own far distances).
- * (Written from the far address: the same addresses computed from the line read now scheduled the
- * avx512 q8 loop differently, and it read 3 points of the probe less.) */
+ * (GEMV_PF_NEAR_2L when dist is one of the two-level target's own far distances). Written from the
+ * far address: computed from the line read now, gcc scheduled the AVX-512 q8 loop worse. */
 #define GEMV_PF_LINE(p, dist, l2)                                           \
     do {                                                                    \
         GEMV_PF(p, l2);                                                     \
@@ -98,10 +92,9 @@ extern int cpumla_pf_l2, cpumla_pf_l2_plain;
  * [c0, c1): a stream the hardware prefetchers follow only within a page. Its software prefetch: at
  * the group of rows from i0, rows [i0 + GT_PF_ROWS, i0 + GT_PF_ROWS + g) of [0, nr) (at the first
  * group the rows before those too), the bytes of columns [c0, c1) of each, col_bytes per column
- * (gt_col_bytes), into L2 (GT_PF_LOC 2: prefetcht1). On Zen 4 (2 threads, rows of 512 columns) the
- * absorb read 40-48% of the read probe without it on avx512 / avx512f, ~50% with prefetcht0 and
- * ~70% with prefetcht1; 4 to 16 rows ahead read the same. Always inlined: GCC drops calls to a
- * function that only prefetches. */
+ * (gt_col_bytes), into L2 (GT_PF_LOC 2: prefetcht1: the rows are read once, a whole group at a time,
+ * and L2 holds a group ahead where L1 would not). Always inlined: GCC drops calls to a function that
+ * only prefetches. */
 #ifndef GT_PF_LOC
 #define GT_PF_LOC 2
 #endif

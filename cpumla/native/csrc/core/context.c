@@ -1,6 +1,6 @@
 /* context.c: scratch contexts (cpumla_ctx) and the library lock (cpumla_enter / cpumla_leave).
  *
- * A context owns one buffer per scratch slot (dispatch.h) per pool thread, each grown as needed and
+ * A context owns one buffer per scratch slot (kernels.h) per pool thread, each grown as needed and
  * kept until cpumla_ctx_free. cpumla_enter takes the library lock (recursive for the calling thread)
  * and makes a context current; every public kernel brackets its work with cpumla_enter(NULL) ..
  * cpumla_leave, so a standalone call gets a temporary context and a call nested in one that entered

@@ -1,4 +1,4 @@
-/* dispatch.c: detect what the CPU and OS can run, pick an implementation, fill the kernel table.
+/* dispatch.c: detect what the CPU and OS can run, pick a level, fill the kernel table.
  * Compiled at baseline flags: nothing here may use an instruction the oldest target lacks. */
 #define _GNU_SOURCE
 #include <stdio.h>
@@ -140,17 +140,12 @@ const char *cpumla_cpu_name(void) {
 }
 
 /* ---- the GEMV stream prefetch (common.h cpumla_pf_l2, cpumla_pf_l2_plain) ----------------------
- * Zen 4 (AMD family 19h; Zen 3, the same family, has no AVX-512 and never runs those loops): their
- * prefetcht0 8 KiB ahead read 70-83% of the read probe at two threads, prefetcht1 92-94% (q8, q4, E2M1,
- * E4M3 over large weights), while lighter loops (bf16, avx2's integer products) are best with prefetcht0 there too. Zen 5
- * read 94% with prefetcht0 and less with an L2 hint (docs/benchmarks.md). Intel (a Xeon with AMX,
- * 2 threads): the non-temporal hint into L1 read 29-35% of the probe in every GEMV, prefetcht1 74-86%,
- * and prefetcht1 with a second, near prefetcht0 (the two-level target, common.h GEMV_PF_NEAR) another
- * 3-8 points in the q8 / q4 / E4M3 GEMVs (bf16 within 1.5), so every stream takes the two-level
- * target there; with that target's own distances (common.h GEMV_PF_FAR_2L) the bf16 and integer
- * GEMVs read another 5-9 points. Other CPUs: L1, as measured on Zen 5, with
- * the non-temporal hint (common.h GEMV_PF_HINT). A target set by cpumla_set_gemv_prefetch comes first
- * and applies to every stream. */
+ * The target follows the CPU: Intel takes the two-level target (prefetcht1 far, a second prefetcht0
+ * near: common.h GEMV_PF_NEAR, GEMV_PF_FAR_2L) on every stream, since an L1 hint alone starves the
+ * stream there. AMD family 19h (Zen 4; Zen 3, the same family, has no AVX-512 and never runs those
+ * loops) prefetches the AVX-512 loops that do the most work per byte (cpumla_pf_l2) into L2, the
+ * lighter ones (cpumla_pf_l2_plain) into L1. Other CPUs: L1 with the non-temporal hint (common.h
+ * GEMV_PF_HINT). A target set by cpumla_set_gemv_prefetch comes first and applies to every stream. */
 static const char *const pf_names[] = {"l1", "l2", "l2+l1"};
 
 static void pf_targets(void) {
@@ -271,7 +266,7 @@ static int best_for(uint64_t f) {
 
 const char *cpumla_isa_for_features(uint64_t features) { return isas[best_for(features)].name; }
 
-/* the implementations this machine runs, space-separated */
+/* the levels this machine runs, space-separated */
 static const char *runnable_list(void) {
     static __thread char buf[128];
     buf[0] = 0;

@@ -132,7 +132,7 @@ typedef struct cpumla_kernels {
      * same activation codes, exact block sums and rounding, with the block sums formed by fp32 FMAs
      * (every product and partial sum of a block is an integer below 2^24, so exact in any order) and
      * added in block order: bit for bit scalar_q.c's gemm_q. Packing fp32 panels costs more than the
-     * integer tiles save below gemm_fp4_min_n tokens (measured per level). NULL: gemm_q serves every n. */
+     * integer tiles save below gemm_fp4_min_n tokens (quant.h). NULL: gemm_q serves every n. */
     void (*gemm_fp4)(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy,
                      int64_t r0, int64_t r1);
     int64_t gemm_fp4_min_n;
@@ -177,14 +177,14 @@ enum cpumla_scratch_slot {
     CPUMLA_SCRATCH_MOE,              /* moe.c: prefill activations per expert */
     CPUMLA_SCRATCH_MOE_LIST,         /* moe.c: tokens grouped by expert */
     CPUMLA_SCRATCH_AVX2_XR,          /* avx2.c, avx2_gemm.c: rounded activation operands */
-    CPUMLA_SCRATCH_AVX512F_XR,       /* avx512.c, avx512_gemm.c: rounded activation operands (bf16, e4m3) */
-    CPUMLA_SCRATCH_AVX512_XB,        /* avx512_bf16.c: bf16 activations */
-    CPUMLA_SCRATCH_AVX512_E4_XS,     /* avx512_bf16.c: e4m3 activation operands */
-    CPUMLA_SCRATCH_AVX512_E4_PANEL,  /* avx512_bf16.c: decoded e4m3 panel */
-    CPUMLA_SCRATCH_AVX512_GT,        /* avx512_bf16.c: gemv_t sums */
+    CPUMLA_SCRATCH_AVX512F_XR,       /* avx512f.c, avx512f_gemm.c: rounded activation operands (bf16, e4m3) */
+    CPUMLA_SCRATCH_AVX512_XB,        /* avx512.c: bf16 activations */
+    CPUMLA_SCRATCH_AVX512_E4_XS,     /* avx512.c: e4m3 activation operands */
+    CPUMLA_SCRATCH_AVX512_E4_PANEL,  /* avx512.c: decoded e4m3 panel */
+    CPUMLA_SCRATCH_AVX512_GT,        /* avx512.c: gemv_t sums */
     CPUMLA_SCRATCH_AMX_PANEL,        /* amx.c: packed weight panel */
     CPUMLA_SCRATCH_AMX_QX,           /* amx.c: the tokens' int8 tiles of a Q8 / Q4 product */
-    CPUMLA_SCRATCH_QX,               /* quant.c: quantized activations of a Q8 / Q4 product */
+    CPUMLA_SCRATCH_QX,               /* quant.c (kern_gemv, kern_gemm): quantized activations */
     CPUMLA_SCRATCH_QX_JOB,           /* ops.c, moe.c: a GEMV job's quantized activations, for all its tasks */
     CPUMLA_SCRATCH_COUNT
 };
@@ -192,8 +192,7 @@ CPUMLA_INTERNAL void *cpumla_scratch(int slot, size_t bytes);
 /* Memory for a cache that fills a position at a time (a layer's latent cache, V3.2's index keys, V4's
  * caches), freed with free(): from 2 MiB up in 2 MiB-aligned transparent huge pages, elsewhere 64-byte
  * aligned. Untouched pages stay unmapped either way; a huge page is mapped for ~900 positions of a
- * 576-float row where 4 KiB pages fault every second position, ~20 us a fault on the development
- * machine (a Zen 5 KVM guest): 0.56 faults a layer a token, 11 us a layer. */
+ * 576-float row where 4 KiB pages fault every second position. */
 CPUMLA_INTERNAL void *cpumla_cache_alloc(size_t bytes);
 
 /* ---- the linear algebra as callers reach it (quant.c) ---------------------------------------------

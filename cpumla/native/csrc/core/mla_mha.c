@@ -1,6 +1,6 @@
 /* mla_mha.c: MLA attention in the un-absorbed form (cpumla_mla_mha, cpumla.h), the prefill side of
- * DeepSeek's attention. Portable orchestration: the products run on the table's gemm (kernels.h) and
- * the softmax on its softmax_block entry, so every implementation brings its own speed.
+ * DeepSeek's attention. Portable orchestration: the products run on the table's gemm (kern_gemm,
+ * kernels.h) and the softmax on its softmax_block entry, so every level brings its own speed.
  *
  * The cached rows go in spans of MHA_SPAN: where the table multiplies bf16 directly (gemm_xb) and
  * kv_b is BF16, a span's latents are first rounded to bf16 once for every head (one pool job), as

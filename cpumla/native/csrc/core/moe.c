@@ -1,6 +1,7 @@
 /* moe.c: MoE routing (cpumla_route: scores, the group step, top-k) and cpumla_moe, SwiGLU experts
  * applied to routed tokens (also dense MLPs and shared experts, as a table of one). Portable
- * orchestration over the table's gemv / gemm / swiglu kernels; scratch from the current context.
+ * orchestration over the table's linear algebra (kern_gemv, kern_gemm) and swiglu kernels; scratch
+ * from the current context.
  *
  * D=hidden I=expert intermediate K=experts per token (k here) n=tokens */
 #include <math.h>

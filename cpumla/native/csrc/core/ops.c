@@ -1,5 +1,6 @@
 /* ops.c: the public kernels of cpumla.h. Each splits its work into tasks for the thread pool and
- * calls the chosen implementation's range kernels (kernels.h), between cpumla_enter(NULL) and
+ * calls the chosen level's range kernels (kernels.h; the linear algebra through kern_gemv and its
+ * siblings, which route the integer formats), between cpumla_enter(NULL) and
  * cpumla_leave (context.c: the library lock and the scratch of the current context). Small ops that
  * never dominate a token (RoPE, top-k) are portable code here; routing is in moe.c, the benchmark
  * probes in probes.c. */

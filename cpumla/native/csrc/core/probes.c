@@ -1,7 +1,7 @@
 /* probes.c: the benchmark probes of cpumla.h (read bandwidth, fp32 FMA and bf16 dot-product peaks):
  * each runs the table's single-threaded probe kernel (kernels.h: read_sum, fma_loop, dot_loop) on
  * every thread of the pool and adds up what they return, holding the library lock (cpumla_enter),
- * which also guards the static job records. Split from ops.c. */
+ * which also guards the static job records. */
 #include <string.h>
 #include "core/common.h"
 #include "core/dispatch.h"

@@ -76,7 +76,7 @@ static inline float e8m0_half(uint8_t e) {
     return f32_from_bits((uint32_t)(e - 1) << 23);
 }
 
-/* E2M1 weights the integer products take (is_q in quant.c): 1x32 blocks (any block_rows) of E8M0
+/* E2M1 weights the integer products take (is_q_product in quant.c): 1x32 blocks (any block_rows) of E8M0
  * scales and whole blocks. Others (partial edge blocks, wider blocks, F32 scales) stay on the
  * fp32-activation entries: the scalar spec's row_dot, for gemv and gemm alike. */
 static inline int is_e2m1_q(const cpumla_weight *w) {
@@ -164,13 +164,10 @@ static inline int8_t q_hi(int32_t q) { return (int8_t)((q - q_lo(q)) / 256); }
 #define E2M1_HANDBACK "scalar when cols % 32 != 0 or blocks not 1x32 E8M0"
 #define E2M1_WHO(isa) isa " (" E2M1_HANDBACK ")"
 
-/* the fewest tokens of an E2M1 gemm that a level's gemm_fp4 (kernels.h) takes, measured on Zen 5 at
- * one thread: avx2's integer tiles run at 71-76 GFLOP/s whatever the token count, its FMA gemm at
- * 72-76 with 10 tokens, 79-82 with 12 (114 at 128); avx512f's tiles at 180-185 from 24 to 64 tokens,
- * its FMA gemm at 176-179 with 32 tokens, 183-187 with 40, 194-201 with 48 (203-221 at 128). With
- * vpdpbusd the tiles win throughout: avxvnni's at 109-117 from 8 to 128 tokens against avx2's FMA gemm
- * at 80-85 (12-16 tokens) and 114-117 (128), so that level has no gemm_fp4, nor has avx512vnni (its
- * tiles level with avx512f's FMA gemm at 128 tokens, faster below). */
+/* the fewest tokens of an E2M1 gemm that a level's gemm_fp4 (kernels.h) takes: the token count from
+ * which its FMA gemm outruns its integer tiles (whose speed does not grow with the tokens). With
+ * vpdpbusd the tiles are at least as fast at every token count, so avxvnni and avx512vnni have no
+ * gemm_fp4. */
 #define FP4_FMA_MIN_AVX2 12
 #define FP4_FMA_MIN_AVX512F 40
 #define FP4_STR_(v) #v

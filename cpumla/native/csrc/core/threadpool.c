@@ -11,9 +11,8 @@
  * is empty takes the other spans' tasks from their backs. A span is one 64-bit word, front | back << 32,
  * claimed by compare-and-swap at either end. For row tasks of one weight this keeps each thread on one
  * sequential stream of memory, where tasks handed out in turn from one counter make every thread jump
- * to a new place at each task: measured here with 8 tasks of a 3 MB Q4 weight on 2 threads, each jump
- * cost ~1.5-2 us of streaming (Zen 5, probe at ~80 GB/s). Helping from the back keeps the balance of
- * small tasks when a thread starts late or runs slow. */
+ * to a new place at each task, and each jump restarts the hardware prefetchers. Helping from the back
+ * keeps the balance of small tasks when a thread starts late or runs slow. */
 #define _GNU_SOURCE
 #include "core/threadpool.h"
 #include <pthread.h>

@@ -21,7 +21,7 @@ void cpumla_pool_run_spans(int64_t n_tasks, cpumla_task_fn fn, void *ctx);
  * streams a few large pieces, and a thread that runs out of work takes the small ones from the other
  * spans' backs, so that the threads finish within about one small piece of each other. (Four equal
  * pieces a thread could leave them up to a piece apart: with a q8 output head of 102400 x 2048 on two
- * threads a piece is 28 MB, ~1.7 ms of streaming at 16 GB/s a thread.) */
+ * threads a piece is 28 MB.) */
 #ifndef CPUMLA_SPAN_TAIL
 #define CPUMLA_SPAN_TAIL (128 << 10)
 #endif

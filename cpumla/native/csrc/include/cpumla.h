@@ -126,13 +126,13 @@ const char *cpumla_cpu_name(void);
  * so). Results are the same either way: only speed differs. */
 int cpumla_set_gemv_prefetch(const char *where);
 const char *cpumla_gemv_prefetch(void);
-/* Which implementation serves a kernel: "gemv" names the file owning the table entry; "gemv:e2m1"
+/* Which level serves a kernel: "gemv" names the level owning the table entry; "gemv:e2m1"
  * (gemv, gemm, head_gemv, head_gemv_t, dequant with f32 / bf16 / f16 / e4m3 / e2m1 / q8 / q4) the one that
  * really serves that weight format, with any hand-back that depends on the layout named in
  * parentheses. NULL for an unknown name. */
 const char *cpumla_kernel_impl(const char *kernel);
 const char *cpumla_kernel_names(void);         /* space-separated kernel names */
-const char *cpumla_build_info(void);           /* compiler and flags of each implementation */
+const char *cpumla_build_info(void);           /* compiler and flags of each level */
 /* The weight operands an implementation's GEMV hot loop multiplies, for every code of a format:
  * which = "<isa>:e4m3" (256 codes), isa one of those built here. Writes out[code] = the operand the
  * loop multiplies for that code and returns k such that operand * 2^k is the code's value (common.h),

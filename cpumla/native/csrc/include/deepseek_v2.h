@@ -33,8 +33,7 @@ typedef struct cpumla_dsv2_layer {
  * ones and decode in the absorbed (latent) form. The crossover of their costs: per head, the absorbed
  * form spends n * R * (dn + dv) + pairs * (2R + P) multiply-adds, the un-absorbed one T * R * (dn + dv)
  * + pairs * (dn + P + dv); at V2-Lite's widths and equal efficiency they meet near n = 170 tokens at
- * any depth well above n, measured (the latent attention being the less efficient) at 90-140 tokens
- * at depth 2048 on avx512, avx2 and avx512f (docs/benchmarks.md). */
+ * any depth well above n, and lower in practice, the latent attention being the less efficient. */
 enum { CPUMLA_DSV2_MHA_MIN_TOKENS = 128 };
 
 typedef struct cpumla_dsv2_model {

@@ -1,20 +1,19 @@
-/* neon.c: aarch64 ASIMD kernels, baseline armv8-a (fp32 FMA, fp16 <-> fp32 conversion).
- *
+/* neon.c: the neon level, aarch64 ASIMD at baseline armv8-a (fp32 FMA, fp16 <-> fp32 conversion).
  * Same semantics as scalar.c (the spec); only the order of fp32 additions differs.
  *   FP8 e4m3 is widened through fp16: the bits ((b & 0x7f) << 7) | ((b & 0x80) << 8) are an fp16
  *   equal to value * 2^-8 exactly (subnormals included; the NaN code is made an fp16 NaN). The block
- *   scale goes into the activation
- *   (e4m3_act, common.h): bf16_round(x * scale), computed once per row block and column; the codes
- *   are used unscaled and no block scale touches partial sums. The decode's 2^-8 is undone by one
- *   multiply by 256 of each finished sum: sums of products scaled by a power of two round alike
- *   (FMA: one rounding each), so this is exact unless a partial sum is below 2^-118 (a subnormal).
- *   (256 folded into the activation instead would overflow once |bf16(x * scale)| >= 2^120.)
- *   FP4 e2m1: gemv and gemm go back to the entries below (kernels.h: quant.c sends 1x32 E8M0 blocks
- *   to the integer product, neon_q.c); gemv_t and dequant_row go through a byte table of 2 * value
+ *   scale goes into the activation (e4m3_act, common.h): bf16_round(x * scale), computed once per row
+ *   block and column; the codes are used unscaled and no block scale touches partial sums. The
+ *   decode's 2^-8 is undone by one multiply by 256 of each finished sum (folded into the activation,
+ *   256 would overflow once |bf16(x * scale)| >= 2^120): sums of products scaled by a power of two
+ *   round alike (FMA: one rounding each), so this is exact unless a partial sum is below 2^-118.
+ *   FP4 e2m1: gemv and gemm go back to the entries below (kernels.h: kern_gemv sends 1x32 E8M0 blocks
+ *   to the integer product, int_neon.h); gemv_t and dequant_row go through a byte table of 2 * value
  *   (all integers), so their block scale is halved.
  *
  * This file holds the linear algebra (gemv, gemm, gemv_t, dequant_row); the row-wise and attention
- * kernels are in neon_rows.c, whose fill cpumla_fill_neon calls. Shared helpers: neon_common.h. */
+ * kernels are in neon_rows.c, the integer products in neon_q.c / neon_q_dot.c (int_neon.h):
+ * cpumla_fill_neon sets them all. Shared helpers: neon_common.h. */
 #include <arm_neon.h>
 #include <math.h>
 #include <stdint.h>
@@ -206,8 +205,8 @@ static void gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t 
     }
 }
 
-/* E2M1 gemv / gemm go to the entries below (the spec's fp32 product; quant.c takes 1x32 E8M0 blocks
- * to the integer one first) */
+/* E2M1 gemv / gemm go to the entries below (the spec's fp32 product; kern_gemv takes 1x32 E8M0
+ * blocks to the integer one first) */
 static void (*prev_gemv)(const cpumla_weight *, const float *, float *, int64_t, int64_t);
 static void (*prev_gemm)(const cpumla_weight *, const float *, int64_t, int64_t, float *, int64_t, int64_t, int64_t);
 

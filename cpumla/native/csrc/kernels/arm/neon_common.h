@@ -1,6 +1,6 @@
 /* neon_common.h: inline helpers of neon.c (linear algebra) and neon_rows.c (row-wise and attention
  * kernels): the element loads and the bf16 rounding both use. Only included by those two files, which
- * are compiled with the same flags (csrc/FLAGS). static inline only: nothing here may define data
+ * are compiled with the same flags (FLAGS). static inline only: nothing here may define data
  * (tables stay in the one file that uses them). */
 #ifndef CPUMLA_NEON_COMMON_H
 #define CPUMLA_NEON_COMMON_H

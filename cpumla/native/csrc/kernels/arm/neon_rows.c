@@ -1,6 +1,6 @@
 /* neon_rows.c: the aarch64 ASIMD row-wise and attention kernels (rmsnorm, swiglu, softmax and the
- * vector exp they use, attention part, cache row, read probe), split from neon.c, which keeps the
- * linear algebra and whose cpumla_fill_neon calls cpumla_fill_neon_rows. Compiled with the same flags
+ * vector exp they use, attention part, cache row, read probe) of the neon level, whose linear
+ * algebra is in neon.c; cpumla_fill_neon calls cpumla_fill_neon_rows. Compiled with the same flags
  * as neon.c. Same semantics as scalar.c (the spec); only the order of fp32 additions differs. */
 #include <arm_neon.h>
 #include <math.h>

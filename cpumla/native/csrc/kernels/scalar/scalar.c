@@ -11,7 +11,7 @@
 const char cpumla_flags_scalar[] = CPUMLA_FLAGS;
 
 /* Dot product of row r with x. E4M3: each code times its activation operand e4m3_act (x times the
- * block scale, rounded to bf16). E2M1 (the layouts quant.c does not take to the integer product:
+ * block scale, rounded to bf16). E2M1 (the layouts kern_gemv does not take to the integer product:
  * partial edge blocks, wider blocks, F32 scales; every ISA hands them here, gemv and gemm alike):
  * block by block, each scale applied once per block to the block's partial sum. */
 static float row_dot(const cpumla_weight *w, int64_t r, const float *x) {

@@ -8,9 +8,7 @@
  * its codes decoded to bf16 (exact), the activation times its block's scale before the rounding
  * (common.h e4m3_act). Fewer than 16 tokens, E4M3 blocks that are not whole 32s, and other weight
  * types go to the avx512 gemm: who[K_GEMM] = "amx" names the entry, and who_fmt says which formats
- * really reach the tiles.
- *
- * Tested on an Intel Xeon with AMX-BF16 / AMX-INT8 (the native and Python suites at this level).
+ * really reach the tiles. cpumla_fill_amx sets gemm, then gemm_q (cpumla_fill_amx_q).
  *
  * Y[t, r] = sum_k X[t, k] W[r, k] maps onto tiles as
  *   A (16 tokens x 32 k, bf16)  = activations converted per 32-column step into a 2 KiB buffer;

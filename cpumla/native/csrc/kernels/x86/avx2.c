@@ -14,8 +14,9 @@
  * Single-threaded: ops.c splits rows / columns / heads / KV ranges over the pool.
  *
  * This file holds gemv, gemv_t and dequant_row; the gemm (panels decoded with dequant_row) is in
- * avx2_gemm.c, the row-wise and attention kernels in avx2_rows.c: cpumla_fill_avx2 calls their fills.
- * Shared helpers: avx2_common.h. */
+ * avx2_gemm.c, the row-wise and attention kernels in avx2_rows.c, the integer products in avx2_q.c,
+ * the sampler's passes in avx2_sample.c: cpumla_fill_avx2 sets them all. Shared helpers:
+ * avx2_common.h. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -31,7 +32,7 @@ const char cpumla_flags_avx2[] = CPUMLA_FLAGS;
 
 /* ---- helpers ---------------------------------------------------------------------------------- */
 /* Layouts the fast paths do not cover go to the entry this one replaced (the scalar spec): E2M1 (every
- * layout: quant.c sends 1x32 E8M0 blocks to the integer product first), and degenerate block shapes.
+ * layout: kern_gemv sends 1x32 E8M0 blocks to the integer product first), and degenerate block shapes.
  * The activation operands of BF16 and E4M3 weights (kernels.h) go to the thread's
  * CPUMLA_SCRATCH_AVX2_XR buffer (avx2_gemm.c's too); without it a kernel does nothing (the call then
  * fails). */
@@ -117,8 +118,8 @@ INLINE const char *pf_at(const uint8_t *p0, const uint8_t *pi, int64_t pf, int l
 #endif
 /* Plain rows (F32 / BF16 / F16) one at a time: the rows of a range are one sequential stream, with a
  * software prefetch GEMV_PF_BYTES ahead of it (common.h). A row is read 32 columns a step into four
- * partial sums; the rows-four-at-a-time form (one x load for four rows) read 78-85% of the one-thread
- * probe where this reads 91-96% (docs/benchmarks.md). */
+ * partial sums: one stream keeps the memory system busier than four rows at a time would, even with
+ * their shared x loads. */
 INLINE void gemv_plain_pf(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1, int dt, int l2) {
     const int64_t K = w->cols, K32 = K & ~(int64_t)31, esz = dt == CPUMLA_F32 ? 4 : 2;
     for (int64_t r = r0; r < r1; r++) {
@@ -244,7 +245,7 @@ void cpumla_avx2_gemv(const cpumla_weight *w, const float *x, float *y, int64_t 
     case CPUMLA_E4M3:
         if (w->block_cols > 0 && w->block_rows > 0) { gemv_e4m3(w, x, y, r0, r1); return; }
         break;
-    default: break;         /* E2M1: the integer product (quant.c) or the spec's fp32 one */
+    default: break;         /* E2M1: the integer product (kern_gemv) or the spec's fp32 one */
     }
     prev_gemv(w, x, y, r0, r1);
 }

@@ -6,9 +6,9 @@
  * runs over the panel. Its activation operand is x itself, x rounded to bf16 (BF16 weights), or, for
  * E4M3, bf16(x * scale) * 2^8 of the panel's row block (kernels.h; the codes are packed as value *
  * 2^-8, never an fp32 subnormal): E4M3 panels never straddle a row block, and the operands are made
- * once per row block, K chunk and chunk of at most GM_TC tokens (which bounds the buffer). Split from
- * avx2.c, whose cpumla_fill_avx2 calls cpumla_fill_avx2_gemm; compiled with the same flags. Same
- * semantics as scalar.c (the spec), to fp32 rounding. Single-threaded: ops.c splits rows and tokens. */
+ * once per row block, K chunk and chunk of at most GM_TC tokens (which bounds the buffer). Part of the
+ * avx2 level (cpumla_fill_avx2 calls cpumla_fill_avx2_gemm; the same flags as avx2.c). Same semantics
+ * as scalar.c (the spec), to fp32 rounding. Single-threaded: ops.c splits rows and tokens. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>

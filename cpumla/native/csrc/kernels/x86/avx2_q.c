@@ -78,9 +78,7 @@ static void quant_x_avx2(int32_t wdtype, const float *x, int64_t K, void *qx) {
  * stored once for four rows, whose FMAs run in row order (as one row at a time adds them), and the
  * scales of 8 blocks are widened by one vcvtph2ps (exact, as f16_to_f32). Four rows read a block at a
  * time are not a stream the hardware prefetchers follow, so the first rows and then the rows
- * QT_PF_ROWS ahead are prefetched (without it q8 ran 1.5x slower than one row at a time). From memory
- * this takes 0.7x the time of one row at a time with y loaded and stored for every row
- * (docs/benchmarks.md). */
+ * QT_PF_ROWS ahead are prefetched. */
 static void gemv_t_q_avx2(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y, int64_t c0,
                           int64_t c1) {
     const int q4 = w->dtype == CPUMLA_Q4;

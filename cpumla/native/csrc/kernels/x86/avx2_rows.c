@@ -1,6 +1,6 @@
 /* avx2_rows.c: the AVX2 + FMA + F16C row-wise and attention kernels (rmsnorm, swiglu, softmax,
- * attention part, cache row, read and FMA probes), split from avx2.c, which keeps the linear algebra
- * and whose cpumla_fill_avx2 calls cpumla_fill_avx2_rows. Compiled with the same flags as avx2.c.
+ * attention part, cache row, read and FMA probes) of the avx2 level, whose linear algebra is in
+ * avx2.c; cpumla_fill_avx2 calls cpumla_fill_avx2_rows. Compiled with the same flags as avx2.c.
  * Same semantics as scalar.c, which is the spec. Single-threaded: ops.c splits the work. */
 #include <immintrin.h>
 #include <math.h>

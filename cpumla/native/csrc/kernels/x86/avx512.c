@@ -1,6 +1,6 @@
-/* avx512_bf16.c: the avx512 level, AVX-512 F/BW/VL/DQ + BF16 + VNNI + VBMI (Zen 4, Sapphire Rapids and
- * later), on top of the avx512vnni level (avx512_q.c's integer products) and so of avx512f (avx512.c,
- * avx512_rows.c): products on AVX512-BF16 dot products
+/* avx512.c: the avx512 level, AVX-512 F/BW/VL/DQ + BF16 + VNNI + VBMI (Zen 4, Sapphire Rapids and
+ * later), on top of the avx512vnni level (avx512vnni_q.c's integer products) and so of avx512f
+ * (avx512f.c, avx512f_rows.c, avx512f_gemm.c): products on AVX512-BF16 dot products
  * (vdpbf16ps): BF16-weight gemv, gemm and gemv_t, and E4M3-weight gemv and gemm (codes decoded to bf16
  * with VBMI's vpermi2b; see the E4M3 section below). Every other format and kernel is handed to the
  * avx512f entries this level's fill replaces.
@@ -15,17 +15,14 @@
  * weight or activation holds), and the sums round as fp32 FMAs do.
  *
  * gemv (bf16 and E4M3): one row at a time, so a thread's range of rows is one sequential stream,
- * with a software prefetch a fixed distance ahead of it, as the integer GEMVs do. It is bound by
- * memory bandwidth. 4 rows at a time (4 streams 1 row apart; bf16 without a software prefetch, E4M3
- * with one a group of rows ahead) left it further from the read probe when the host's memory is fast:
- * `cpumla bench --kernels -t 2` at a ~80 GB/s probe, bf16 80-89% against 95% now, E4M3 74-75% against
- * 89%; one thread, 84-89% against 96-97% and 76-78% against 91-93% (docs/benchmarks.md).
+ * with a software prefetch a fixed distance ahead of it, as the integer GEMVs do: it is bound by
+ * memory bandwidth, and one stream a thread keeps the memory system busier than 4 rows at a time.
  * gemm: K in chunks of BG_KC columns, rows in panels of BG_MP (a panel's chunk, 256 KiB, stays in
  * L2 while the token blocks pass over it); each block of 6 tokens (24 KiB of bf16 activations, L1)
  * goes through a 4-row x 6-token microkernel that keeps 24 accumulators in zmm registers and reduces
  * them once per chunk. Activations come converted
- * (gemm_xb, from ops.c, once per call) or are converted here per chunk (gemm). BG_KC and BG_MP were
- * picked by measuring pp512 of the reference workload (KC 512 -> 2048: +15%; MP 32 -> 64: +3%).
+ * (gemm_xb, from ops.c, once per call) or are converted here per chunk (gemm). Long K chunks amortise
+ * the microkernel's reduction; the panel height keeps a chunk within L2.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -63,8 +60,7 @@ INLINE __m512bh ld_bh_tail(const uint16_t *p, int64_t n) { return (__m512bh)_mm5
 /* y = row r . xb, the row read in order 128 columns (4 lines) a step, each line prefetched
  * GEMV_PF_DIST(l2) ahead (l2: the target, common.h cpumla_pf_l2_plain) after the step's products, then 64
  * columns a step; xb is zero-padded past K. Four lines a step with their prefetches after the products,
- * as the integer GEMVs issue them, against two lines with theirs first: Intel Xeon with AMX, 2 threads,
- * 4096 columns, 1 GB sets, +5-6 points of the read probe at every size (docs/benchmarks.md). */
+ * as the integer GEMVs issue them: the prefetches do not delay the step's own loads. */
 INLINE float gemv_row(const cpumla_weight *w, const uint16_t *xb, int64_t r, int l2) {
     const uint16_t *rp = (const uint16_t *)weight_row(w, r);
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
@@ -307,7 +303,7 @@ void cpumla_avx512_gemv_e4m3(const cpumla_weight *w, const float *x, float *y, i
  * then for each panel of BG_MP rows and BG_KC columns the codes are decoded to bf16 (PERM order) into
  * a per-thread panel, and the BF16 microkernel runs over it. While it does, the next panel's codes
  * are prefetched into L2, a few lines per microkernel call: decoding a panel straight from memory
- * stalled on every line (15% of FP8 prefill). */
+ * would stall on every line. */
 #define E4_ACT_BYTES (2 << 20)
 
 typedef struct { const cpumla_weight *w; int64_t r, r1, c0, c1, c, per; } e4_pf;   /* lines to come */

@@ -1,7 +1,9 @@
-/* avx512_common.h: helpers shared by avx512.c (linear algebra) and avx512_rows.c (row-wise and
- * attention kernels), plus e4m3_h32 (avx512.c only), kept next to its 16-lane twin. Only included by
- * those two files, which are compiled with the same AVX-512 flags (csrc/FLAGS). static inline only:
- * nothing here may define data (tables stay in the one file that uses them). */
+/* avx512_common.h: helpers shared by the AVX-512 files of the avx512f level (avx512f.c, avx512f_rows.c,
+ * avx512f_gemm.c) and the avx512 level (avx512.c), whose flags include avx512f's: e4m3_h32 (the
+ * avx512f linear algebra's) kept next to its 16-lane twin, and the functions avx512.c's entries are
+ * made of.
+ * static inline and declarations only: nothing here may define data (tables stay in the one file
+ * that uses them). */
 #ifndef CPUMLA_AVX512_COMMON_H
 #define CPUMLA_AVX512_COMMON_H
 #include <immintrin.h>
@@ -18,7 +20,7 @@ static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 /* lanes [0, n) of 16: all for n >= 16, none for n <= 0 */
 INLINE __mmask16 tail16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1u); }
 
-/* ---- gemv software prefetch (avx512.c's E4M3 groups: pf_at, and pf_rows, the group ahead; BF16 /
+/* ---- gemv software prefetch (avx512f.c's E4M3 groups: pf_at, and pf_rows, the group ahead; BF16 /
  * F16 read one row at a time, GEMV_PF_BYTES ahead: common.h GEMV_PF_LINE) ---- */
 #ifndef PF_BYTES
 #define PF_BYTES 4096
@@ -97,7 +99,7 @@ INLINE __m512 dq16(int32_t dt, const uint8_t *row, int64_t c, int64_t n) {
     }
 }
 
-/* avx512_bf16.c: BF16-weight products with vdpbf16ps. Their buffers come from cpumla_scratch; when
+/* avx512.c: BF16-weight products with vdpbf16ps. Their buffers come from cpumla_scratch; when
  * one cannot be had they write nothing (the context is marked failed and the call returns -1). */
 CPUMLA_INTERNAL void cpumla_avx512_gemv_bf16(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1);
 CPUMLA_INTERNAL void cpumla_avx512_gemm_bf16(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,

@@ -1,8 +1,8 @@
-/* avx512.c: the avx512f level, AVX-512 F/BW/VL/DQ only (Skylake-SP, Cascade Lake, Ice Lake and every
- * later AVX-512 CPU; compiled with just those flags, csrc/FLAGS). Same semantics as scalar.c (the
+/* avx512f.c: the avx512f level, AVX-512 F/BW/VL/DQ only (Skylake-SP, Cascade Lake, Ice Lake and every
+ * later AVX-512 CPU; compiled with just those flags, FLAGS). Same semantics as scalar.c (the
  * spec), to fp32 rounding: every product is accumulated in fp32 and the weights are decoded exactly.
- * The avx512 level (avx512_bf16.c) sits on top of this one and replaces the BF16 and E4M3 linear
- * algebra with vdpbf16ps; everything else it leaves to this file.
+ * The avx512 level (avx512.c) sits on top of this one (through avx512vnni) and replaces the BF16 and
+ * E4M3 linear algebra with vdpbf16ps; everything else it leaves to this level.
  *
  * Generic weight decoding, 16 columns at a time into fp32 (dq16; used by gemv, gemv_t, the gemm panel,
  * dequant_row; E2M1 by gemv_t and dequant_row only), with a power of two folded into the block scale:
@@ -19,13 +19,15 @@
  * exactly, so the code operand value * 2^-8 times it is the spec's product, and no multiply sees a
  * subnormal weight operand.
  * gemv has its own streaming loops per format (4 rows at a time with software prefetch). E2M1 gemv and
- * gemm go back to the entries below (kernels.h: quant.c takes 1x32 E8M0 blocks to the integer
+ * gemm go back to the entries below (kernels.h: kern_gemv takes 1x32 E8M0 blocks to the integer
  * product, the other layouts go to the spec's fp32 one); gemv_t folds FP4 block scales, and E4M3's
  * (kernels.h), into the activation.
  * The fold factors assume |scale| < 2^113 (scale * 2^14 must not overflow).
  *
- * This file holds the linear algebra (gemv, gemv_t, dequant_row; gemm is in avx512_gemm.c); the
- * row-wise and attention kernels are in avx512_rows.c. cpumla_fill_avx512f calls both files' fills. Shared helpers: avx512_common.h.
+ * This file holds the linear algebra (gemv, gemv_t, dequant_row); the level's gemm is in
+ * avx512f_gemm.c, its row-wise and attention kernels in avx512f_rows.c, its integer products in
+ * avx512f_q.c and avx512f_fp4.c, its sampler's passes in avx512f_sample.c: cpumla_fill_avx512f sets
+ * them all. Shared helpers: avx512_common.h.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -87,8 +89,8 @@ static void dequant_row_avx512(const cpumla_weight *w, int64_t r, int64_t c0, in
 /* R rows (1..4) at once so each x load serves all of them; one block at a time (the whole row when
  * unblocked), two partial sums per row per block for latency. F16 / BF16 run it one row at a time
  * (R = 1, pf GEMV_PF_BYTES, common.h's GEMV_PF_LINE with the target l2): the rows of a range are then
- * one sequential stream with a software prefetch ahead of it, which read 93-98% of the one-thread
- * probe where groups of 4 rows read 73-79% (docs/benchmarks.md). */
+ * one sequential stream with a software prefetch ahead of it, which the memory system serves better
+ * than groups of 4 rows. */
 INLINE void gemv_rows(const cpumla_weight *w, const float *x, float *y, int64_t r, int R, int32_t dt,
                       int64_t pf, int l2) {
     const uint8_t *rp[4];
@@ -233,7 +235,7 @@ static void gemv_avx512(const cpumla_weight *w, const float *x, float *y, int64_
     case CPUMLA_E4M3:
         if (w->block_rows > 0 && w->block_cols > 0) { gemv_e4m3(w, x, y, r0, r1); return; }
         break;
-    case CPUMLA_E2M1:       /* the integer product (quant.c) or, other layouts, the spec's fp32 one */
+    case CPUMLA_E2M1:       /* the integer product (kern_gemv) or, other layouts, the spec's fp32 one */
         prev_gemv(w, x, y, r0, r1);
         return;
     default:

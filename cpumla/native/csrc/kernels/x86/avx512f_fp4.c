@@ -27,5 +27,5 @@ void cpumla_fill_avx512f_fp4(cpumla_kernels *k) {
     k->quant_x = quant_x_f;
     k->gemm_q = gemm_q_f;
     k->who_fmt[K_GEMV][CPUMLA_E2M1] = E2M1_WHO("avx512f");
-    k->who_fmt[K_GEMM][CPUMLA_E2M1] = E2M1_GEMM_WHO("avx512f", FP4_FMA_MIN_AVX512F);   /* avx512_gemm.c's gemm_fp4 */
+    k->who_fmt[K_GEMM][CPUMLA_E2M1] = E2M1_GEMM_WHO("avx512f", FP4_FMA_MIN_AVX512F);   /* avx512f_gemm.c's gemm_fp4 */
 }

@@ -1,5 +1,5 @@
-/* avx512_gemm.c: the avx512f level's gemm (prefill), AVX-512 F/BW/VL/DQ only, compiled with avx512.c's
- * flags; avx512.c's cpumla_fill_avx512f calls cpumla_fill_avx512_gemm. Same semantics as scalar.c
+/* avx512f_gemm.c: the avx512f level's gemm (prefill), AVX-512 F/BW/VL/DQ only, compiled with
+ * avx512f.c's flags; cpumla_fill_avx512f calls cpumla_fill_avx512f_gemm. Same semantics as scalar.c
  * (the spec), to fp32 rounding.
  *
  * A blocked GEMM: K in chunks of G_KC columns and tokens in chunks of at most G_TC. For each chunk the
@@ -281,8 +281,8 @@ static void panel_tokens(const float *x, int64_t nt, int64_t kc, float *y, int64
     }
 }
 
-/* the gemm below this level's: E2M1 goes there (the integer product is quant.c's; other layouts the
- * spec's fp32 product, as gemv) */
+/* the gemm below this level's: E2M1 goes there (1x32 E8M0 blocks never arrive: kern_gemm takes them
+ * to the integer product; other layouts the spec's fp32 product, as gemv) */
 static void (*g_prev)(const cpumla_weight *, const float *, int64_t, int64_t, float *, int64_t, int64_t, int64_t);
 
 /* the plan for the panel of rows [p, min(p + 32, r1)), columns [k0, k0 + kc) (none when p >= r1) */

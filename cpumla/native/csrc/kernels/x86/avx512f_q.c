@@ -1,5 +1,5 @@
 /* avx512f_q.c: cpumla_quantize's quantize_row and the Q8 / Q4 gemv_t (the MLA absorb of a quantized
- * kv_b) with AVX-512 F/BW/VL/DQ (compiled as avx512.c is). quantize_row is bit-identical to scalar_q.c's
+ * kv_b) with AVX-512 F/BW/VL/DQ (compiled as avx512f.c is). quantize_row is bit-identical to scalar_q.c's
  * spec. 16 blocks at a time: their maxima land in one vector (a transposing max tree), so the scale
  * work is done once per 16 blocks with the same IEEE operations: fp32 division, fp32 -> fp16 by
  * vcvtps2ph with round-to-nearest-even (f32_to_f16 exactly, subnormal and overflowing results
@@ -248,7 +248,7 @@ static void gemv_t_q_8blocks(const cpumla_weight *w, int64_t r0, int64_t i0, int
  * chunks of GT_CHUNK, each through every span before the next: a chunk (8 KiB of Q8 rows of 512
  * columns) comes from memory once, prefetched whole into L2 by the first span's pass, and the other
  * spans find it in cache, so the stream from memory runs at one rate rather than in a burst for the
- * first span and none for the rest (docs/benchmarks.md: the absorb's row stream). */
+ * first span and none for the rest. */
 static void gemv_t_q_avx512f(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y, int64_t c0,
                              int64_t c1) {
     const int64_t bb = w->dtype == CPUMLA_Q4 ? QK / 2 : QK;      /* bytes a block */

@@ -1,8 +1,7 @@
-/* avx512_rows.c: the AVX-512 row-wise and attention kernels (softmax, rmsnorm, swiglu and the vector
+/* avx512f_rows.c: the AVX-512 row-wise and attention kernels (softmax, rmsnorm, swiglu and the vector
  * exp they use, attention part, cache row, read and FMA probes) of the avx512f level (F/BW/VL/DQ),
- * split from avx512.c, which keeps the linear algebra and whose cpumla_fill_avx512f calls
- * cpumla_fill_avx512_rows. Compiled with the same flags as avx512.c. Same semantics as scalar.c (the
- * spec), to fp32 rounding. */
+ * whose linear algebra is in avx512f.c; cpumla_fill_avx512f calls cpumla_fill_avx512f_rows. Compiled
+ * with the same flags as avx512f.c. Same semantics as scalar.c (the spec), to fp32 rounding. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>

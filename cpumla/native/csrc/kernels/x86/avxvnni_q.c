@@ -11,7 +11,7 @@ const char cpumla_flags_avxvnni[] = CPUMLA_FLAGS;
 
 void cpumla_fill_avxvnni(cpumla_kernels *k) {
     k->gemm_q = gemm_q_avxvnni;
-    k->gemm_fp4 = NULL;           /* these tiles are as fast as avx2_gemm.c's FMA form at any token count (quant.h) */
+    k->gemm_fp4 = NULL;           /* these tiles keep up with avx2_gemm.c's FMA form at any token count (quant.h) */
     k->gemm_fp4_min_n = 0;
     for (int f = CPUMLA_Q8; f <= CPUMLA_Q4; f++) k->who_fmt[K_GEMV][f] = k->who_fmt[K_GEMM][f] = "avxvnni";
     k->who_fmt[K_GEMV][CPUMLA_E2M1] = k->who_fmt[K_GEMM][CPUMLA_E2M1] = E2M1_WHO("avxvnni");

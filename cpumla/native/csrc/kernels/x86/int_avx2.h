@@ -176,8 +176,7 @@ INLINE int e8m0_plain(const uint8_t *s, int64_t n) {
 }
 
 /* y[t*ldy + i] = row r + i . token t, i < R, t < T; pf: software prefetch distance (0: none); l2 the
- * target (common.h cpumla_pf_l2_plain: L1 on AMD, as measured on Zen 4 and Zen 5; the two-level one
- * on Intel) */
+ * target (common.h cpumla_pf_l2_plain: L1 on AMD, the two-level one on Intel) */
 INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
                     int64_t ldy, int fmt, int64_t pf, int l2) {
     const int64_t K = w->cols, nb = K / QK, SB = fmt != F_Q8 ? 128 : 256;     /* weight bytes a step */

@@ -208,8 +208,8 @@ INLINE int e8m0_plain(const uint8_t *s, int64_t n) {
     return !bad;
 }
 
-/* The scale line's prefetch: with the L1 target as the stream's, else into L1 (prefetcht0) as
- * measured on Zen 4 */
+/* The scale line's prefetch: with the L1 target as the stream's, else into L1 (prefetcht0: a scale
+ * line serves 32 or 64 blocks and is read soon) */
 INLINE void pf_scale(const char *sl, int l2) {
     if (!l2) _mm_prefetch(sl, GEMV_PF_HINT);
     else _mm_prefetch(sl, _MM_HINT_T0);
@@ -245,16 +245,16 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
             const __m512 wd = ld_wd(sp[i] + ss * b, fmt, 0xffff);
             UNROLL for (int t = 0; t < T; t++)
                 acc[i][t] = step_acc(acc[i][t], step_sums(lo, hi, fmt, xq[t] + b * QK, xl[t] + b * QK, xs[t] + b), wd, xd[t] + b);
-            /* Q8's 8 lines a step issued after the products rather than before the loads: Zen 5, 2
-             * threads, q8 GEMVs +3-4 points of the probe (q4 / E2M1, 4 lines a step: within a point) */
+            /* the step's lines issued after its products rather than before its loads: Q8's 8 prefetches
+             * a step then do not delay the step's own loads */
             if (pf) UNROLL for (int l = 0; l < SB; l += 64) GEMV_PF_LINE(ahead + l, pf, l2);
         }
     }
     if (b < nb) {
         const int64_t vb = nb - b;
         UNROLL for (int i = 0; i < R; i++) {
-            if (pf) {        /* the partial step's lines too: rows whose width is not whole steps (1408
-                              * columns: a third of each row) would otherwise stream unprefetched */
+            if (pf) {        /* the partial step's lines too: rows whose width is not whole steps would
+                              * otherwise stream a part of each row unprefetched */
                 const char *ahead = (const char *)rp[i] + (b / 16) * SB + pf;
                 for (int64_t l = 0; l < vb * SB / 16; l += 64) GEMV_PF_LINE(ahead + l, pf, l2);
                 pf_scale((const char *)(sp[i] + ss * b) + pf * ss / (SB / 16), l2);

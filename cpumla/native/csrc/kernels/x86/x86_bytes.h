@@ -1,4 +1,4 @@
-/* x86_bytes.h: the byte work the x86 levels' FP4 packing shares (avx2_gemm.c, avx512_gemm.c), SSE2 and
+/* x86_bytes.h: the byte work the x86 levels' FP4 packing shares (avx2_gemm.c, avx512f_gemm.c), SSE2 and
  * SSSE3 only, so that it compiles under either file's flags. static inline only. */
 #ifndef CPUMLA_X86_BYTES_H
 #define CPUMLA_X86_BYTES_H
