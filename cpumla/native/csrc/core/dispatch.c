@@ -392,7 +392,7 @@ const char *cpumla_isa(void) {
     return chosen;
 }
 
-/* Public kernel names and the table entry that does their work ("portable": code in ops.c). */
+/* Public kernel names and the table entry that does their work ("portable": code in ops.c, moe.c). */
 static const struct { const char *name; int id; } kernel_names[] = {
     {"gemv", K_GEMV}, {"gemm", K_GEMM}, {"head_gemv", K_GEMM}, {"head_gemv_t", K_GEMV_T},
     {"dequant", K_DEQUANT}, {"rmsnorm", K_RMSNORM}, {"swiglu", K_SWIGLU}, {"softmax", K_SOFTMAX},

@@ -1,13 +1,14 @@
 /* kernels.h: the kernel table each instruction-set level fills, and the numeric contract its entries
  * keep.
  *
- * Entries are single-threaded kernels over a range (rows, columns, KV entries); ops.c splits the work
- * of a public call (cpumla.h) over the thread pool and calls these. Levels form a tree (dispatch.c's
- * isas[]): a level's table is its parent's with the level's own entries written over it, so a table is
- * filled by the fill of every level from the root down to the chosen one: scalar -> avx2 -> avxvnni,
- * or scalar -> avx2 -> avx512f -> avx512vnni -> avx512 -> amx (x86-64); scalar -> neon (arm64). who[]
- * names the level that owns each entry and who_fmt[] the one that serves each weight format of the
- * linear-algebra entries (a fill sets it for the formats it really handles), for `cpumla info`.
+ * Entries are single-threaded kernels over a range (rows, columns, KV entries); the runtime (ops.c,
+ * mla_attention.c, mla_mha.c, moe.c) splits the work of a public call (cpumla.h) over the thread pool
+ * and calls these. Levels form a tree (dispatch.c's isas[]): a level's table is its parent's with the
+ * level's own entries written over it, so a table is filled by the fill of every level from the root
+ * down to the chosen one: scalar -> avx2 -> avxvnni, or scalar -> avx2 -> avx512f -> avx512vnni ->
+ * avx512 -> amx (x86-64); scalar -> neon (arm64). who[] names the level that owns each entry and
+ * who_fmt[] the one that serves each weight format of the linear-algebra entries (a fill sets it for
+ * the formats it really handles), for `cpumla info`.
  *
  * Every entry's semantics are those of its scalar twin in scalar.c, which is the spec.
  *
@@ -93,7 +94,7 @@ typedef struct cpumla_kernels {
      * acc[k*dv + d] = sum_j exp(s_h(j) - m[k]) * value_j[d]  (zeros when no entry). A NaN score makes
      * l[k] NaN (its exp is NaN, and later rescales keep it so) while m[k] may stay -INFINITY: the merge
      * reads a NaN l as a NaN output, never as the zeros of "no entry". No sinks
-     * here: ops.c adds them when it merges the parts. */
+     * here: mla_attention.c adds them when it merges the parts. */
     void (*attn_part)(const cpumla_attn_args *a, int64_t qi, int64_t h0, int64_t h1, int64_t j0,
                       int64_t j1, float *acc, float *m, float *l);
 
@@ -168,7 +169,7 @@ typedef struct cpumla_kernels {
 enum cpumla_scratch_slot {
     CPUMLA_SCRATCH_X_BF16,           /* ops.c: a gemm's activations in bf16, for gemm_xb */
     CPUMLA_SCRATCH_F32ACT,           /* ops.c: cpumla_gemm_f32act's parts and products */
-    CPUMLA_SCRATCH_ATTN,             /* ops.c: attention parts */
+    CPUMLA_SCRATCH_ATTN,             /* mla_attention.c: attention parts */
     CPUMLA_SCRATCH_MHA,              /* mla_mha.c: decompressed keys and values, scores of a block */
     CPUMLA_SCRATCH_MHA_STATE,        /* mla_mha.c: softmax state per head and query */
     CPUMLA_SCRATCH_MHA_XB,           /* mla_mha.c: a span of latents in bf16 */

@@ -11,7 +11,7 @@
  *         goes into the activation operand, bf16(x * scale) (kernels.h), never onto a partial sum.
  *   E2M1  (gemv_t, dequant_row) two vpshufb lookups give the low and high byte of each code's bf16
  *         value; gemv / gemm hand E2M1 back (kernels.h: the integer product, quant.h).
- * Single-threaded: ops.c splits rows / columns / heads / KV ranges over the pool.
+ * Single-threaded: ops.c and mla_attention.c split rows / columns / heads / KV ranges over the pool.
  *
  * This file holds gemv, gemv_t and dequant_row; the gemm (panels decoded with dequant_row) is in
  * avx2_gemm.c, the row-wise and attention kernels in avx2_rows.c, the integer products in avx2_q.c,

@@ -111,8 +111,8 @@ CPUMLA_INTERNAL void cpumla_avx512_gemm_xb(const cpumla_weight *w, const uint16_
 CPUMLA_INTERNAL void cpumla_avx512_gemv_t_bf16(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y,
                               int64_t c0, int64_t c1);
 
-/* E4M3 weights the same way (codes decoded to bf16, activations bf16(x * scale) per row block);
- * cpumla_avx512_e4m3_tables fills their decode tables (once, from cpumla_fill_avx512). */
+/* avx512_e4m3.c: E4M3 weights the same way (codes decoded to bf16, activations bf16(x * scale) per
+ * row block); cpumla_avx512_e4m3_tables fills their decode tables (once, from cpumla_fill_avx512). */
 CPUMLA_INTERNAL void cpumla_avx512_e4m3_tables(void);
 CPUMLA_INTERNAL void cpumla_avx512_gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1);
 CPUMLA_INTERNAL void cpumla_avx512_gemm_e4m3(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
