@@ -1,7 +1,8 @@
 """Builds the cffi extension cpumla.native._cpumla with one object per instruction set.
 
-setuptools compiles only cffi's generated wrapper; every kernel-library file is compiled first with
-its own flags from cpumla/native/csrc/FLAGS (see cpumla/native/build.py) and linked in.
+setuptools compiles only cffi's generated wrapper; every kernel-library file under cpumla/native/csrc/
+is compiled first with its own flags from cpumla/native/csrc/FLAGS (see cpumla/native/build.py) and
+linked in; every file under csrc/ is a dependency of the extension.
 """
 
 import sys
@@ -19,7 +20,7 @@ class BuildWithISAObjects(build_ext):
 
         objs = native_build.compile_objects(Path(self.build_temp) / "cpumla-native")
         ext.extra_objects = list(ext.extra_objects or []) + objs
-        ext.depends = list(ext.depends or []) + [str(p) for p in native_build.CSRC.iterdir()]
+        ext.depends = list(ext.depends or []) + [str(p) for p in native_build.source_files()]
         super().build_extension(ext)
 
 

@@ -4,8 +4,9 @@
 #   tests/native/run.sh arm       aarch64-linux-gnu-gcc cross build, run under qemu-aarch64-static
 #   tests/native/run.sh nehalem   x86-64 build run under qemu-x86_64-static -cpu Nehalem (no AVX:
 #                                 only scalar may be chosen, nothing may SIGILL)
-# Each library file is compiled on its own with its flags from cpumla/native/csrc/FLAGS, as setup.py
-# does. Objects go to build/native-<target>/. Extra arguments are passed to the runner (-v: every
+# Each library file is compiled on its own with its flags from cpumla/native/csrc/FLAGS and
+# -I csrc/include -I csrc, as setup.py does. Objects go to build/native-<target>/, each at its source's
+# path under csrc/ (the runner's own under tests/). Extra arguments are passed to the runner (-v: every
 # failure; --small: smaller shapes, for slow emulators). The full table takes ~10 s under qemu.
 #   SANITIZE=address  (host only) build with ASan + UBSan, any report fails the run
 #   SANITIZE=thread   (host only) build with TSan: the thread pool and the library lock under test
@@ -75,20 +76,24 @@ while read -r file farch fflags; do
     [ "$farch" = any ] || [ "$farch" = "$arch" ] || continue
     [ -f "$csrc/$file" ] || { echo "FLAGS lists $file but $csrc/$file is missing" >&2; exit 2; }
     obj=$out/${file%.c}.o
+    mkdir -p "$(dirname "$obj")"
     objs+=("$obj")
     # shellcheck disable=SC2086
-    $cc $common $fflags "${san[@]}" -DCPUMLA_FLAGS="\"$(echo $common $fflags)\"" -c "$csrc/$file" -o "$obj" &
+    $cc $common $fflags "${san[@]}" -DCPUMLA_FLAGS="\"$(echo $common $fflags)\"" -I"$csrc/include" -I"$csrc" \
+        -c "$csrc/$file" -o "$obj" &
     pids+=($!)
 done <"$csrc/FLAGS"
-for f in "$csrc"/*.c; do
-    name=$(basename "$f")
+while read -r f; do
+    name=${f#"$csrc"/}
     [[ " ${listed[*]} " == *" $name "* ]] || echo "warning: $name is not listed in FLAGS: not built" >&2
-done
+done < <(find "$csrc" -name '*.c' | sort)
 test_objs=()
-for t in test_kernels test_api test_context test_quant test_values test_gemm test_attn_block harness; do
-    test_objs+=("$out/$t.o")
+mkdir -p "$out/tests"
+for src in "$tests"/*.c; do          # the runner: test_kernels.c's main, the other test files, harness.c
+    t=$(basename "$src" .c)
+    test_objs+=("$out/tests/$t.o")
     # shellcheck disable=SC2086
-    $cc $common "${san[@]}" -Wno-unused-function -I"$csrc" -c "$tests/$t.c" -o "$out/$t.o" &
+    $cc $common "${san[@]}" -Wno-unused-function -I"$csrc/include" -I"$csrc" -c "$tests/$t.c" -o "$out/tests/$t.o" &
     pids+=($!)
 done
 status=0

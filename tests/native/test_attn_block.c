@@ -6,7 +6,7 @@
  * and every tiny rescale factor), a NaN score (NaN probability and sum, the maximum unchanged), and
  * the sentinel after the block untouched. */
 #include <float.h>
-#include "kernels.h"
+#include "core/kernels.h"
 #include "ref.h"
 
 #define SENT 12345.0f

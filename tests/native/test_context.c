@@ -4,9 +4,9 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <time.h>
-#include "kernels.h"
+#include "core/kernels.h"
 #include "ref.h"
-#include "threadpool.h"
+#include "core/threadpool.h"
 
 /* ---- contexts, the library lock, failure as a value -------------------------------------------- */
 /* cpumla_ctx_new / enter / leave / free nesting: which buffer cpumla_scratch hands out at each level */

@@ -6,7 +6,7 @@
  *   FP8 with partial 128x128 blocks in both directions, row ranges starting inside a block, E8M0 and
  *   F32 scales; NaN codes inside a packed panel (their rows, and only those, give NaN); FP8 rows
  *   long enough that the activations are converted in several chunks of tokens. */
-#include "kernels.h"
+#include "core/kernels.h"
 #include "ref.h"
 
 #define SENT 12345.0f
@@ -27,7 +27,7 @@ static int run_case(const cpumla_kernels *k, const tweight *t, const char *nm, i
     float *y = xalloc(sizeof(float) * (size_t)(n * ldy));
     for (int64_t i = 0; i < n * ldy; i++) y[i] = SENT;
     case_begin();
-    k->gemm(&t->w, x, ldx, n, y, ldy, r0, r1);
+    kern_gemm(k, &t->w, x, ldx, n, y, ldy, r0, r1);
     int bad = 0, gap_ok = 1, before = n_fail;
     for (int64_t tt = 0; tt < n; tt++) {
         for (int64_t i = 0; i < nr && bad < 3; i++) {
@@ -56,7 +56,7 @@ static void name_of(const gcase *c, char *buf, size_t n) {
 }
 
 /* FP8 rows long enough that a gemm converts its activations in several chunks of tokens
- * (avx512_bf16.c: 2 MiB of bf16 per chunk, 26 tokens of 40000 columns), one row block of 8 rows. */
+ * (avx512.c: 2 MiB of bf16 per chunk, 26 tokens of 40000 columns), one row block of 8 rows. */
 static void gemm_e4m3_token_chunks(const cpumla_kernels *k) {
     if (small_mode) return;
     int64_t R = 8, C = 40000, n = 30, ldx = C + 1;
@@ -65,7 +65,7 @@ static void gemm_e4m3_token_chunks(const cpumla_kernels *k) {
     for (int64_t i = 0; i < n * ldx; i++) if (i % ldx < C) x[i] = rng_sym(1.0f);
     float *y = xalloc(sizeof(float) * (size_t)(n * R));
     case_begin();
-    k->gemm(&t.w, x, ldx, n, y, R, 0, R);
+    kern_gemm(k, &t.w, x, ldx, n, y, R, 0, R);
     int bad = 0;
     for (int64_t tt = 0; tt < n && bad < 3; tt++)
         for (int64_t r = 0; r < R && bad < 3; r++) {
@@ -103,7 +103,7 @@ void test_gemm_tiles(const cpumla_kernels *k) {
         free_weight(&t);
     }
 
-    /* more tokens than one token chunk holds (avx2_gemm.c: 192 for E4M3; avx512_gemm.c: 256) */
+    /* more tokens than one token chunk holds (avx2_gemm.c: 192 for E4M3; avx512f_gemm.c: 256) */
     static const gcase many[] = {{40, 100, CPUMLA_BF16, 0, 0, 0, 0}, {40, 300, CPUMLA_E4M3, CPUMLA_F32, 128, 128, 0}};
     for (size_t ci = 0; ci < sizeof many / sizeof many[0] && !small_mode; ci++) {
         char nm[96];

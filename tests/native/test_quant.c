@@ -10,8 +10,8 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
-#include "kernels.h"
-#include "quant.h"
+#include "core/kernels.h"
+#include "core/quant.h"
 #include "ref.h"
 
 #define QSENT 12345.0f
@@ -296,8 +296,8 @@ static float *run_q(const cpumla_kernels *k, const cpumla_weight *w, int64_t n, 
     float *y = xalloc(sizeof(float) * (size_t)(n * ldy));
     for (int64_t i = 0; i < n * ldy; i++) y[i] = QSENT;
     case_begin();
-    if (n == 1) k->gemv(w, x, y, r0, r1);
-    else k->gemm(w, x, ldx, n, y, ldy, r0, r1);
+    if (n == 1) kern_gemv(k, w, x, y, r0, r1);
+    else kern_gemm(k, w, x, ldx, n, y, ldy, r0, r1);
     *xo = x;
     return y;
 }
@@ -350,7 +350,7 @@ static void test_fp4(const cpumla_kernels *k) {
                     if (n > 1 && !fma) {          /* each token's row as gemv gives it */
                         float *y1 = xalloc(sizeof(float) * (size_t)nr);
                         for (int64_t tt = 0; tt < n; tt++) {
-                            k->gemv(&t.w, x + tt * ldx, y1, r0, r1);
+                            kern_gemv(k, &t.w, x + tt * ldx, y1, r0, r1);
                             for (int64_t i = 0; i < nr; i++)
                                 agree &= bitsf(y1[i]) == bitsf(y[tt * ldy + i]) || (isnan(y1[i]) && isnan(y[tt * ldy + i]));
                         }
@@ -408,7 +408,7 @@ void test_quant(const cpumla_kernels *k) {
                     float *y1 = xalloc(sizeof(float) * (size_t)nr);
                     int same = 1;
                     for (int64_t tt = 0; tt < n; tt++) {
-                        k->gemv(&t.w, x + tt * ldx, y1, r0, r1);
+                        kern_gemv(k, &t.w, x + tt * ldx, y1, r0, r1);
                         same &= !memcmp(y1, y + tt * ldy, sizeof(float) * (size_t)nr);
                     }
                     check(same, "gemm %s %lldx%lld n=%lld: a token's row differs from gemv's", nm, (long long)R,
@@ -418,9 +418,9 @@ void test_quant(const cpumla_kernels *k) {
                 if (n == 1 && nr > 2) {      /* a row's result does not depend on how the rows are split */
                     float *y2 = xalloc(sizeof(float) * (size_t)nr);
                     int64_t m = r0 + 1 + (nr - 1) / 2;
-                    k->gemv(&t.w, x, y2, r0, r0 + 1);
-                    k->gemv(&t.w, x, y2 + 1, r0 + 1, m);
-                    k->gemv(&t.w, x, y2 + (m - r0), m, r1);
+                    kern_gemv(k, &t.w, x, y2, r0, r0 + 1);
+                    kern_gemv(k, &t.w, x, y2 + 1, r0 + 1, m);
+                    kern_gemv(k, &t.w, x, y2 + (m - r0), m, r1);
                     check(!memcmp(y, y2, sizeof(float) * (size_t)nr), "gemv %s %lldx%lld: split rows differ", nm,
                           (long long)R, (long long)C);
                     free(y2);
@@ -436,7 +436,7 @@ void test_quant(const cpumla_kernels *k) {
                 float *y = xalloc(sizeof(float) * (size_t)(nc + 4));
                 for (int64_t i = 0; i < nc + 4; i++) y[i] = QSENT;
                 case_begin();
-                k->gemv_t(&t.w, r0, nr, x, y, c0, c1);
+                kern_gemv_t(k, &t.w, r0, nr, x, y, c0, c1);
                 int bad = 0;
                 for (int64_t c = c0; c < c1 && bad < 3; c++) {
                     double s = 0, mag = 0;
@@ -460,7 +460,7 @@ void test_quant(const cpumla_kernels *k) {
                 float *out = xalloc(sizeof(float) * (size_t)(nc + 4));
                 out[nc] = QSENT;
                 case_begin();
-                k->dequant_row(&t.w, R - 1, c0, C, out);
+                kern_dequant(k, &t.w, R - 1, c0, C, out);
                 int ok = 1;
                 for (int64_t c = c0; c < C && ok; c++) ok = out[c - c0] == (float)qvalue(&t, R - 1, c);
                 check(ok && out[nc] == QSENT, "dequant_row %s %lldx%lld", nm, (long long)R, (long long)C);

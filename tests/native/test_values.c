@@ -4,7 +4,7 @@
  *   test_values (after the public API): cpumla_decode_operands for every level and format, every code
  *     normal or zero and value * 2^-k exactly; cpumla_isa_for_features over the x86 chain. */
 #include <float.h>
-#include "kernels.h"
+#include "core/kernels.h"
 #include "ref.h"
 
 /* ---- no subnormal operand or result in the linear algebra --------------------------------------
@@ -12,17 +12,17 @@
  * subnormal result is flushed: the results change exactly when a kernel meets a subnormal (where
  * Intel cores take a microcode assist). So every entry, on weights holding only e4m3's subnormal codes,
  * all non-NaN codes, or random FP4 codes, must give the same bits with and without DAZ/FTZ. (x86 only:
- * the flags are MXCSR's. vdpbf16ps always reads subnormals as zero, which is why avx512_bf16.c decodes
+ * the flags are MXCSR's. vdpbf16ps always reads subnormals as zero, which is why avx512.c decodes
  * to normal bf16.) */
 #if defined(__x86_64__)
 #include <xmmintrin.h>
 
 static void run_linear(const cpumla_kernels *k, const cpumla_weight *w, const float *x, float *out, int64_t per) {
-    k->gemv(&w[0], x, out, 0, w->rows);
-    k->gemm(&w[0], x, w->cols, 5, out + per, w->rows, 0, w->rows);
-    k->gemm(&w[0], x, w->cols, 2, out + 6 * per, w->rows, 0, w->rows);
-    k->gemv_t(&w[0], 0, w->rows, x, out + 8 * per, 0, w->cols);
-    for (int64_t r = 0; r < w->rows; r++) k->dequant_row(&w[0], r, 0, w->cols, out + 9 * per + r * w->cols);
+    kern_gemv(k, &w[0], x, out, 0, w->rows);
+    kern_gemm(k, &w[0], x, w->cols, 5, out + per, w->rows, 0, w->rows);
+    kern_gemm(k, &w[0], x, w->cols, 2, out + 6 * per, w->rows, 0, w->rows);
+    kern_gemv_t(k, &w[0], 0, w->rows, x, out + 8 * per, 0, w->cols);
+    for (int64_t r = 0; r < w->rows; r++) kern_dequant(k, &w[0], r, 0, w->cols, out + 9 * per + r * w->cols);
 }
 
 void test_daz_ftz(const cpumla_kernels *k) {

@@ -1,0 +1,76 @@
+/* quant_driver.h: the integer (q8 / q4 / e2m1) GEMV and GEMM drivers over a level's row x token tile,
+ * compiled once per level (avx2_q.c, avxvnni_q.c over int_avx2.h; avx512vnni_q.c, avx512f_fp4.c over
+ * int_avx512.h), whose flags differ, so they cannot share a function. Include it after defining
+ *   tile_run(w, r, R, qx, per, T, y, ldy, fmt, prefetch, l2): R rows from r times T tokens of quantized
+ *   activations (per bytes apart) into y (T rows ldy apart), fmt F_Q8 / F_Q4 / F_FP4 / F_FP4X, prefetch
+ *   the distance of a software prefetch (0: none), l2 its target (common.h cpumla_pf_l2), always inlined so
+ *   its constant arguments specialise it,
+ *   e8m0_plain(s, n): 1 when every E8M0 byte of s[0..n) is in [2, 254],
+ * QDRIVER_GEMM, the name the GEMM entry gets, and QDRIVER_PF_L2, the gemv's l2 (read once a call). */
+#if !defined(QDRIVER_GEMM) || !defined(QDRIVER_PF_L2)
+#error "define QDRIVER_GEMM and QDRIVER_PF_L2 before including quant_driver.h"
+#endif
+
+/* tile_run; E2M1 rows with a scale byte 0, 1 or 0xff (never in a released checkpoint) take the full
+ * scale conversion (F_FP4X), the others the short one */
+INLINE void tile(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
+                 int64_t ldy, int fmt, int64_t pf, int l2) {
+    if (fmt == F_FP4)
+        for (int i = 0; i < R; i++)
+            if (!e8m0_plain(q_scale_row(w, r + i), w->cols / QK)) fmt = F_FP4X;
+    if (fmt == F_FP4X) tile_run(w, r, R, qx, per, T, y, ldy, F_FP4X, pf, l2);
+    else tile_run(w, r, R, qx, per, T, y, ldy, fmt, pf, l2);
+}
+
+
+#define TILE(R, T)                                                                   \
+    static void tile_##R##_##T(const cpumla_weight *w, int64_t r, const uint8_t *qx, int64_t per, float *y, \
+                               int64_t ldy) {                                        \
+        if (w->dtype == CPUMLA_Q4) tile(w, r, R, qx, per, T, y, ldy, F_Q4, 0, 0);    \
+        else if (w->dtype == CPUMLA_E2M1) tile(w, r, R, qx, per, T, y, ldy, F_FP4, 0, 0); \
+        else tile(w, r, R, qx, per, T, y, ldy, F_Q8, 0, 0);                          \
+    }
+TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(1, 2) TILE(2, 2) TILE(3, 2) TILE(4, 2)
+#undef TILE
+typedef void (*tile_fn)(const cpumla_weight *, int64_t, const uint8_t *, int64_t, float *, int64_t);
+static const tile_fn tiles[2][4] = {{tile_1_1, tile_2_1, tile_3_1, tile_4_1}, {tile_1_2, tile_2_2, tile_3_2, tile_4_2}};
+
+/* one token: the rows in order, one at a time (one stream), prefetched pf bytes ahead with target l2
+ * (common.h: L1, L2, or L2 and L1). The prefetch runs on past r1 to the weight's last row, as the
+ * other GEMVs' does: a span job's thread takes the rows after its task's range next (threadpool.h),
+ * so its next task starts on rows already on their way. The last rows of the weight, whose prefetch
+ * would land past it, prefetch nothing. */
+INLINE void gemv_rows(const cpumla_weight *w, const uint8_t *qx, float *y, int64_t r0, int64_t r1, int fmt,
+                      int64_t pf, int l2) {
+    const int64_t ahead = (pf + w->row_bytes - 1) / w->row_bytes;
+    const int64_t last = w->rows - ahead < r1 ? w->rows - ahead : r1;
+    const int64_t rp = last > r0 ? last : r0;
+    for (int64_t r = r0; r < rp; r++) tile(w, r, 1, qx, 0, 1, y + (r - r0), 0, fmt, pf, l2);
+    for (int64_t r = rp; r < r1; r++) tile(w, r, 1, qx, 0, 1, y + (r - r0), 0, fmt, 0, 0);
+}
+/* QPF_BYTES ahead, or the two-level target's own distance (common.h GEMV_PF_FAR_2L) */
+#define GEMV_ROWS(fmt)                                                                            \
+    GEMV_PF_CASES(QDRIVER_PF_L2, gemv_rows(w, qx, y, r0, r1, fmt, L2 == 2 ? GEMV_PF_FAR_2L : QPF_BYTES, L2))
+static void gemv_q8(const cpumla_weight *w, const uint8_t *qx, float *y, int64_t r0, int64_t r1) { GEMV_ROWS(F_Q8); }
+static void gemv_q4(const cpumla_weight *w, const uint8_t *qx, float *y, int64_t r0, int64_t r1) { GEMV_ROWS(F_Q4); }
+static void gemv_fp4(const cpumla_weight *w, const uint8_t *qx, float *y, int64_t r0, int64_t r1) { GEMV_ROWS(F_FP4); }
+#undef GEMV_ROWS
+
+/* gemm: rows in groups of 4 (outer: they stay in cache), tokens in pairs */
+static void QDRIVER_GEMM(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
+                         int64_t r1) {
+    if (n == 1) {
+        if (w->dtype == CPUMLA_Q4) gemv_q4(w, qx, y, r0, r1);
+        else if (w->dtype == CPUMLA_E2M1) gemv_fp4(w, qx, y, r0, r1);
+        else gemv_q8(w, qx, y, r0, r1);
+        return;
+    }
+    const int64_t per = QX_BYTES(w->cols);
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int R = r1 - r < 4 ? (int)(r1 - r) : 4;
+        for (int64_t t = 0; t < n; t += 2) {
+            const int T = n - t < 2 ? 1 : 2;
+            tiles[T - 1][R - 1](w, r, (const uint8_t *)qx + t * per, per, y + t * ldy + (r - r0), ldy);
+        }
+    }
+}

@@ -1,4 +1,0 @@
-/* sample_avx2.c: the sampler's row passes (sample_passes.h) compiled for AVX2 (FLAGS). */
-#include "sample_passes.h"
-
-DEFINE_SAMPLE_PASSES(cpumla_sample_passes_avx2);

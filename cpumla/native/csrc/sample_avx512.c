@@ -1,5 +1,0 @@
-/* sample_avx512.c: the sampler's row passes (sample_passes.h) compiled for AVX-512 F/BW/VL/DQ, in
- * 512-bit vectors (FLAGS). */
-#include "sample_passes.h"
-
-DEFINE_SAMPLE_PASSES(cpumla_sample_passes_avx512);
