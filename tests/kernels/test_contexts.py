@@ -160,7 +160,7 @@ def expected_owner(isa, kernel, fmt):
             return "amx (avx512vnni below 16 tokens; " + FP4_HANDBACK[2:]
         if kernel in ("gemm", "head_gemv") and isa in FP4_FMA_GEMM:     # avx2_gemm.c / avx512_gemm.c: gemm_fp4
             return f"{isa} (fp32 FMAs from {FP4_FMA_GEMM[isa]} tokens; " + FP4_HANDBACK[2:]
-        return ("avx512vnni" if isa in ("avx512", "amx") else isa) + FP4_HANDBACK     # avx512f: avx512f_qi.c
+        return ("avx512vnni" if isa in ("avx512", "amx") else isa) + FP4_HANDBACK     # avx512f: avx512f_fp4.c
     if fmt in native.QUANT_FORMATS:          # the q entries (test_quant.py checks them by name)
         if kernel == "dequant" or isa == "scalar":
             return "scalar"
@@ -173,8 +173,8 @@ def expected_owner(isa, kernel, fmt):
         if isa == "avxvnni":
             return "avxvnni"                 # avx2_q.c with vpdpbusd on ymm
         if isa == "amx" and kernel in ("gemm", "head_gemv"):
-            return "amx (avx512vnni below 16 tokens)"     # amx.c's int8 tiles, over avx512_q.c
-        return "avx512vnni"                  # avx512_q.c, vpdpbusd on zmm: avx512vnni, avx512 and amx
+            return "amx (avx512vnni below 16 tokens)"     # amx.c's int8 tiles, over avx512vnni_q.c
+        return "avx512vnni"                  # avx512vnni_q.c, vpdpbusd on zmm: avx512vnni, avx512 and amx
     if isa in ("scalar", "neon", "avx512f"):
         return isa
     if isa == "avx512vnni":

@@ -19,7 +19,7 @@ RNG_SEED = 1234
 LINEAR_CASES = [
     ("f32", None, 37, 53), ("f32", None, 256, 512),
     ("bf16", None, 1, 7), ("bf16", None, 45, 77), ("bf16", None, 130, 2048),
-    ("bf16", None, 70, 4133),                     # K past avx512_bf16.c's 2048-column chunks, odd tail
+    ("bf16", None, 70, 4133),                     # K past avx512.c's 2048-column chunks, odd tail
     ("f16", None, 33, 65), ("f16", None, 64, 256),
     ("e4m3", "f32", 200, 300), ("e4m3", "e8m0", 200, 300), ("e4m3", "f32", 576, 300),
     ("e4m3", "f32", 17, 129), ("e4m3", "e8m0", 256, 256),
