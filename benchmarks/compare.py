@@ -115,23 +115,29 @@ def time_transformers(path: Path, prompt: list[int], n_gen: int, threads: int, d
     return pp, tg
 
 
-def time_llamacpp(gguf: Path, prompt: list[int], n_gen: int, threads: int, extra_bufts: bool = True):
+def load_llama(gguf: Path, extra_bufts: bool = True, **kw):
+    """llama-cpp-python's Llama on gguf; extra_bufts False: without llama.cpp's extra weight buffer types
+    (AMX, CPU repack), which Llama() has no argument for."""
     import llama_cpp.llama_cpp as low
     from llama_cpp import Llama
 
     default_params = low.llama_model_default_params
 
-    def params():                                 # Llama() has no argument for use_extra_bufts
+    def params():
         p = default_params()
         p.use_extra_bufts = extra_bufts
         return p
 
     low.llama_model_default_params = params
     try:
-        llm = Llama(model_path=str(gguf), n_ctx=len(prompt) + n_gen + 8, n_batch=max(512, len(prompt)),
-                    n_threads=threads, n_threads_batch=threads, verbose=False)
+        return Llama(model_path=str(gguf), verbose=False, **kw)
     finally:
         low.llama_model_default_params = default_params
+
+
+def time_llamacpp(gguf: Path, prompt: list[int], n_gen: int, threads: int, extra_bufts: bool = True):
+    llm = load_llama(gguf, extra_bufts, n_ctx=len(prompt) + n_gen + 8, n_batch=max(512, len(prompt)),
+                     n_threads=threads, n_threads_batch=threads)
     llm.eval(prompt[:8])                          # warm-up
     llm.reset()
     t0 = time.perf_counter()

@@ -49,6 +49,11 @@ def run(cmd: list[str], env: dict | None = None) -> str:
     return p.stdout
 
 
+def with_path(extra: str) -> str:
+    """PYTHONPATH with `extra` after what it holds (this checkout's cpumla stays first)."""
+    return os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), extra) if p)
+
+
 def md_tables(text: str) -> list[str]:
     """The markdown tables in a script's output, each with the line just above it (its caption)."""
     out, lines = [], text.splitlines()
@@ -181,9 +186,9 @@ def kernels(m: dict, a) -> str:
 def formats(m: dict, a) -> str:
     cmd = ["python3", "benchmarks/quant_quality.py", "--dummy-weights", "-n", "256"]
     env = {}
-    if a.convert and a.llama_sdist:
-        cmd += ["--llama", "--convert", a.convert]
-        env = {"PYTHONPATH": a.llama_sdist, "LLAMA_CPP_LIB_PATH": str(Path(a.llama_lib).resolve())}
+    if a.convert and a.llama_sdist and a.llama_lib:
+        cmd += ["--llama", "--convert", a.convert] + (["--llama-no-extra-bufts"] if a.llama_no_extra_bufts else [])
+        env = {"PYTHONPATH": with_path(a.llama_sdist), "LLAMA_CPP_LIB_PATH": str(Path(a.llama_lib).resolve())}
     tables = md_tables(run(cmd, env=env))
     return ("## Quality of q8 and q4\n\nKL divergence of each quantization's next-token distributions from "
             "bf16's over 256 positions of the 4-layer V2-Lite-width model (dummy weights give nearly flat "
@@ -199,7 +204,7 @@ def peers(m: dict, a) -> tuple[str, str]:
     quantized = extra + (["--llama-no-extra-bufts"] if a.llama_no_extra_bufts else [])
     cmds = [base + extra] + ([base + ["--quant", q, "--skip-transformers"] + quantized for q in ("q8", "q4")]
                              if llama else [])
-    env = {"PYTHONPATH": a.llama_sdist} if llama and a.llama_sdist else {}
+    env = {"PYTHONPATH": with_path(a.llama_sdist)} if llama and a.llama_sdist else {}
     rows = []
     for cmd in cmds:
         for t in md_tables(run(cmd, env=env)):

@@ -57,6 +57,8 @@ def main() -> None:
     ap.add_argument("--head-q4", action="store_true")
     ap.add_argument("--llama", action="store_true", help="also llama.cpp's quantizations of the same weights")
     ap.add_argument("--convert", default=None, help="path of llama.cpp's convert_hf_to_gguf.py (see compare.py)")
+    ap.add_argument("--llama-no-extra-bufts", action="store_true",
+                    help="llama.cpp's quantized files without its AMX / repack buffers (see compare.py)")
     a = ap.parse_args()
     ov = json.loads(a.hf_overrides)
     work = None
@@ -75,11 +77,11 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def llama_logits(gguf: Path, ids: list[int]) -> np.ndarray:
+def llama_logits(gguf: Path, ids: list[int], extra_bufts: bool = True) -> np.ndarray:
     """llama.cpp's logits at every position of ids (float64 log-softmax)."""
-    from llama_cpp import Llama
+    import compare
 
-    llm = Llama(model_path=str(gguf), n_ctx=len(ids) + 8, n_batch=512, logits_all=True, verbose=False)
+    llm = compare.load_llama(gguf, extra_bufts, n_ctx=len(ids) + 8, n_batch=512, logits_all=True)
     llm.eval(ids)
     z = np.array(llm.scores[: len(ids)], dtype=np.float64)
     llm.close()
@@ -134,12 +136,13 @@ def run(a, ov: dict, work: Path | None) -> None:
     if gguf is None:
         print("llama.cpp: no converter or tokenizer (see compare.py)", file=sys.stderr)
         return
-    lref = llama_logits(gguf, ids)
+    lref = llama_logits(gguf, ids)                  # bf16: llama.cpp's extra buffers work here
     row("llama.cpp bf16 against cpumla bf16", ref, lref, "1.000")
     size = gguf.stat().st_size
     for kind in ("Q8_0", "Q4_K_M", "Q4_0"):
         q = compare.quantize_gguf(gguf, kind)
-        row(f"llama.cpp {kind}", lref, llama_logits(q, ids), f"{q.stat().st_size / size:.3f} (file)")
+        row(f"llama.cpp {kind}", lref, llama_logits(q, ids, not a.llama_no_extra_bufts),
+            f"{q.stat().st_size / size:.3f} (file)")
 
 
 if __name__ == "__main__":
