@@ -13,7 +13,7 @@ help:
 	@echo "make test-sanitize C runner under ASan+UBSan and under TSan, then a Python smoke and parity"
 	@echo "                  subset on an ASan+UBSan build of the extension (libasan preloaded)"
 	@echo "make bench        kernel micro-benchmark (GEMV GB/s vs measured read bandwidth)"
-	@echo "make performance  rerun every measurement of docs/performance.md and rewrite it (about an hour;"
+	@echo "make performance  rerun every measurement of docs/performance.md and rewrite it (about 20 minutes;"
 	@echo "                  LLAMA=\"--llama-lib DIR --llama-sdist DIR --convert FILE\" adds llama.cpp)"
 
 install:

@@ -33,16 +33,20 @@ REF = ["deepseek-ai/DeepSeek-V2-Lite", "--dummy-weights", "--hf-overrides", '{"n
 SECTIONS = ("decode", "depth", "kernels", "formats", "peers")
 
 
+SHOWN: dict[str, str] = {}     # paths of this machine -> what the page shows for them
+
+
 def sh(cmd: list[str]) -> str:
-    """cmd as one would type it."""
-    return " ".join(c if re.fullmatch(r"[\w./,=:@+-]+", c) else "'" + c + "'" for c in cmd)
+    """cmd as one would type it (this machine's llama.cpp paths as placeholders)."""
+    cmd = [SHOWN.get(c, c) for c in cmd]
+    return " ".join(c if re.fullmatch(r"[\w./,=:@<>+-]+", c) else "'" + c + "'" for c in cmd)
 
 
 def run(cmd: list[str], env: dict | None = None) -> str:
     """stdout of cmd (`cpumla` is this checkout's); its stderr passes through. A failure stops the page."""
     exe = [sys.executable, "-m", "cpumla", *cmd[1:]] if cmd[0] == "cpumla" else \
         [sys.executable, *cmd[1:]] if cmd[0] == "python3" else cmd
-    print(f"$ {sh(cmd)}", file=sys.stderr, flush=True)
+    print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
     p = subprocess.run(exe, cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     if p.returncode != 0:
         raise SystemExit(f"performance.py: `{sh(cmd)}` failed (exit {p.returncode})")
@@ -54,7 +58,7 @@ def with_path(extra: str) -> str:
     return os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), extra) if p)
 
 
-def md_tables(text: str) -> list[str]:
+def md_tables(text: str, captions: bool = True) -> list[str]:
     """The markdown tables in a script's output, each with the line just above it (its caption)."""
     out, lines = [], text.splitlines()
     i = 0
@@ -64,7 +68,7 @@ def md_tables(text: str) -> list[str]:
             while j < len(lines) and lines[j].startswith("|"):
                 j += 1
             caption = next((lines[k] for k in range(i - 1, -1, -1) if lines[k].strip()), "")
-            out.append((caption.strip() + "\n\n" if caption.strip() else "") + "\n".join(lines[i:j]))
+            out.append((caption.strip() + "\n\n" if caption.strip() and captions else "") + "\n".join(lines[i:j]))
             i = j
         else:
             i += 1
@@ -118,7 +122,7 @@ def decode(m: dict, a) -> str:
                                               "--hf-overrides", '{"num_hidden_layers": 4}', "-p", "512", "-n", "64", "-r", "3"]),
             ("V4-Flash widths", "FP8 + FP4 experts", ["deepseek-ai/DeepSeek-V4-Flash", "--dummy-weights", "--hf-overrides",
                                                       '{"num_hidden_layers": 4}', "-p", "512", "-n", "32", "-r", "2"])]
-    rows, cmds = [], []
+    rows, cmds, peaks = [], [], set()
     for name, fmt, args in runs:
         cmd = ["cpumla", "bench", *args]
         cmds.append(cmd)
@@ -126,16 +130,16 @@ def decode(m: dict, a) -> str:
         pp = next(r for r in res if r["n_prompt"])
         tg = next(r for r in res if r["n_gen"])
         # the peak `cpumla bench` names: bf16 dot products where the activations are rounded to bf16
-        bf16 = fmt in ("bf16", "FP8", "FP8 + FP4 experts")
-        peak = f"{pp['pct_bf16_peak']:.0f}% of bf16 dot" if bf16 else f"{pp['pct_fma_peak']:.0f}% of fp32 FMA"
-        rows.append([name, fmt, f"{pp['avg_ts']:.1f}", f"{pp['gflops']:.0f} ({peak})", f"{tg['avg_ts']:.2f}",
+        peaks.add((round(pp["fma_peak_gflops"]), round(pp["bf16_peak_gflops"])))
+        rows.append([name, fmt, f"{pp['avg_ts']:.1f}", f"{pp['gflops']:.0f}", f"{tg['avg_ts']:.2f}",
                      f"{tg['bytes_per_token'] / 1e9:.3f}", f"{tg['gbs']:.1f}",
                      f"{tg['pct_bandwidth']:.0f}% of {tg['read_probe_gbs']:.1f}"])
+    fma, dot = max(peaks)
     return ("## Decode and prefill\n\nFour layers of each model's real widths on dummy weights (every family's "
             "per-token work, a size that fits here). Decode is bound by the bytes a token reads: its GB/s is "
-            "given against a read probe of the same run. Prefill is bound by arithmetic: its GFLOP/s against "
-            "the peak of the product it runs (bf16 dot products for bf16 and FP8 weights, fp32 FMAs "
-            "otherwise; AMX tiles exceed both).\n\n" + stamp(m, cmds) + "\n" +
+            "given against a read probe of the same run. Prefill is bound by arithmetic: the runs' probes "
+            f"measured {fma} GFLOP/s of fp32 FMAs and {dot} of bf16 dot products on every thread (a level with "
+            "AMX runs prefill on its tiles, above both).\n\n" + stamp(m, cmds) + "\n" +
             table(["model", "weights", "pp512 tok/s", "prefill GFLOP/s", "decode tok/s", "GB a token",
                    "decode GB/s", "of the read probe (GB/s)"], rows, right=2) + "\n")
 
@@ -189,7 +193,7 @@ def formats(m: dict, a) -> str:
     if a.convert and a.llama_sdist and a.llama_lib:
         cmd += ["--llama", "--convert", a.convert] + (["--llama-no-extra-bufts"] if a.llama_no_extra_bufts else [])
         env = {"PYTHONPATH": with_path(a.llama_sdist), "LLAMA_CPP_LIB_PATH": str(Path(a.llama_lib).resolve())}
-    tables = md_tables(run(cmd, env=env))
+    tables = md_tables(run(cmd, env=env), captions=False)
     return ("## Quality of q8 and q4\n\nKL divergence of each quantization's next-token distributions from "
             "bf16's over 256 positions of the 4-layer V2-Lite-width model (dummy weights give nearly flat "
             "distributions, so KL is the figure to read, not top-1 agreement)" +
@@ -213,10 +217,18 @@ def peers(m: dict, a) -> tuple[str, str]:
     tab = table(["engine", "pp512 tok/s", "tg32 tok/s", "cpumla prefill x", "cpumla decode x"], rows)
     note = ("llama.cpp's quantized runs go without its extra weight buffers (AMX, repack): with them it aborts "
             "on this model's quantized files on an AMX CPU. " if llama and a.llama_no_extra_bufts else "")
+    which = ""
+    if llama and a.llama_sdist:
+        info = Path(a.llama_sdist, "PKG-INFO")
+        ver = re.search(r"^Version: (.+)$", info.read_text(), re.M) if info.exists() else None
+        which = (f"llama.cpp is the tree of llama-cpp-python {ver.group(1) if ver else ''}'s sdist (`vendor/llama.cpp`), "
+                 "built as shared libraries for this CPU (`cmake -B build -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=ON && "
+                 "cmake --build build --target llama llama-quantize`), driven by llama-cpp-python's own Python "
+                 "code. ")
     page = ("## Side by side with llama.cpp and transformers\n\nThe same weights in every engine: the 4-layer "
             "V2-Lite-width model saved as a bf16 checkpoint (vocabulary 129280, for llama.cpp's converter), "
             "converted to GGUF and quantized by llama.cpp's own tools for its rows; engines alternate run by run, "
-            "median of 3. " + note + "\n\n" + stamp(m, cmds) + "\n" + tab + "\n")
+            "median of 3. " + which + note + "\n\n" + stamp(m, cmds) + "\n" + tab + "\n")
     front = (f"On {m['cpu']}, {m['threads']} threads, {m['date']} ([docs/performance.md](docs/performance.md)):"
              "\n\n" + tab)
     return page, front
@@ -253,6 +265,10 @@ def main() -> None:
         raise SystemExit(f"performance.py: unknown section '{bad[0]}' (sections: {', '.join(SECTIONS)})")
     out = Path(a.out)
     have = sections_of(out.read_text()) if out.exists() else {}
+    if a.convert:
+        SHOWN[a.convert] = "<llama.cpp>/convert_hf_to_gguf.py"
+    if a.llama_lib:
+        SHOWN[a.llama_lib] = "<llama.cpp build>/bin"
     m = machine()
     front = None
     for name in want:
@@ -264,8 +280,8 @@ def main() -> None:
         out.write_text(text)               # after each section: a long run that stops keeps what it measured
     if front is not None and out.resolve() == PAGE.resolve():
         readme = README.read_text()
-        new = re.sub(r"(<!-- performance -->\n).*?(\n<!-- /performance -->)", lambda mm: mm.group(1) + front + mm.group(2),
-                     readme, flags=re.S)
+        new = re.sub(r"(<!-- performance -->\n).*?(<!-- /performance -->)",
+                     lambda mm: mm.group(1) + front + "\n" + mm.group(2), readme, flags=re.S)
         README.write_text(new)
 
 
