@@ -39,7 +39,7 @@ SHOWN: dict[str, str] = {}     # paths of this machine -> what the page shows fo
 def sh(cmd: list[str]) -> str:
     """cmd as one would type it (this machine's llama.cpp paths as placeholders)."""
     cmd = [SHOWN.get(c, c) for c in cmd]
-    return " ".join(c if re.fullmatch(r"[\w./,=:@<>+-]+", c) else "'" + c + "'" for c in cmd)
+    return " ".join(c if c.startswith("<") or re.fullmatch(r"[\w./,=:@+-]+", c) else "'" + c + "'" for c in cmd)
 
 
 def run(cmd: list[str], env: dict | None = None) -> str:
@@ -103,10 +103,11 @@ def machine() -> dict:
             "date": datetime.date.today().isoformat(), "prefetch": info["gemv_prefetch"]}
 
 
-def stamp(m: dict, cmds: list[list[str]]) -> str:
-    """Where and when a section was measured, and how."""
+def stamp(m: dict, cmds: list[list[str]], env: dict | None = None) -> str:
+    """Where and when a section was measured, and how (env: the variables the commands ran with)."""
+    pre = "".join(f"{k}={SHOWN.get(v, v)} " for k, v in (env or {}).items())
     return (f"Measured {m['date']} at commit {m['commit']} on {m['cpu']}, {m['threads']} threads, level "
-            f"`{m['isa']}`:\n\n```sh\n" + "\n".join(sh(c) for c in cmds) + "\n```\n")
+            f"`{m['isa']}`:\n\n```sh\n" + "\n".join(pre + sh(c) for c in cmds) + "\n```\n")
 
 
 # ---- sections ---------------------------------------------------------------------------------------
@@ -192,13 +193,14 @@ def formats(m: dict, a) -> str:
     env = {}
     if a.convert and a.llama_sdist and a.llama_lib:
         cmd += ["--llama", "--convert", a.convert] + (["--llama-no-extra-bufts"] if a.llama_no_extra_bufts else [])
-        env = {"PYTHONPATH": with_path(a.llama_sdist), "LLAMA_CPP_LIB_PATH": str(Path(a.llama_lib).resolve())}
+        env = {"PYTHONPATH": with_path(a.llama_sdist), "LLAMA_CPP_LIB_PATH": a.llama_lib}
     tables = md_tables(run(cmd, env=env), captions=False)
+    shown = {"PYTHONPATH": a.llama_sdist, "LLAMA_CPP_LIB_PATH": a.llama_lib} if env else None
     return ("## Quality of q8 and q4\n\nKL divergence of each quantization's next-token distributions from "
             "bf16's over 256 positions of the 4-layer V2-Lite-width model (dummy weights give nearly flat "
             "distributions, so KL is the figure to read, not top-1 agreement)" +
             ("; llama.cpp's types of the same weights against llama.cpp's own bf16 run" if env else "") + ".\n\n"
-            + stamp(m, [cmd]) + "\n" + "\n\n".join(tables) + "\n")
+            + stamp(m, [cmd], shown) + "\n" + "\n\n".join(tables) + "\n")
 
 
 def peers(m: dict, a) -> tuple[str, str]:
@@ -228,7 +230,8 @@ def peers(m: dict, a) -> tuple[str, str]:
     page = ("## Side by side with llama.cpp and transformers\n\nThe same weights in every engine: the 4-layer "
             "V2-Lite-width model saved as a bf16 checkpoint (vocabulary 129280, for llama.cpp's converter), "
             "converted to GGUF and quantized by llama.cpp's own tools for its rows; engines alternate run by run, "
-            "median of 3. " + which + note + "\n\n" + stamp(m, cmds) + "\n" + tab + "\n")
+            "median of 3. " + which + note + "\n\n" + stamp(m, cmds, {"PYTHONPATH": a.llama_sdist} if env else None)
+            + "\n" + tab + "\n")
     front = (f"On {m['cpu']}, {m['threads']} threads, {m['date']} ([docs/performance.md](docs/performance.md)):"
              "\n\n" + tab)
     return page, front
@@ -269,6 +272,8 @@ def main() -> None:
         SHOWN[a.convert] = "<llama.cpp>/convert_hf_to_gguf.py"
     if a.llama_lib:
         SHOWN[a.llama_lib] = "<llama.cpp build>/bin"
+    if a.llama_sdist:
+        SHOWN[a.llama_sdist] = "<llama-cpp-python sdist>"
     m = machine()
     front = None
     for name in want:
