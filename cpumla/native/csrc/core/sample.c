@@ -1,4 +1,4 @@
-/* sample.c: one token drawn from a logits row, exactly as the docstring of cpumla/chat/sampling.py
+/* sample.c: one token drawn from a logits row, exactly as the docstring of cpumla/sampling.py
  * defines it (that definition is the spec; sampling.py computes the same choices with numpy).
  *
  * Single-threaded and allocation-free: the caller hands in work (cpumla_sample_work_bytes), so any

@@ -342,7 +342,7 @@ typedef struct cpumla_vec {
 } cpumla_vec;
 
 /* ---- token sampling ---------------------------------------------------------------------------- */
-/* One token drawn from a logits row [n], exactly as the docstring of cpumla/chat/sampling.py defines
+/* One token drawn from a logits row [n], exactly as the docstring of cpumla/sampling.py defines
  * it (temperature, top-k, top-p, min-p; the penalties are applied to the row before). temperature 0
  * is greedy (the first maximal logit); otherwise draw (< 2^53) is the uniform u = draw / 2^53.
  * top_k 0 and top_p 1 are off, min_p 0 is off. work: cpumla_sample_work_bytes(n) bytes, any
