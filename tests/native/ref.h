@@ -229,9 +229,15 @@ static inline int close_to(double got, double ref, double mag, double tol) {
 
 /* ---- references ------------------------------------------------------------------------------- */
 /* kernels.h's activation quantization of one block of 32 (every step in fp32): codes in [-qmax, qmax]
- * (127 for Q8 / Q4, 32512 for E2M1: ref_qmax) into q, returns xd */
+ * (127 for Q8 / Q4, 32512 for E2M1: ref_qmax) into q, returns xd; a block holding a NaN or an
+ * infinity: codes 0, xd NaN */
 static double ref_qact(const float *x, int *q, float qmax) {
     float amax = 0.0f;
+    for (int i = 0; i < 32; i++)
+        if (!isfinite(x[i])) {
+            for (int j = 0; j < 32; j++) q[j] = 0;
+            return NAN;
+        }
     for (int i = 0; i < 32; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
     /* blocks below 2^-100 count as zero (kernels.h) */
     volatile float xd = amax < 0x1p-100f ? 0.0f : amax / qmax, id = amax >= 0x1p-100f ? qmax / amax : 0.0f;

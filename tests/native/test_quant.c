@@ -210,6 +210,12 @@ static void qz_block(int kind, float *v) {
     case 8:                                              /* scales near fp16 overflow (65504) */
         for (int i = 0; i < QK; i++) v[i] = rng_sym(1.0f) * (float)(8.0e6 * (0.9 + 0.2 * rng_unit()));
         break;
+    case 9: {                                            /* a NaN or an infinity, anywhere */
+        static const float bad[3] = {NAN, INFINITY, -INFINITY};
+        for (int i = 0; i < QK; i++) v[i] = rng_sym(1.0f) * s;
+        v[rng_u64() % QK] = bad[rng_u64() % 3];
+        break;
+    }
     default:                                             /* values that clamp: tiny amax, rest mid-size */
         for (int i = 0; i < QK; i++) v[i] = rng_sym(1.0f) * s;
         v[QK - 1] = -s * 1.000001f;
@@ -259,8 +265,8 @@ static void test_quantize_row(const cpumla_kernels *k) {
                 const int64_t nb = nbs[t], bb = dt == CPUMLA_Q8 ? QK : QK / 2;
                 float *row = xalloc(sizeof(float) * (size_t)(nb * QK));
                 /* one kind per row, or every kind mixed */
-                const int fixed = rep < 10 ? rep : -1;
-                for (int64_t b = 0; b < nb; b++) qz_block(fixed >= 0 ? fixed : (int)(rng_u64() % 10), row + b * QK);
+                const int fixed = small_mode ? (rep == 1 ? 9 : rep == 2 ? 0 : -1) : rep < 11 ? rep : -1;
+                for (int64_t b = 0; b < nb; b++) qz_block(fixed >= 0 ? fixed : (int)(rng_u64() % 11), row + b * QK);
                 uint8_t *qa = xalloc((size_t)(nb * bb) + 1), *qb = xalloc((size_t)(nb * bb) + 1);
                 uint16_t *sa = xalloc(sizeof(uint16_t) * (size_t)(nb + 1)), *sb = xalloc(sizeof(uint16_t) * (size_t)(nb + 1));
                 memset(qa, 0xa5, (size_t)(nb * bb) + 1);
@@ -283,7 +289,7 @@ static void test_quantize_row(const cpumla_kernels *k) {
 
 /* n activation rows ldx apart (uniform in +-amp, the second at amp / 1000, a zero block in the third,
  * in the first a block 2^-118 times the rest (below QACT_TINY for the usual amp: it counts as zero)
- * and one 2^-98 times (just above), NaN past the row) through gemv (n = 1) or gemm over rows [r0, r1): returns y (n rows ldy apart,
+ * and one 2^-98 times (just above), a NaN or an infinity somewhere in the fourth, NaN past the row) through gemv (n = 1) or gemm over rows [r0, r1): returns y (n rows ldy apart,
  * QSENT where nothing was written), *xo the activations */
 static float *run_q(const cpumla_kernels *k, const cpumla_weight *w, int64_t n, int64_t ldx, float amp, int64_t r0,
                     int64_t r1, int64_t ldy, float **xo) {
@@ -293,6 +299,10 @@ static float *run_q(const cpumla_kernels *k, const cpumla_weight *w, int64_t n, 
     for (int64_t i = 0; i < 32 && n > 2; i++) x[2 * ldx + i] = 0.0f;      /* a zero block */
     for (int64_t i = 32; i < 64 && i < w->cols; i++) x[i] *= 0x1p-118f;     /* tiny blocks */
     for (int64_t i = 64; i < 96 && i < w->cols; i++) x[i] *= 0x1p-98f;
+    if (n > 3) {                                                           /* a NaN or an infinity */
+        static const float bad[3] = {NAN, INFINITY, -INFINITY};
+        x[3 * ldx + (int64_t)(rng_u64() % (uint64_t)w->cols)] = bad[rng_u64() % 3];
+    }
     float *y = xalloc(sizeof(float) * (size_t)(n * ldy));
     for (int64_t i = 0; i < n * ldy; i++) y[i] = QSENT;
     case_begin();
@@ -301,6 +311,9 @@ static float *run_q(const cpumla_kernels *k, const cpumla_weight *w, int64_t n, 
     *xo = x;
     return y;
 }
+
+/* the same bits, or both NaN */
+static int same_f(float a, float b) { return bitsf(a) == bitsf(b) || (isnan(a) && isnan(b)); }
 
 /* got against want: NaN and infinities exactly, the rest within 1e-5 of the terms' magnitude */
 static int q_close(float got, double want, double mag) {
@@ -342,7 +355,7 @@ static void test_fp4(const cpumla_kernels *k) {
                                 bad++;
                             if (C <= 64 || fma) {
                                 const float sp = spec_qdot32(&t, r0 + i, x + tt * ldx);
-                                same &= bitsf(got) == bitsf(sp) || (isnan(got) && isnan(sp));
+                                same &= same_f(got, sp);
                             }
                         }
                         gap_ok &= y[tt * ldy + nr] == QSENT && y[tt * ldy + nr + 1] == QSENT;
@@ -352,7 +365,7 @@ static void test_fp4(const cpumla_kernels *k) {
                         for (int64_t tt = 0; tt < n; tt++) {
                             kern_gemv(k, &t.w, x + tt * ldx, y1, r0, r1);
                             for (int64_t i = 0; i < nr; i++)
-                                agree &= bitsf(y1[i]) == bitsf(y[tt * ldy + i]) || (isnan(y1[i]) && isnan(y[tt * ldy + i]));
+                                agree &= same_f(y1[i], y[tt * ldy + i]);
                         }
                         free(y1);
                     }
@@ -388,7 +401,7 @@ void test_quant(const cpumla_kernels *k) {
                     for (int64_t i = 0; i < nr && bad < 3; i++) {
                         double mag, want = ref_qdot(&t, r0 + i, x + tt * ldx, &mag);
                         float got = y[tt * ldy + i];
-                        if (!check(close_to(got, want, mag, 1e-5), "%s %s %lldx%lld n=%lld: y[%lld,%lld] = %.9g, want %.9g",
+                        if (!check(q_close(got, want, mag), "%s %s %lldx%lld n=%lld: y[%lld,%lld] = %.9g, want %.9g",
                                    n == 1 ? "gemv" : "gemm", nm, (long long)R, (long long)C, (long long)n,
                                    (long long)tt, (long long)i, got, want))
                             bad++;
@@ -400,7 +413,7 @@ void test_quant(const cpumla_kernels *k) {
                 if (C <= 64) {
                     int same = 1;
                     for (int64_t tt = 0; tt < n; tt++)
-                        for (int64_t i = 0; i < nr; i++) same &= y[tt * ldy + i] == spec_qdot32(&t, r0 + i, x + tt * ldx);
+                        for (int64_t i = 0; i < nr; i++) same &= same_f(y[tt * ldy + i], spec_qdot32(&t, r0 + i, x + tt * ldx));
                     check(same, "%s %s %lldx%lld differs from the fp32 spec", n == 1 ? "gemv" : "gemm", nm,
                           (long long)R, (long long)C);
                 }
@@ -409,7 +422,7 @@ void test_quant(const cpumla_kernels *k) {
                     int same = 1;
                     for (int64_t tt = 0; tt < n; tt++) {
                         kern_gemv(k, &t.w, x + tt * ldx, y1, r0, r1);
-                        same &= !memcmp(y1, y + tt * ldy, sizeof(float) * (size_t)nr);
+                        for (int64_t i = 0; i < nr; i++) same &= same_f(y1[i], y[tt * ldy + i]);
                     }
                     check(same, "gemm %s %lldx%lld n=%lld: a token's row differs from gemv's", nm, (long long)R,
                           (long long)C, (long long)n);

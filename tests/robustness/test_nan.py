@@ -56,7 +56,7 @@ def test_a_query_that_sees_nothing_still_gives_zeros(isa):
     assert (out[1] == 0).all() and np.isfinite(out[0]).all()
 
 
-def _nan_checkpoint(tmp_path, tensor):
+def _nan_checkpoint(tmp_path, tensor, value=np.nan):
     pytest.importorskip("torch")
     from safetensors.numpy import load_file, save_file
 
@@ -67,20 +67,41 @@ def _nan_checkpoint(tmp_path, tensor):
     f = d / "model.safetensors"
     t = load_file(f)
     t[tensor] = t[tensor].copy()
-    t[tensor][0, 0] = np.nan
+    t[tensor][0, 0] = value
     save_file(t, f, metadata={"format": "pt"})
     return d
 
 
+@pytest.mark.parametrize("quant", [None, "q8", "q4"])
 @pytest.mark.parametrize("tensor", ["model.layers.1.self_attn.q_proj.weight",
-                                    "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"])
-def test_nan_weights_give_nan_logits_and_smoke_says_so(tmp_path, tensor):
+                                    "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+                                    "model.layers.1.mlp.experts.0.down_proj.weight"])
+def test_nan_weights_give_nan_logits_and_smoke_says_so(tmp_path, tensor, quant):
+    """In the checkpoint's format and quantized on load alike (a NaN weight's block gets a NaN scale)."""
     import cpumla
     from cpumla.cli import smoke
 
     d = _nan_checkpoint(tmp_path, tensor)
-    eng = cpumla.load(str(d))
-    logits = eng.forward([1, 2, 3, 4])
+    eng = cpumla.load(str(d), quant=quant)
+    logits = eng.forward(list(range(1, 40)))
     assert np.isnan(logits[-1]).any()
-    r = smoke.run(str(d), dummy_weights=False, prompt_tokens=4, decode_tokens=2)
+    r = smoke.run(str(d), dummy_weights=False, prompt_tokens=4, decode_tokens=2, quant=quant)
     assert r.status != "ok" and "non-finite" in r.status
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_quantize_command_keeps_a_nan(tmp_path, value):
+    """`cpumla quantize` of a checkpoint holding a NaN or an infinity writes a checkpoint whose logits are
+    NaN, and smoke on it says so (it never says ok on a checkpoint the quantizer made finite)."""
+    import cpumla
+    from cpumla.cli import smoke
+    from cpumla.cli.quantize import quantize_checkpoint
+
+    d = _nan_checkpoint(tmp_path, "model.layers.1.self_attn.q_proj.weight", value)
+    for fmt in ("q8", "q4"):
+        out = tmp_path / fmt
+        quantize_checkpoint(str(d), out, fmt)
+        logits = cpumla.load(str(out)).forward([1, 2, 3, 4])
+        assert np.isnan(logits[-1]).all(), fmt
+        r = smoke.run(str(out), dummy_weights=False, prompt_tokens=4, decode_tokens=2)
+        assert r.status != "ok" and "non-finite" in r.status, (fmt, r.status)

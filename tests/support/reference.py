@@ -315,12 +315,15 @@ QACT_TINY = np.float32(2.0 ** -100)     # kernels.h: activation blocks below it 
 def quant_act(x: np.ndarray, qmax: int = 127):
     """kernels.h's activation quantization of x [..., K] to codes in [-qmax, qmax] (127: int8 for q8 /
     q4; 32512: int16 for e2m1): (codes int64 [..., K/32, 32], xd float32 [..., K/32]), every operation
-    in float32 as specified."""
+    in float32 as specified; a block holding a NaN or an infinity: xd NaN, codes 0."""
     x = np.asarray(x, np.float32)
     xb = x.reshape(x.shape[:-1] + (x.shape[-1] // QK, QK))
+    bad = ~np.isfinite(xb).all(-1)
+    xb = np.where(bad[..., None], np.float32(0), xb)
     amax = np.abs(xb).max(-1)
     live = amax >= QACT_TINY            # blocks below 2^-100 count as zero
     xd = np.where(amax < QACT_TINY, np.float32(0), amax / np.float32(qmax)).astype(np.float32)
+    xd[bad] = np.nan
     safe = np.where(live, amax, np.float32(1)).astype(np.float32)
     inv = np.where(live, np.float32(qmax) / safe, np.float32(0)).astype(np.float32)
     q = np.rint((xb * inv[..., None]).astype(np.float32)).astype(np.int64)     # half to even
@@ -357,8 +360,11 @@ class QLinear:
 
 
 def quantize_ref(fmt: str, values: np.ndarray):
-    """cpumla.h's weight quantization of fp32 values [R, K]: (data, scale) as the library stores them."""
+    """cpumla.h's weight quantization of fp32 values [R, K]: (data, scale) as the library stores them;
+    a block holding a NaN or an infinity: scale NaN (fp16 0x7e00), codes 0."""
     v = np.asarray(values, np.float32).reshape(values.shape[0], -1, QK)
+    bad = ~np.isfinite(v).all(-1)
+    v = np.where(bad[..., None], np.float32(0), v)
     if fmt == "q8":
         d16 = (np.abs(v).max(-1) / np.float32(127)).astype(np.float16)
         lo, hi = -127, 127
@@ -369,6 +375,7 @@ def quantize_ref(fmt: str, values: np.ndarray):
     d = d16.astype(np.float32)
     inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
     q = np.clip(np.rint((v * inv[..., None]).astype(np.float32)), lo, hi).astype(np.int64)
+    d16.view(np.uint16)[bad] = 0x7E00
     if fmt == "q8":
         return q.astype(np.int8).reshape(values.shape), d16
     n = (q + 8).reshape(v.shape[0], v.shape[1], 2, 16)

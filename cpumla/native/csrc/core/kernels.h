@@ -29,7 +29,9 @@
  * division), id = M / amax (fp32 division), xq_i = nearest_even(x_i * id) (fp32 product), so
  * |xq_i| <= M; a block whose amax is below 2^-100 (QACT_TINY, quant.h) counts as zero: xd = id = 0
  * (M / amax would overflow fp32 below ~2^-121 for M = 127 and ~2^-113 for 32512, and xd be subnormal
- * below ~2^-119 and ~2^-111). Then, in fp32,
+ * below ~2^-119 and ~2^-111); a block holding a NaN or an infinity keeps it: xd = NaN and its codes 0
+ * (amax as quant.h's q_amax, over the bits of |x|, so no level loses a NaN to the order of a max).
+ * Then, in fp32,
  *   y_r = sum over blocks b, in order, of (float)(sum_i wq_{r,b,i} * xq_{b,i}) * (wd_{r,b} * xd_b)
  * with the integer sums exact (|sum| < 2^24, so (float) is exact too): wq = q for Q8, nibble - 8 for
  * Q4, w2 = 2 * the e2m1 value for E2M1 (0, +-1, +-2, +-3, +-4, +-6, +-8, +-12); wd the fp16 scale as

@@ -140,19 +140,37 @@ static inline float qact_max(int32_t wdtype) { return wdtype == CPUMLA_E2M1 ? QA
 /* Activation blocks whose largest magnitude is below this quantize to zero (kernels.h): qmax / amax
  * would overflow fp32 below ~2^-121 (qmax 127) or ~2^-113 (32512), and xd = amax / qmax be subnormal
  * below ~2^-119 or ~2^-111. Written as
- * id = amax >= QACT_TINY ? qmax / amax : 0, xd = amax < QACT_TINY ? 0 : amax / qmax, so that a NaN
- * amax still gives a NaN xd. */
+ * id = amax >= QACT_TINY ? qmax / amax : 0, xd = amax < QACT_TINY ? 0 : amax / qmax. */
 #define QACT_TINY 0x1p-100f
 static inline float qact_id(float amax, float qmax) { return amax >= QACT_TINY ? qmax / amax : 0.0f; }
-static inline float qact_xd(float amax, float qmax) { return amax < QACT_TINY ? 0.0f : amax / qmax; }
+
+/* A block holding a NaN or an infinity (amax not finite: NaN or inf) keeps it: its xd (activations) or
+ * scale (weights) is NaN and its codes 0, so every product and dequantized value of the block is NaN.
+ * amax is taken over the values' magnitudes as integers (the bits of |x|), which orders finite values
+ * as floats do, puts inf and NaN above them, and does not depend on the order of a max tree the way
+ * a float max does when one operand is NaN. */
+static inline int q_nonfinite(float amax) { return !(amax <= 3.40282347e38f); }
+static inline float qact_xd(float amax, float qmax) {
+    return q_nonfinite(amax) ? NAN : amax < QACT_TINY ? 0.0f : amax / qmax;
+}
+#define Q_NAN_F16 0x7e00u          /* the fp16 scale of a weight block holding a NaN or an infinity */
+
+/* max |x_i| of n values as the bits of |x| (an integer max: a NaN anywhere gives a NaN) */
+static inline float q_amax(const float *x, int n) {
+    uint32_t m = 0;
+    for (int i = 0; i < n; i++) {
+        const uint32_t u = bits_from_f32(x[i]) & 0x7fffffffu;
+        m = u > m ? u : m;
+    }
+    return f32_from_bits(m);
+}
 
 /* The spec's activation quantization of one block (kernels.h), codes in [-qmax, qmax]: codes into q,
  * returns xd */
 static inline float q_act_block(const float *x, float qmax, int32_t *q) {
-    float amax = 0.0f;
-    for (int i = 0; i < QK; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    const float amax = q_amax(x, QK);
     const float id = qact_id(amax, qmax);
-    for (int i = 0; i < QK; i++) q[i] = (int32_t)rintf(x[i] * id);
+    for (int i = 0; i < QK; i++) q[i] = q_nonfinite(amax) ? 0 : (int32_t)rintf(x[i] * id);
     return qact_xd(amax, qmax);
 }
 

@@ -196,6 +196,9 @@ void cpumla_dequant(const cpumla_weight *w, int64_t r0, int64_t r1, float *out, 
  * row r of dst is written, r0 <= r < r1). Per block of 32 values v (dequantized to fp32):
  *   Q8: d = fp16(max|v| / 127), q = clamp(nearest_even(v * (1 / d)), -127, 127)  (q = 0 when d = 0)
  *   Q4: m = the v of largest |v| (the first), d = fp16(m / -8), q = clamp(nearest_even(v * (1 / d)), -8, 7) + 8
+ *   A block holding a NaN or an infinity: d = NaN (fp16 0x7e00), q = 0 (Q4: nibbles 8), so every
+ *   value of it dequantizes, and every product with it comes out, as NaN: a non-finite weight is
+ *   never turned into a finite one.
  * Multi-threaded. Returns 0, or -1 (bad dtype or shape; cpumla_last_error() says why). */
 int cpumla_quantize(const cpumla_weight *src, const cpumla_weight *dst, int64_t r0, int64_t r1);
 

@@ -72,10 +72,13 @@ static void FN(quant_x_neon)(int32_t wdtype, const float *x, int64_t K, void *qx
     for (int64_t b = 0; b < nb; b++) {
         float32x4_t v[8];
         for (int k = 0; k < 8; k++) v[k] = vld1q_f32(x + b * QK + 4 * k);
-        float32x4_t m = vabsq_f32(v[0]);
-        for (int k = 1; k < 8; k++) m = vmaxq_f32(m, vabsq_f32(v[k]));
-        const float amax = vmaxvq_f32(m), qmax = qact_max(wdtype), id = qact_id(amax, qmax);
+        /* quant.h's q_amax: an integer max over the bits of |x| */
+        uint32x4_t m = vreinterpretq_u32_f32(vabsq_f32(v[0]));
+        for (int k = 1; k < 8; k++) m = vmaxq_u32(m, vreinterpretq_u32_f32(vabsq_f32(v[k])));
+        const float amax = f32_from_bits(vmaxvq_u32(m)), qmax = qact_max(wdtype), id = qact_id(amax, qmax);
         d[b] = qact_xd(amax, qmax);
+        if (q_nonfinite(amax))                                          /* codes 0 */
+            for (int k = 0; k < 8; k++) v[k] = vdupq_n_f32(0.0f);
         int32x4_t iv[8], sum = vdupq_n_s32(0);
         for (int k = 0; k < 8; k++) {
             iv[k] = vcvtnq_s32_f32(vmulq_n_f32(v[k], id));          /* nearest even */

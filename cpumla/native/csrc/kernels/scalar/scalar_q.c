@@ -85,14 +85,15 @@ static inline float round_even(float x) {
     return (x + magic) - magic;
 }
 
-/* One block of 32 fp32 values -> codes (Q8: int8; Q4: the 16 packed bytes) and the fp16 scale. */
+/* One block of 32 fp32 values -> codes (Q8: int8; Q4: the 16 packed bytes) and the fp16 scale. A block
+ * holding a NaN or an infinity: scale NaN, codes 0 (quant.h's q_nonfinite). */
 static uint16_t quantize_block(int32_t dtype, const float *v, uint8_t *out) {
+    const float amax = q_amax(v, QK);
+    if (q_nonfinite(amax)) {
+        memset(out, dtype == CPUMLA_Q8 ? 0 : 0x88, dtype == CPUMLA_Q8 ? QK : QK / 2);
+        return Q_NAN_F16;
+    }
     if (dtype == CPUMLA_Q8) {
-        float amax = 0.0f;
-        for (int i = 0; i < QK; i++) {
-            float a = fabsf(v[i]);
-            amax = a > amax ? a : amax;
-        }
         uint16_t d16 = f32_to_f16(amax / 127.0f);
         float d = f16_to_f32(d16), id = d > 0.0f ? 1.0f / d : 0.0f;
         for (int i = 0; i < QK; i++) {
@@ -102,12 +103,8 @@ static uint16_t quantize_block(int32_t dtype, const float *v, uint8_t *out) {
         }
         return d16;
     }
-    /* m: the first value of largest magnitude (two passes, so the max vectorises) */
-    float amax = 0.0f, m = 0.0f;
-    for (int i = 0; i < QK; i++) {
-        float a = fabsf(v[i]);
-        amax = a > amax ? a : amax;
-    }
+    /* m: the first value of largest magnitude */
+    float m = 0.0f;
     for (int i = 0; amax > 0.0f && i < QK; i++)
         if (fabsf(v[i]) == amax) { m = v[i]; break; }
     uint16_t d16 = f32_to_f16(m / -8.0f);

@@ -20,14 +20,16 @@ INLINE float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* max |v| over 4 vectors (a block of 32; absm: the sign-clearing mask) */
+/* max |v| over 4 vectors (a block of 32; absm: the sign-clearing mask), as quant.h's q_amax: an
+ * integer max over the bits of |v| */
 INLINE float amax32(const __m256 v[4], __m256 absm) {
-    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absm), _mm256_and_ps(v[1], absm)),
-                             _mm256_max_ps(_mm256_and_ps(v[2], absm), _mm256_and_ps(v[3], absm)));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    return _mm_cvtss_f32(m4);
+#define ABITS_(k) _mm256_castps_si256(_mm256_and_ps(v[k], absm))
+    __m256i m = _mm256_max_epi32(_mm256_max_epi32(ABITS_(0), ABITS_(1)), _mm256_max_epi32(ABITS_(2), ABITS_(3)));
+#undef ABITS_
+    __m128i m4 = _mm_max_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+    m4 = _mm_max_epi32(m4, _mm_shuffle_epi32(m4, 0x4e));
+    m4 = _mm_max_epi32(m4, _mm_shuffle_epi32(m4, 0xb1));
+    return f32_from_bits((uint32_t)_mm_cvtsi128_si32(m4));
 }
 
 /* [sum a0, sum a1, sum a2, sum a3] */

@@ -284,6 +284,8 @@ static void fp4_operands(const float *x, int64_t ldx, int64_t n, int64_t k0, int
             for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(xb + 8 * j);
             const float amax = amax32(v, absm), id = qact_id(amax, QACT_MAX16);
             xd[t * FP_NB + b] = qact_xd(amax, QACT_MAX16);
+            if (q_nonfinite(amax))                                      /* codes 0 */
+                for (int j = 0; j < 4; j++) v[j] = _mm256_setzero_ps();
             const __m256 vid = _mm256_set1_ps(id);
             for (int j = 0; j < 4; j++)
                 _mm256_store_ps(codes + t * GM_KC + 32 * b + 8 * j,

@@ -53,6 +53,8 @@ static void quant_x_avx2(int32_t wdtype, const float *x, int64_t K, void *qx) {
         for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps(xb + 8 * k);
         const float amax = amax32(v, absm), qmax = qact_max(wdtype), id = qact_id(amax, qmax);
         d[at] = qact_xd(amax, qmax);
+        if (q_nonfinite(amax))                                          /* codes 0 */
+            for (int k = 0; k < 4; k++) v[k] = _mm256_setzero_ps();
         const __m256 vid = _mm256_set1_ps(id);
         __m256i i[4];
         for (int k = 0; k < 4; k++) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], vid));   /* nearest even */
@@ -139,11 +141,12 @@ static void quantize_row_avx2(int32_t dtype, const float *row, int64_t nb, uint8
             x[j] = _mm256_loadu_ps(v + 8 * j);
             a[j] = _mm256_and_ps(x[j], absm);
         }
-        __m256 mx = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float amax = _mm_cvtss_f32(m4);
+        const float amax = amax32(x, absm);
+        if (q_nonfinite(amax)) {
+            memset(q + b * (dtype == CPUMLA_Q8 ? QK : QK / 2), dtype == CPUMLA_Q8 ? 0 : 0x88, dtype == CPUMLA_Q8 ? QK : QK / 2);
+            scales[b] = Q_NAN_F16;
+            continue;
+        }
         float id;
         if (dtype == CPUMLA_Q8) {
             const uint16_t d16 = f32_to_f16(amax / 127.0f);

@@ -17,6 +17,12 @@
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
+/* max |x| of the 32 values v0, v1 (a block), as quant.h's q_amax: an integer max over the bits of |x| */
+INLINE float amax32_avx512(__m512 v0, __m512 v1) {
+    const __m512i a = _mm512_max_epi32(_mm512_castps_si512(_mm512_abs_ps(v0)), _mm512_castps_si512(_mm512_abs_ps(v1)));
+    return f32_from_bits((uint32_t)_mm512_reduce_max_epi32(a));
+}
+
 /* lanes [0, n) of 16: all for n >= 16, none for n <= 0 */
 INLINE __mmask16 tail16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1u); }
 

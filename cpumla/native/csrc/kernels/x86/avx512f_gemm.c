@@ -385,10 +385,11 @@ static void fp4_operands(const float *x, int64_t ldx, int64_t n, int64_t k0, int
     for (int64_t t = 0; t < n; t++)
         for (int64_t b = 0; b < kc / 32; b++) {
             const float *xb = x + t * ldx + k0 + 32 * b;
-            const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
-            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+            const float amax = amax32_avx512(v0, v1);
             const float id = qact_id(amax, QACT_MAX16);
             xd[t * F_NB + b] = qact_xd(amax, QACT_MAX16);
+            if (q_nonfinite(amax)) v0 = v1 = _mm512_setzero_ps();      /* codes 0 */
             const __m512 vid = _mm512_set1_ps(id);
             float *c = codes + t * G_KC + 32 * b;
             _mm512_store_ps(c, _mm512_cvtepi32_ps(_mm512_cvtps_epi32(_mm512_mul_ps(v0, vid))));

@@ -9,6 +9,7 @@
  * clamping the rounded float). */
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 #include "core/common.h"
 #include "core/kernels.h"
 #include "core/quant.h"
@@ -32,8 +33,13 @@
         const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);     \
         return _mm512_permutexvar_ps(order, m);                                                            \
     }
+/* the max of non-negative floats as integers (quant.h's q_amax: a NaN is not lost to the tree's order) */
+static inline __m512 max_bits(__m512 a, __m512 b) {
+    return _mm512_castsi512_ps(_mm512_max_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+}
 TREE16(max_tree16, _mm512_max_ps)
 TREE16(min_tree16, _mm512_min_ps)
+TREE16(amax_tree16, max_bits)
 
 /* Q4's m for 16 blocks: the first value of largest magnitude, 0 for an all-zero block. The largest
  * magnitude amax is either the largest value or minus the smallest; a block holding both +amax and
@@ -76,8 +82,10 @@ static void quantize_row_avx512f(int32_t dtype, const float *row, int64_t nb, ui
     for (int j = 0; j < 16; j++)                                                                     \
         x[j] = j < n ? OP(A(_mm512_loadu_ps(v + j * QK)), A(_mm512_loadu_ps(v + j * QK + 16))) : _mm512_setzero_ps();
 #define ID_(y) (y)
-        BLOCKS_(_mm512_max_ps, _mm512_abs_ps, _mm512_abs_ps)
-        const __m512 amax = max_tree16(x);
+        BLOCKS_(max_bits, _mm512_abs_ps, _mm512_abs_ps)
+        const __m512 amax = amax_tree16(x);
+        /* blocks holding a NaN or an infinity: scale NaN, codes 0 (written after the others) */
+        const __mmask16 bad = _mm512_mask_cmp_ps_mask((__mmask16)((1u << n) - 1), amax, _mm512_set1_ps(3.40282347e38f), _CMP_NLE_UQ);
         __m512 s;
         if (q8) {
             s = _mm512_div_ps(amax, _mm512_set1_ps(127.0f));
@@ -89,7 +97,8 @@ static void quantize_row_avx512f(int32_t dtype, const float *row, int64_t nb, ui
         }
 #undef BLOCKS_
 #undef ID_
-        const __m256i d16 = _mm512_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i d16 = _mm256_mask_mov_epi16(_mm512_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), bad,
+                                                  _mm256_set1_epi16((short)Q_NAN_F16));
         const __m512 d = _mm512_cvtph_ps(d16);
         /* Q8: id = d > 0 ? 1 / d : 0; Q4: d != 0 ? 1 / d : 0 */
         /* the predicate must be an immediate even in unoptimised (sanitizer) builds: two compares */
@@ -124,6 +133,7 @@ static void quantize_row_avx512f(int32_t dtype, const float *row, int64_t nb, ui
                 _mm_storeu_si128((__m128i *)(qb + j * (QK / 2)), _mm512_cvtepi32_epi8(t));
             }
         }
+        for (unsigned m = bad; m; m &= m - 1) memset(qb + __builtin_ctz(m) * bb, q8 ? 0 : 0x88, (size_t)bb);
     }
 }
 

@@ -33,6 +33,7 @@
 #include "core/common.h"
 #include "core/kernels.h"
 #include "core/quant.h"
+#include "kernels/x86/avx512_common.h"
 
 #ifdef AVX512_NO_VNNI
 /* avx512f_fp4.c: the avx512f level (no VNNI) builds this for E2M1 only, with vpmaddubsw for
@@ -44,8 +45,6 @@
 #define NO_VNNI 0
 #endif
 
-#define INLINE static inline __attribute__((always_inline))
-#define UNROLL _Pragma("GCC unroll 16")
 /* the spec rounds each product: keep the compiler from fusing it into the add that follows */
 #define ROUNDED(v) __asm__("" : "+v"(v))
 #ifndef QPF_BYTES
@@ -65,9 +64,10 @@ static void quant_x_avx512(int32_t wdtype, const float *x, int64_t K, void *qx) 
     for (int64_t b = nb; b < kp / QK; b++) { d[b] = 0.0f; s[b] = 0; }
     for (int64_t b = 0; b < nb; b++) {
         __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float amax = amax32_avx512(v0, v1);
         const float qmax = qact_max(wdtype), id = qact_id(amax, qmax);
         d[b] = qact_xd(amax, qmax);
+        if (q_nonfinite(amax)) v0 = v1 = _mm512_setzero_ps();      /* codes 0 */
         __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));    /* nearest even */
         __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
         s[b] = (fp4 ? -12 : q4 ? -8 : -128) * _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));

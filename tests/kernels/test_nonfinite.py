@@ -1,0 +1,84 @@
+"""Non-finite values are never hidden by a format conversion, on every implementation this machine runs:
+cpumla_quantize gives a block holding a NaN or an infinity a NaN scale and zero codes (cpumla.h), and the
+integer products (q8, q4, FP4) give NaN for a token whose activation block holds one (kernels.h), gemv
+and gemm alike, whichever tile or FMA form serves the token count."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cpumla import native
+
+from support import reference as ref
+
+BAD = (np.nan, np.inf, -np.inf)
+QK = 32
+
+
+def _with_bad_values(rng, rows, cols):
+    """random rows with a NaN, +inf or -inf in three blocks of each row (any lane), a whole NaN block,
+    and a NaN beside a larger finite value: (values, which blocks hold one)"""
+    v = rng.standard_normal((rows, cols)).astype(np.float32)
+    bad = np.zeros((rows, cols // QK), bool)
+    for r in range(rows):
+        for k, b in enumerate(rng.choice(cols // QK, 3, replace=False)):
+            v[r, QK * b + rng.integers(0, QK)] = BAD[(r + k) % 3]
+            bad[r, b] = True
+    v[0, :QK] = np.nan
+    bad[0, 0] = True
+    v[1, QK + 3], v[1, QK + 4] = np.nan, 1e4
+    bad[1, 1] = True
+    return v, bad
+
+
+@pytest.mark.parametrize("src", ["f32", "bf16", "f16"])
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_quantize_keeps_nonfinite_blocks(isa, src, fmt):
+    """37 blocks a row (two groups of 16 and a tail, so every lane of the 16-block max trees), bit for bit
+    against the definition; the blocks holding a bad value dequantize to NaN, every other block to
+    finite values."""
+    rng = np.random.default_rng(7)
+    rows, cols = 11, QK * 37
+    v, bad = _with_bad_values(rng, rows, cols)
+    data = {"f32": v, "f16": v.astype(np.float16), "bf16": ref.bf16_bits(v)}[src]
+    values = ref.dequant(src, data, None, None).astype(np.float32)
+    want_data, want_scale = ref.quantize_ref(fmt, values)
+    q = native.quantize(native.Weight(data, src), fmt)
+    np.testing.assert_array_equal(q.scale.view(np.uint16), want_scale.view(np.uint16))
+    np.testing.assert_array_equal(q.data, want_data)
+    back = native.dequant(q).reshape(rows, -1, QK)
+    assert np.isnan(back[bad]).all(), f"{fmt} {isa}: a bad block dequantized to finite values"
+    assert np.isfinite(back[~bad]).all(), f"{fmt} {isa}: a good block lost"
+
+
+def _weight(fmt, rows, cols, rng):
+    if fmt == "e2m1":
+        nib = rng.integers(0, 16, (rows, cols))
+        data = (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8)
+        return native.Weight(data, "e2m1", rng.integers(118, 134, (rows, cols // QK)).astype(np.uint8), (1, QK))
+    data, scale, _ = ref.make_q_weight(fmt, rows, cols, rng)
+    return native.Weight(data, fmt, scale)
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q4", "e2m1"])
+def test_nonfinite_activation_gives_nan(isa, fmt):
+    """Tokens with a NaN, +inf or -inf in one block (any block, any lane) give NaN in every output row;
+    the other tokens of the same call are unchanged. Token counts below and above the integer tiles'
+    and the FP4 FMA gemm's thresholds (AMX from 16, FMA from 12 or 40)."""
+    rng = np.random.default_rng(3)
+    rows, cols = 37, QK * 17
+    w = _weight(fmt, rows, cols, rng)
+    for n in (1, 5, 20, 48):
+        x = rng.standard_normal((n, cols)).astype(np.float32)
+        clean = native.gemm(w, x)
+        assert np.isfinite(clean).all()
+        hit = np.arange(n) % 3 == 0
+        xb = x.copy()
+        for t in np.flatnonzero(hit):
+            xb[t, QK * (t % 17) + t % QK] = BAD[t % 3]
+        got = native.gemm(w, xb)
+        assert np.isnan(got[hit]).all(), f"{fmt} {isa} n={n}: a bad token's row came out finite"
+        np.testing.assert_allclose(got[~hit], clean[~hit], rtol=1e-6, atol=1e-6)
+        for t in np.flatnonzero(hit)[:3]:
+            assert np.isnan(native.gemv(w, xb[t])).all(), f"{fmt} {isa}: gemv of token {t}"
