@@ -5,22 +5,21 @@ What is written: every tensor the model reads (the family's tensors(); tensors i
 V3's MTP layer, are left out), the linear weights chosen by checkpoint.quant.quant_plan as I8 (q8) or U8
 (q4, two codes a byte) with an F16 scale grid named `<weight>_qscale`, the others as stored (FP8 ones with
 their `weight_scale_inv`); config.json with a `quantization_config` naming the format and its version;
-the source directory's other files (tokenizer, generation config) copied. Everything goes to a hidden
-directory next to OUTDIR that is renamed to OUTDIR only once complete, so an interrupted or failed
-write (a full disk) never leaves a checkpoint that looks valid; the source is only read.
+the source directory's other files (tokenizer, generation config) copied. The folder is written as
+checkpoint/output.py says (beside OUTDIR, renamed into place once complete, `--force` replacing only
+what cpumla wrote); the source is only read.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-from pathlib import Path
 
 import typer
 
 from cpumla import native
 from cpumla.checkpoint.dummy import DummySource
+from cpumla.checkpoint.output import check_target, staged_folder
 from cpumla.checkpoint.formats import Q_DTYPE, QSCALE, QUANT_VERSION, QUANTS, quantized_as
 from cpumla.checkpoint.quant import Quantizer, quant_plan
 from cpumla.checkpoint.safetensors import INDEX_NAME, Checkpoint, nbytes, write_file
@@ -91,22 +90,15 @@ def quantize_checkpoint(model: str, outdir, fmt: str, *, force: bool = False, du
     progress(done, total) in weight elements quantized. Raises CpumlaError (outdir untouched then)."""
     if fmt not in QUANTS:
         raise CpumlaError(f"--quant must be one of {', '.join(QUANTS)}, not '{fmt}'")
-    out = Path(outdir)
-    if out.exists() and not force:
-        raise CpumlaError(f"{out} exists (pass --force to replace it)")
-    if out.exists() and not out.is_dir():
-        raise CpumlaError(f"{out} exists and is not a directory")
     cfg, resolved = load_config(model, hf_overrides)
     fam = family(cfg.model_type)
     if quantized_as(cfg):
         raise CpumlaError(f"{model} is already quantized ({quantized_as(cfg)}): quantize its original checkpoint")
     if not getattr(fam, "QUANTIZABLE", True):
         raise CpumlaError(f"quantizing {cfg.model_type} is not supported yet")
-    if resolved.directory is not None and not dummy_weights:
-        srcdir = resolved.directory.resolve()
-        o = out.resolve()
-        if o == srcdir or srcdir in o.parents or o in srcdir.parents:
-            raise CpumlaError(f"{out} overlaps the source checkpoint {resolved.directory}: choose another directory")
+    reading = [resolved.directory] if resolved.directory is not None and not dummy_weights else []
+    out = check_target(outdir, force=force, reading=reading)
+    if reading:
         src = Checkpoint(resolved.directory)
     elif dummy_weights:
         src = DummySource(fam.tensors(cfg), cfg.block, seed=seed, dtype=dummy_dtype)
@@ -119,48 +111,33 @@ def quantize_checkpoint(model: str, outdir, fmt: str, *, force: bool = False, du
     groups, qz = plan(cfg, fam, src, fmt)
     qz.progress = progress
     shards = _shards(groups, shard_bytes)
-    parent = out.absolute().parent
-    if not parent.is_dir():
-        raise CpumlaError(f"{parent}: no such directory")
-    tmp = parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     written = 0
     try:
-        tmp.mkdir()
-        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        weight_map = {}
-        for fname, entries in zip(names, shards):
-            written += write_file(tmp / fname, [e[:4] for e in entries], {"format": "pt"})
-            weight_map.update({e[0]: fname for e in entries})
-        (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": written}, "weight_map": weight_map},
-                                                 indent=2) + "\n")
-        d = cfg.to_dict()
-        qc = {"quant_method": "cpumla", "format": fmt, "format_version": QUANT_VERSION, "group_size": 32,
-              "scale_suffix": QSCALE, "output_head": "q8",
-              "kept": "MoE router, V3.2 indexer, norms, embeddings, widths not a multiple of 32"}
-        old = d.get("quantization_config") or {}
-        if old.get("weight_block_size"):         # FP8 tensors kept as stored keep their block size
-            qc["weight_block_size"] = old["weight_block_size"]
-        d["quantization_config"] = qc
-        (tmp / "config.json").write_text(json.dumps(d, indent=2) + "\n")
-        if resolved.directory is not None and not dummy_weights:
-            for f in sorted(resolved.directory.iterdir()):
+        with staged_folder(out, force=force, reading=reading) as tmp:
+            names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+            weight_map = {}
+            for fname, entries in zip(names, shards):
+                written += write_file(tmp / fname, [e[:4] for e in entries], {"format": "pt"})
+                weight_map.update({e[0]: fname for e in entries})
+            (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": written}, "weight_map": weight_map},
+                                                     indent=2) + "\n")
+            d = cfg.to_dict()
+            qc = {"quant_method": "cpumla", "format": fmt, "format_version": QUANT_VERSION, "group_size": 32,
+                  "scale_suffix": QSCALE, "output_head": "q8",
+                  "kept": "MoE router, V3.2 indexer, norms, embeddings, widths not a multiple of 32"}
+            old = d.get("quantization_config") or {}
+            if old.get("weight_block_size"):         # FP8 tensors kept as stored keep their block size
+                qc["weight_block_size"] = old["weight_block_size"]
+            d["quantization_config"] = qc
+            (tmp / "config.json").write_text(json.dumps(d, indent=2) + "\n")
+            for f in sorted(resolved.directory.iterdir()) if reading else ():
                 if f.is_file() and f.name not in SKIP_FILES and f.suffix not in (".safetensors", ".bin", ".pt", ".pth"):
                     shutil.copy2(f, tmp / f.name)
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CpumlaError(f"{out}: writing failed: {e.strerror or e} (nothing was written there)") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     finally:
         if hasattr(src, "close"):
             src.close()
     kept = sum(1 for g in groups if g[0][1] not in ("I8", "U8"))
-    return {"outdir": str(out), "format": fmt, "quantized": dict(qz.formats), "kept": kept, "bytes": written,
+    return {"outdir": str(outdir), "format": fmt, "quantized": dict(qz.formats), "kept": kept, "bytes": written,
             "source_bytes": sum(nbytes(*src_info) for src_info in source_infos(groups, src))}
 
 

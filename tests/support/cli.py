@@ -22,10 +22,12 @@ def cli_env(**changes) -> dict:
     return e
 
 
-def run_cli(*args, env: dict | None = None, stdin: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python -m cpumla *args`; stdout and stderr as text (undecodable bytes replaced)."""
+def run_cli(*args, env: dict | None = None, stdin: str | None = None, timeout: float = 300,
+            cwd=None) -> subprocess.CompletedProcess:
+    """`python -m cpumla *args` (in `cwd` when given); stdout and stderr as text (undecodable bytes
+    replaced)."""
     return subprocess.run([sys.executable, "-m", "cpumla", *args], input=stdin, capture_output=True, text=True,
-                          errors="replace", env=cli_env() if env is None else env, timeout=timeout)
+                          errors="replace", env=cli_env() if env is None else env, timeout=timeout, cwd=cwd)
 
 
 def assert_one_line_error(p: subprocess.CompletedProcess, *words: str, status: int | None = None) -> None:
