@@ -133,7 +133,9 @@ def continuous_routing(cfg, ctx: int) -> dict:
     touching a weight. The index top-k sizes the indexer's scratch, so it is ctx and no more."""
     ov = {}
     if getattr(cfg, "n_routed_experts", None):
-        ov.update(num_experts_per_tok=cfg.n_routed_experts, n_group=1, topk_group=1)
+        ov["num_experts_per_tok"] = cfg.n_routed_experts
+        if hasattr(cfg, "n_group"):                 # V2 / V3's group limits (V4 has none)
+            ov.update(n_group=1, topk_group=1)
     if getattr(cfg, "index_topk", None) is not None:
         ov["index_topk"] = max(int(ctx), cfg.index_topk)
     return ov

@@ -1,10 +1,12 @@
-"""Checks of config values shared by the families: integer and real fields, and the rope_scaling and
-quantization_config objects, each failing with one message naming the field (the family's validate
-adds the file it came from)."""
+"""Checks of config values shared by the families: the per-field rules every family states as tables
+(validate_fields), and the rope_scaling and quantization_config objects, each failing with one message
+naming the field (the family's validate adds the file it came from)."""
 
 from __future__ import annotations
 
 import math
+
+from cpumla.errors import CpumlaError
 
 MAX_SIZE = 2**31 - 1       # the kernels index rows, experts and tokens with int32
 
@@ -21,6 +23,43 @@ def short(v) -> str:
     """A config value for a one-line message: repr, cut to 40 characters."""
     r = repr(v)
     return r if len(r) <= 40 else r[:37] + "..."
+
+
+def needer(source: str):
+    """need(ok, message): raises CpumlaError("source: message") when not ok."""
+    def need(ok, msg):
+        if not ok:
+            raise CpumlaError(f"{source}: {msg}")
+    return need
+
+
+def validate_fields(cfg, need) -> None:
+    """Every field of the family's tables (class attributes of its Config), before anything is derived:
+    SIZES  name -> (lowest, None allowed): integers (never booleans) from lowest to MAX_SIZE
+    REALS  name -> (lowest, lowest included, None allowed): finite numbers (never booleans) above lowest
+    BOOLS  names: true or false
+    STRINGS name -> None allowed: strings
+    and the token ids every family has (bos_token_id: an integer; eos_token_id: one or a list)."""
+    for name, (lo, optional) in cfg.SIZES.items():
+        v = getattr(cfg, name)
+        if v is None and optional:
+            continue
+        need(is_int(v) and lo <= v <= MAX_SIZE, f"'{name}' must be an integer from {lo} to {MAX_SIZE}, got {short(v)}")
+    for name, (lo, closed, optional) in cfg.REALS.items():
+        v = getattr(cfg, name)
+        if v is None and optional:
+            continue
+        need(is_real(v) and math.isfinite(v) and (v >= lo if closed else v > lo),
+             f"'{name}' must be a finite number {'>=' if closed else '>'} {lo:g}, got {short(v)}")
+    for name in cfg.BOOLS:
+        need(isinstance(getattr(cfg, name), bool), f"'{name}' must be true or false, got {short(getattr(cfg, name))}")
+    for name, optional in cfg.STRINGS.items():
+        v = getattr(cfg, name)
+        need((v is None and optional) or isinstance(v, str), f"'{name}' must be a string, got {short(v)}")
+    need(cfg.bos_token_id is None or is_int(cfg.bos_token_id), f"'bos_token_id' must be an integer, got {short(cfg.bos_token_id)}")
+    e = cfg.eos_token_id
+    need(e is None or is_int(e) or (isinstance(e, list) and all(is_int(x) for x in e)),
+         f"'eos_token_id' must be an integer or a list of integers, got {short(e)}")
 
 
 def validate_rope_scaling(cfg, need) -> None:

@@ -14,7 +14,6 @@ same kernel with a causal length per query (latent-space prefill: one kernel, ex
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -25,7 +24,7 @@ from cpumla.checkpoint import tensors as W
 from cpumla.checkpoint.formats import check_quant_config
 from cpumla.errors import CpumlaError
 from cpumla.models import deepseek_v2_tensors as tables
-from cpumla.models.checks import MAX_SIZE, is_int, is_real, short, validate_quantization, validate_rope_scaling
+from cpumla.models.checks import MAX_SIZE, is_int, needer, validate_quantization, validate_rope_scaling
 from cpumla.models.native_model import PREFILL_CHUNK, ConfigBase, NativeModel
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
@@ -73,38 +72,22 @@ class Config(ConfigBase):
     MODEL_TYPES = MODEL_TYPES
 
     # ---- derived, set by from_dict once the fields are valid ----
-    def derive(self) -> None:
+    def derive(self, source: str = "config.json") -> None:
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         self.inv_freq, self.rope_attn_scale = rope_frequencies(self)
         self.softmax_scale = softmax_scale(self)
         self.block = tuple((self.quantization_config or {}).get("weight_block_size") or (128, 128))
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "config.json") -> "Config":
-        if not isinstance(d, dict):
-            raise CpumlaError(f"{source}: expected a JSON object")
-        mt = d.get("model_type")
-        if mt not in cls.MODEL_TYPES:
-            raise CpumlaError(f"{source}: model_type {mt!r} is not one of {', '.join(cls.MODEL_TYPES)}")
-        d = dict(d)
+    def prepare(cls, d: dict) -> dict:
         rp = d.get("rope_parameters")           # transformers 5 folds rope_theta/rope_scaling in here
         if isinstance(rp, dict):
             d.setdefault("rope_theta", rp.get("rope_theta", 10000.0))
             if rp.get("rope_type", rp.get("type", "default")) != "default" and not d.get("rope_scaling"):
                 d["rope_scaling"] = rp
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        kwargs = {k: v for k, v in d.items() if k in names}
-        missing = [f.name for f in dataclasses.fields(cls)
-                   if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-                   and f.name not in kwargs]
-        if missing:
-            raise CpumlaError(f"{source}: missing field '{missing[0]}'")
-        cfg = cls(**kwargs, extra={k: v for k, v in d.items() if k not in names})
-        cfg.validate(source)
-        cfg.derive()
-        return cfg
+        return d
 
-    # field -> (lowest value, None allowed): sizes are integers (never booleans) up to MAX_SIZE
+    # the fields' tables (models/checks.py's validate_fields)
     SIZES = {"vocab_size": (1, False), "hidden_size": (1, False), "intermediate_size": (1, False),
              "num_hidden_layers": (1, False), "num_attention_heads": (1, False), "kv_lora_rank": (1, False),
              "qk_nope_head_dim": (0, False), "qk_rope_head_dim": (2, False), "v_head_dim": (1, False),
@@ -112,34 +95,15 @@ class Config(ConfigBase):
              "n_shared_experts": (0, True), "num_experts_per_tok": (0, True), "first_k_dense_replace": (0, True),
              "moe_layer_freq": (0, True), "n_group": (0, True), "topk_group": (0, True),
              "max_position_embeddings": (1, False), "num_nextn_predict_layers": (0, True)}
-    # field -> (lowest value, lowest included): finite numbers
-    REALS = {"routed_scaling_factor": (0.0, False), "rope_theta": (0.0, False), "rms_norm_eps": (0.0, True)}
+    REALS = {"routed_scaling_factor": (0.0, False, False), "rope_theta": (0.0, False, False),
+             "rms_norm_eps": (0.0, True, False)}
     BOOLS = ("norm_topk_prob", "tie_word_embeddings")
+    STRINGS = {"topk_method": False, "scoring_func": False}
 
     def validate(self, source: str) -> None:
-        """Every field's type and range, then the cross-field rules: one CpumlaError line naming the
-        field, before anything is derived from them or allocated."""
-        def need(ok, msg):
-            if not ok:
-                raise CpumlaError(f"{source}: {msg}")
-        for name, (lo, optional) in self.SIZES.items():
-            v = getattr(self, name)
-            if v is None and optional:
-                continue
-            need(is_int(v) and lo <= v <= MAX_SIZE,
-                 f"'{name}' must be an integer from {lo} to {MAX_SIZE}, got {short(v)}")
-        for name, (lo, closed) in self.REALS.items():
-            v = getattr(self, name)
-            need(is_real(v) and math.isfinite(v) and (v >= lo if closed else v > lo),
-                 f"'{name}' must be a finite number {'>=' if closed else '>'} {lo:g}, got {short(v)}")
-        for name in self.BOOLS:
-            need(isinstance(getattr(self, name), bool), f"'{name}' must be true or false, got {short(getattr(self, name))}")
-        for name in ("topk_method", "scoring_func"):
-            need(isinstance(getattr(self, name), str), f"'{name}' must be a string, got {short(getattr(self, name))}")
-        need(self.bos_token_id is None or is_int(self.bos_token_id), f"'bos_token_id' must be an integer, got {short(self.bos_token_id)}")
-        e = self.eos_token_id
-        need(e is None or is_int(e) or (isinstance(e, list) and all(is_int(x) for x in e)),
-             f"'eos_token_id' must be an integer or a list of integers, got {short(e)}")
+        """The rules across fields: one CpumlaError line naming the field, before anything is derived
+        from them or allocated."""
+        need = needer(source)
         need(self.qk_rope_head_dim % 2 == 0, "'qk_rope_head_dim' must be even")
         validate_rope_scaling(self, need)
         validate_quantization(self.quantization_config, need)
@@ -242,18 +206,20 @@ def fit_overrides(cfg: dict, overrides: dict) -> dict:
     """vLLM-style shrinking (`{"n_routed_experts": 4}` on V2-Lite's top-6) leaves routing settings the
     smaller expert count cannot satisfy; fit them, as vLLM's dummy runs do: top_k <= experts, and groups
     that divide the experts (at least two per group for V3's top-2 group score). Only when the overrides
-    changed the expert count: a real config that is inconsistent stays an error."""
-    if "n_routed_experts" not in overrides or not cfg.get("n_routed_experts"):
+    changed the expert count: a real config that is inconsistent stays an error. Values that are not
+    positive integers are left as they are, for the validator to name."""
+    E = cfg.get("n_routed_experts")
+    if "n_routed_experts" not in overrides or not (is_int(E) and 0 < E <= MAX_SIZE):
         return cfg
-    E = int(cfg["n_routed_experts"])
-    if cfg.get("num_experts_per_tok") and "num_experts_per_tok" not in overrides:
-        cfg["num_experts_per_tok"] = min(int(cfg["num_experts_per_tok"]), E)
-    g = cfg.get("n_group") or 1
-    if g > 1 and "n_group" not in overrides:
+    k = cfg.get("num_experts_per_tok")
+    if is_int(k) and k > 0 and "num_experts_per_tok" not in overrides:
+        cfg["num_experts_per_tok"] = min(k, E)
+    g, tg = cfg.get("n_group") or 1, cfg.get("topk_group") or 1
+    if is_int(g) and is_int(tg) and 1 < g <= MAX_SIZE and "n_group" not in overrides:
         min_per = 1 if cfg.get("model_type") == "deepseek_v2" else 2
         g = max([d for d in range(1, g + 1) if E % d == 0 and E // d >= min_per] or [1])
         cfg["n_group"] = g
-        cfg["topk_group"] = min(int(cfg.get("topk_group") or 1), g)
+        cfg["topk_group"] = min(tg, g)
     return cfg
 
 

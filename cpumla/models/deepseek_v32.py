@@ -20,9 +20,9 @@ import numpy as np
 
 from cpumla import native
 from cpumla.checkpoint import tensors as W
-from cpumla.errors import CpumlaError
 from cpumla.models import deepseek_v2 as v2
 from cpumla.models import deepseek_v2_tensors as tables
+from cpumla.models.checks import needer
 
 MODEL_TYPES = ("deepseek_v32",)
 INDEX_NORM_EPS = 1e-6          # DeepseekV32Indexer.k_norm = nn.LayerNorm(index_head_dim, eps=1e-6)
@@ -42,10 +42,7 @@ class Config(v2.Config):
 
     def validate(self, source: str) -> None:
         super().validate(source)
-
-        def need(ok, msg):
-            if not ok:
-                raise CpumlaError(f"{source}: {msg}")
+        need = needer(source)
         need(self.index_head_dim >= self.qk_rope_head_dim,
              f"'index_head_dim' {self.index_head_dim} is smaller than qk_rope_head_dim {self.qk_rope_head_dim}")
         need(bool(self.q_lora_rank), "'q_lora_rank' is required: the indexer reads the q LoRA latent")

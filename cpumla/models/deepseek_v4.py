@@ -26,7 +26,6 @@ position 0 (cpumla_dsv4_resumable says which).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import types
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from cpumla.models.deepseek_v4_tensors import (  # noqa: F401  (the family's int
     tensors,
     vector,
 )
+from cpumla.models.checks import is_int, is_real, needer, short, validate_rope_scaling
 from cpumla.models.native_model import ConfigBase, NativeModel
 
 MODEL_TYPES = ("deepseek_v4",)
@@ -102,35 +102,24 @@ class Config(ConfigBase):
 
     MODEL_TYPES = MODEL_TYPES
 
-    @classmethod
-    def from_dict(cls, d: dict, source: str = "config.json") -> "Config":
-        if not isinstance(d, dict):
-            raise CpumlaError(f"{source}: expected a JSON object")
-        if d.get("model_type") not in cls.MODEL_TYPES:
-            raise CpumlaError(f"{source}: model_type {d.get('model_type')!r} is not deepseek_v4")
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        kwargs = {k: v for k, v in d.items() if k in names}
-        for f in dataclasses.fields(cls):
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in kwargs:
-                raise CpumlaError(f"{source}: missing field '{f.name}'")
-        cfg = cls(**kwargs, extra={k: v for k, v in d.items() if k not in names})
-        cfg.derive(source)
-        return cfg
+    # the fields' tables (models/checks.py's validate_fields)
+    SIZES = {**{k: (1, False) for k in (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "moe_intermediate_size",
+        "n_routed_experts", "num_experts_per_tok", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "hc_mult",
+        "hc_sinkhorn_iters", "sliding_window", "index_n_heads", "index_head_dim", "index_topk",
+        "max_position_embeddings")},
+        "n_shared_experts": (0, False), "qk_rope_head_dim": (2, True), "num_hash_layers": (0, True),
+        "num_nextn_predict_layers": (0, True)}
+    REALS = {"routed_scaling_factor": (0.0, False, False), "rope_theta": (0.0, False, False),
+             "compress_rope_theta": (0.0, False, False), "rms_norm_eps": (0.0, True, False),
+             "hc_eps": (0.0, True, False), "swiglu_limit": (0.0, True, True),
+             "partial_rotary_factor": (0.0, False, True)}
+    BOOLS = ("norm_topk_prob", "tie_word_embeddings")
+    STRINGS = {"scoring_func": False, "expert_dtype": True}
 
     def derive(self, source: str) -> None:
-        """Checks the fields and computes the per-layer schedule and the two RoPEs."""
-        def need(ok, msg):
-            if not ok:
-                raise CpumlaError(f"{source}: {msg}")
-
-        def posint(name):
-            v = getattr(self, name)
-            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"'{name}' must be a positive integer, got {v!r}")
-
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "moe_intermediate_size",
-                     "n_routed_experts", "num_experts_per_tok", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
-                     "hc_mult", "hc_sinkhorn_iters", "sliding_window", "index_n_heads", "index_head_dim", "index_topk"):
-            posint(name)
+        """The rules across fields, and the per-layer schedule and the two RoPEs."""
+        need = needer(source)
         n = self.num_hidden_layers
         need(self.num_experts_per_tok <= self.n_routed_experts, "'num_experts_per_tok' must not exceed n_routed_experts")
         need(self.num_attention_heads % self.o_groups == 0,
@@ -175,7 +164,6 @@ class Config(ConfigBase):
             self.hash = [t == "hash_moe" for t in mt[:n]]
         else:
             nh = 3 if self.num_hash_layers is None else self.num_hash_layers
-            need(isinstance(nh, int) and not isinstance(nh, bool) and nh >= 0, f"'num_hash_layers' must be >= 0, got {nh!r}")
             self.hash = [i < nh for i in range(n)]
         qc = self.quantization_config
         need(not qc or qc.get("quant_method") in (None, "fp8"), f"quantization '{(qc or {}).get('quant_method')}' is not supported")
@@ -195,9 +183,11 @@ class Config(ConfigBase):
         self.compress_inv_freq, self.compress_scale = self._rope(theta, comp, source)
 
     def _rope(self, theta, scaling, source):
+        need = needer(source)
+        need(is_real(theta) and math.isfinite(theta) and theta > 0, f"the compressed layers' 'rope_theta' must be a "
+             f"finite number > 0, got {short(theta)}")
+        validate_rope_scaling(types.SimpleNamespace(rope_scaling=scaling, rope_theta=theta), need)
         kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-        if kind not in ("default", "yarn"):
-            raise CpumlaError(f"{source}: rope type '{kind}' is not supported (yarn only)")
         shim = types.SimpleNamespace(qk_rope_head_dim=self.rope_dim, rope_theta=float(theta),
                                      rope_scaling=scaling if kind == "yarn" else None,
                                      max_position_embeddings=self.max_position_embeddings)
@@ -212,8 +202,9 @@ class Config(ConfigBase):
 
 def fit_overrides(cfg: dict, overrides: dict) -> dict:
     """Shrinking the experts keeps top-k within them (as the V2/V3 family does)."""
-    if "n_routed_experts" in overrides and "num_experts_per_tok" not in overrides and cfg.get("num_experts_per_tok"):
-        cfg["num_experts_per_tok"] = min(int(cfg["num_experts_per_tok"]), int(cfg["n_routed_experts"]))
+    E, k = cfg.get("n_routed_experts"), cfg.get("num_experts_per_tok")
+    if "n_routed_experts" in overrides and "num_experts_per_tok" not in overrides and is_int(E) and is_int(k) and E > 0:
+        cfg["num_experts_per_tok"] = min(k, E)
     return cfg
 
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from cpumla import native
 from cpumla.errors import CpumlaError
+from cpumla.models.checks import needer, short, validate_fields
 
 PREFILL_CHUNK = 512     # tokens per native forward call: the scratch of the model's state is sized for it
 
@@ -51,7 +52,49 @@ class NativeModel:
 
 
 class ConfigBase:
-    """What every family's Config dataclass shares (HF field names; unknown keys kept in `extra`)."""
+    """What every family's Config dataclass shares (HF field names; unknown keys kept in `extra`): made
+    by from_dict, which checks every field against the family's tables (models/checks.py's
+    validate_fields: SIZES, REALS, BOOLS, STRINGS), then the family's own cross-field rules (`validate`),
+    then computes what is derived from them (`derive`)."""
+
+    MODEL_TYPES: tuple[str, ...] = ()
+    SIZES: dict = {}
+    REALS: dict = {}
+    BOOLS: tuple[str, ...] = ()
+    STRINGS: dict = {}
+
+    @classmethod
+    def prepare(cls, d: dict) -> dict:
+        """config.json as the family reads it (a family folds in other spellings of its fields here)."""
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config.json"):
+        if not isinstance(d, dict):
+            raise CpumlaError(f"{source}: expected a JSON object")
+        mt = d.get("model_type")
+        if mt not in cls.MODEL_TYPES:
+            raise CpumlaError(f"{source}: model_type {short(mt)} is not one of {', '.join(cls.MODEL_TYPES)}")
+        d = cls.prepare(dict(d))
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                   and f.name not in kwargs]
+        if missing:
+            raise CpumlaError(f"{source}: missing field '{missing[0]}'")
+        cfg = cls(**kwargs, extra={k: v for k, v in d.items() if k not in names})
+        need = needer(source)
+        validate_fields(cfg, need)
+        cfg.validate(source)
+        cfg.derive(source)
+        return cfg
+
+    def validate(self, source: str) -> None:
+        """The family's rules across fields (each field's own are its tables'): one CpumlaError line."""
+
+    def derive(self, source: str) -> None:
+        """Values computed once from the valid fields."""
 
     @property
     def eos_ids(self) -> list[int]:

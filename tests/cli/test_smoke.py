@@ -94,3 +94,16 @@ def test_smoke_real_checkpoint(v2_lite_dir):
 ])
 def test_smoke_bad_input(args, word):
     assert_one_line_error(run_cli(*args), word)
+
+
+def test_continuous_routing_of_v4_names_only_its_fields():
+    """V4 has no expert groups: the recheck's overrides are fields its config has, and it loads."""
+    from cpumla.runtime.resolve import load_config
+
+    v4 = "deepseek-ai/DeepSeek-V4-Flash"
+    shrink = {"num_hidden_layers": 2, "n_routed_experts": 16}
+    cfg, _ = load_config(v4, shrink)
+    ov = sm.continuous_routing(cfg, 40)
+    assert "n_group" not in ov and ov["num_experts_per_tok"] == cfg.n_routed_experts
+    again, _ = load_config(v4, {**shrink, **ov})
+    assert again.num_experts_per_tok == cfg.n_routed_experts

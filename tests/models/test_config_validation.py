@@ -89,3 +89,56 @@ def test_bad_config_values_are_one_line_errors_naming_the_field(model, overrides
 def test_good_configs_still_load(model):
     eng = cpumla.load(model, dummy_weights=True, hf_overrides=SMALL, max_seq_len=8)
     assert eng.forward([1, 2]).shape == (2, 128)
+
+
+# ---- one validator, one table per family: every field of every family's table refuses the same bad values
+FAMILY_PRESETS = {"deepseek_v2": V2L, "deepseek_v3": V3, "deepseek_v32": V32, "deepseek_v4": "deepseek-ai/DeepSeek-V4-Flash"}
+
+
+def _rule_cases():
+    from cpumla.models import FAMILIES, family
+
+    assert set(FAMILY_PRESETS) == set(FAMILIES), "a family without a preset here is not checked"
+    for mt, preset in FAMILY_PRESETS.items():
+        C = family(mt).Config
+        assert C.SIZES and C.REALS and C.BOOLS, f"{mt}: its Config states no field table"
+        for name, (lo, _) in C.SIZES.items():
+            for bad in ("abc", True, 1.5, float("nan"), lo - 1, 2**31):
+                yield preset, name, bad
+        for name, (lo, closed, _) in C.REALS.items():
+            for bad in ("abc", True, float("nan"), float("inf"), -float("inf"), lo - 1) + (() if closed else (lo,)):
+                yield preset, name, bad
+        for name in C.BOOLS:
+            for bad in ("yes", 1, None):
+                yield preset, name, bad
+        for name in C.STRINGS:
+            yield preset, name, 3
+
+
+@pytest.mark.parametrize("preset,name,bad", list(_rule_cases()), ids=lambda v: repr(v)[:40])
+def test_every_family_refuses_bad_field_values(preset, name, bad):
+    from cpumla.runtime.resolve import load_config
+
+    with pytest.raises(CpumlaError) as e:
+        load_config(preset, {name: bad})
+    msg = str(e.value)
+    assert name in msg and "\n" not in msg, msg
+
+
+V4 = "deepseek-ai/DeepSeek-V4-Flash"
+
+
+@pytest.mark.parametrize("overrides,field", [
+    ({"rms_norm_eps": "abc"}, "rms_norm_eps"), ({"rope_theta": 0}, "rope_theta"), ({"hc_eps": -1}, "hc_eps"),
+    ({"routed_scaling_factor": 0}, "routed_scaling_factor"), ({"swiglu_limit": float("nan")}, "swiglu_limit"),
+    ({"compress_rope_theta": float("nan")}, "rope_theta"),
+    ({"rope_scaling": {"factor": float("nan")}}, "factor"),
+])
+def test_v4_config_refused_by_info_with_one_line(overrides, field):
+    """`cpumla info` on a config it cannot run: exit 2 and one line naming the field (it said 0 before)."""
+    import json
+
+    from support.cli import assert_one_line_error, run_cli
+
+    p = run_cli("info", V4, "--hf-overrides", json.dumps(overrides))
+    assert_one_line_error(p, field, status=2)
