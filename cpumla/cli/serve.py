@@ -71,9 +71,14 @@ def serve(
     render.err.print(f"cpumla serve: {model}{' (dummy weights)' if dummy_weights else ''} · {served.fmt.family} "
                      f"({think}) · context {served.ctx} · queue {max_queue}"
                      f"{' · API key required' if api_key else ''}", markup=False, highlight=False, soft_wrap=True)
-    render.err.print(f"listening on http://{shown}:{addr[1]}/v1", markup=False, highlight=False, soft_wrap=True)
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:             # the socket listens now: a client may connect at once
+                render.err.print(f"listening on http://{shown}:{addr[1]}/v1", markup=False, highlight=False,
+                                 soft_wrap=True)
+
         def handle_exit(self, sig, frame) -> None:
             for r in runners:
                 r.cancel_all()           # the running answer stops at its next token

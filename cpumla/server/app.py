@@ -23,7 +23,7 @@ import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -153,8 +153,8 @@ class Runner:
             if not f.cancelled() and f.exception() is not None:      # a bug, not a user error
                 e = f.exception()
                 job.stats.finish = "error"
-                first = str(e).splitlines()[0] if str(e) else ""
-                events.put_nowait(("error", f"internal error: {type(e).__name__}: {first}".rstrip(": ")))
+                log.error("internal error in the engine's worker", exc_info=e)
+                events.put_nowait(("error", f"internal error ({type(e).__name__}; the server log has the details)"))
             events.put_nowait(("done", ""))
             self.job = None
             self.slot.release()
@@ -355,8 +355,9 @@ def create_app(served: ServedModel, *, api_key: str | None = None, max_queue: in
 
 
 class Gate:
-    """Outermost of the app's own layers: the API key, one log line per request, and a one-line 500
-    for anything unexpected (never a traceback)."""
+    """Outermost of the app's own layers: the API key, one log line per request, and a 500 for anything
+    unexpected: its stack goes to the server log, the client gets one line without it. A client that
+    goes away (mid-body or mid-answer) is logged as 499, not as a fault."""
 
     def __init__(self, app, api_key: str | None = None):
         self.app = app
@@ -386,14 +387,15 @@ class Gate:
                 await error_response(e)(scope, receive, send_)
             else:
                 await self.app(scope, receive, send_)
-        except OSError:
+        except (OSError, ClientDisconnect):
             note.setdefault("error", "the client went away")
         except Exception as e:
-            msg = f"internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
-            note["error"] = msg
+            note["error"] = f"internal error: {type(e).__name__}"
+            log.error("internal error on %s %s", scope.get("method", ""), scope.get("path", ""), exc_info=e)
             if not status[0]:
                 with contextlib.suppress(Exception):
-                    await error_response(P.ApiError(500, msg, "server_error"))(scope, receive, send_)
+                    await error_response(P.ApiError(500, f"internal error ({type(e).__name__}; the server log has "
+                                                         f"the details)", "server_error"))(scope, receive, send_)
         finally:
             client = scope.get("client") or ("-", 0)
             parts = [f"{client[0]}:{client[1]}", scope.get("method", ""), scope.get("path", ""), str(status[0] or 499)]

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS = 4                  # as OpenAI
 MAX_STOP_CHARS = 256
+MAX_DEPTH = 32                 # nesting of a request body's arrays and objects
+MAX_DIGITS = 40                # of an integer in a request body (Python's int() takes up to 4300)
+MAX_INT = 2**63 - 1            # token counts, top_k
 
 
 class ApiError(Exception):
@@ -59,16 +62,56 @@ class CompletionRequest:
     echo: bool = False
 
 
+class _TooManyDigits(ValueError):
+    pass
+
+
+def _parse_int(s: str) -> int:
+    """json's integer hook: the digits are bounded before int() sees them."""
+    if len(s.lstrip("-")) > MAX_DIGITS:
+        raise _TooManyDigits(s[:12])
+    return int(s)
+
+
 def parse_json(raw: bytes) -> dict:
+    """The request body, parsed once and bounded: UTF-8, valid JSON (NaN and Infinity are read, for the
+    fields to refuse by name), integers of at
+    most MAX_DIGITS digits, arrays and objects nested at most MAX_DEPTH deep, strings valid Unicode
+    (no lone surrogates). Every violation is a 400."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_int=_parse_int)
     except UnicodeDecodeError:
         raise bad("the request body is not UTF-8") from None
     except json.JSONDecodeError as e:
         raise bad(f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except _TooManyDigits as e:
+        raise bad(f"the request body has an integer of more than {MAX_DIGITS} digits ({e}...)") from None
+    except RecursionError:
+        raise bad(f"the request body nests arrays or objects more than {MAX_DEPTH} deep") from None
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, not {_kind(body)}")
+    _check_tree(body)
     return body
+
+
+def _check_tree(body) -> None:
+    """Depth and strings of a parsed body, without recursion."""
+    stack = [(body, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise bad("the request body holds a string that is not valid Unicode (a lone surrogate "
+                              "escape such as \\ud800)") from None
+            continue
+        if isinstance(v, (dict, list)):
+            if depth > MAX_DEPTH:
+                raise bad(f"the request body nests arrays or objects more than {MAX_DEPTH} deep")
+            items = [*v.keys(), *v.values()] if isinstance(v, dict) else v
+            stack.extend((x, depth + 1) for x in items)
 
 
 def check_model(body: dict, served: str) -> None:
@@ -94,7 +137,7 @@ def parse_chat(body: dict) -> ChatRequest:
         if not isinstance(m, dict):
             raise bad(f"{where} must be an object, not {_kind(m)}", where)
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             known = ", ".join(r for r in ROLES)
             raise bad(f"{where}.role {json.dumps(role)} is not supported (roles: {known})", f"{where}.role")
         content = _content(m.get("content"), f"{where}.content", allow_none=role == "assistant")
@@ -167,6 +210,8 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float, lo_open:
     v = body.get(key)
     if v is None:
         return default
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) > 2**53:
+        v = math.inf                        # beyond every range here, and beyond exact floats
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise bad(f"{key} must be a finite number", key)
     if v < lo or (lo_open and v == lo) or v > hi:
@@ -175,7 +220,7 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float, lo_open:
     return float(v)
 
 
-def _int(body: dict, key: str, lo: int) -> int | None:
+def _int(body: dict, key: str, lo: int, hi: int = MAX_INT) -> int | None:
     v = body.get(key)
     if v is None:
         return None
@@ -183,6 +228,8 @@ def _int(body: dict, key: str, lo: int) -> int | None:
         raise bad(f"{key} must be an integer", key)
     if v < lo:
         raise bad(f"{key} must be at least {lo}, not {v}", key)
+    if v > hi:
+        raise bad(f"{key} must be at most {hi}, not {v}", key)
     return v
 
 
@@ -213,7 +260,7 @@ def _sampling(body: dict, max_keys: tuple[str, ...], default_max: int | None = N
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=0 if body.get("top_k") == -1 else (_int(body, "top_k", 0) or 0),   # vLLM's -1: off
         min_p=_number(body, "min_p", 0.0, 0.0, 0.999999),
-        seed=_int(body, "seed", 0),
+        seed=_int(body, "seed", 0, 2**64 - 1),
         stop=[s for s in stop if s],
     )
 
