@@ -27,6 +27,8 @@ class DummySource:
         (an I64 token-id table of experts below E)."""
         if dtype not in DUMMY_DTYPES:
             raise CpumlaError(f"dummy weight dtype must be one of {', '.join(DUMMY_DTYPES)}, got '{dtype}'")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise CpumlaError(f"the dummy weights' seed must be an integer in [0, 2^64), not {seed!r}")
         self.block, self.seed, self.dtype = tuple(block), seed, dtype
         self.table = table
         self.scales: dict[str, str] = {}

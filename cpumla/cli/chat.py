@@ -63,14 +63,11 @@ def chat(
     quant: str = typer.Option(None, "--quant", help=QUANT_HELP),
 ) -> None:
     from cpumla.chat.stops import parse_stop
-    from cpumla.cli.options import check_quant, check_seed, check_threads
+    from cpumla.cli.options import check_quant, check_threads
     from cpumla.sampling import check
 
     check_quant(quant)
     interactive = prompt is None and sys.stdin.isatty()
-    if max_tokens < 1:
-        raise CpumlaError("--max-tokens must be at least 1")
-    check_seed(seed)
     warnings = check_threads(threads)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
                     repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,

@@ -46,19 +46,19 @@ def _main(version: bool = typer.Option(False, "--version", metavar="", is_eager=
 
 def _register() -> None:
     from cpumla.cli import bench, chat, download, info, quantize, serve, smoke
+    from cpumla.cli.options import checked
 
-    app.command("info", help="CPU, detected features, chosen kernel implementations, build flags.")(info.info)
-    app.command("smoke", help="Run models end to end (dummy or real weights) and check the logits.")(smoke.smoke)
-    app.command("bench", help="Benchmarks: --kernels measures each GEMV format against memory bandwidth.")(
-        bench.bench
-    )
-    app.command("chat", help="Chat with a model in the terminal (or answer one prompt with -p / stdin).")(chat.chat)
-    app.command("serve", help="An OpenAI-compatible HTTP server (chat and completions, streaming).")(serve.serve)
-    app.command("download", help="Download a model's config, tokenizer and safetensors into the HF cache.")(
-        download.download
-    )
-    app.command("list", help="DeepSeek-family models in the Hugging Face cache, with sizes.")(download.list_models)
-    app.command("quantize", help="Write a checkpoint with q8 / q4 linear layers (loads zero-copy).")(quantize.quantize)
+    for name, fn, text in [
+        ("info", info.info, "CPU, detected features, chosen kernel implementations, build flags."),
+        ("smoke", smoke.smoke, "Run models end to end (dummy or real weights) and check the logits."),
+        ("bench", bench.bench, "Benchmarks: --kernels measures each GEMV format against memory bandwidth."),
+        ("chat", chat.chat, "Chat with a model in the terminal (or answer one prompt with -p / stdin)."),
+        ("serve", serve.serve, "An OpenAI-compatible HTTP server (chat and completions, streaming)."),
+        ("download", download.download, "Download a model's config, tokenizer and safetensors into the HF cache."),
+        ("list", download.list_models, "DeepSeek-family models in the Hugging Face cache, with sizes."),
+        ("quantize", quantize.quantize, "Write a checkpoint with q8 / q4 linear layers (loads zero-copy)."),
+    ]:
+        app.command(name, help=text)(checked(fn))
 
 
 _register()

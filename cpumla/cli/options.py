@@ -1,7 +1,12 @@
-"""Checks of options several commands share, so that each is one rule everywhere."""
+"""Checks of options several commands share, so that each is one rule everywhere: RULES names the rule
+of every numeric option by its parameter name, and `checked` applies them to a command before its body
+runs (main.py wraps every command with it; tests/cli/test_options.py fails on an option without one)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+import math
 import os
 
 from cpumla.errors import CpumlaError
@@ -58,3 +63,56 @@ def check_quant(quant) -> None:
 
     if quant is not None and quant not in QUANTS:
         raise CpumlaError(f"--quant must be one of {', '.join(QUANTS)}, not '{quant}'")
+
+
+def _at_least(lo: int):
+    def rule(v, flag: str) -> None:
+        if v < lo:
+            raise CpumlaError(f"{flag} must be at least {lo}, not {v}")
+    return rule
+
+
+def _port(v, flag: str) -> None:
+    if not 0 <= v <= 65535:
+        raise CpumlaError(f"{flag} must be in 0..65535, not {v}")
+
+
+def _positive_real(v, flag: str) -> None:
+    if not (math.isfinite(v) and v > 0):
+        raise CpumlaError(f"{flag} must be a finite number above 0, not {v}")
+
+
+def _threads(v, flag: str) -> None:
+    if isinstance(v, int):            # bench's is a comma-separated list, checked once parsed
+        check_threads(v, flag)
+
+
+RULES = {
+    "threads": _threads, "seed": check_seed, "ctx": _at_least(1), "ctx_size": _at_least(2), "port": _port,
+    "max_queue": _at_least(0), "max_tokens": _at_least(1), "seconds": _positive_real, "n_prompt": _at_least(0),
+    "n_gen": _at_least(0), "reps": _at_least(1), "rows": _at_least(1), "cols": _at_least(1),
+    "stream_mb": _at_least(1), "prompt_tokens": _at_least(1), "decode_tokens": _at_least(1),
+}
+# the sampling options: the sampler's one rule (cpumla.sampling), for `chat` and the server alike
+SAMPLER_OPTIONS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+                   "frequency_penalty")
+
+
+def flag_of(param: inspect.Parameter) -> str:
+    """The option's long flag as the user types it (its parameter name for an argument)."""
+    decls = getattr(param.default, "param_decls", None) or ()
+    return next((d for d in decls if d.startswith("--")), decls[0] if decls else param.name)
+
+
+def checked(command):
+    """The command with RULES applied to its options before it runs."""
+    flags = {name: flag_of(p) for name, p in inspect.signature(command).parameters.items()}
+
+    @functools.wraps(command)
+    def run(**kwargs):
+        for name, v in kwargs.items():
+            rule = RULES.get(name)
+            if rule is not None and v is not None and not isinstance(v, (str, bool)):
+                rule(v, flags[name])
+        return command(**kwargs)
+    return run

@@ -39,13 +39,7 @@ def serve(
     from cpumla.server.app import create_app
     from cpumla.server.model import load_served
 
-    check_quant(quant)
-    if not 0 <= port <= 65535:
-        raise CpumlaError(f"--port must be in 0..65535, not {port}")
-    if max_queue < 0:
-        raise CpumlaError("--max-queue must be at least 0")
-    if ctx_size is not None and ctx_size < 2:
-        raise CpumlaError("--ctx-size must be at least 2")
+    check_quant(quant)       # the numeric options: cli/options.py's RULES, before this runs
     if api_key is not None and not api_key.strip():
         raise CpumlaError("--api-key is empty")
     overrides = parse_hf_overrides(hf_overrides)

@@ -1,0 +1,48 @@
+"""Every numeric option of every command has one rule (cli/options.py's RULES, or the sampler's for the
+sampling options), applied before the command runs: a bad value is one line and exit 2, wherever the
+option appears."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from cpumla.cli import options
+from cpumla.cli.main import app, main
+
+BAD = {"threads": ["0", "-3", "100000"], "seed": ["-1", str(2**64)], "ctx": ["0"], "ctx_size": ["1"],
+       "port": ["-1", "70000"], "max_queue": ["-1"], "max_tokens": ["0"], "seconds": ["nan", "inf", "0", "-1"],
+       "n_prompt": ["-1"], "n_gen": ["-1"], "reps": ["0"], "rows": ["0"], "cols": ["0"], "stream_mb": ["0"],
+       "prompt_tokens": ["0"], "decode_tokens": ["0"]}
+ARGS = {"chat": ["x"], "serve": ["x"], "quantize": ["x", "y"], "download": ["x"]}   # required arguments
+
+
+def commands():
+    for c in app.registered_commands:
+        yield c.name, inspect.signature(c.callback).parameters
+
+
+def test_every_numeric_option_has_a_rule():
+    for name, params in commands():
+        for p in params.values():
+            if p.annotation in ("int", "float", int, float) and p.name not in options.SAMPLER_OPTIONS:
+                assert p.name in options.RULES, f"`{name}` option {options.flag_of(p)} has no rule in RULES"
+    assert set(BAD) == set(options.RULES), "every rule is exercised below"
+
+
+def _cases():
+    for name, params in commands():
+        for p in params.values():
+            if p.name in BAD and p.annotation in ("int", "float", int, float):
+                for v in BAD[p.name]:
+                    yield name, options.flag_of(p), v
+
+
+@pytest.mark.parametrize("command,flag,value", list(_cases()))
+def test_bad_values_are_one_line_errors(capsys, command, flag, value):
+    with pytest.raises(SystemExit) as e:
+        main([command, *ARGS.get(command, []), f"{flag}={value}"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and flag in err[0], err
