@@ -63,14 +63,14 @@ def _load(model, hf_overrides, cfg, resolved, fam, ctx, where, quantizer, ckpt, 
     """load() past its first checks; ckpt: the checkpoint already open for a quantizing load, else None"""
     if quantizer is not None:
         # the quantized weights are made in memory: they, the caches and the scratch must fit
-        check_fits(plan(model, hf_overrides, ctx, loaded=(cfg, resolved, ckpt)), quantizer.fmt,
+        check_fits(plan(model, hf_overrides, ctx, loaded=(cfg, resolved, ckpt), dummy=dummy_weights), quantizer.fmt,
                    f"{quantizer.fmt} weights")
     if dummy_weights:
         if dummy_dtype not in DUMMY_DTYPES:
             raise CpumlaError(f"dummy weight dtype must be {', '.join(DUMMY_DTYPES)}, got {dummy_dtype!r}")
         if quantizer is None:
             check_memory(fam.memory_bytes(cfg, ctx, dummy_dtype, PREFILL_CHUNK), True, where,
-                         hint=lambda: plan(model, hf_overrides, ctx).smallest_fitting_quant())
+                         hint=lambda: plan(model, hf_overrides, ctx, dummy=True).smallest_fitting_quant())
         src = DummySource(fam.tensors(cfg), cfg.block, seed=seed, dtype=dummy_dtype)
     else:
         if resolved.directory is None:

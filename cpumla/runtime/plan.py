@@ -100,10 +100,11 @@ class Plan:
                 "fits": {f: self.fits(f) for f in self.weights}, "notes": self.notes}
 
 
-def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=None) -> Plan:
+def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=None, dummy: bool = False) -> Plan:
     """The Plan of `model` (a directory, a cached repo id or a preset). Raises CpumlaError as load does
     for a model it cannot resolve. loaded: (cfg, resolved, checkpoint or None) the caller already made
-    of this model and overrides (load_config, and its directory's Checkpoint, left open here)."""
+    of this model and overrides (load_config, and its directory's Checkpoint, left open here). dummy:
+    planned as its config alone (dummy weights), its directory's checkpoint never opened."""
     cfg, resolved, src = loaded if loaded is not None else (*load_config(model, hf_overrides), None)
     fam = family(cfg.model_type)
     ctx = context_length(cfg, max_seq_len)
@@ -114,7 +115,7 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
     qc = getattr(cfg, "quantization_config", None) or {}
     fp8 = qc.get("quant_method") == "fp8"
     scale_bytes = 1 if qc.get("scale_fmt") == "ue8m0" else 4
-    own = src is None and resolved.directory is not None
+    own = src is None and resolved.directory is not None and not dummy
     if own:
         src = Checkpoint(resolved.directory)
     try:

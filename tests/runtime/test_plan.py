@@ -75,6 +75,16 @@ def test_quantize_on_load_refused_when_it_cannot_fit(monkeypatch):
         cpumla.load("deepseek-ai/DeepSeek-V2-Lite", dummy_weights=True, quant="q4")
 
 
+@pytest.mark.parametrize("quant", [None, "q4"])
+def test_dummy_weights_from_a_config_only_folder_too_big_is_a_memory_refusal(tmp_path, quant):
+    """The memory refusal (and its --quant hint) plans dummy weights from the config alone: it never opens
+    the folder's checkpoint, which dummy weights do not have."""
+    (tmp_path / "config.json").write_text(json.dumps(resolve.resolve_model("deepseek-ai/DeepSeek-V2-Lite").config))
+    with pytest.raises(CpumlaError) as e:
+        cpumla.load(str(tmp_path), dummy_weights=True, quant=quant, hf_overrides={"num_hidden_layers": 2_000_000})
+    assert "of memory" in str(e.value) and "safetensors" not in str(e.value), str(e.value)
+
+
 def test_info_model(monkeypatch):
     monkeypatch.setenv("CPUMLA_MEMORY_AVAILABLE", str(20 * GIB))
     p = run_cli("info", "deepseek-ai/DeepSeek-V2-Lite", "--json")
