@@ -68,6 +68,7 @@ class Engine:
         self._one = np.zeros(1, np.int64)     # the ids of a one-token forward (forward's fast path)
         self.pos = 0
         self.tokens: list[int] = []
+        self._epoch = 0                  # counts the changes of the cache: a generator notices others'
 
     # ---- public ----
     @property
@@ -92,12 +93,14 @@ class Engine:
         with self._lock:
             self.pos = 0
             self.tokens = []
+            self._epoch += 1
 
     def truncate(self, n: int) -> None:
         """Forget everything after the first n cached tokens (multi-turn reuse, regenerate)."""
         with self._lock:
             self.pos = min(self.pos, max(0, n))
             del self.tokens[self.pos:]
+            self._epoch += 1
 
     def close(self) -> None:
         """Frees the model's native state now; the engine cannot run afterwards."""
@@ -138,6 +141,7 @@ class Engine:
                 # on an error pos is unchanged: rows of earlier chunks are simply not counted
                 self.model.forward(ids[c0:c1], self.pos + c0, out, last_only)
             self.pos += n
+            self._epoch += 1
             if one:
                 self.tokens.append(token_ids[0])
             else:
@@ -145,16 +149,29 @@ class Engine:
         return logits
 
     def generate(self, prompt_ids, max_new_tokens: int, stop_ids=None, **sampling):
-        """Yields generated token ids; the prompt is appended to the cache first. sampling: the
+        """An iterator of generated token ids; the prompt is appended to the cache first. sampling: the
         arguments of cpumla.sampling.Sampler (temperature, top_k, top_p, min_p, seed,
-        repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty)."""
+        repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty). Its arguments are checked
+        here, before anything runs (CpumlaError). A reset, truncate or forward of this engine by
+        anyone else while it runs ends it: its next step raises CpumlaError rather than continue from
+        a cache that is no longer its own."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+            raise CpumlaError(f"max_new_tokens must be an integer >= 0, not {max_new_tokens!r}")
         sampler = Sampler(**sampling)
-        sampler.start(prompt_ids)
         stops = set(self.config.eos_ids if stop_ids is None else stop_ids)
+        return self._generate(prompt_ids, int(max_new_tokens), sampler, stops)
+
+    def _generate(self, prompt_ids, max_new_tokens: int, sampler, stops):
+        sampler.start(prompt_ids)
         logits = self.forward(prompt_ids, last_only=True)
+        mine = self._epoch
         for _ in range(max_new_tokens):
             tok = sampler(logits[-1])
             yield tok
             if tok in stops or self.pos >= self.max_seq_len:
                 return
+            if self._epoch != mine:
+                raise CpumlaError("the engine's cache was changed (reset, truncate or another forward) while "
+                                  "this generation ran: it stops here")
             logits = self.forward([tok], last_only=True)
+            mine = self._epoch
