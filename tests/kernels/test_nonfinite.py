@@ -82,3 +82,32 @@ def test_nonfinite_activation_gives_nan(isa, fmt):
         np.testing.assert_allclose(got[~hit], clean[~hit], rtol=1e-6, atol=1e-6)
         for t in np.flatnonzero(hit)[:3]:
             assert np.isnan(native.gemv(w, xb[t])).all(), f"{fmt} {isa}: gemv of token {t}"
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "bf16", "f16"])
+def test_nonfinite_weights_reach_every_product(isa, fmt):
+    """A NaN weight (E4M3's codes 0x7f / 0xff; a bf16 / f16 NaN) makes its row NaN in gemv and gemm,
+    its columns NaN in gemv_t and its value NaN in dequant, wherever it sits: inside the 32-column steps
+    of the vector loops or in their tails; the other rows are finite."""
+    rng = np.random.default_rng(9)
+    rows, cols = 9, 256 + 7
+    where = [(1, 5), (2, 200), (4, 260), (7, 31)]
+    if fmt == "e4m3":
+        data = rng.integers(0, 0x7E, (rows, cols)).astype(np.uint8) | (rng.integers(0, 2, (rows, cols)) << 7).astype(np.uint8)
+        for k, (r, c) in enumerate(where):
+            data[r, c] = 0x7F if k % 2 else 0xFF
+        w = native.Weight(data, "e4m3", np.ones((1, 3), np.float32), (128, 128))
+    else:
+        v = rng.standard_normal((rows, cols)).astype(np.float32)
+        for r, c in where:
+            v[r, c] = np.nan
+        w = native.Weight(v.astype(np.float16) if fmt == "f16" else ref.bf16_bits(v), fmt)
+    bad = np.zeros(rows, bool)
+    bad[[r for r, _ in where]] = True
+    x = rng.standard_normal((20, cols)).astype(np.float32)
+    for y in (native.gemv(w, x[0]), *native.gemm(w, x)):
+        assert (np.isnan(y) == bad).all(), f"{fmt} {isa}: NaN rows {np.flatnonzero(np.isnan(y))}, want {np.flatnonzero(bad)}"
+    dq = native.dequant(w)
+    assert np.isnan(dq).sum() == len(where) and all(np.isnan(dq[r, c]) for r, c in where)
+    t = native.head_gemv_t(w, 0, rows, rows, rng.standard_normal((1, 1, rows)).astype(np.float32))[0, 0]
+    assert np.isnan(t).sum() == len({c for _, c in where}), f"{fmt} {isa}: gemv_t"

@@ -27,7 +27,8 @@ static int run_case(const cpumla_kernels *k, const tweight *t, const char *nm, i
     float *y = xalloc(sizeof(float) * (size_t)(n * ldy));
     for (int64_t i = 0; i < n * ldy; i++) y[i] = SENT;
     case_begin();
-    kern_gemm(k, &t->w, x, ldx, n, y, ldy, r0, r1);
+    if (n == 1) kern_gemv(k, &t->w, x, y, r0, r1);          /* n = 1: decode's gemv */
+    else kern_gemm(k, &t->w, x, ldx, n, y, ldy, r0, r1);
     int bad = 0, gap_ok = 1, before = n_fail;
     for (int64_t tt = 0; tt < n; tt++) {
         for (int64_t i = 0; i < nr && bad < 3; i++) {
@@ -122,8 +123,17 @@ void test_gemm_tiles(const cpumla_kernels *k) {
     t.qd[20 * 320 + 70] = t.wd[20 * 320 + 70] = NAN;
     d[45 * t.w.row_bytes + 200] = 0xff;
     t.qd[45 * 320 + 200] = t.wd[45 * 320 + 200] = NAN;
+    run_case(k, &t, "E4M3 64x320 with NaN codes", 1, 0, 64);      /* gemv's row loops */
     run_case(k, &t, "E4M3 64x320 with NaN codes", 7, 0, 64);
     run_case(k, &t, "E4M3 64x320 with NaN codes", 20, 0, 64);     /* amx: the tiles' decode */
+    free_weight(&t);
+    /* and in the columns past the last whole step of 32 / 64 */
+    t = make_weight(9, 263, CPUMLA_E4M3, CPUMLA_F32, 128, 128, 0);
+    d = t.data;
+    d[4 * t.w.row_bytes + 260] = 0xff;
+    t.qd[4 * 263 + 260] = t.wd[4 * 263 + 260] = NAN;
+    run_case(k, &t, "E4M3 9x263 with a NaN code in the tail", 1, 0, 9);
+    run_case(k, &t, "E4M3 9x263 with a NaN code in the tail", 5, 0, 9);
     free_weight(&t);
     gemm_e4m3_token_chunks(k);
 }

@@ -7,7 +7,7 @@
  *         the value * 2^-8 (subnormals included), widened with vcvtph2ps: e4m3's subnormals are fp16
  *         subnormals, which come out as normal fp32, so no multiply ever sees a subnormal weight
  *         operand (on Intel cores such an operand costs a microcode assist per instruction). 0x7f /
- *         0xff are forced to NaN as in the spec (dequant_row, gemv_t; gemm's panels). The block scale
+ *         0xff are forced to NaN as in the spec (dequant_row, gemv_t, gemm's panels; gemv by a mask per row). The block scale
  *         goes into the activation operand, bf16(x * scale) (kernels.h), never onto a partial sum.
  *   E2M1  (gemv_t, dequant_row) two vpshufb lookups give the low and high byte of each code's bf16
  *         value; gemv / gemm hand E2M1 back (kernels.h: the integer product, quant.h).
@@ -150,8 +150,8 @@ INLINE void gemv_plain_pf(const cpumla_weight *w, const float *x, float *y, int6
  * activation operand: xs = bf16(x * (scale * 2^8)) = bf16(x * scale) * 2^8 exactly, so every product
  * is the spec's, exact. The operands of the first K - K % 32 columns are rearranged in place
  * (e4m3_perm_x) to the decode's column order; the last K % 32 columns (scalar) use xs as is. NaN codes
- * 0x7f / 0xff are not detected here (they decode to +-480; real checkpoints never contain them); gemm,
- * gemv_t and dequant give NaN for them. */
+ * 0x7f / 0xff decode to +-480 there, so each row also keeps the byte-wise max of its codes | 0x80 (two
+ * ops a step, no branch): a row that met one (a 0xff byte) gives NaN, as the spec does. */
 
 /* 32 E4M3 bytes -> f[0..3], each code's value * 2^-8: f[0] lane i is column 2i, f[1] column 16 + 2i,
  * f[2] column 2i + 1, f[3] column 17 + 2i */
@@ -186,7 +186,12 @@ INLINE void gemv_e4m3_rows(const cpumla_weight *w, const float *xs, float *y, in
         const uint8_t *p[4];
         for (int i = 0; i < 4; i++) p[i] = weight_row(w, r + (i < nr ? i : 0));
         __m256 a[4], b[4];
-        for (int i = 0; i < 4; i++) a[i] = b[i] = _mm256_setzero_ps();
+        __m256i nan[4];
+        for (int i = 0; i < 4; i++) {
+            a[i] = b[i] = _mm256_setzero_ps();
+            nan[i] = _mm256_setzero_si256();
+        }
+        const __m256i hi = _mm256_set1_epi8((char)0x80);
         for (int64_t c = 0; c < K32; c += 32) {
             __m256 x0 = _mm256_load_ps(xs + c), x1 = _mm256_load_ps(xs + c + 8);
             __m256 x2 = _mm256_load_ps(xs + c + 16), x3 = _mm256_load_ps(xs + c + 24);
@@ -194,7 +199,9 @@ INLINE void gemv_e4m3_rows(const cpumla_weight *w, const float *xs, float *y, in
                 for (int i = 0; i < 4; i++) GEMV_PF(pf_at(p[0], p[i], pf, lin, i, c), l2);
             for (int i = 0; i < 4; i++) {
                 __m256 f[4];
-                e4m3_dec32(_mm256_loadu_si256((const __m256i *)(p[i] + c)), f);
+                const __m256i d = _mm256_loadu_si256((const __m256i *)(p[i] + c));
+                nan[i] = _mm256_max_epu8(nan[i], _mm256_or_si256(d, hi));
+                e4m3_dec32(d, f);
                 a[i] = _mm256_fmadd_ps(f[0], x0, a[i]);
                 b[i] = _mm256_fmadd_ps(f[1], x1, b[i]);
                 a[i] = _mm256_fmadd_ps(f[2], x2, a[i]);
@@ -206,7 +213,8 @@ INLINE void gemv_e4m3_rows(const cpumla_weight *w, const float *xs, float *y, in
                                  _mm256_add_ps(a[2], b[2]), _mm256_add_ps(a[3], b[3])));
         for (int i = 0; i < nr; i++) {
             for (int64_t c = K32; c < K; c++) t[i] += (e4m3_to_f32(p[i][c]) * 0x1p-8f) * xs[c];
-            y[r - rs + i] = t[i];
+            const __m256i met = _mm256_cmpeq_epi8(nan[i], _mm256_set1_epi8(-1));
+            y[r - rs + i] = _mm256_testz_si256(met, met) ? t[i] : NAN;
         }
     }
 }
