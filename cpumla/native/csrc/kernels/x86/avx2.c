@@ -7,8 +7,9 @@
  *         the value * 2^-8 (subnormals included), widened with vcvtph2ps: e4m3's subnormals are fp16
  *         subnormals, which come out as normal fp32, so no multiply ever sees a subnormal weight
  *         operand (on Intel cores such an operand costs a microcode assist per instruction). 0x7f /
- *         0xff are forced to NaN as in the spec (dequant_row, gemv_t, gemm's panels; gemv by a mask per row). The block scale
- *         goes into the activation operand, bf16(x * scale) (kernels.h), never onto a partial sum.
+ *         0xff are forced to NaN as in the spec (dequant_row, gemv_t, gemm's panels; gemv by a mask
+ *         per row). The block scale goes into the activation operand, bf16(x * scale) (kernels.h),
+ *         never onto a partial sum.
  *   E2M1  (gemv_t, dequant_row) two vpshufb lookups give the low and high byte of each code's bf16
  *         value; gemv / gemm hand E2M1 back (kernels.h: the integer product, quant.h).
  * Single-threaded: ops.c and mla_attention.c split rows / columns / heads / KV ranges over the pool.
