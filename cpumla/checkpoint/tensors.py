@@ -24,13 +24,19 @@ def where(src, name: str | None = None) -> str:
     return str(d) if d is not None else "dummy weights"
 
 
+def label(src, name: str) -> str:
+    """A tensor's name as its file has it, for messages (a GGUF file's own names)."""
+    return src.label(name) if hasattr(src, "label") else name
+
+
 def checked_dtype(src, name: str, shape) -> str:
     """The dtype of tensor `name` after checking it exists with `shape`."""
     if not src.has(name):
-        raise CpumlaError(f"{where(src)}: checkpoint is missing tensor '{name}'")
+        raise CpumlaError(f"{where(src)}: checkpoint is missing tensor '{label(src, name)}'")
     dtype, got = src.info(name)
     if tuple(got) != tuple(shape):
-        raise CpumlaError(f"{where(src, name)}: tensor '{name}' has shape {list(got)}, config wants {list(shape)}")
+        raise CpumlaError(f"{where(src, name)}: tensor '{label(src, name)}' has shape {list(got)}, config wants "
+                          f"{list(shape)}")
     return dtype
 
 
@@ -71,7 +77,8 @@ def stored_linear(src, name: str, shape: tuple[int, int], block: tuple[int, int]
     dtype = checked_dtype(src, name, shape)
     fmt = FORMAT_OF.get(dtype)
     if fmt is None:
-        raise CpumlaError(f"{where(src, name)}: tensor '{name}' has dtype {dtype}, which cpumla cannot use for a weight")
+        raise CpumlaError(f"{where(src, name)}: tensor '{label(src, name)}' has dtype {dtype}, which cpumla cannot use "
+                          f"for a weight")
     data = src.tensor(name)
     if fmt != "e4m3":
         return native.Weight(data, fmt)
@@ -88,7 +95,8 @@ def vector(src, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """A norm weight, bias or embedding table: float32, bf16 bits (uint16) or float16, as stored."""
     dtype = checked_dtype(src, name, shape)
     if dtype not in ("F32", "BF16", "F16"):
-        raise CpumlaError(f"{where(src, name)}: tensor '{name}' has dtype {dtype}; cpumla reads it as F32, BF16 or F16 only")
+        raise CpumlaError(f"{where(src, name)}: tensor '{label(src, name)}' has dtype {dtype}; cpumla reads it as F32, "
+                          f"BF16 or F16 only")
     return src.tensor(name)
 
 
