@@ -15,6 +15,8 @@ from cpumla import native
 from cpumla.checkpoint.formats import FORMAT_OF, QSCALE
 from cpumla.errors import CpumlaError
 
+GGUF_TYPES = {"Q8_0": "q8_0"}          # GGUF block types (checkpoint/gguf.py) -> the native weight format
+
 
 def where(src, name: str | None = None) -> str:
     """Where a tensor lives, for messages: its shard file, else the checkpoint directory."""
@@ -44,12 +46,29 @@ def linear(src, name: str, shape: tuple[int, int], block: tuple[int, int] = (128
     """A [out, in] weight in its checkpoint format (FP8 with its `weight_scale_inv` block grid; q8 / q4
     with its `_qscale` grid), quantized to q8 / q4 when the source carries a Quantizer that asks for it
     (`src.quantizer`, set by cpumla.load(..., quant=))."""
-    if src.has(name) and src.info(name)[0] in ("I8", "U8"):
+    if src.has(name) and src.info(name)[0] in GGUF_TYPES:
+        w = gguf_block(src, name, shape)
+    elif src.has(name) and src.info(name)[0] in ("I8", "U8"):
         w = stored_quantized(src, name, shape)
     else:
         w = stored_linear(src, name, shape, block)
     qz = getattr(src, "quantizer", None)
     return qz(name, w) if qz is not None else w
+
+
+def gguf_block(src, name: str, shape: tuple[int, int]) -> native.Weight:
+    """A GGUF tensor of a block format (Q8_0), read in place: its raw blocks [rows, row bytes]."""
+    dtype = checked_dtype(src, name, shape)
+    return native.Weight(src.tensor(name), GGUF_TYPES[dtype])
+
+
+def embedding(src, name: str, shape: tuple[int, int]) -> native.Weight:
+    """An embedding table as the forward reads it (a row dequantized per token): F32 / BF16 / F16 as
+    `vector`, or a GGUF block format (Q8_0)."""
+    if src.has(name) and src.info(name)[0] in GGUF_TYPES:
+        return gguf_block(src, name, shape)
+    v = vector(src, name, shape)
+    return native.Weight(v, native.format_of(v))
 
 
 def stored_quantized(src, name: str, shape: tuple[int, int]) -> native.Weight:

@@ -183,3 +183,26 @@ def test_bad_gguf(tiny, good, tmp_path, how, words):
     for w in words:
         assert w in str(e.value), str(e.value)
     assert_one_line_error(run_cli("smoke", "--model", str(path)), *words, status=2)
+
+
+@pytest.mark.parametrize("variant", ["v2-lite", "v3"])
+def test_gguf_q8_0(tiny, tmp_path, variant):
+    """Q8_0 weights (GGUF's blocks, read in place) against transformers fp32 on the values the file holds
+    (dequantized by the gguf package). Their products quantize the activations to int8 per block of 32
+    (kernels.h), as llama.cpp's do: within a few percent of the largest logit, per-position directions
+    within 1 - cos < 1e-2; cached decode equal to the full forward."""
+    m, _ = tiny[variant]
+    path = tmp_path / "q8.gguf"
+    held = gguf_files.write(m, path, "Q8_0")
+    assert {gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F16} <= \
+        {t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    ref = models.reference_logits(gguf_files.reference(models.build(variant, tmp_path / "ref"), held), IDS)
+    eng = cpumla.load(str(path))
+    assert eng.matmul_format == "q8_0"
+    got = eng.forward(IDS)
+    assert np.abs(got - ref).max() < 0.08 * np.abs(ref).max()
+    cos = (got * ref).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(ref, axis=-1)
+    assert (1 - cos).max() < 1e-2, 1 - cos
+    eng.reset()
+    dec = np.concatenate([eng.forward(IDS[:5])] + [eng.forward([t]) for t in IDS[5:]])
+    assert np.abs(dec - got).max() <= 1e-5 * np.abs(got).max()
