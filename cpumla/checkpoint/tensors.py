@@ -15,6 +15,8 @@ from cpumla import native
 from cpumla.checkpoint.formats import FORMAT_OF, QSCALE
 from cpumla.errors import CpumlaError
 
+GGUF_TYPES = {"Q8_0": "q8_0"}          # GGUF block types (checkpoint/gguf.py) -> the native weight format
+
 
 def where(src, name: str | None = None) -> str:
     """Where a tensor lives, for messages: its shard file, else the checkpoint directory."""
@@ -24,13 +26,19 @@ def where(src, name: str | None = None) -> str:
     return str(d) if d is not None else "dummy weights"
 
 
+def label(src, name: str) -> str:
+    """A tensor's name as its file has it, for messages (a GGUF file's own names)."""
+    return src.label(name) if hasattr(src, "label") else name
+
+
 def checked_dtype(src, name: str, shape) -> str:
     """The dtype of tensor `name` after checking it exists with `shape`."""
     if not src.has(name):
-        raise CpumlaError(f"{where(src)}: checkpoint is missing tensor '{name}'")
+        raise CpumlaError(f"{where(src)}: checkpoint is missing tensor '{label(src, name)}'")
     dtype, got = src.info(name)
     if tuple(got) != tuple(shape):
-        raise CpumlaError(f"{where(src, name)}: tensor '{name}' has shape {list(got)}, config wants {list(shape)}")
+        raise CpumlaError(f"{where(src, name)}: tensor '{label(src, name)}' has shape {list(got)}, config wants "
+                          f"{list(shape)}")
     return dtype
 
 
@@ -38,12 +46,29 @@ def linear(src, name: str, shape: tuple[int, int], block: tuple[int, int] = (128
     """A [out, in] weight in its checkpoint format (FP8 with its `weight_scale_inv` block grid; q8 / q4
     with its `_qscale` grid), quantized to q8 / q4 when the source carries a Quantizer that asks for it
     (`src.quantizer`, set by cpumla.load(..., quant=))."""
-    if src.has(name) and src.info(name)[0] in ("I8", "U8"):
+    if src.has(name) and src.info(name)[0] in GGUF_TYPES:
+        w = gguf_block(src, name, shape)
+    elif src.has(name) and src.info(name)[0] in ("I8", "U8"):
         w = stored_quantized(src, name, shape)
     else:
         w = stored_linear(src, name, shape, block)
     qz = getattr(src, "quantizer", None)
     return qz(name, w) if qz is not None else w
+
+
+def gguf_block(src, name: str, shape: tuple[int, int]) -> native.Weight:
+    """A GGUF tensor of a block format (Q8_0), read in place: its raw blocks [rows, row bytes]."""
+    dtype = checked_dtype(src, name, shape)
+    return native.Weight(src.tensor(name), GGUF_TYPES[dtype])
+
+
+def embedding(src, name: str, shape: tuple[int, int]) -> native.Weight:
+    """An embedding table as the forward reads it (a row dequantized per token): F32 / BF16 / F16 as
+    `vector`, or a GGUF block format (Q8_0)."""
+    if src.has(name) and src.info(name)[0] in GGUF_TYPES:
+        return gguf_block(src, name, shape)
+    v = vector(src, name, shape)
+    return native.Weight(v, native.format_of(v))
 
 
 def stored_quantized(src, name: str, shape: tuple[int, int]) -> native.Weight:
@@ -71,7 +96,8 @@ def stored_linear(src, name: str, shape: tuple[int, int], block: tuple[int, int]
     dtype = checked_dtype(src, name, shape)
     fmt = FORMAT_OF.get(dtype)
     if fmt is None:
-        raise CpumlaError(f"{where(src, name)}: tensor '{name}' has dtype {dtype}, which cpumla cannot use for a weight")
+        raise CpumlaError(f"{where(src, name)}: tensor '{label(src, name)}' has dtype {dtype}, which cpumla cannot use "
+                          f"for a weight")
     data = src.tensor(name)
     if fmt != "e4m3":
         return native.Weight(data, fmt)
@@ -88,7 +114,8 @@ def vector(src, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """A norm weight, bias or embedding table: float32, bf16 bits (uint16) or float16, as stored."""
     dtype = checked_dtype(src, name, shape)
     if dtype not in ("F32", "BF16", "F16"):
-        raise CpumlaError(f"{where(src, name)}: tensor '{name}' has dtype {dtype}; cpumla reads it as F32, BF16 or F16 only")
+        raise CpumlaError(f"{where(src, name)}: tensor '{label(src, name)}' has dtype {dtype}; cpumla reads it as F32, "
+                          f"BF16 or F16 only")
     return src.tensor(name)
 
 

@@ -92,6 +92,8 @@ def quantize_checkpoint(model: str, outdir, fmt: str, *, force: bool = False, du
         raise CpumlaError(f"--quant must be one of {', '.join(QUANTS)}, not '{fmt}'")
     cfg, resolved = load_config(model, hf_overrides)
     fam = family(cfg.model_type)
+    if resolved.gguf is not None:
+        raise CpumlaError(f"{model} is a GGUF model: cpumla quantize reads safetensors checkpoints")
     if quantized_as(cfg):
         raise CpumlaError(f"{model} is already quantized ({quantized_as(cfg)}): quantize its original checkpoint")
     if not getattr(fam, "QUANTIZABLE", True):

@@ -304,7 +304,8 @@ class Model(NativeModel):
     def __init__(self, cfg: Config, src, ctx: int, max_tokens: int):
         self.config = cfg
         D, V = cfg.hidden_size, cfg.vocab_size
-        self.embed = W.vector(src, "model.embed_tokens.weight", (V, D))
+        self._embed_w = W.embedding(src, "model.embed_tokens.weight", (V, D))
+        self.embed = self._embed_w.data
         self.norm = W.vector(src, "model.norm.weight", (D,))
         head = "lm_head.weight"
         if not src.has(head) and cfg.tie_word_embeddings:
@@ -419,7 +420,6 @@ class Model(NativeModel):
         m.rms_norm_eps, m.softmax_scale, m.rope_attn_scale = cfg.rms_norm_eps, cfg.softmax_scale, cfg.rope_attn_scale
         self._inv_freq = np.ascontiguousarray(cfg.inv_freq, dtype=np.float32)
         m.inv_freq = native.fptr(self._inv_freq)
-        self._embed_w = native.Weight(self.embed, native.format_of(self.embed))
         m.embed, m.lm_head = self._embed_w.c, self.lm_head.c
         native.set_vec(m.norm, self.norm)
         m.layers = layers

@@ -31,6 +31,7 @@ from cpumla.native.kernels import (  # noqa: F401
 from cpumla.native.library import (  # noqa: F401
     DTYPES,
     FORMAT_KERNELS,
+    GGUF_FORMATS,
     ISAS,
     KERNELS,
     MAX_THREADS,

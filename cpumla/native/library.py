@@ -26,7 +26,9 @@ except ImportError as e:  # pragma: no cover - only without a build
 ISAS = ("scalar", "avx2", "avxvnni", "avx512f", "avx512vnni", "avx512", "amx", "neon")
 KERNELS = tuple(ffi.string(lib.cpumla_kernel_names()).decode().split())
 DTYPES = {"f32": lib.CPUMLA_F32, "bf16": lib.CPUMLA_BF16, "f16": lib.CPUMLA_F16,
-          "e4m3": lib.CPUMLA_E4M3, "e2m1": lib.CPUMLA_E2M1, "q8": lib.CPUMLA_Q8, "q4": lib.CPUMLA_Q4}
+          "e4m3": lib.CPUMLA_E4M3, "e2m1": lib.CPUMLA_E2M1, "q8": lib.CPUMLA_Q8, "q4": lib.CPUMLA_Q4,
+          "q8_0": lib.CPUMLA_Q8_0}
+GGUF_FORMATS = {"q8_0": 34}      # GGUF's block formats read in place (cpumla.h): bytes per block of 32
 QUANT_FORMATS = ("q8", "q4")     # cpumla's own block formats (cpumla.h): made by quantize()
 QBLOCK = 32
 _STATE = {"isa": None}

@@ -16,19 +16,18 @@ from cpumla import native
 from cpumla.checkpoint.dummy import DUMMY_DTYPES, DummySource
 from cpumla.checkpoint.formats import quantized_as
 from cpumla.checkpoint.quant import Quantizer
-from cpumla.checkpoint.safetensors import Checkpoint
 from cpumla.errors import CpumlaError
 from cpumla.models import PREFILL_CHUNK, family
 from cpumla.runtime.engine import Engine, context_length
 from cpumla.runtime.memory import check_memory
 from cpumla.runtime.plan import check_fits, plan
-from cpumla.runtime.resolve import load_config
+from cpumla.runtime.resolve import load_config, open_weights
 
 
 def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: int = 0, threads: int | None = None,
          max_seq_len: int | None = None, dummy_dtype: str = "bf16", quant: str | None = None, progress=None):
-    """An Engine for `model` (a local directory, a Hugging Face repo id in the local cache, or a known
-    repo id whose config cpumla bundles). dummy_weights: deterministic random weights from `seed` in
+    """An Engine for `model` (a local directory, a GGUF file or a folder holding one, a Hugging Face repo
+    id in the local cache, or a known repo id whose config cpumla bundles). dummy_weights: deterministic random weights from `seed` in
     the checkpoint's in-memory formats (dummy_dtype "bf16", or "fp8" as V3 ships). quant "q8" / "q4":
     quantize the linear layers as they load (checkpoint/quant.py: quant_plan says which), calling
     progress(done, total) (elements) as it goes. Raises CpumlaError, also when the model cannot fit in
@@ -41,20 +40,26 @@ def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: in
     fam = family(cfg.model_type)
     ctx = context_length(cfg, max_seq_len)
     where = f"preset {model}" if resolved.directory is None else str(resolved.directory)
+    if resolved.gguf is not None:
+        where = str(resolved.gguf.path)
     if quantizer is not None:
+        if resolved.gguf is not None:
+            raise CpumlaError(f"{model} is a GGUF model, stored quantized as it is: leave out --quant")
         if quantized_as(cfg):
             raise CpumlaError(f"{model} is already quantized ({quantized_as(cfg)}): leave out --quant")
         if not getattr(fam, "QUANTIZABLE", True):
             raise CpumlaError(f"--quant is not supported for {cfg.model_type} yet")
     ckpt = None
     if quantizer is not None and resolved.directory is not None and not dummy_weights:
-        ckpt = Checkpoint(resolved.directory)    # its headers serve both the plan and the load
+        ckpt = open_weights(resolved)    # its headers serve both the plan and the load
     try:
         return _load(model, hf_overrides, cfg, resolved, fam, ctx, where, quantizer, ckpt, dummy_weights,
                      dummy_dtype, seed, threads)
     except BaseException:
         if ckpt is not None:
             ckpt.close()
+        if resolved.gguf is not None:
+            resolved.gguf.close()
         raise
 
 
@@ -77,7 +82,7 @@ def _load(model, hf_overrides, cfg, resolved, fam, ctx, where, quantizer, ckpt, 
             raise CpumlaError(f"'{model}' is a preset (config only): pass --dummy-weights, or download the "
                               f"weights with `cpumla download {model}`")
         check_memory(fam.memory_bytes(cfg, ctx, "bf16", PREFILL_CHUNK), False, where)
-        src = ckpt if ckpt is not None else Checkpoint(resolved.directory)
+        src = ckpt if ckpt is not None else open_weights(resolved)
     if quantizer is not None:
         quantizer.plan_total(src, fam.tensors(cfg))
         src.quantizer = quantizer

@@ -111,13 +111,15 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
     groups = fam.weight_groups(cfg) if hasattr(fam, "weight_groups") else \
         [(name, shape, kind, 1) for name, (shape, kind) in fam.tensors(cfg).items()]
     block = tuple(getattr(cfg, "block", (128, 128)))
-    quantizable = getattr(fam, "QUANTIZABLE", True) and quantized_as(cfg) is None
+    quantizable = getattr(fam, "QUANTIZABLE", True) and quantized_as(cfg) is None and resolved.gguf is None
     qc = getattr(cfg, "quantization_config", None) or {}
     fp8 = qc.get("quant_method") == "fp8"
     scale_bytes = 1 if qc.get("scale_fmt") == "ue8m0" else 4
-    own = src is None and resolved.directory is not None and not dummy
+    own = src is None and resolved.directory is not None and resolved.gguf is None and not dummy
     if own:
         src = Checkpoint(resolved.directory)
+    elif src is None and not dummy:
+        src = resolved.gguf
     try:
         params, sizes = 0, {"stored": 0, **({"bf16": 0, **{f: 0 for f in QUANTS}} if quantizable else {})}
         for name, shape, kind, count in groups:
@@ -147,6 +149,7 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
     notes = []
     if not quantizable:
         notes.append("already quantized: --quant does not apply" if quantized_as(cfg)
+                     else "a GGUF model runs as stored: --quant does not apply" if resolved.gguf is not None
                      else f"--quant is not supported for {cfg.model_type}")
     if sizes.get("bf16") == sizes["stored"]:
         sizes.pop("bf16")

@@ -1,6 +1,6 @@
 """Turn a `--model` argument into a config (and, when the weights are here, a directory).
 
-Order: a local directory, then a repo id already in the local Hugging Face cache, then a known
+Order: a local directory (or a GGUF file, a folder holding one, a split set's shard), then a repo id already in the local Hugging Face cache, then a known
 preset (config only, no weights). Nothing here touches the network: the cache lookup is a purely
 local read, whatever HF_HUB_OFFLINE says, and downloading is `cpumla download`'s job.
 """
@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from cpumla.checkpoint.gguf_model import GGUFCheckpoint
 from cpumla.checkpoint.jsonfile import check_depth, read_json_object
+from cpumla.checkpoint.safetensors import Checkpoint
 from cpumla.errors import CpumlaError
 from cpumla.models import config_from_dict, family
 from cpumla.models.presets import DIR as PRESET_DIR
@@ -29,10 +31,28 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 @dataclass
 class Resolved:
-    kind: Literal["dir", "cache", "preset"]
-    directory: Path | None  # holds config.json and the weights; None for a preset
+    kind: Literal["dir", "cache", "preset", "gguf"]
+    directory: Path | None  # holds config.json and the weights (or the GGUF file); None for a preset
     repo_id: str | None  # None for a plain local directory
-    config: dict[str, Any]  # config.json contents (or the preset's)
+    config: dict[str, Any]  # config.json contents (or the preset's, or the one a GGUF's metadata gives)
+    gguf: GGUFCheckpoint | None = None  # a GGUF model, open (its metadata gave the config)
+
+    @property
+    def source(self) -> str:
+        """Where the config came from, for messages."""
+        if self.gguf is not None:
+            return str(self.gguf.path)
+        return str(self.directory / "config.json") if self.directory else f"preset {self.repo_id}"
+
+
+def open_weights(resolved: Resolved):
+    """The weight source of a resolved model with weights: its GGUF file, or its safetensors Checkpoint."""
+    return resolved.gguf if resolved.gguf is not None else Checkpoint(resolved.directory)
+
+
+def _gguf(path: Path) -> Resolved:
+    g = GGUFCheckpoint(path)
+    return Resolved("gguf", g.path.parent, None, g.config, g)
 
 
 def _preset_key(repo_id: str) -> str | None:
@@ -94,10 +114,14 @@ def resolve_model(model: str) -> Resolved:
     if path.is_dir():
         config_path = path / "config.json"
         if not config_path.is_file():
+            if any(path.glob("*.gguf")):
+                return _gguf(path.resolve())
             raise CpumlaError(f"{path}: has no config.json (is it a model directory?)")
         return Resolved("dir", path.resolve(), None, read_json_object(config_path))
     if path.exists():
-        raise CpumlaError(f"{path}: is a file; --model wants a model directory or a repo id")
+        if path.suffix == ".gguf":
+            return _gguf(path.resolve())
+        raise CpumlaError(f"{path}: is a file; --model wants a model directory, a .gguf file or a repo id")
     if _looks_like_path(model):
         raise CpumlaError(f"{path}: no such directory")
 
@@ -152,7 +176,7 @@ def check_overrides(overrides: dict[str, Any] | None) -> dict[str, Any]:
 def load_config(model: str, hf_overrides=None):
     """(family config, Resolved) for a local directory, a cached repo id or a preset."""
     resolved = resolve_model(model)
-    where = f"{resolved.directory / 'config.json'}" if resolved.directory else f"preset {model}"
+    where = resolved.source if resolved.kind != "preset" else f"preset {model}"
     cfg_dict = apply_overrides(resolved.config, hf_overrides)
     fit = getattr(family(cfg_dict.get("model_type"), where), "fit_overrides", None)
     if fit is not None:

@@ -53,6 +53,10 @@ def test_quantize_keeps_nonfinite_blocks(isa, src, fmt):
 
 
 def _weight(fmt, rows, cols, rng):
+    if fmt == "q8_0":              # GGUF's Q8_0, as its own package writes it
+        gguf = pytest.importorskip("gguf")
+        a = rng.standard_normal((rows, cols)).astype(np.float32)
+        return native.Weight(gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0).copy(), "q8_0")
     if fmt == "e2m1":
         nib = rng.integers(0, 16, (rows, cols))
         data = (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8)
@@ -61,7 +65,7 @@ def _weight(fmt, rows, cols, rng):
     return native.Weight(data, fmt, scale)
 
 
-@pytest.mark.parametrize("fmt", ["q8", "q4", "e2m1"])
+@pytest.mark.parametrize("fmt", ["q8", "q4", "e2m1", "q8_0"])
 def test_nonfinite_activation_gives_nan(isa, fmt):
     """Tokens with a NaN, +inf or -inf in one block (any block, any lane) give NaN in every output row;
     the other tokens of the same call are unchanged. Token counts below and above the integer tiles'

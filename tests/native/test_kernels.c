@@ -321,6 +321,7 @@ void test_gemm(const cpumla_kernels *k);
 void test_gemv_t(const cpumla_kernels *k);
 void test_dequant(const cpumla_kernels *k);
 void test_quant(const cpumla_kernels *k);   /* test_quant.c: Q8 / Q4 */
+void test_gguf_q(const cpumla_kernels *k);  /* test_gguf_q.c: GGUF's Q8_0 */
 void test_values(void);                  /* test_values.c */
 void test_gemm_tiles(const cpumla_kernels *k);   /* test_gemm.c: the blocked GEMMs' edges */
 void test_softmax_block(const cpumla_kernels *k);   /* test_attn_block.c */
@@ -338,13 +339,16 @@ static void test_table(const char *name, const cpumla_kernels *k) {
         {"attn_part", test_attn_part, K_ATTN}, {"softmax_block", test_softmax_block, K_SOFTMAX_BLOCK},
         {"cache_row", test_cache_row, K_CACHE_ROW},
         {"read_sum", test_read_sum, K_READ}, {"q8/q4", test_quant, K_GEMV},
+        {"q8_0", test_gguf_q, K_GEMV},
 #if defined(__x86_64__)
         {"daz_ftz", test_daz_ftz, K_GEMV},
 #endif
     };
     for (size_t g = 0; g < sizeof groups / sizeof groups[0]; g++) {
         char who[128];
-        const char *owner = groups[g].fn == test_quant ? k->who_fmt[K_GEMV][CPUMLA_Q4] : k->who[groups[g].id];
+        const char *owner = groups[g].fn == test_quant    ? k->who_fmt[K_GEMV][CPUMLA_Q4]
+                            : groups[g].fn == test_gguf_q ? k->who_fmt[K_GEMV][CPUMLA_Q8_0]
+                                                          : k->who[groups[g].id];
         snprintf(who, sizeof who, "served by %s", owner ? owner : "nobody");
         group_begin();
         watchdog(groups[g].group);

@@ -209,6 +209,10 @@ static inline float weight_at(const cpumla_weight *w, int64_t r, int64_t c) {
         uint8_t b = row[(c >> 5) * 16 + (c & 15)];
         return d * (float)(((c & 16) ? (b >> 4) : (b & 15)) - 8);
     }
+    case CPUMLA_Q8_0: {                               /* cpumla.h: 34-byte blocks, fp16 d then 32 int8 */
+        const uint8_t *blk = row + (c >> 5) * 34;
+        return f16_to_f32((uint16_t)(blk[0] | blk[1] << 8)) * (float)((const int8_t *)blk)[2 + (c & 31)];
+    }
     default: return NAN;
     }
 }

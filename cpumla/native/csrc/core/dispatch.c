@@ -334,7 +334,10 @@ static void fill_level(cpumla_kernels *k, int i) {
     int chain[N_ISAS];
     const int n = chain_of(i, chain);
     memset(k, 0, sizeof *k);
-    for (int j = 0; j < n; j++) isas[chain[j]].fill(k);
+    for (int j = 0; j < n; j++) {
+        isas[chain[j]].fill(k);
+        cpumla_fill_gq(k, isas[chain[j]].name);   /* gguf_q.c: the GGUF block formats' entries */
+    }
 }
 
 int cpumla_fill_level(cpumla_kernels *k, const char *isa) {
@@ -411,7 +414,7 @@ const char *cpumla_kernel_names(void) {
     return buf;
 }
 
-static const char *fmt_names[CPUMLA_Q4 + 1] = {"f32", "bf16", "f16", "e4m3", "e2m1", [CPUMLA_Q8] = "q8", "q4"};
+static const char *fmt_names[CPUMLA_Q8_0 + 1] = {"f32", "bf16", "f16", "e4m3", "e2m1", [CPUMLA_Q8] = "q8", "q4", "q8_0"};
 
 /* "name" -> who[entry]; "name:fmt" -> who_fmt[entry][fmt] for the linear-algebra kernels */
 const char *cpumla_kernel_impl(const char *kernel) {
@@ -424,7 +427,7 @@ const char *cpumla_kernel_impl(const char *kernel) {
         int id = kernel_names[i].id;
         if (!colon) return id < 0 ? "portable" : cpumla_k.who[id];
         if (id < K_GEMV || id > K_DEQUANT) return NULL;
-        for (int f = 0; f <= CPUMLA_Q4; f++)
+        for (int f = 0; f <= CPUMLA_Q8_0; f++)
             if (fmt_names[f] && !strcmp(colon + 1, fmt_names[f])) return cpumla_k.who_fmt[id][f];
         return NULL;
     }

@@ -44,9 +44,13 @@
  * E2M1's other layouts (a partial edge block: cols % 32 != 0; wider blocks; F32 scales) keep the fp32
  * product of scalar.c (x as given, each block scale applied once to the block's partial sum), to
  * which every implementation hands them, gemv and gemm alike.
+ * Q8_0 (GGUF's blocks, cpumla.h) multiplies as Q8 does: the same activation codes (quant_x's for Q8,
+ * in the spec's column order: gq_quant_x), wq its int8 codes, wd the fp16 scale of its block, and
+ * the same sum over blocks, which every implementation adds in block order: every level's result is
+ * the spec's, bit for bit. gemv_t and dequant keep fp32 as Q8's do.
  * The table entries gemv, gemm, gemv_t and dequant_row take the checkpoint formats only. Every caller
  * goes through kern_gemv, kern_gemm, kern_gemv_t and kern_dequant (below), which send Q8 / Q4 weights
- * (and E2M1's 1x32 E8M0 layout, in gemv and gemm) to the table's q entries.
+ * (and E2M1's 1x32 E8M0 layout, in gemv and gemm) to the table's q entries, and Q8_0 to its gq ones.
  */
 #ifndef CPUMLA_KERNELS_H
 #define CPUMLA_KERNELS_H
@@ -158,7 +162,16 @@ typedef struct cpumla_kernels {
      * through the entry (one that hands a format back to the entry it replaced names the one below);
      * a hand-back that depends on the layout is named in parentheses. cpumla_kernel_impl("gemv:e2m1").
      * Entries 5..7 (not weight formats) stay NULL. */
-    const char *who_fmt[K_DEQUANT + 1][CPUMLA_Q4 + 1];
+    const char *who_fmt[K_DEQUANT + 1][CPUMLA_Q8_0 + 1];
+
+    /* ---- GGUF block weights (gguf_q.h: Q8_0), read in place ----
+     * gemm_gq: gemm_q for them, from rows quantized by gq_quant_x (the spec's layout, every level);
+     * gemv_t_gq and dequant_gq: gemv_t_q and dequant_q for them. */
+    void (*gemm_gq)(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
+                    int64_t r1);
+    void (*gemv_t_gq)(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y, int64_t c0,
+                      int64_t c1);
+    void (*dequant_gq)(const cpumla_weight *w, int64_t r, int64_t c0, int64_t c1, float *out);
 } cpumla_kernels;
 
 /* ---- scratch ------------------------------------------------------------------------------------
@@ -249,6 +262,12 @@ void cpumla_fill_avx512f_fp4(cpumla_kernels *k);   /* avx512f_fp4.c: E2M1 (int_a
 void cpumla_fill_amx_q(cpumla_kernels *k);         /* amx.c: gemm_q on int8 tiles, over avx512vnni's */
 void cpumla_fill_neon_q(cpumla_kernels *k);        /* neon_q.c: int_neon.h at baseline */
 void cpumla_fill_neon_q_dot(cpumla_kernels *k);    /* neon_q_dot.c: int_neon.h with +dotprod */
+/* the GGUF block formats' entries (gguf_q.h), set after each level's own fill by dispatch.c: the level
+ * named, if it has any (gguf_q.c), from scalar_gq.c (the spec), avx2_gq.c, avx512vnni_gq.c */
+void cpumla_fill_gq(cpumla_kernels *k, const char *level);
+void cpumla_fill_scalar_gq(cpumla_kernels *k);
+void cpumla_fill_avx2_gq(cpumla_kernels *k);
+void cpumla_fill_avx512vnni_gq(cpumla_kernels *k);
 
 /* The flags each file was compiled with, recorded by the build (CPUMLA_FLAGS_<ISA> macros). */
 extern const char cpumla_flags_scalar[], cpumla_flags_avx2[], cpumla_flags_avxvnni[], cpumla_flags_avx512f[],

@@ -12,13 +12,26 @@
 #include <string.h>
 #include "core/common.h"
 #include "core/dispatch.h"
+#include "core/gguf_q.h"
 #include "core/quant.h"
 #include "core/threadpool.h"
 
 /* weights of the integer products: Q8 / Q4 (every entry), E2M1 with 1x32 E8M0 blocks (gemv and gemm
  * only: quant.h's is_e2m1_q) */
 static int is_q(const cpumla_weight *w) { return w->dtype == CPUMLA_Q8 || w->dtype == CPUMLA_Q4; }
-static int is_q_product(const cpumla_weight *w) { return is_q(w) || is_e2m1_q(w); }
+static int is_q_product(const cpumla_weight *w) { return is_q(w) || is_e2m1_q(w) || is_gq(w); }
+
+/* a row of activations quantized for w, and w's product from such rows: Q8_0 (GGUF, gguf_q.h) to the
+ * gq entries, the other integer formats to the q ones */
+static void quant_row(const cpumla_kernels *k, const cpumla_weight *w, const float *x, void *qx) {
+    if (is_gq(w)) gq_quant_x(x, w->cols, qx);
+    else k->quant_x(w->dtype, x, w->cols, qx);
+}
+static void gemm_from_qx(const cpumla_kernels *k, const cpumla_weight *w, const void *qx, int64_t n, float *y,
+                         int64_t ldy, int64_t r0, int64_t r1) {
+    if (is_gq(w)) k->gemm_gq(w, qx, n, y, ldy, r0, r1);
+    else k->gemm_q(w, qx, n, y, ldy, r0, r1);
+}
 
 /* n activation rows quantized into this thread's scratch, then gemm_q (E2M1 at gemm_fp4_min_n tokens
  * or more: gemm_fp4 where the level has one, kernels.h); out of memory: nothing done (the context is marked
@@ -30,8 +43,8 @@ static void gemm_q_route(const cpumla_kernels *k, const cpumla_weight *w, const 
     const int64_t K = w->cols, per = QX_BYTES(K);
     uint8_t *qx = cpumla_scratch(CPUMLA_SCRATCH_QX, (size_t)(per * n));
     if (!qx) return;
-    for (int64_t t = 0; t < n; t++) k->quant_x(w->dtype, x + t * ldx, K, qx + t * per);
-    k->gemm_q(w, qx, n, y, ldy, r0, r1);
+    for (int64_t t = 0; t < n; t++) quant_row(k, w, x + t * ldx, qx + t * per);
+    gemm_from_qx(k, w, qx, n, y, ldy, r0, r1);
 }
 
 void kern_gemm(const cpumla_kernels *k, const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
@@ -48,11 +61,13 @@ void kern_gemv(const cpumla_kernels *k, const cpumla_weight *w, const float *x, 
 void kern_gemv_t(const cpumla_kernels *k, const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y,
                  int64_t c0, int64_t c1) {
     if (is_q(w)) k->gemv_t_q(w, r0, nr, x, y, c0, c1);
+    else if (is_gq(w)) k->gemv_t_gq(w, r0, nr, x, y, c0, c1);
     else k->gemv_t(w, r0, nr, x, y, c0, c1);
 }
 
 void kern_dequant(const cpumla_kernels *k, const cpumla_weight *w, int64_t r, int64_t c0, int64_t c1, float *out) {
     if (is_q(w)) k->dequant_q(w, r, c0, c1, out);
+    else if (is_gq(w)) k->dequant_gq(w, r, c0, c1, out);
     else k->dequant_row(w, r, c0, c1, out);
 }
 
@@ -65,12 +80,12 @@ int64_t kern_qx_bytes(const cpumla_kernels *k, const cpumla_weight *w) {
 void kern_quant_rows(const cpumla_kernels *k, const cpumla_weight *w, const float *x, int64_t ldx, int64_t n,
                      void *qx) {
     const int64_t per = QX_BYTES(w->cols);
-    for (int64_t t = 0; t < n; t++) k->quant_x(w->dtype, x + t * ldx, w->cols, (uint8_t *)qx + t * per);
+    for (int64_t t = 0; t < n; t++) quant_row(k, w, x + t * ldx, (uint8_t *)qx + t * per);
 }
 
 void kern_gemv_qx(const cpumla_kernels *k, const cpumla_weight *w, const void *qx, float *y, int64_t r0,
                   int64_t r1) {
-    if (r1 > r0) k->gemm_q(w, qx, 1, y, 0, r0, r1);
+    if (r1 > r0) gemm_from_qx(k, w, qx, 1, y, 0, r0, r1);
 }
 
 /* ---- cpumla_quantize ------------------------------------------------------------------------------ */
@@ -99,8 +114,8 @@ int cpumla_quantize(const cpumla_weight *src, const cpumla_weight *dst, int64_t 
     msg[0] = 0;
     if (dst->dtype != CPUMLA_Q8 && dst->dtype != CPUMLA_Q4)
         snprintf(msg, sizeof msg, "quantize: the target must be Q8 or Q4 (dtype %d)", (int)dst->dtype);
-    else if (src->dtype == CPUMLA_Q8 || src->dtype == CPUMLA_Q4)
-        snprintf(msg, sizeof msg, "quantize: the source is already quantized (Q8 / Q4)");
+    else if (src->dtype == CPUMLA_Q8 || src->dtype == CPUMLA_Q4 || src->dtype == CPUMLA_Q8_0)
+        snprintf(msg, sizeof msg, "quantize: the source is already quantized (Q8 / Q4 / Q8_0)");
     else if (src->rows != dst->rows || src->cols != dst->cols)
         snprintf(msg, sizeof msg, "quantize: source %lldx%lld and target %lldx%lld differ", (long long)src->rows,
                  (long long)src->cols, (long long)dst->rows, (long long)dst->cols);

@@ -38,7 +38,8 @@ enum cpumla_dtype {
     CPUMLA_I32 = 6,
     CPUMLA_I64 = 7,
     CPUMLA_Q8 = 8,     /* cpumla's 8-bit format: int8 codes, one fp16 scale per 32 (8.5 bits a weight) */
-    CPUMLA_Q4 = 9      /* cpumla's 4-bit format: 4-bit codes, one fp16 scale per 32 (4.5 bits a weight) */
+    CPUMLA_Q4 = 9,     /* cpumla's 4-bit format: 4-bit codes, one fp16 scale per 32 (4.5 bits a weight) */
+    CPUMLA_Q8_0 = 10   /* GGUF's Q8_0, read in place: 34-byte blocks of an fp16 scale then 32 int8 codes */
 };
 
 /* One weight matrix, as stored in the checkpoint.
@@ -54,15 +55,19 @@ enum cpumla_dtype {
  *   32b+i in its low nibble and column 32b+16+i in its high nibble; W[r, c] = d[r, c/32] * (nib - 8).
  *   Products with Q8 / Q4 weights, and gemv / gemm with E2M1 weights of 1x32 E8M0 blocks over whole
  *   blocks (FP4 experts), quantize the activations per block of 32 (kernels.h): to int8 for Q8 / Q4,
- *   to int16 for E2M1. */
+ *   to int16 for E2M1.
+ *   Q8_0 (GGUF's block layout, as llama.cpp writes it): cols a multiple of 32; row r holds cols/32
+ *   blocks of 34 bytes, block b = fp16 d then int8 q[32]; W[r, 32b + i] = d * q[i]. scale NULL (the
+ *   scales are in the blocks), block 1x32, row_bytes at least cols / 32 * 34. Its products quantize
+ *   the activations as Q8's do (kernels.h). */
 typedef struct cpumla_weight {
     const void *data;
-    const void *scale;      /* NULL unless dtype is E4M3 or E2M1 */
+    const void *scale;      /* NULL unless dtype is E4M3, E2M1, Q8 or Q4 */
     int64_t rows, cols;     /* [out, in] */
     int64_t row_bytes;      /* bytes from one row to the next */
     int64_t scale_ld;       /* elements from one scale-grid row to the next */
-    int32_t dtype;          /* CPUMLA_F32 / BF16 / F16 / E4M3 / E2M1 */
-    int32_t scale_dtype;    /* CPUMLA_F32 or CPUMLA_E8M0; CPUMLA_F16 for Q8 / Q4 */
+    int32_t dtype;          /* CPUMLA_F32 / BF16 / F16 / E4M3 / E2M1 / Q8 / Q4 / Q8_0 */
+    int32_t scale_dtype;    /* CPUMLA_F32 or CPUMLA_E8M0; CPUMLA_F16 for Q8 / Q4 (and Q8_0's in-block scales) */
     int32_t block_rows, block_cols;
 } cpumla_weight;
 
@@ -127,7 +132,7 @@ const char *cpumla_cpu_name(void);
 int cpumla_set_gemv_prefetch(const char *where);
 const char *cpumla_gemv_prefetch(void);
 /* Which level serves a kernel: "gemv" names the level owning the table entry; "gemv:e2m1"
- * (gemv, gemm, head_gemv, head_gemv_t, dequant with f32 / bf16 / f16 / e4m3 / e2m1 / q8 / q4) the one that
+ * (gemv, gemm, head_gemv, head_gemv_t, dequant with f32 / bf16 / f16 / e4m3 / e2m1 / q8 / q4 / q8_0) the one that
  * really serves that weight format, with any hand-back that depends on the layout named in
  * parentheses. NULL for an unknown name. */
 const char *cpumla_kernel_impl(const char *kernel);

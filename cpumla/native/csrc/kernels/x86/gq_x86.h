@@ -1,0 +1,62 @@
+/* gq_x86.h: the x86 levels' Q8_0 gemm (gguf_q.h), compiled once per level by avx2_gq.c and
+ * avx512vnni_gq.c over their own exact int8 block product. Include it after defining
+ *   gq_dot8(w, x): 8 int32 lanes summing to sum_i w_i * x_i over 32 int8 codes (w in [-128, 127],
+ *   |x| <= 127), and GQ_GEMM, the name the entry gets.
+ * Per 8 blocks: their block sums by a tree of integer adds (exact), then (float)isum * (d * xd) as
+ * 8 fp32 products, each rounded once as the spec's, added to the row's sum in block order. */
+#include <immintrin.h>
+#include "core/gguf_q.h"
+#include "core/quant.h"
+
+/* the 8 block sums of s[0..7] (each 8 int32 lanes), in order */
+static inline __m256i gq_sums8(const __m256i s[8]) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+static inline int32_t gq_hsum(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+static float gq8_row(const cpumla_weight *w, int64_t r, const int8_t *xq, const float *xd) {
+    const int64_t nb = w->cols / QK;
+    const uint8_t *row = (const uint8_t *)w->data + r * w->row_bytes;
+    float acc = 0.0f;
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        __m256i s[8];
+        float d[8], p[8];
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *blk = row + (b + j) * GQ8_0_BYTES;
+            s[j] = gq_dot8(_mm256_loadu_si256((const __m256i *)(blk + 2)),
+                           _mm256_loadu_si256((const __m256i *)(xq + (b + j) * QK)));
+            d[j] = gq8_scale(blk);
+        }
+        const __m256 wx = _mm256_mul_ps(_mm256_loadu_ps(d), _mm256_loadu_ps(xd + b));
+        _mm256_storeu_ps(p, _mm256_mul_ps(_mm256_cvtepi32_ps(gq_sums8(s)), wx));
+        for (int j = 0; j < 8; j++) acc += p[j];
+    }
+    for (; b < nb; b++) {
+        const uint8_t *blk = row + b * GQ8_0_BYTES;
+        const int32_t isum = gq_hsum(gq_dot8(_mm256_loadu_si256((const __m256i *)(blk + 2)),
+                                             _mm256_loadu_si256((const __m256i *)(xq + b * QK))));
+        acc += gq_block_product(isum, gq8_scale(blk), xd[b]);
+    }
+    return acc;
+}
+
+static void GQ_GEMM(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
+                    int64_t r1) {
+    const int64_t K = w->cols, per = QX_BYTES(K);
+    for (int64_t r = r0; r < r1; r++) {
+        if (r + 4 < r1) __builtin_prefetch((const uint8_t *)w->data + (r + 4) * w->row_bytes, 0, 3);
+        for (int64_t t = 0; t < n; t++) {
+            const uint8_t *xt = (const uint8_t *)qx + t * per;
+            y[t * ldy + (r - r0)] = gq8_row(w, r, (const int8_t *)xt, qx_d(xt, K));
+        }
+    }
+}

@@ -1,0 +1,208 @@
+"""GGUF models (llama.cpp's format) loaded in place: files written with the gguf package's GGUFWriter as
+llama.cpp's converter writes them (support/gguf_files.py), against transformers fp32 on the values the
+file holds; the config from the metadata; files, folders and split sets; bad files refused in one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import cpumla
+from cpumla.checkpoint.gguf_model import GGUFCheckpoint
+from cpumla.errors import CpumlaError
+
+from support import gguf_files, models
+from support.cli import assert_one_line_error, run_cli
+from support.models import IDS, check_bf16_drift, check_fp32
+
+gguf = pytest.importorskip("gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """variant -> (transformers model, its fp32 logits on IDS)."""
+    out = {}
+    for v in models.VARIANTS:
+        m = models.build(v, tmp_path_factory.mktemp(v))
+        out[v] = (m, models.reference_logits(m, IDS))
+    return out
+
+
+@pytest.mark.parametrize("variant,split", [("v2-lite", True), ("v2", False), ("v3", True), ("moonlight", False)])
+def test_gguf_f32_parity(tiny, tmp_path, variant, split):
+    """F32 file, kv_b whole (older files) or split into attn_k_b / attn_v_b: fp32 parity, prefill and
+    decode one token at a time."""
+    m, ref = tiny[variant]
+    path = tmp_path / "m.gguf"
+    gguf_files.write(m, path, "F32", split_kv_b=split)
+    eng = cpumla.load(str(path))
+    check_fp32(eng.forward(IDS), ref)
+    eng.reset()
+    parts = [eng.forward(IDS[:5])] + [eng.forward([t]) for t in IDS[5:]]
+    check_fp32(np.concatenate(parts), ref)
+
+
+def test_gguf_config_from_metadata(tiny, tmp_path):
+    m, _ = tiny["v2"]
+    path = tmp_path / "v2.gguf"
+    gguf_files.write(m, path)
+    with GGUFCheckpoint(path) as g:
+        c = g.config
+    assert (c["model_type"], c["topk_method"], c["scoring_func"]) == ("deepseek_v2", "group_limited_greedy", "softmax")
+    assert (c["n_group"], c["topk_group"], c["routed_scaling_factor"], c["norm_topk_prob"]) == (4, 2, 16.0, False)
+    assert (c["q_lora_rank"], c["kv_lora_rank"], c["qk_nope_head_dim"], c["v_head_dim"]) == (24, 32, 16, 12)
+    assert c["rope_scaling"]["factor"] == 8.0 and abs(c["rope_scaling"]["mscale_all_dim"] - 0.707) < 1e-6
+    m, _ = tiny["v2-lite"]
+    gguf_files.write(m, path)
+    with GGUFCheckpoint(path) as g:
+        assert g.config["q_lora_rank"] is None and g.config["topk_method"] == "greedy"
+
+
+def test_gguf_in_place_and_folder(tiny, tmp_path):
+    """Weights are views of the file's mapping (an expert a slice of its stacked tensor); a folder
+    holding one .gguf loads as the file does."""
+    m, ref = tiny["v3"]
+    path = tmp_path / "v3.gguf"
+    gguf_files.write(m, path)
+    with GGUFCheckpoint(path) as g:
+        e = g.tensor("model.layers.1.mlp.experts.5.up_proj.weight")
+        whole = g.file.array("blk.1.ffn_up_exps.weight")
+        assert np.shares_memory(e, whole) and not e.flags.writeable
+        assert np.array_equal(e, whole[5])
+    check_fp32(cpumla.load(str(tmp_path)).forward(IDS), ref)
+
+
+def test_gguf_split_set(tiny, tmp_path):
+    m, ref = tiny["v2-lite"]
+    one = tmp_path / "one.gguf"
+    gguf_files.write(m, one)
+    parts = split(one, tmp_path / "s", 3)
+    check_fp32(cpumla.load(str(parts[1])).forward(IDS), ref)
+    parts[2].unlink()
+    p = run_cli("smoke", "--model", str(parts[0]))
+    assert_one_line_error(p, "shard 3 of 3", parts[2].name, status=2)
+
+
+def split(path, out, n):
+    """path rewritten as a split set of n files (metadata in the first, tensors spread over all)."""
+    r = gguf.GGUFReader(path)
+    out.mkdir()
+    names = [out / f"m-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
+    per = -(-len(r.tensors) // n)
+    for i, name in enumerate(names):
+        w = gguf.GGUFWriter(str(name), "deepseek2")
+        if i == 0:
+            for k, f in r.fields.items():
+                if k.startswith(("GGUF.", "general.architecture")):
+                    continue
+                w.add_key_value(k, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+        w.add_uint16("split.no", i)
+        w.add_uint16("split.count", n)
+        for t in r.tensors[i * per:(i + 1) * per]:
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return names
+
+
+def test_gguf_f16_and_bf16(tiny, tmp_path):
+    """F16 weights multiply fp32 activations: fp32 parity against the f16 values. BF16 weights round the
+    activations (kernels.h): no further from the reference than transformers' own bf16 forward."""
+    m, _ = tiny["v3"]
+    held = gguf_files.write(m, tmp_path / "f16.gguf", "F16")
+    ref16 = gguf_files.reference(models.build("v3", tmp_path / "r16"), held)
+    check_fp32(cpumla.load(str(tmp_path / "f16.gguf")).forward(IDS), models.reference_logits(ref16, IDS))
+    m, _ = tiny["v2"]
+    held = gguf_files.write(m, tmp_path / "bf16.gguf", "BF16")
+    rb = gguf_files.reference(models.build("v2", tmp_path / "rb"), held)
+    ref = models.reference_logits(rb, IDS)
+    hf_bf16 = models.reference_logits(rb.to(torch.bfloat16), IDS)
+    check_bf16_drift(cpumla.load(str(tmp_path / "bf16.gguf")).forward(IDS), ref, hf_bf16)
+
+
+# ---- bad files ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def good(tiny, tmp_path_factory):
+    path = tmp_path_factory.mktemp("good") / "v2-lite.gguf"
+    gguf_files.write(tiny["v2-lite"][0], path)
+    return path
+
+
+def tensor_info_at(path, name):
+    """The byte offset in the file of tensor `name`'s info: its name, dims, type code and data offset."""
+    r = gguf.GGUFReader(path)
+    t = next(t for t in r.tensors if t.name == name)
+    return t.field
+
+
+@pytest.mark.parametrize("how,words", [
+    ("truncated", ["past the end of the file", "blk.2.ffn_down_exps.weight"]),
+    ("offset", ["blk.0.attn_norm.weight", "past the end"]),
+    ("type", ["blk.0.attn_norm.weight", "type code 99"]),
+    ("shape", ["blk.0.attn_output.weight", "shape"]),
+    ("metadata", ["deepseek2.block_count", "STRING"]),
+    ("missing", ["deepseek2.attention.kv_lora_rank", "missing"]),
+    ("garbage", ["not a readable GGUF file"]),
+    ("missing-tensor", ["blk.1.attn_kv_a_mqa.weight", "missing"]),
+])
+def test_bad_gguf(tiny, good, tmp_path, how, words):
+    path = tmp_path / "bad.gguf"
+    data = bytearray(good.read_bytes())
+    m = tiny["v2-lite"][0]
+    if how == "truncated":
+        data = data[:len(data) - 100]
+    elif how in ("offset", "type"):
+        f = tensor_info_at(good, "blk.0.attn_norm.weight")
+        part = 5 if how == "offset" else 4
+        at = f.offset + sum(p.nbytes for p in f.parts[:part])
+        value = len(data).to_bytes(8, "little") if how == "offset" else (99).to_bytes(4, "little")
+        data[at:at + len(value)] = value
+    elif how == "shape":
+        gguf_files.write(m, path, transform={"blk.0.attn_output.weight": lambda a: a[:, :32]})
+        data = None
+    elif how == "metadata":
+        gguf_files.write(m, path, metadata={"deepseek2.block_count": "three"})
+        data = None
+    elif how == "missing":
+        gguf_files.write(m, path, metadata={"deepseek2.attention.kv_lora_rank": None})
+        data = None
+    elif how == "missing-tensor":
+        gguf_files.write(m, path, drop=("blk.1.attn_kv_a_mqa.weight",))
+        data = None
+    else:
+        data = b"GGUF" + bytes(60)
+    if data is not None:
+        path.write_bytes(bytes(data))
+    if how not in ("missing-tensor", "shape"):
+        words = [str(path), *words]
+    with pytest.raises(CpumlaError) as e:
+        cpumla.load(str(path))
+    for w in words:
+        assert w in str(e.value), str(e.value)
+    assert_one_line_error(run_cli("smoke", "--model", str(path)), *words, status=2)
+
+
+@pytest.mark.parametrize("variant", ["v2-lite", "v3"])
+def test_gguf_q8_0(tiny, tmp_path, variant):
+    """Q8_0 weights (GGUF's blocks, read in place) against transformers fp32 on the values the file holds
+    (dequantized by the gguf package). Their products quantize the activations to int8 per block of 32
+    (kernels.h), as llama.cpp's do: within a few percent of the largest logit, per-position directions
+    within 1 - cos < 1e-2; cached decode equal to the full forward."""
+    m, _ = tiny[variant]
+    path = tmp_path / "q8.gguf"
+    held = gguf_files.write(m, path, "Q8_0")
+    assert {gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F16} <= \
+        {t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    ref = models.reference_logits(gguf_files.reference(models.build(variant, tmp_path / "ref"), held), IDS)
+    eng = cpumla.load(str(path))
+    assert eng.matmul_format == "q8_0"
+    got = eng.forward(IDS)
+    assert np.abs(got - ref).max() < 0.08 * np.abs(ref).max()
+    cos = (got * ref).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(ref, axis=-1)
+    assert (1 - cos).max() < 1e-2, 1 - cos
+    eng.reset()
+    dec = np.concatenate([eng.forward(IDS[:5])] + [eng.forward([t]) for t in IDS[5:]])
+    assert np.abs(dec - got).max() <= 1e-5 * np.abs(got).max()

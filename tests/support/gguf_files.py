@@ -1,0 +1,208 @@
+"""GGUF files of the tiny random models, written with the gguf package's GGUFWriter the way llama.cpp's
+converter (convert_hf_to_gguf.py, DeepseekV2Model) writes them: the same metadata keys and tensor names,
+experts stacked, kv_b split into attn_k_b (transposed) and attn_v_b (or kept whole, as older files
+have it), 1-D tensors, the router and exp_probs_b in F32, and the other matrices in the asked type
+(Q8_0 blocks made by gguf.quants.quantize; a matrix whose rows are not whole blocks falls back to F16,
+as the converter's does). The converter itself, when llama.cpp is here, is run by convert()."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+F32_ONLY = ("ffn_gate_inp.weight", "exp_probs_b.bias")
+SUB = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+       "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_a_proj.weight": "attn_q_a.weight",
+       "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight", "self_attn.q_b_proj.weight": "attn_q_b.weight",
+       "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+       "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight", "self_attn.o_proj.weight": "attn_output.weight",
+       "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+       "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+       "mlp.down_proj.weight": "ffn_down.weight", "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+       "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+       "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight"}
+
+
+def llama_cpp() -> Path | None:
+    """llama.cpp's source folder (holding convert_hf_to_gguf.py) from CPUMLA_LLAMA_CPP, or None."""
+    d = os.environ.get("CPUMLA_LLAMA_CPP")
+    return Path(d) if d and (Path(d) / "convert_hf_to_gguf.py").is_file() else None
+
+
+def convert(model_dir: Path, out: Path, outtype: str = "f32") -> None:
+    """llama.cpp's converter on a saved model (it needs a tokenizer.json in model_dir)."""
+    conv = llama_cpp() / "convert_hf_to_gguf.py"
+    subprocess.run([sys.executable, str(conv), str(model_dir), "--outtype", outtype, "--outfile", str(out)],
+                   check=True, capture_output=True)
+
+
+def gguf_tensors(model, split_kv_b: bool = True) -> dict[str, np.ndarray]:
+    """The converter's tensors of a transformers DeepSeek model: GGUF name -> float32 array (numpy order)."""
+    cfg = model.config
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    H, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["output.weight"] = sd["lm_head.weight"]
+    for i in range(cfg.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        for hf, g in SUB.items():
+            if p + hf in sd:
+                out[b + g] = sd[p + hf]
+        kv = sd[p + "self_attn.kv_b_proj.weight"].reshape(H, dn + dv, -1)
+        if split_kv_b:
+            out[b + "attn_k_b.weight"] = np.ascontiguousarray(kv[:, :dn].transpose(0, 2, 1))
+            out[b + "attn_v_b.weight"] = np.ascontiguousarray(kv[:, dn:])
+        else:
+            out[b + "attn_kv_b.weight"] = sd[p + "self_attn.kv_b_proj.weight"]
+        for w in ("gate", "up", "down"):
+            names = [f"{p}mlp.experts.{e}.{w}_proj.weight" for e in range(cfg.n_routed_experts or 0)]
+            if names and names[0] in sd:
+                out[f"{b}ffn_{w}_exps.weight"] = np.stack([sd[n] for n in names])
+            elif p + "mlp.experts.gate_up_proj" in sd:            # transformers 5 stacks them itself
+                gu = sd[p + "mlp.experts.gate_up_proj"]
+                if w == "down":
+                    out[f"{b}ffn_down_exps.weight"] = sd[p + "mlp.experts.down_proj"]
+                else:
+                    half = gu.shape[1] // 2
+                    out[f"{b}ffn_{w}_exps.weight"] = gu[:, :half] if w == "gate" else gu[:, half:]
+    return out
+
+
+def write(model, path: Path, qtype: str = "F32", split_kv_b: bool = True, metadata=None, drop=(),
+          transform=None) -> dict[str, np.ndarray]:
+    """Writes `model` (a transformers DeepSeek V2 / V3 model) as a GGUF file; tensors in `qtype`
+    (F32, F16, BF16, Q8_0) where the converter would. metadata: {key: value or None (left out)} over the
+    converter's; drop: tensors left out; transform: {name: f(array) -> the array written}. Returns {GGUF name: the float32 values the file holds} (dequantized by the gguf package)."""
+    import gguf
+
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "deepseek2")
+    for key, value in converter_metadata(cfg, model).items():
+        override = (metadata or {}).get(key, value)
+        if override is None:
+            continue
+        add(w, key, override)
+    held = {}
+    T = gguf.GGMLQuantizationType
+    for name, a in gguf_tensors(model, split_kv_b).items():
+        if name in drop:
+            continue
+        a = np.ascontiguousarray((transform or {}).get(name, lambda x: x)(a), np.float32)
+        kind = T[qtype] if a.ndim > 1 and not name.endswith(F32_ONLY) else T.F32
+        if kind == T.Q8_0 and a.shape[-1] % 32:
+            kind = T.F16
+        if kind == T.F32:
+            data = a
+        elif kind == T.F16:
+            data = a.astype(np.float16)
+        else:
+            data = gguf.quants.quantize(a, kind)
+        w.add_tensor(name, data, raw_dtype=kind)
+        held[name] = gguf.quants.dequantize(data, kind).reshape(a.shape).astype(np.float32) \
+            if kind not in (T.F32, T.F16) else data.astype(np.float32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return held
+
+
+def converter_metadata(cfg, model) -> dict:
+    """The metadata convert_hf_to_gguf.py writes for a DeepSeek V2 / V3 config (llama.cpp's key names)."""
+    a = "deepseek2."
+    rs = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    md = {
+        "general.name": "tiny", a + "block_count": cfg.num_hidden_layers,
+        a + "context_length": cfg.max_position_embeddings, a + "embedding_length": cfg.hidden_size,
+        a + "feed_forward_length": cfg.intermediate_size, a + "attention.head_count": cfg.num_attention_heads,
+        a + "attention.head_count_kv": 1, a + "rope.freq_base": float(rs.get("rope_theta", 10000.0)),
+        a + "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        a + "expert_count": cfg.n_routed_experts, a + "expert_used_count": cfg.num_experts_per_tok,
+        a + "expert_group_count": cfg.n_group, a + "expert_group_used_count": cfg.topk_group,
+        a + "leading_dense_block_count": cfg.first_k_dense_replace, a + "vocab_size": cfg.vocab_size,
+        a + "attention.q_lora_rank": cfg.q_lora_rank, a + "attention.kv_lora_rank": cfg.kv_lora_rank,
+        a + "attention.key_length": cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+        a + "attention.value_length": cfg.kv_lora_rank,
+        a + "attention.key_length_mla": cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
+        a + "attention.value_length_mla": cfg.v_head_dim,
+        a + "expert_feed_forward_length": cfg.moe_intermediate_size,
+        a + "expert_shared_count": cfg.n_shared_experts,
+        a + "expert_weights_scale": float(cfg.routed_scaling_factor),
+        a + "expert_weights_norm": True if cfg.norm_topk_prob else None,
+        a + "expert_gating_func": 2 if cfg.model_type == "deepseek_v3" else 1,
+        a + "rope.dimension_count": cfg.qk_rope_head_dim,
+    }
+    if rs.get("rope_type", rs.get("type")) == "yarn":
+        md.update({a + "rope.scaling.type": "yarn", a + "rope.scaling.factor": float(rs["factor"]),
+                   a + "rope.scaling.original_context_length": rs["original_max_position_embeddings"],
+                   a + "rope.scaling.yarn_beta_fast": float(rs.get("beta_fast", 32)),
+                   a + "rope.scaling.yarn_beta_slow": float(rs.get("beta_slow", 1))})
+        if rs.get("mscale_all_dim"):
+            md[a + "rope.scaling.yarn_log_multiplier"] = 0.1 * rs["mscale_all_dim"]
+    return md
+
+
+def add(w, key: str, value) -> None:
+    """One metadata key in the type the converter gives it (counts uint32, scales float32)."""
+    import gguf
+
+    T = gguf.GGUFValueType
+    if isinstance(value, bool):
+        w.add_key_value(key, value, T.BOOL)
+    elif isinstance(value, int):
+        w.add_key_value(key, value, T.UINT32)
+    elif isinstance(value, float):
+        w.add_key_value(key, value, T.FLOAT32)
+    elif isinstance(value, str):
+        w.add_key_value(key, value, T.STRING)
+    else:
+        raise TypeError(f"{key}: {value!r}")
+
+
+def reference(model, held: dict[str, np.ndarray]):
+    """`model` with the values a GGUF file holds (`held`, from write()) loaded back into it: the
+    reference of a quantized file."""
+    cfg = model.config
+    H, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    sd = model.state_dict()
+    inverse = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+               "output.weight": "lm_head.weight"}
+    for i in range(cfg.num_hidden_layers):
+        for hf, g in SUB.items():
+            inverse[f"blk.{i}.{g}"] = f"model.layers.{i}.{hf}"
+
+    def put(name, a):
+        t = sd[name]
+        t.copy_(torch.from_numpy(np.ascontiguousarray(a, np.float32)).reshape(t.shape))
+
+    with torch.no_grad():
+        for name, a in held.items():
+            if name in inverse:
+                put(inverse[name], a)
+                continue
+            i = int(name.split(".")[1])
+            p = f"model.layers.{i}."
+            if name.endswith("attn_k_b.weight"):
+                v = held[f"blk.{i}.attn_v_b.weight"]
+                put(p + "self_attn.kv_b_proj.weight", np.concatenate([a.transpose(0, 2, 1), v], 1).reshape(H * (dn + dv), -1))
+            elif name.endswith("attn_kv_b.weight"):
+                put(p + "self_attn.kv_b_proj.weight", a)
+            elif "_exps" in name:
+                w = name.split(".")[2].split("_")[1]
+                if p + "mlp.experts.gate_up_proj" in sd:
+                    gu = sd[p + "mlp.experts.gate_up_proj"]
+                    half = gu.shape[1] // 2
+                    if w == "down":
+                        put(p + "mlp.experts.down_proj", a)
+                    else:
+                        (gu[:, :half] if w == "gate" else gu[:, half:]).copy_(torch.from_numpy(a))
+                else:
+                    for e in range(a.shape[0]):
+                        put(f"{p}mlp.experts.{e}.{w}_proj.weight", a[e])
+    return model
