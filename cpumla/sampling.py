@@ -134,9 +134,15 @@ def check(*, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, repeat_p
         raise CpumlaError("repeat_last_n must be an integer >= 0")
     if not -2 <= presence_penalty <= 2 or not -2 <= frequency_penalty <= 2:
         raise CpumlaError("presence_penalty and frequency_penalty must be in [-2, 2]")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
-                             or not 0 <= seed < 2 ** 64):
-        raise CpumlaError(f"seed must be an integer in [0, 2^64), not {seed!r}")
+    check_seed(seed)
+
+
+def check_seed(seed, name: str = "seed", optional: bool = True) -> None:
+    """A seed: an integer in [0, 2^64), or None (random) where optional: the rule of the sampler, the
+    dummy weights and the `--seed` option alike."""
+    if (seed is not None or not optional) and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
+                                               or not 0 <= seed < 2 ** 64):
+        raise CpumlaError(f"{name} must be in [0, 2^64) and an integer, not {seed!r}")
 
 
 # ---- the definition in numpy --------------------------------------------------------------------

@@ -9,6 +9,7 @@ import numpy as np
 
 from cpumla.checkpoint.arena import hugepage_empty, in_arena
 from cpumla.errors import CpumlaError
+from cpumla.sampling import check_seed
 
 DUMMY_DTYPES = ("bf16", "fp8", "f32")     # --dummy-dtype: bf16 as V2 ships, FP8 block-scaled as V3, fp32
 
@@ -27,8 +28,7 @@ class DummySource:
         (an I64 token-id table of experts below E)."""
         if dtype not in DUMMY_DTYPES:
             raise CpumlaError(f"dummy weight dtype must be one of {', '.join(DUMMY_DTYPES)}, got '{dtype}'")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-            raise CpumlaError(f"the dummy weights' seed must be an integer in [0, 2^64), not {seed!r}")
+        check_seed(seed, "the dummy weights' seed", optional=False)
         self.block, self.seed, self.dtype = tuple(block), seed, dtype
         self.table = table
         self.scales: dict[str, str] = {}

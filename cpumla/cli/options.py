@@ -44,8 +44,9 @@ def check_ctx(ctx, trained: int) -> list[str]:
 
 
 def check_seed(seed, flag: str = "--seed") -> None:
-    if seed is not None and not 0 <= seed < 2 ** 64:
-        raise CpumlaError(f"{flag} must be in [0, 2^64), not {seed}")
+    from cpumla.sampling import check_seed as rule
+
+    rule(seed, flag)
 
 
 def dummy_dtypes_help() -> str:
