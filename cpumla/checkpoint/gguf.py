@@ -5,8 +5,8 @@ The metadata and the tensor index are read with the `gguf` package's GGUFReader 
 library; it maps the file with numpy). Its tensor table is replaced by a checked one: every tensor's
 type code is known, its dimensions and byte count agree, and its data lies inside the file, or one
 CpumlaError line names the file and the tensor. Tensor data is never copied: a tensor is a numpy view
-of the mapping (F32 float32, F16 float16, BF16 uint16 bit patterns, Q8_0 its raw blocks as uint8
-[rows, row bytes]), so a file larger than RAM maps and runs from the page cache.
+of the mapping (F32 float32, F16 float16, BF16 uint16 bit patterns, a block type (Q8_0, Q4_K, IQ2_XXS ...) its raw
+blocks as uint8 [rows, row bytes]), so a file larger than RAM maps and runs from the page cache.
 
 The source speaks Hugging Face names (has / info / tensor, as checkpoint/safetensors.py's Checkpoint):
 gguf_names.py maps them to the file's names and builds the config dict from the metadata. GGUF lists
@@ -26,8 +26,17 @@ import numpy as np
 from cpumla.errors import CpumlaError
 
 # the tensor types a model can be read from: numpy view dtype, block (elements), bytes per block
-PLAIN = {"F32": (np.dtype("<f4"), 1, 4), "F16": (np.dtype("<f2"), 1, 2), "BF16": (np.dtype("<u2"), 1, 2),
-         "Q8_0": (np.dtype("u1"), 32, 34)}
+PLAIN = {"F32": (np.dtype("<f4"), 1, 4), "F16": (np.dtype("<f2"), 1, 2), "BF16": (np.dtype("<u2"), 1, 2)}
+BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+               "IQ2_XXS", "IQ3_XXS", "IQ1_S", "IQ1_M", "MXFP4")   # their raw blocks, as uint8 [rows, row bytes]
+
+
+def _block_types() -> dict:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    return {t: (np.dtype("u1"),) + tuple(GGML_QUANT_SIZES[GGMLQuantizationType[t]]) for t in BLOCK_TYPES}
+
+
+PLAIN.update(_block_types())
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
 
@@ -156,7 +165,7 @@ class GGUFFile:
         """Tensor `name` as a read-only view of its file's mapping, numpy shape, no copy."""
         e = self.entries[name]
         if e.type not in PLAIN:
-            raise CpumlaError(f"{e.file}: tensor '{name}' has type {e.type}, which cpumla cannot read yet "
+            raise CpumlaError(f"{e.file}: tensor '{name}' has type {e.type}, which cpumla does not read "
                               f"({', '.join(PLAIN)})")
         dt, block, per = PLAIN[e.type]
         shape = e.shape[:-1] + (e.shape[-1] // block * per // dt.itemsize,)

@@ -15,7 +15,9 @@ from cpumla import native
 from cpumla.checkpoint.formats import FORMAT_OF, QSCALE
 from cpumla.errors import CpumlaError
 
-GGUF_TYPES = {"Q8_0": "q8_0"}          # GGUF block types (checkpoint/gguf.py) -> the native weight format
+# GGUF block types (checkpoint/gguf.py) -> the native weight format (native.GGUF_FORMATS)
+GGUF_TYPES = {t: t.lower() for t in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                                     "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ3_XXS", "IQ1_S", "IQ1_M", "MXFP4")}
 
 
 def where(src, name: str | None = None) -> str:
@@ -57,7 +59,7 @@ def linear(src, name: str, shape: tuple[int, int], block: tuple[int, int] = (128
 
 
 def gguf_block(src, name: str, shape: tuple[int, int]) -> native.Weight:
-    """A GGUF tensor of a block format (Q8_0), read in place: its raw blocks [rows, row bytes]."""
+    """A GGUF tensor of a block format (Q8_0, Q4_K, IQ2_XXS ...), read in place: its raw blocks [rows, row bytes]."""
     dtype = checked_dtype(src, name, shape)
     return native.Weight(src.tensor(name), GGUF_TYPES[dtype])
 

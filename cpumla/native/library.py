@@ -27,8 +27,16 @@ ISAS = ("scalar", "avx2", "avxvnni", "avx512f", "avx512vnni", "avx512", "amx", "
 KERNELS = tuple(ffi.string(lib.cpumla_kernel_names()).decode().split())
 DTYPES = {"f32": lib.CPUMLA_F32, "bf16": lib.CPUMLA_BF16, "f16": lib.CPUMLA_F16,
           "e4m3": lib.CPUMLA_E4M3, "e2m1": lib.CPUMLA_E2M1, "q8": lib.CPUMLA_Q8, "q4": lib.CPUMLA_Q4,
-          "q8_0": lib.CPUMLA_Q8_0}
-GGUF_FORMATS = {"q8_0": 34}      # GGUF's block formats read in place (cpumla.h): bytes per block of 32
+          "q8_0": lib.CPUMLA_Q8_0, "q4_0": lib.CPUMLA_Q4_0, "q4_1": lib.CPUMLA_Q4_1, "q5_0": lib.CPUMLA_Q5_0,
+          "q5_1": lib.CPUMLA_Q5_1, "q2_k": lib.CPUMLA_Q2_K, "q3_k": lib.CPUMLA_Q3_K, "q4_k": lib.CPUMLA_Q4_K,
+          "q5_k": lib.CPUMLA_Q5_K, "q6_k": lib.CPUMLA_Q6_K, "iq4_nl": lib.CPUMLA_IQ4_NL, "iq4_xs": lib.CPUMLA_IQ4_XS,
+          "iq2_xxs": lib.CPUMLA_IQ2_XXS, "iq3_xxs": lib.CPUMLA_IQ3_XXS, "iq1_s": lib.CPUMLA_IQ1_S,
+          "iq1_m": lib.CPUMLA_IQ1_M, "mxfp4": lib.CPUMLA_MXFP4}
+# GGUF's block formats read in place (cpumla.h, gguf_q.h): (columns, bytes) of a block
+GGUF_FORMATS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
+                "q2_k": (256, 84), "q3_k": (256, 110), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
+                "iq4_nl": (32, 18), "iq4_xs": (256, 136), "iq2_xxs": (256, 66), "iq3_xxs": (256, 98),
+                "iq1_s": (256, 50), "iq1_m": (256, 56), "mxfp4": (32, 17)}
 QUANT_FORMATS = ("q8", "q4")     # cpumla's own block formats (cpumla.h): made by quantize()
 QBLOCK = 32
 _STATE = {"isa": None}
@@ -54,10 +62,33 @@ def init(isa: str | None = None) -> str:
         source = " (from CPUMLA_ISA)" if isa and isa == os.environ.get("CPUMLA_ISA", "").strip() else ""
         raise CpumlaError(last_error() + source)
     _STATE["isa"] = ffi.string(lib.cpumla_isa()).decode()
+    if not _STATE.get("tables"):
+        gguf_tables()
+        _STATE["tables"] = True
     where = os.environ.get("CPUMLA_PREFETCH", "").strip()
     if where and lib.cpumla_set_gemv_prefetch(where.encode()) != 0:
         raise CpumlaError(last_error() + " (from CPUMLA_PREFETCH)")
     return _STATE["isa"]
+
+
+def gguf_tables() -> None:
+    """Hands the IQ types' codebooks and the IQ4 / MXFP4 value tables to the library, from the gguf
+    package (the format's own library): cpumla_gguf_tables."""
+    import numpy as np
+    from gguf import quants
+
+    def grid(cls, dtype):
+        cls.init_grid()
+        return np.ascontiguousarray(cls.grid.reshape(-1), dtype=np.float32).astype(dtype)
+
+    tables = [grid(quants.IQ2_XXS, np.uint8), grid(quants.IQ3_XXS, np.uint8), grid(quants.IQ1_S, np.int8),
+              np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8).copy(),
+              np.array(quants.IQ4_NL.kvalues, np.int8), np.array(quants.MXFP4.kvalues, np.int8)]
+    sizes = (256 * 8, 256 * 4, 2048 * 8, 128, 16, 16)
+    if [t.size for t in tables] != list(sizes):
+        raise CpumlaError(f"the gguf package's IQ tables have sizes {[t.size for t in tables]}, not {list(sizes)}")
+    types = ("uint8_t *", "uint8_t *", "int8_t *", "uint8_t *", "int8_t *", "int8_t *")
+    check(lib.cpumla_gguf_tables(*(ffi.cast(c, t.ctypes.data) for c, t in zip(types, tables))))
 
 
 def set_gemv_prefetch(where: str) -> None:

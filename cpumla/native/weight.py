@@ -29,8 +29,8 @@ class Weight:
 
     data: float32 (f32), uint16 (bf16 bit patterns; or a torch-style bf16 viewed as uint16), float16
     (f16), uint8 (e4m3, or e2m1 packed two per byte: cols = 2 * bytes per row), int8 (q8), uint8 (q4,
-    two 4-bit codes per byte, cpumla.h's order), uint8 (q8_0: GGUF's 34-byte blocks of 32 weights, scales
-    inside: cols = 32 * bytes per row / 34). scale: the block-scale grid, float32 or uint8 (E8M0);
+    two 4-bit codes per byte, cpumla.h's order), uint8 (a GGUF block type, library.GGUF_FORMATS: whole blocks
+    with their scales inside, e.g. q8_0's 34 bytes for 32 weights: cols = 32 * bytes per row / 34). scale: the block-scale grid, float32 or uint8 (E8M0);
     float16 [rows, cols/32] for q8 / q4. Rows may be strided (a slice of a bigger tensor); columns
     contiguous.
     """
@@ -48,19 +48,20 @@ class Weight:
         d = self.data
         if d.ndim != 2 or (d.shape[1] > 1 and d.strides[1] != d.itemsize):
             raise CpumlaError("a weight must be 2-D with contiguous columns")
-        want = {"f32": 4, "bf16": 2, "f16": 2, "e4m3": 1, "e2m1": 1, "q8": 1, "q4": 1, "q8_0": 1}[self.dtype]
+        want = 1 if self.dtype in GGUF_FORMATS else {"f32": 4, "bf16": 2, "f16": 2, "e4m3": 1, "e2m1": 1, "q8": 1,
+                                                     "q4": 1}[self.dtype]
         if d.itemsize != want or d.dtype.kind not in "fui":
             raise CpumlaError(f"{self.dtype} weight needs {want}-byte elements, got {d.dtype}")
         checks.array(d, "weight", d.dtype, 2)
         self.rows = d.shape[0]
         self.cols = d.shape[1] * (2 if self.dtype in ("e2m1", "q4") else 1)
         if self.dtype in GGUF_FORMATS:
-            per = GGUF_FORMATS[self.dtype]
+            cols, per = GGUF_FORMATS[self.dtype]
             if d.shape[1] % per or d.shape[1] == 0:
                 raise CpumlaError(f"a {self.dtype} weight holds whole {per}-byte blocks, got {d.shape[1]} bytes a row")
-            if self.scale is not None or self.block not in (None, (1, QBLOCK)):
+            if self.scale is not None or self.block not in (None, (1, cols)):
                 raise CpumlaError(f"a {self.dtype} weight has its scales in its blocks: no scale grid")
-            self.cols = d.shape[1] // per * QBLOCK
+            self.cols = d.shape[1] // per * cols
         quant = self.dtype in ("e4m3", "e2m1", "q8", "q4")
         own = self.dtype in QUANT_FORMATS
         if own and (self.cols % QBLOCK or self.cols == 0):
@@ -75,7 +76,7 @@ class Weight:
         c.data = ffi.cast("void *", d.ctypes.data)
         c.rows, c.cols, c.row_bytes = self.rows, self.cols, ld(d) * d.itemsize
         c.dtype = DTYPES[self.dtype]
-        c.block_rows, c.block_cols = (1, QBLOCK) if self.dtype in GGUF_FORMATS else (1, 1)
+        c.block_rows, c.block_cols = (1, GGUF_FORMATS[self.dtype][0]) if self.dtype in GGUF_FORMATS else (1, 1)
         if quant:
             block = self.block or ((128, 128) if self.dtype == "e4m3" else (1, 32))
             if (not isinstance(block, (tuple, list)) or len(block) != 2

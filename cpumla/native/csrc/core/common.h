@@ -192,6 +192,7 @@ static inline const uint8_t *weight_row(const cpumla_weight *w, int64_t r) {
 }
 
 /* Element (r, c) as fp32, scale included: the definition every kernel agrees with. */
+__attribute__((visibility("hidden"))) float gq_value(const cpumla_weight *w, int64_t r, int64_t c);
 static inline float weight_at(const cpumla_weight *w, int64_t r, int64_t c) {
     const uint8_t *row = weight_row(w, r);
     switch (w->dtype) {
@@ -213,7 +214,9 @@ static inline float weight_at(const cpumla_weight *w, int64_t r, int64_t c) {
         const uint8_t *blk = row + (c >> 5) * 34;
         return f16_to_f32((uint16_t)(blk[0] | blk[1] << 8)) * (float)((const int8_t *)blk)[2 + (c & 31)];
     }
-    default: return NAN;
+    default:
+        if (w->dtype > CPUMLA_Q8_0 && w->dtype <= CPUMLA_MXFP4) return gq_value(w, r, c);   /* gguf_q.h */
+        return NAN;
     }
 }
 

@@ -6,6 +6,7 @@
 #include <string.h>
 #include "core/common.h"
 #include "core/dispatch.h"
+#include "core/gguf_q.h"
 #include "core/kernels.h"
 #include "core/threadpool.h"
 
@@ -414,7 +415,8 @@ const char *cpumla_kernel_names(void) {
     return buf;
 }
 
-static const char *fmt_names[CPUMLA_Q8_0 + 1] = {"f32", "bf16", "f16", "e4m3", "e2m1", [CPUMLA_Q8] = "q8", "q4", "q8_0"};
+static const char *fmt_names[CPUMLA_Q8 + 2] = {"f32", "bf16", "f16", "e4m3", "e2m1", [CPUMLA_Q8] = "q8", "q4"};
+static const char *fmt_name(int f) { return f < CPUMLA_Q8_0 ? fmt_names[f] : gq_info(f)->name; }
 
 /* "name" -> who[entry]; "name:fmt" -> who_fmt[entry][fmt] for the linear-algebra kernels */
 const char *cpumla_kernel_impl(const char *kernel) {
@@ -427,8 +429,8 @@ const char *cpumla_kernel_impl(const char *kernel) {
         int id = kernel_names[i].id;
         if (!colon) return id < 0 ? "portable" : cpumla_k.who[id];
         if (id < K_GEMV || id > K_DEQUANT) return NULL;
-        for (int f = 0; f <= CPUMLA_Q8_0; f++)
-            if (fmt_names[f] && !strcmp(colon + 1, fmt_names[f])) return cpumla_k.who_fmt[id][f];
+        for (int f = 0; f < CPUMLA_DTYPE_COUNT; f++)
+            if (fmt_name(f) && !strcmp(colon + 1, fmt_name(f))) return cpumla_k.who_fmt[id][f];
         return NULL;
     }
     return NULL;

@@ -162,13 +162,13 @@ typedef struct cpumla_kernels {
      * through the entry (one that hands a format back to the entry it replaced names the one below);
      * a hand-back that depends on the layout is named in parentheses. cpumla_kernel_impl("gemv:e2m1").
      * Entries 5..7 (not weight formats) stay NULL. */
-    const char *who_fmt[K_DEQUANT + 1][CPUMLA_Q8_0 + 1];
+    const char *who_fmt[K_DEQUANT + 1][CPUMLA_DTYPE_COUNT];
 
-    /* ---- GGUF block weights (gguf_q.h: Q8_0), read in place ----
-     * gemm_gq: gemm_q for them, from rows quantized by gq_quant_x (the spec's layout, every level);
-     * gemv_t_gq and dequant_gq: gemv_t_q and dequant_q for them. */
-    void (*gemm_gq)(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
-                    int64_t r1);
+    /* ---- GGUF block weights (gguf_q.h: Q8_0 .. MXFP4), read in place ----
+     * gemm_gq[dtype - CPUMLA_Q8_0]: gemm_q for that type, from rows quantized by gq_quant_x (the spec's
+     * layout, every level); gemv_t_gq and dequant_gq: gemv_t_q and dequant_q for them all. */
+    void (*gemm_gq[CPUMLA_MXFP4 - CPUMLA_Q8_0 + 1])(const cpumla_weight *w, const void *qx, int64_t n, float *y,
+                                                    int64_t ldy, int64_t r0, int64_t r1);
     void (*gemv_t_gq)(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y, int64_t c0,
                       int64_t c1);
     void (*dequant_gq)(const cpumla_weight *w, int64_t r, int64_t c0, int64_t c1, float *out);

@@ -21,15 +21,15 @@
 static int is_q(const cpumla_weight *w) { return w->dtype == CPUMLA_Q8 || w->dtype == CPUMLA_Q4; }
 static int is_q_product(const cpumla_weight *w) { return is_q(w) || is_e2m1_q(w) || is_gq(w); }
 
-/* a row of activations quantized for w, and w's product from such rows: Q8_0 (GGUF, gguf_q.h) to the
- * gq entries, the other integer formats to the q ones */
+/* a row of activations quantized for w, and w's product from such rows: the GGUF block types (gguf_q.h) to
+ * the gq entries, the other integer formats to the q ones */
 static void quant_row(const cpumla_kernels *k, const cpumla_weight *w, const float *x, void *qx) {
     if (is_gq(w)) gq_quant_x(x, w->cols, qx);
     else k->quant_x(w->dtype, x, w->cols, qx);
 }
 static void gemm_from_qx(const cpumla_kernels *k, const cpumla_weight *w, const void *qx, int64_t n, float *y,
                          int64_t ldy, int64_t r0, int64_t r1) {
-    if (is_gq(w)) k->gemm_gq(w, qx, n, y, ldy, r0, r1);
+    if (is_gq(w)) k->gemm_gq[w->dtype - CPUMLA_Q8_0](w, qx, n, y, ldy, r0, r1);
     else k->gemm_q(w, qx, n, y, ldy, r0, r1);
 }
 
@@ -114,8 +114,8 @@ int cpumla_quantize(const cpumla_weight *src, const cpumla_weight *dst, int64_t 
     msg[0] = 0;
     if (dst->dtype != CPUMLA_Q8 && dst->dtype != CPUMLA_Q4)
         snprintf(msg, sizeof msg, "quantize: the target must be Q8 or Q4 (dtype %d)", (int)dst->dtype);
-    else if (src->dtype == CPUMLA_Q8 || src->dtype == CPUMLA_Q4 || src->dtype == CPUMLA_Q8_0)
-        snprintf(msg, sizeof msg, "quantize: the source is already quantized (Q8 / Q4 / Q8_0)");
+    else if (src->dtype == CPUMLA_Q8 || src->dtype == CPUMLA_Q4 || is_gq(src))
+        snprintf(msg, sizeof msg, "quantize: the source is already quantized (Q8 / Q4 / a GGUF block type)");
     else if (src->rows != dst->rows || src->cols != dst->cols)
         snprintf(msg, sizeof msg, "quantize: source %lldx%lld and target %lldx%lld differ", (long long)src->rows,
                  (long long)src->cols, (long long)dst->rows, (long long)dst->cols);

@@ -39,7 +39,13 @@ enum cpumla_dtype {
     CPUMLA_I64 = 7,
     CPUMLA_Q8 = 8,     /* cpumla's 8-bit format: int8 codes, one fp16 scale per 32 (8.5 bits a weight) */
     CPUMLA_Q4 = 9,     /* cpumla's 4-bit format: 4-bit codes, one fp16 scale per 32 (4.5 bits a weight) */
-    CPUMLA_Q8_0 = 10   /* GGUF's Q8_0, read in place: 34-byte blocks of an fp16 scale then 32 int8 codes */
+    CPUMLA_Q8_0 = 10,  /* GGUF's Q8_0, read in place: 34-byte blocks of an fp16 scale then 32 int8 codes */
+    /* GGUF's other block types, read in place as llama.cpp writes them (ggml's layouts; gguf_q.h) */
+    CPUMLA_Q4_0 = 11, CPUMLA_Q4_1 = 12, CPUMLA_Q5_0 = 13, CPUMLA_Q5_1 = 14,
+    CPUMLA_Q2_K = 15, CPUMLA_Q3_K = 16, CPUMLA_Q4_K = 17, CPUMLA_Q5_K = 18, CPUMLA_Q6_K = 19,
+    CPUMLA_IQ4_NL = 20, CPUMLA_IQ4_XS = 21, CPUMLA_IQ2_XXS = 22, CPUMLA_IQ3_XXS = 23,
+    CPUMLA_IQ1_S = 24, CPUMLA_IQ1_M = 25, CPUMLA_MXFP4 = 26,
+    CPUMLA_DTYPE_COUNT = 27
 };
 
 /* One weight matrix, as stored in the checkpoint.
@@ -59,14 +65,18 @@ enum cpumla_dtype {
  *   Q8_0 (GGUF's block layout, as llama.cpp writes it): cols a multiple of 32; row r holds cols/32
  *   blocks of 34 bytes, block b = fp16 d then int8 q[32]; W[r, 32b + i] = d * q[i]. scale NULL (the
  *   scales are in the blocks), block 1x32, row_bytes at least cols / 32 * 34. Its products quantize
- *   the activations as Q8's do (kernels.h). */
+ *   the activations as Q8's do (kernels.h).
+ *   The other GGUF block types (Q4_0 .. MXFP4) are laid out alike: row r holds cols / B blocks of
+ *   the type's bytes (B = 32 for Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4; 256 for the K and IQ types
+ *   but IQ4_NL), each block as ggml defines it; cols a multiple of B, scale NULL, block 1xB.
+ *   The IQ types' codebooks come from the gguf package: cpumla_gguf_tables before any product. */
 typedef struct cpumla_weight {
     const void *data;
     const void *scale;      /* NULL unless dtype is E4M3, E2M1, Q8 or Q4 */
     int64_t rows, cols;     /* [out, in] */
     int64_t row_bytes;      /* bytes from one row to the next */
     int64_t scale_ld;       /* elements from one scale-grid row to the next */
-    int32_t dtype;          /* CPUMLA_F32 / BF16 / F16 / E4M3 / E2M1 / Q8 / Q4 / Q8_0 */
+    int32_t dtype;          /* CPUMLA_F32 / BF16 / F16 / E4M3 / E2M1 / Q8 / Q4 / a GGUF block type */
     int32_t scale_dtype;    /* CPUMLA_F32 or CPUMLA_E8M0; CPUMLA_F16 for Q8 / Q4 (and Q8_0's in-block scales) */
     int32_t block_rows, block_cols;
 } cpumla_weight;
@@ -130,9 +140,17 @@ const char *cpumla_cpu_name(void);
  * "" / "auto" for the CPU's own again. Returns 0, or -1 for any other string (cpumla_last_error says
  * so). Results are the same either way: only speed differs. */
 int cpumla_set_gemv_prefetch(const char *where);
+/* The codebooks of GGUF's IQ types and the value tables of IQ4_NL / IQ4_XS / MXFP4, as the gguf package
+ * holds them: iq2xxs 256 x 8 grid bytes, iq3xxs 256 x 4 grid bytes, iq1s 2048 x 8 int8 values
+ * (-1, 0, 1; IQ1_M shares it), ksigns the 128 sign bytes of IQ2_XXS / IQ3_XXS, iq4nl and mxfp4 16 int8
+ * values each. Copied; a value outside its type's range is refused (-1, cpumla_last_error). Until this
+ * succeeds those types' codes read as zero (cpumla's Python layer sets them when it loads the library). */
+int cpumla_gguf_tables(const uint8_t *iq2xxs, const uint8_t *iq3xxs, const int8_t *iq1s, const uint8_t *ksigns,
+                       const int8_t *iq4nl, const int8_t *mxfp4);
 const char *cpumla_gemv_prefetch(void);
 /* Which level serves a kernel: "gemv" names the level owning the table entry; "gemv:e2m1"
- * (gemv, gemm, head_gemv, head_gemv_t, dequant with f32 / bf16 / f16 / e4m3 / e2m1 / q8 / q4 / q8_0) the one that
+ * (gemv, gemm, head_gemv, head_gemv_t, dequant with f32 / bf16 / f16 / e4m3 / e2m1 / q8 / q4 / a GGUF
+ * type: q8_0, q4_k, iq2_xxs ...) the one that
  * really serves that weight format, with any hand-back that depends on the layout named in
  * parentheses. NULL for an unknown name. */
 const char *cpumla_kernel_impl(const char *kernel);

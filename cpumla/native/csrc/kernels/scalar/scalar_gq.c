@@ -26,14 +26,22 @@ void gq_quant_x(const float *x, int64_t K, void *qx) {
     for (int64_t b = nb; b < kp / QK; b++) { d[b] = 0.0f; s[b] = 0; }
 }
 
-static float row_dot_gq8(const cpumla_weight *w, int64_t r, const int8_t *xq, const float *xd) {
+/* a row's product with one activation row: chunks unpacked 8 at a time, each added in column order */
+static float row_dot_gq(const cpumla_weight *w, int64_t r, const int8_t *xq, const float *xd) {
+    const gq_type *t = gq_info(w->dtype);
+    const uint8_t *row = (const uint8_t *)w->data + r * w->row_bytes;
     float acc = 0.0f;
-    for (int64_t b = 0; b < w->cols / QK; b++) {
-        const uint8_t *blk = gq8_block(w, r, b);
-        const int8_t *q = gq8_codes(blk);
-        int32_t isum = 0;
-        for (int i = 0; i < QK; i++) isum += (int32_t)q[i] * (int32_t)xq[b * QK + i];
-        acc += gq_block_product(isum, gq8_scale(blk), xd[b]);
+    gq_unpacked u;
+    for (int64_t c0 = 0; c0 < w->cols; c0 += 256) {
+        const int n = w->cols - c0 >= 256 ? 8 : (int)((w->cols - c0) / 32);
+        gq_unpack(w->dtype, row, c0, n, &u);
+        for (int c = 0; c < n; c++) {
+            const int8_t *x = xq + c0 + 32 * c;
+            int32_t a0 = 0, a1 = 0, x0 = 0, x1 = 0;
+            for (int i = 0; i < 16; i++) { a0 += u.q[32 * c + i] * x[i]; x0 += x[i]; }
+            for (int i = 16; i < 32; i++) { a1 += u.q[32 * c + i] * x[i]; x1 += x[i]; }
+            acc += gq_chunk_product(&u, c, t->has_min, a0, a1, x0, x1, xd[c0 / 32 + c]);
+        }
     }
     return acc;
 }
@@ -43,32 +51,44 @@ static void gemm_gq_scalar(const cpumla_weight *w, const void *qx, int64_t n, fl
     const int64_t K = w->cols, per = QX_BYTES(K);
     for (int64_t t = 0; t < n; t++) {
         const uint8_t *xt = (const uint8_t *)qx + t * per;
-        for (int64_t r = r0; r < r1; r++) y[t * ldy + (r - r0)] = row_dot_gq8(w, r, (const int8_t *)xt, qx_d(xt, K));
+        for (int64_t r = r0; r < r1; r++) y[t * ldy + (r - r0)] = row_dot_gq(w, r, (const int8_t *)xt, qx_d(xt, K));
     }
 }
 
-/* y[c - c0] = sum_i (x[i] * d) * q, rows in order (fp32, as Q8's gemv_t_q) */
-static void gemv_t_gq_scalar(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y, int64_t c0,
-                             int64_t c1) {
-    for (int64_t c = c0; c < c1; c++) y[c - c0] = 0.0f;
-    for (int64_t i = 0; i < nr; i++) {
-        for (int64_t b = c0 / QK; b * QK < c1; b++) {
-            const uint8_t *blk = gq8_block(w, r0 + i, b);
-            const int8_t *q = gq8_codes(blk);
-            const float xs = x[i] * gq8_scale(blk);
-            const int64_t lo = b * QK > c0 ? b * QK : c0, hi = (b + 1) * QK < c1 ? (b + 1) * QK : c1;
-            for (int64_t c = lo; c < hi; c++) y[c - c0] += xs * (float)q[c - b * QK];
+/* the values of columns [c0, c1) of row r, as gq_value gives them, a unit (256 columns) at a time */
+static void dequant_gq_scalar(const cpumla_weight *w, int64_t r, int64_t c0, int64_t c1, float *out) {
+    const gq_type *t = gq_info(w->dtype);
+    const uint8_t *row = (const uint8_t *)w->data + r * w->row_bytes;
+    gq_unpacked u;
+    for (int64_t u0 = c0 / 256 * 256; u0 < c1; u0 += 256) {
+        const int n = w->cols - u0 >= 256 ? 8 : (int)((w->cols - u0) / 32);
+        gq_unpack(w->dtype, row, u0, n, &u);
+        const int64_t lo = u0 > c0 ? u0 : c0, hi = u0 + 32 * n < c1 ? u0 + 32 * n : c1;
+        for (int64_t c = lo; c < hi; c++) {
+            const int j = (int)(c - u0), ch = j / 32;
+            const float v = (u.d[ch] * (float)u.s[j / 16]) * (float)u.q[j];
+            out[c - c0] = t->has_min ? v - u.dm[ch] * (float)u.m[j / 16] : v;
         }
     }
 }
 
-static void dequant_gq_scalar(const cpumla_weight *w, int64_t r, int64_t c0, int64_t c1, float *out) {
-    for (int64_t c = c0; c < c1; c++) out[c - c0] = weight_at(w, r, c);
+/* y[c - c0] = sum_i x[i] * W[r0 + i, c], rows in order, each term rounded once (fp32) */
+static void gemv_t_gq_scalar(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y, int64_t c0,
+                             int64_t c1) {
+    float row[256];
+    for (int64_t c = c0; c < c1; c++) y[c - c0] = 0.0f;
+    for (int64_t i = 0; i < nr; i++)
+        for (int64_t a = c0; a < c1; a += 256) {
+            const int64_t b = a + 256 < c1 ? a + 256 : c1;
+            dequant_gq_scalar(w, r0 + i, a, b, row);
+            for (int64_t c = a; c < b; c++) y[c - c0] += x[i] * row[c - a];
+        }
 }
 
 void cpumla_fill_scalar_gq(cpumla_kernels *k) {
-    k->gemm_gq = gemm_gq_scalar;
+    for (int t = 0; t < GQ_N; t++) k->gemm_gq[t] = gemm_gq_scalar;
     k->gemv_t_gq = gemv_t_gq_scalar;
     k->dequant_gq = dequant_gq_scalar;
-    for (int i = K_GEMV; i <= K_DEQUANT; i++) k->who_fmt[i][CPUMLA_Q8_0] = "scalar";
+    for (int i = K_GEMV; i <= K_DEQUANT; i++)
+        for (int f = CPUMLA_Q8_0; f <= CPUMLA_MXFP4; f++) k->who_fmt[i][f] = "scalar";
 }

@@ -1,7 +1,10 @@
-/* gq_x86.h: the x86 levels' Q8_0 gemm (gguf_q.h), compiled once per level by avx2_gq.c and
+/* gq_x86.h: the x86 levels' GGUF gemms (gguf_q.h), compiled once per level by avx2_gq.c and
  * avx512vnni_gq.c over their own exact int8 block product. Include it after defining
- *   gq_dot8(w, x): 8 int32 lanes summing to sum_i w_i * x_i over 32 int8 codes (w in [-128, 127],
- *   |x| <= 127), and GQ_GEMM, the name the entry gets.
+ *   gq_dot8(w, x): 8 int32 lanes, lane i summing w_j * x_j over bytes 4i .. 4i+3 of 32 int8 codes (w in
+ *   [-128, 127], |x| <= 127), gq_xsum8(x) the same with w = 1, and GQ_GEMM / GQ_GEMM_ANY, the names
+ *   the Q8_0 entry and every other type's entry get.
+ * Q8_0 reads its blocks directly; the other types unpack 256 columns at a time with the spec's
+ * gq_unpack, then take the 16 half sums of 8 chunks at once.
  * Per 8 blocks: their block sums by a tree of integer adds (exact), then (float)isum * (d * xd) as
  * 8 fp32 products, each rounded once as the spec's, added to the row's sum in block order. */
 #include <immintrin.h>
@@ -57,6 +60,72 @@ static void GQ_GEMM(const cpumla_weight *w, const void *qx, int64_t n, float *y,
         for (int64_t t = 0; t < n; t++) {
             const uint8_t *xt = (const uint8_t *)qx + t * per;
             y[t * ldy + (r - r0)] = gq8_row(w, r, (const int8_t *)xt, qx_d(xt, K));
+        }
+    }
+}
+
+/* the low-half (bytes 0..15) and high-half sums of 8 chunks' lane vectors, chunk order */
+static inline void gq_halves8(const __m256i s[8], __m256i *lo, __m256i *hi) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+    *lo = _mm256_permute2x128_si256(a, b, 0x20);
+    *hi = _mm256_permute2x128_si256(a, b, 0x31);
+}
+
+static float gq_row_any(const cpumla_weight *w, int64_t r, const int8_t *xq, const float *xd) {
+    const int has_min = gq_info(w->dtype)->has_min;
+    const uint8_t *row = (const uint8_t *)w->data + r * w->row_bytes;
+    float acc = 0.0f;
+    gq_unpacked u;
+    int64_t c0 = 0;
+    for (; c0 + 256 <= w->cols; c0 += 256) {
+        gq_unpack(w->dtype, row, c0, 8, &u);
+        __m256i sq[8], sx[8], a0, a1;
+        for (int c = 0; c < 8; c++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + c0 + 32 * c));
+            sq[c] = gq_dot8(_mm256_loadu_si256((const __m256i *)(u.q + 32 * c)), x);
+            if (has_min) sx[c] = gq_xsum8(x);
+        }
+        gq_halves8(sq, &a0, &a1);
+        const __m256i sv = _mm256_loadu_si256((const __m256i *)u.s);
+        const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_srai_epi32(_mm256_slli_epi32(sv, 16), 16), a0),
+                                              _mm256_mullo_epi32(_mm256_srai_epi32(sv, 16), a1));
+        const __m256 xdv = _mm256_loadu_ps(xd + c0 / 32);
+        __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(_mm256_loadu_ps(u.d), xdv));
+        if (has_min) {
+            __m256i x0, x1;
+            gq_halves8(sx, &x0, &x1);
+            const __m256i mv = _mm256_loadu_si256((const __m256i *)u.m);
+            const __m256i msum = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_srai_epi32(_mm256_slli_epi32(mv, 16), 16), x0),
+                                                  _mm256_mullo_epi32(_mm256_srai_epi32(mv, 16), x1));
+            p = _mm256_sub_ps(p, _mm256_mul_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(_mm256_loadu_ps(u.dm), xdv)));
+        }
+        float pv[8];
+        _mm256_storeu_ps(pv, p);
+        for (int c = 0; c < 8; c++) acc += pv[c];
+    }
+    if (c0 < w->cols) {                      /* 32-column types: the last chunks of a row */
+        const int n = (int)((w->cols - c0) / 32);
+        gq_unpack(w->dtype, row, c0, n, &u);
+        for (int c = 0; c < n; c++) {
+            const int8_t *x = xq + c0 + 32 * c;
+            int32_t a0 = 0, a1 = 0, x0 = 0, x1 = 0;
+            for (int i = 0; i < 16; i++) { a0 += u.q[32 * c + i] * x[i]; x0 += x[i]; }
+            for (int i = 16; i < 32; i++) { a1 += u.q[32 * c + i] * x[i]; x1 += x[i]; }
+            acc += gq_chunk_product(&u, c, has_min, a0, a1, x0, x1, xd[c0 / 32 + c]);
+        }
+    }
+    return acc;
+}
+
+static void GQ_GEMM_ANY(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
+                        int64_t r1) {
+    const int64_t K = w->cols, per = QX_BYTES(K);
+    for (int64_t r = r0; r < r1; r++) {
+        if (r + 4 < r1) __builtin_prefetch((const uint8_t *)w->data + (r + 4) * w->row_bytes, 0, 3);
+        for (int64_t t = 0; t < n; t++) {
+            const uint8_t *xt = (const uint8_t *)qx + t * per;
+            y[t * ldy + (r - r0)] = gq_row_any(w, r, (const int8_t *)xt, qx_d(xt, K));
         }
     }
 }
