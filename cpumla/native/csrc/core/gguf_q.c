@@ -247,7 +247,13 @@ float gq_value(const cpumla_weight *w, int64_t r, int64_t c) {
 void cpumla_fill_gq(cpumla_kernels *k, const char *level) {
     if (!strcmp(level, "scalar")) cpumla_fill_scalar_gq(k);
 #if defined(__x86_64__) || defined(_M_X64)
-    else if (!strcmp(level, "avx2")) cpumla_fill_avx2_gq(k);
-    else if (!strcmp(level, "avx512vnni")) cpumla_fill_avx512vnni_gq(k);
+    else if (!strcmp(level, "avx2")) { cpumla_fill_avx2_gq(k); cpumla_fill_avx2_gqk(k); cpumla_fill_avx2_gqi(k); }
+    else if (!strcmp(level, "avx512vnni")) {
+        cpumla_fill_avx512vnni_gq(k);
+        cpumla_fill_avx512vnni_gqk(k);
+        cpumla_fill_avx512vnni_gqi(k);
+    }
+#elif defined(__aarch64__)
+    else if (!strcmp(level, "neon")) cpumla_fill_neon_gq(k);
 #endif
 }

@@ -268,6 +268,13 @@ void cpumla_fill_gq(cpumla_kernels *k, const char *level);
 void cpumla_fill_scalar_gq(cpumla_kernels *k);
 void cpumla_fill_avx2_gq(cpumla_kernels *k);
 void cpumla_fill_avx512vnni_gq(cpumla_kernels *k);
+/* the K types' (gqk: Q2_K .. Q6_K) and the others' (gqi: Q4_0 .. Q5_1, IQ*, MXFP4) own entries, set after
+ * the level's Q8_0 and generic ones; neon_gq.c the neon level's */
+void cpumla_fill_avx2_gqk(cpumla_kernels *k);
+void cpumla_fill_avx2_gqi(cpumla_kernels *k);
+void cpumla_fill_avx512vnni_gqk(cpumla_kernels *k);
+void cpumla_fill_avx512vnni_gqi(cpumla_kernels *k);
+void cpumla_fill_neon_gq(cpumla_kernels *k);
 
 /* The flags each file was compiled with, recorded by the build (CPUMLA_FLAGS_<ISA> macros). */
 extern const char cpumla_flags_scalar[], cpumla_flags_avx2[], cpumla_flags_avxvnni[], cpumla_flags_avx512f[],
