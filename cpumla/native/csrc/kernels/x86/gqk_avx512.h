@@ -108,7 +108,7 @@ GQK_INLINE __m128 gqk4_add(__m128 acc, __m512 p0, __m512 p1) {
 }
 
 /* rows [r, r + 4), one token: y[0..3] */
-GQK_INLINE void gqk4_gemv(int T, const cpumla_weight *w, const void *qx, float *y, int64_t r, int64_t r1) {
+GQK_INLINE void gqk4_gemv(int T, const cpumla_weight *w, const void *qx, float *y, int64_t r) {
     const int64_t K = w->cols, nsb = K / 256, bytes = gq_info(w->dtype)->bytes, rb = w->row_bytes;
     const uint8_t *row = (const uint8_t *)w->data + r * rb;
     const int8_t *xq = (const int8_t *)qx;
@@ -117,11 +117,11 @@ GQK_INLINE void gqk4_gemv(int T, const cpumla_weight *w, const void *qx, float *
     const int per32 = T == GQK_Q4 || T == GQK_Q5, off = T == GQK_Q6 ? 32 : T == GQK_Q3 ? 4 : 0;
     const __m512i lo4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     const __m512i hi4 = _mm512_add_epi32(lo4, _mm512_set1_epi32(4));
-    for (int i = 0; i < 4; i++)
-        if (r + 4 + i < r1) __builtin_prefetch(row + (4 + i) * rb, 0, 3);
+    gqk_pf pf = gqk_pf_init(w, r, 4, bytes);
     __m128 acc = _mm_setzero_ps();
     for (int64_t j = 0; j < nsb; j++) {
         const uint8_t *b = row + j * bytes;
+        gqk_pf_step(&pf);
         __m512i x[4], init[4], xh[4];
         for (int k = 0; k < 4; k++) {
             x[k] = _mm512_loadu_si512(xq + 256 * j + 64 * k);

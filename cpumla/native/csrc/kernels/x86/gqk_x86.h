@@ -7,8 +7,9 @@
  * the chunk sums come from gqk_dp and an exact integer tree, the offset taken out with the activations'
  * half sums (s (a - off x) per half of 16: the spec's integers), then (float)isum * (d * xd)
  * [- (float)msum * (dm * xd)] as 8 fp32 products, added to the row's sum one by one in chunk order.
- * Rows go 4 at a time (their sums are independent chains); each super-block of them is unpacked once
- * and used for every token. */
+ * Rows go 4 at a time (their sums are independent chains, added 4 lanes at once); each super-block of
+ * them is unpacked once and used for every token; the next 4 rows are prefetched a super-block's share
+ * at a time. GQK_AVX512 (avx512vnni_gqk.c) takes the gemv's 4-row tiles to gqk_avx512.h. */
 #include <immintrin.h>
 #include "core/gguf_q.h"
 #include "core/quant.h"
@@ -203,16 +204,34 @@ GQK_INLINE __m128 gqk_add4x8(__m128 acc, __m256 p0, __m256 p1, __m256 p2, __m256
     return _mm_add_ps(acc, _mm256_extractf128_ps(c37, 1));
 }
 
+/* software prefetch of the next tile's R rows (their bytes from row r + R on, which is where they are
+ * when rows are packed), one super-block's share of them per step, never past the weight's last byte */
+typedef struct {
+    const uint8_t *p, *end;
+    int64_t step;
+} gqk_pf;
+static inline gqk_pf gqk_pf_init(const cpumla_weight *w, int64_t r, int R, int64_t bytes) {
+    const int64_t nsb = w->cols / 256;
+    gqk_pf f = {(const uint8_t *)w->data + (r + R) * w->row_bytes,
+                (const uint8_t *)w->data + (w->rows - 1) * w->row_bytes + nsb * bytes, R * bytes};
+    return f;
+}
+static inline void gqk_pf_step(gqk_pf *f) {
+    for (int64_t o = 0; o < f->step; o += 64)
+        if (f->p + o < f->end) __builtin_prefetch(f->p + o, 0, 3);
+    f->p += f->step;
+}
+
 /* rows [r, r + R) of the tile, every token */
 GQK_INLINE void gqk_tile(int T, int R, const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy,
-                         int64_t r, int64_t r1) {
+                         int64_t r) {
     const int64_t K = w->cols, per = QX_BYTES(K), nsb = K / 256, bytes = gq_info(w->dtype)->bytes;
     const uint8_t *row = (const uint8_t *)w->data + r * w->row_bytes;
-    for (int i = 0; i < R; i++)
-        if (r + R + i < r1) __builtin_prefetch(row + (R + i) * w->row_bytes, 0, 3);
+    gqk_pf pf = gqk_pf_init(w, r, R, bytes);
     if (n == 1 && R == GQK_R) {               /* one token: each row unpacked straight into its product */
         __m128 acc = _mm_setzero_ps();
         for (int64_t j = 0; j < nsb; j++) {
+            gqk_pf_step(&pf);
             gqk_x x;
             gqk_xload(T, (const int8_t *)qx, qx_d(qx, K), qx_s(qx, K), j, &x);
             __m256 p[GQK_R];
@@ -229,6 +248,7 @@ GQK_INLINE void gqk_tile(int T, int R, const cpumla_weight *w, const void *qx, i
     for (int64_t t = 0; t < n; t++)
         for (int i = 0; i < R; i++) y[t * ldy + i] = 0.0f;
     for (int64_t j = 0; j < nsb; j++) {
+        gqk_pf_step(&pf);
         gqk_u u[GQK_R];
         for (int i = 0; i < R; i++) gqk_unpack(T, row + i * w->row_bytes + j * bytes, &u[i]);
         for (int64_t t = 0; t < n; t++) {
@@ -255,13 +275,13 @@ GQK_INLINE void gqk_gemm(int T, const cpumla_weight *w, const void *qx, int64_t 
     if (n == 1)                               /* the gemv: one token, a constant */
         for (; r + GQK_R <= r1; r += GQK_R) {
 #ifdef GQK_AVX512
-            gqk4_gemv(T, w, qx, y + (r - r0), r, r1);
+            gqk4_gemv(T, w, qx, y + (r - r0), r);
 #else
-            gqk_tile(T, GQK_R, w, qx, 1, y + (r - r0), ldy, r, r1);
+            gqk_tile(T, GQK_R, w, qx, 1, y + (r - r0), ldy, r);
 #endif
         }
-    for (; r + GQK_R <= r1; r += GQK_R) gqk_tile(T, GQK_R, w, qx, n, y + (r - r0), ldy, r, r1);
-    for (; r < r1; r++) gqk_tile(T, 1, w, qx, n, y + (r - r0), ldy, r, r1);
+    for (; r + GQK_R <= r1; r += GQK_R) gqk_tile(T, GQK_R, w, qx, n, y + (r - r0), ldy, r);
+    for (; r < r1; r++) gqk_tile(T, 1, w, qx, n, y + (r - r0), ldy, r);
 }
 
 #define GQK_DEF(t, T)                                                                                            \
