@@ -87,7 +87,9 @@ GQI_INLINE void gqi_ctx_tab(gqi_ctx *cx, const int8_t *kv) {
 /* ---- shared pieces ----------------------------------------------------------------------------- */
 GQI_INLINE uint32_t gqi_le32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 GQI_INLINE uint16_t gqi_le16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
-GQI_INLINE float gqi_h16(const uint8_t *p) { return f16_to_f32(gqi_le16(p)); }
+/* an fp16 as fp32 (vcvtph2ps: exact; a signalling NaN comes out quiet, as the spec's first product
+ * with it makes it) */
+GQI_INLINE float gqi_h16(const uint8_t *p) { return _cvtsh_ss(gqi_le16(p)); }
 
 /* the 32 nibbles of 16 bytes: low ones (columns 0..15), then high ones (16..31) */
 GQI_INLINE __m256i gqi_nib(const uint8_t *p) {
@@ -95,8 +97,7 @@ GQI_INLINE __m256i gqi_nib(const uint8_t *p) {
     return _mm256_and_si256(_mm256_srlv_epi64(b, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(15));
 }
 
-/* the fp16 at p + j stride (j < n; 0 past n) as 8 fp32 (vcvtph2ps: exact; a signalling NaN comes out
- * quiet, as the spec's first product with it makes it) */
+/* the fp16 at p + j stride (j < n; 0 past n) as 8 fp32, as gqi_h16 */
 GQI_INLINE __m256 gqi_h8(const uint8_t *p, int64_t stride, int n) {
     if (n == 8)
         return _mm256_cvtph_ps(_mm_set_epi16((short)gqi_le16(p + 7 * stride), (short)gqi_le16(p + 6 * stride),
@@ -120,6 +121,32 @@ GQI_INLINE void gqi_halves8(const __m256i s[8], __m256i *lo, __m256i *hi) {
     const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
     *lo = _mm256_permute2x128_si256(a, b, 0x20);
     *hi = _mm256_permute2x128_si256(a, b, 0x31);
+}
+
+/* acc (4 rows) += p[i][c] for c = 0 .. nc-1 in order: the 4 x 8 products transposed, added as 4 lanes */
+GQI_INLINE __m128 gqi_add4(__m128 acc, const __m256 p[4], int nc) {
+    const __m256 t0 = _mm256_unpacklo_ps(p[0], p[1]), t1 = _mm256_unpackhi_ps(p[0], p[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(p[2], p[3]), t3 = _mm256_unpackhi_ps(p[2], p[3]);
+    const __m256 v0 = _mm256_shuffle_ps(t0, t2, 0x44), v1 = _mm256_shuffle_ps(t0, t2, 0xee);
+    const __m256 v2 = _mm256_shuffle_ps(t1, t3, 0x44), v3 = _mm256_shuffle_ps(t1, t3, 0xee);
+    const __m128 v[8] = {_mm256_castps256_ps128(v0), _mm256_castps256_ps128(v1), _mm256_castps256_ps128(v2),
+                         _mm256_castps256_ps128(v3), _mm256_extractf128_ps(v0, 1), _mm256_extractf128_ps(v1, 1),
+                         _mm256_extractf128_ps(v2, 1), _mm256_extractf128_ps(v3, 1)};
+    for (int c = 0; c < nc; c++) acc = _mm_add_ps(acc, v[c]);
+    return acc;
+}
+/* the running sums of rows r .. r + nr - 1 of token row yt */
+GQI_INLINE __m128 gqi_load4(const float *yt, int nr) {
+    if (nr == 4) return _mm_loadu_ps(yt);
+    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int i = 0; i < nr; i++) a[i] = yt[i];
+    return _mm_loadu_ps(a);
+}
+GQI_INLINE void gqi_store4(float *yt, __m128 v, int nr) {
+    if (nr == 4) { _mm_storeu_ps(yt, v); return; }
+    float a[4];
+    _mm_storeu_ps(a, v);
+    for (int i = 0; i < nr; i++) yt[i] = a[i];
 }
 
 /* the sign bytes of 8 chunks of the IQ2_XXS / IQ3_XXS layout: dword c of a holds chunk c's four 7-bit
@@ -339,27 +366,21 @@ GQI_INLINE void gqi_un_iq1_m(const uint8_t *rp, int64_t g, int nc, gqi_grp *u, c
         }                                                                                                      \
         for (int64_t t = 0; t < n; t++) {                                                                      \
             const uint8_t *xt = (const uint8_t *)qx + t * per;                                                 \
-            float pv[GQI_NR][8];                                                                               \
+            __m256 pv[GQI_NR];                                                                                 \
             for (int i = 0; i < GQI_NR; i++)                                                                   \
-                _mm256_storeu_ps(pv[i], gqi_prod(&u[i], (const int8_t *)xt + 256 * g, qx_d(xt, K) + 8 * g,     \
-                                                 qx_s(xt, K) + 8 * g, OFF, SG, HAS_S, HAS_MIN, HALVES));       \
-            if (n == 1) {                                                                                      \
-                for (int c = 0; c < nc; c++)                                                                   \
-                    for (int i = 0; i < GQI_NR; i++) acc[i] += pv[i][c];                                       \
-            } else {                                                                                           \
+                pv[i] = gqi_prod(&u[i], (const int8_t *)xt + 256 * g, qx_d(xt, K) + 8 * g, qx_s(xt, K) + 8 * g,  \
+                                 OFF, SG, HAS_S, HAS_MIN, HALVES);                                             \
+            if (n == 1) acc = gqi_add4(acc, pv, nc);                                                           \
+            else {                                                                                             \
                 float *yt = y + t * ldy + (r - r0);                                                            \
-                for (int i = 0; i < nr; i++) {                                                                 \
-                    float a = g == 0 ? 0.0f : yt[i];                                                           \
-                    for (int c = 0; c < nc; c++) a += pv[i][c];                                                \
-                    yt[i] = a;                                                                                 \
-                }                                                                                              \
+                gqi_store4(yt, gqi_add4(g == 0 ? _mm_setzero_ps() : gqi_load4(yt, nr), pv, nc), nr);           \
             }                                                                                                  \
         }                                                                                                      \
     } while (0)
 
 #define GQI_DEFINE(NAME, UNPACK, GBYTES, OFF, SG, HAS_S, HAS_MIN, HALVES, TAB)                                 \
-    static void NAME(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,     \
-                     int64_t r1) {                                                                             \
+    GQI_INLINE void NAME##_n(const cpumla_weight *w, const void *qx, const int64_t n, float *y, int64_t ldy,      \
+                             int64_t r0, int64_t r1) {                                                         \
         gqi_ctx cx;                                                                                            \
         const int8_t *tab = TAB;                                                                               \
         if (tab) gqi_ctx_tab(&cx, tab);                                                                        \
@@ -371,13 +392,17 @@ GQI_INLINE void gqi_un_iq1_m(const uint8_t *rp, int64_t g, int nc, gqi_grp *u, c
             const uint8_t *rp[GQI_NR];                                                                         \
             for (int i = 0; i < GQI_NR; i++)                                                                   \
                 rp[i] = (const uint8_t *)w->data + (r + (i < nr ? i : nr - 1)) * w->row_bytes;                 \
-            float acc[GQI_NR] = {0.0f, 0.0f, 0.0f, 0.0f};                                                      \
+            __m128 acc = _mm_setzero_ps();                                                                     \
             int64_t g = 0;                                                                                     \
             for (; g < nfull; g++) GQI_GROUP(UNPACK, OFF, SG, HAS_S, HAS_MIN, HALVES, 8);                      \
             if (ntail) GQI_GROUP(UNPACK, OFF, SG, HAS_S, HAS_MIN, HALVES, ntail);                              \
-            if (n == 1)                                                                                        \
-                for (int i = 0; i < nr; i++) y[r - r0 + i] = acc[i];                                           \
+            if (n == 1) gqi_store4(y + (r - r0), acc, nr);                                                     \
         }                                                                                                      \
+    }                                                                                                          \
+    static void NAME(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,     \
+                     int64_t r1) {                                                                             \
+        if (n == 1) NAME##_n(w, qx, 1, y, ldy, r0, r1);                                                        \
+        else NAME##_n(w, qx, n, y, ldy, r0, r1);                                                               \
     }
 
 /* the types: unpacker, group bytes, off, signs, integer scales, mins, per-16 scales, nibble table */
@@ -393,12 +418,159 @@ GQI_DEFINE(gqi_gemm_iq3_xxs_, gqi_un_iq3_xxs, 98, 0, GQI_SG_MASK, 1, 0, 0, NULL)
 GQI_DEFINE(gqi_gemm_iq1_s, gqi_un_iq1_s, 50, 9, GQI_SG_NONE, 1, 0, 0, NULL)
 GQI_DEFINE(gqi_gemm_iq1_m, gqi_un_iq1_m, 56, 0, GQI_SG_VAL, 0, 0, 1, NULL)
 
+#if defined(__AVX512VNNI__)
+/* IQ2_XXS on avx512vnni: the grid looked up in registers. Each grid word's 8 bytes take 3 values (8,
+ * 25, 43 in ggml's table), so a word is 16 bits of 2-bit codes: 256 of them in 8 zmm, looked up 32 at
+ * a time by vpermt2w, expanded to bytes by vpshufb (a word's codes to its 8 bytes, then the value of
+ * each code). Kept per thread with the grid it was made from; a grid of more values keeps the
+ * lookups of gqi_un_iq2_xxs. */
+typedef struct {
+    uint64_t src[256];
+    uint16_t code[256];
+    uint8_t lut[16];
+    int made, ok;
+} gqi_i2_codes;
+static __thread gqi_i2_codes gqi_i2;
+
+static const gqi_i2_codes *gqi_i2_get(void) {
+    gqi_i2_codes *c = &gqi_i2;
+    if (c->made && !memcmp(c->src, gq_iq2xxs_grid, sizeof c->src)) return c;
+    memcpy(c->src, gq_iq2xxs_grid, sizeof c->src);
+    int nv = 0, val[3] = {0};
+    c->ok = 1;
+    for (int e = 0; e < 256 && c->ok; e++) {
+        uint16_t code = 0;
+        for (int j = 0; j < 8; j++) {
+            const int v = (int)((c->src[e] >> (8 * j)) & 255);
+            int k = 0;
+            while (k < nv && val[k] != v) k++;
+            if (k == nv) {
+                if (nv == 3) { c->ok = 0; break; }
+                val[nv++] = v;
+            }
+            code |= (uint16_t)(k << (2 * j));
+        }
+        c->code[e] = code;
+    }
+    /* a code byte's even-position codes come as 0, 1, 2, its odd-position ones as 0, 4, 8 */
+    memset(c->lut, 0, sizeof c->lut);
+    for (int k = 0; k < nv; k++) c->lut[k] = c->lut[4 * k] = (uint8_t)val[k];
+    c->made = 1;
+    return c;
+}
+
+typedef struct {
+    __m512i w[4];        /* chunks 2j, 2j+1 */
+    __mmask64 m[4];
+    __m256i s;
+    __m256 d;
+} gqi_i2_grp;
+
+typedef struct {
+    __m512i t[8], lut, rep, shv, msk;
+} gqi_i2_ctx;
+
+GQI_INLINE void gqi_i2_unpack(const uint8_t *b, gqi_i2_grp *u, const gqi_i2_ctx *cx) {
+    const __m512i qv = _mm512_loadu_si512((const void *)(b + 2));
+    const __m512i ix = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(
+        _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0), qv)));
+    const __m256i a1 = _mm512_castsi512_si256(
+        _mm512_permutexvar_epi32(_mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0), qv));
+    const __m512i r0 = _mm512_permutex2var_epi16(cx->t[0], ix, cx->t[1]);
+    const __m512i r1 = _mm512_permutex2var_epi16(cx->t[2], ix, cx->t[3]);
+    const __m512i r2 = _mm512_permutex2var_epi16(cx->t[4], ix, cx->t[5]);
+    const __m512i r3 = _mm512_permutex2var_epi16(cx->t[6], ix, cx->t[7]);
+    const __mmask32 m6 = _mm512_test_epi16_mask(ix, _mm512_set1_epi16(64));
+    const __mmask32 m7 = _mm512_test_epi16_mask(ix, _mm512_set1_epi16(128));
+    const __m512i code = _mm512_mask_blend_epi16(m7, _mm512_mask_blend_epi16(m6, r0, r1), _mm512_mask_blend_epi16(m6, r2, r3));
+    /* chunks 2j, 2j+1: the 16 code bytes of lane j, byte i of each lane L from code byte 4L + i / 4,
+     * shifted by 0 or 4 per word and masked to the even / odd position's 2 bits */
+#define GQI_I2_EXPAND(j, imm)                                                                                      u->w[j] = _mm512_shuffle_epi8(                                                                                     cx->lut, _mm512_and_si512(_mm512_srlv_epi16(_mm512_shuffle_epi8(_mm512_shuffle_i32x4(code, code, imm), cx->rep), cx->shv), cx->msk))
+    GQI_I2_EXPAND(0, 0x00);
+    GQI_I2_EXPAND(1, 0x55);
+    GQI_I2_EXPAND(2, 0xaa);
+    GQI_I2_EXPAND(3, 0xff);
+#undef GQI_I2_EXPAND
+    uint64_t sg[4];
+    _mm256_storeu_si256((__m256i *)sg, gqi_signs8(a1));
+    for (int j = 0; j < 4; j++) u->m[j] = _cvtu64_mask64(sg[j]);
+    u->s = gqi_ls(a1);
+    u->d = _mm256_set1_ps(gqi_h16(b) * 0.125f);
+}
+
+/* the 8 chunk sums of z[0..3] (chunks 2j, 2j+1: the low / high 8 lanes of z[j]), in order */
+GQI_INLINE __m256i gqi_sums8z(const __m512i z[4]) {
+    const __m512i p = _mm512_add_epi32(_mm512_unpacklo_epi32(z[0], z[1]), _mm512_unpackhi_epi32(z[0], z[1]));
+    const __m512i q = _mm512_add_epi32(_mm512_unpacklo_epi32(z[2], z[3]), _mm512_unpackhi_epi32(z[2], z[3]));
+    const __m512i r = _mm512_add_epi32(_mm512_unpacklo_epi64(p, q), _mm512_unpackhi_epi64(p, q));
+    const __m256i lo = _mm512_castsi512_si256(r), hi = _mm512_extracti64x4_epi64(r, 1);
+    const __m256i s = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
+    return _mm256_permutevar8x32_epi32(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+GQI_INLINE __m256 gqi_i2_prod(const gqi_i2_grp *u, const int8_t *xq, const float *xd) {
+    __m512i z[4];
+    for (int j = 0; j < 4; j++) {
+        const __m512i x = _mm512_loadu_si512((const void *)(xq + 64 * j));
+        z[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u->w[j], _mm512_mask_sub_epi8(x, u->m[j], _mm512_setzero_si512(), x));
+    }
+    const __m256i isum = _mm256_mullo_epi32(gqi_sums8z(z), u->s);
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(u->d, _mm256_loadu_ps(xd)));
+}
+
+GQI_INLINE void gqi_gemm_iq2_xxs_zn(const cpumla_weight *w, const void *qx, const int64_t n, float *y, int64_t ldy,
+                                    int64_t r0, int64_t r1, const gqi_i2_codes *cd) {
+    gqi_i2_ctx cx;
+    for (int i = 0; i < 8; i++) cx.t[i] = _mm512_loadu_si512((const void *)(cd->code + 32 * i));
+    cx.lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)cd->lut));
+    cx.rep = _mm512_set_epi64(0x0f0f0f0f0e0e0e0e, 0x0d0d0d0d0c0c0c0c, 0x0b0b0b0b0a0a0a0a, 0x0909090908080808,
+                              0x0707070706060606, 0x0505050504040404, 0x0303030302020202, 0x0101010100000000);
+    cx.shv = _mm512_set1_epi32(0x00040000);
+    cx.msk = _mm512_set1_epi16(0x0c03);
+    const int64_t K = w->cols, per = QX_BYTES(K), ng = K / 256;
+    for (int64_t r = r0; r < r1; r += GQI_NR) {
+        const int nr = r1 - r < GQI_NR ? (int)(r1 - r) : GQI_NR;
+        const uint8_t *rp[GQI_NR];
+        for (int i = 0; i < GQI_NR; i++) rp[i] = (const uint8_t *)w->data + (r + (i < nr ? i : nr - 1)) * w->row_bytes;
+        __m128 acc = _mm_setzero_ps();
+        for (int64_t g = 0; g < ng; g++) {
+            gqi_i2_grp u[GQI_NR];
+            for (int i = 0; i < GQI_NR; i++) {
+                gqi_i2_unpack(rp[i] + g * 66, &u[i], &cx);
+                __builtin_prefetch(rp[i] + (g + 16) * 66, 0, 3);
+                __builtin_prefetch(rp[i] + (g + 16) * 66 + 64, 0, 3);
+            }
+            for (int64_t t = 0; t < n; t++) {
+                const uint8_t *xt = (const uint8_t *)qx + t * per;
+                __m256 pv[GQI_NR];
+                for (int i = 0; i < GQI_NR; i++) pv[i] = gqi_i2_prod(&u[i], (const int8_t *)xt + 256 * g, qx_d(xt, K) + 8 * g);
+                if (n == 1) acc = gqi_add4(acc, pv, 8);
+                else {
+                    float *yt = y + t * ldy + (r - r0);
+                    gqi_store4(yt, gqi_add4(g == 0 ? _mm_setzero_ps() : gqi_load4(yt, nr), pv, 8), nr);
+                }
+            }
+        }
+        if (n == 1) gqi_store4(y + (r - r0), acc, nr);
+    }
+}
+static void gqi_gemm_iq2_xxs_z(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
+                               int64_t r1, const gqi_i2_codes *cd) {
+    if (n == 1) gqi_gemm_iq2_xxs_zn(w, qx, 1, y, ldy, r0, r1, cd);
+    else gqi_gemm_iq2_xxs_zn(w, qx, n, y, ldy, r0, r1, cd);
+}
+#endif
+
 /* the level's previous entries, for a sign table other than ggml's (gqi_ksigns_ok) */
 static gqi_gemm_fn gqi_prev[GQ_N];
 static void gqi_gemm_iq2_xxs(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
                              int64_t r1) {
-    if (gqi_ksigns_ok()) gqi_gemm_iq2_xxs_(w, qx, n, y, ldy, r0, r1);
-    else gqi_prev[CPUMLA_IQ2_XXS - CPUMLA_Q8_0](w, qx, n, y, ldy, r0, r1);
+    if (!gqi_ksigns_ok()) { gqi_prev[CPUMLA_IQ2_XXS - CPUMLA_Q8_0](w, qx, n, y, ldy, r0, r1); return; }
+#if defined(__AVX512VNNI__)
+    const gqi_i2_codes *cd = gqi_i2_get();
+    if (cd->ok) { gqi_gemm_iq2_xxs_z(w, qx, n, y, ldy, r0, r1, cd); return; }
+#endif
+    gqi_gemm_iq2_xxs_(w, qx, n, y, ldy, r0, r1);
 }
 static void gqi_gemm_iq3_xxs(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
                              int64_t r1) {
