@@ -7,8 +7,9 @@
  * magnitudes) and, where the codes' signs are not in w, a sign mask or signed copy applied to the
  * activation codes. Chunk sums are exact int32: sum(w x) - off * sum(x) (the code sums of gq_quant_x's
  * layout), times the chunk's integer scale; then the spec's fp32 products, 8 chunks at once, added to
- * the row's sum one by one in column order. Four rows are taken at once (four independent fp32 sums);
- * a group is unpacked once and used for every token. */
+ * the row's sum one by one in column order. Four rows are taken at once, their sums the 4 lanes of one
+ * vector (each lane's adds in column order); a group is unpacked once and used for every token.
+ * IQ2_XXS on avx512vnni looks its grid up in registers (gqi_gemm_iq2_xxs_z). */
 #include <immintrin.h>
 #include <string.h>
 #include "core/gguf_q.h"
