@@ -266,8 +266,10 @@ static int count_bad_dots(const gqw *t, const float *y, int64_t ldy, int64_t n, 
     return bad;
 }
 
-static void gq_type_case(const cpumla_kernels *k, const gq_case_type *ty, int64_t rows, int64_t cols, int64_t pad) {
-    const int64_t n = 3, ldy = rows + 2;
+/* gemm of 1, 3 and (n = 9) 9 tokens: more than a level serves from one unpacked unit (gq_neon.h) */
+static void gq_type_case(const cpumla_kernels *k, const gq_case_type *ty, int64_t rows, int64_t cols, int64_t pad,
+                         int64_t n) {
+    const int64_t ldy = rows + 2;
     gqw t = make_gqw(ty, rows, cols, pad);
     float *x = nan_floats((size_t)(n * cols)), *y = nan_floats((size_t)(n * ldy));
     int32_t *xq = xalloc(sizeof(int32_t) * (size_t)(n * cols));
@@ -291,7 +293,9 @@ static void gq_type_case(const cpumla_kernels *k, const gq_case_type *ty, int64_
     kern_gemv(k, &t.w, x + 2 * cols, y, h, rows);
     bad = count_bad_dots(&t, y, ldy, 1, h, rows, xq + 2 * cols, xd + 2 * (cols / 32));
     check(!bad && isnan(y[rows - h]), "%s gemv rows %lld..%lld of %lldx%lld: %d differ", nm, (long long)h, R, R, C, bad);
-    for (int64_t nn = 1; nn <= n; nn += 2) {
+    static const int64_t tokens[] = {1, 3, 9};
+    for (int j = 0; j < 3 && tokens[j] <= n; j++) {
+        const int64_t nn = tokens[j];
         for (int64_t i = 0; i < n * ldy; i++) y[i] = NAN;
         kern_gemm(k, &t.w, x, cols, nn, y, ldy, 0, rows);
         bad = count_bad_dots(&t, y, ldy, nn, 0, rows, xq, xd);
@@ -353,6 +357,7 @@ void test_gguf_types(const cpumla_kernels *k) {
         static const int64_t shapes32[][3] = {{1, 32, 0}, {7, 288, 6}, {13, 800, 13}};
         static const int64_t shapes256[][3] = {{1, 256, 0}, {7, 512, 6}, {13, 768, 13}};
         const int64_t(*shapes)[3] = ty->block == 32 ? shapes32 : shapes256;
-        for (int s = 0; s < (small_mode ? 2 : 3); s++) gq_type_case(k, ty, shapes[s][0], shapes[s][1], shapes[s][2]);
+        for (int s = 0; s < (small_mode ? 2 : 3); s++)
+            gq_type_case(k, ty, shapes[s][0], shapes[s][1], shapes[s][2], s == 1 ? 9 : 3);
     }
 }
