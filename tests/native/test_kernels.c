@@ -322,6 +322,7 @@ void test_gemv_t(const cpumla_kernels *k);
 void test_dequant(const cpumla_kernels *k);
 void test_quant(const cpumla_kernels *k);   /* test_quant.c: Q8 / Q4 */
 void test_gguf_q(const cpumla_kernels *k);  /* test_gguf_q.c: GGUF's Q8_0 */
+void test_gguf_types(const cpumla_kernels *k);  /* test_gguf_q.c: every GGUF block type */
 void test_values(void);                  /* test_values.c */
 void test_gemm_tiles(const cpumla_kernels *k);   /* test_gemm.c: the blocked GEMMs' edges */
 void test_softmax_block(const cpumla_kernels *k);   /* test_attn_block.c */
@@ -339,7 +340,7 @@ static void test_table(const char *name, const cpumla_kernels *k) {
         {"attn_part", test_attn_part, K_ATTN}, {"softmax_block", test_softmax_block, K_SOFTMAX_BLOCK},
         {"cache_row", test_cache_row, K_CACHE_ROW},
         {"read_sum", test_read_sum, K_READ}, {"q8/q4", test_quant, K_GEMV},
-        {"q8_0", test_gguf_q, K_GEMV},
+        {"q8_0", test_gguf_q, K_GEMV}, {"gguf types", test_gguf_types, K_GEMV},
 #if defined(__x86_64__)
         {"daz_ftz", test_daz_ftz, K_GEMV},
 #endif
@@ -348,6 +349,7 @@ static void test_table(const char *name, const cpumla_kernels *k) {
         char who[128];
         const char *owner = groups[g].fn == test_quant    ? k->who_fmt[K_GEMV][CPUMLA_Q4]
                             : groups[g].fn == test_gguf_q ? k->who_fmt[K_GEMV][CPUMLA_Q8_0]
+                            : groups[g].fn == test_gguf_types ? k->who_fmt[K_GEMV][CPUMLA_Q4_K]
                                                           : k->who[groups[g].id];
         snprintf(who, sizeof who, "served by %s", owner ? owner : "nobody");
         group_begin();
