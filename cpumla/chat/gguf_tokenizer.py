@@ -102,10 +102,10 @@ def from_gguf(g):
     m = _Meta(g)
     kind = m.get("tokenizer.ggml.model", "str")
     if kind != "gpt2":
-        m.fail("tokenizer.ggml.model", f"is '{kind}'; cpumla reads 'gpt2' (byte-level BPE) tokenizers")
+        m.fail("tokenizer.ggml.model", f"is {kind[:40]!r}; cpumla reads 'gpt2' (byte-level BPE) tokenizers")
     pre = m.get("tokenizer.ggml.pre", "str")
     if pre not in PRE:
-        m.fail("tokenizer.ggml.pre", f"is '{pre}', a pre-tokenizer cpumla does not know ({', '.join(PRE)})")
+        m.fail("tokenizer.ggml.pre", f"is {pre[:40]!r}, a pre-tokenizer cpumla does not know ({', '.join(PRE)})")
     tokens = m.get("tokenizer.ggml.tokens", "strs")
     n = len(tokens)
     if not n:
