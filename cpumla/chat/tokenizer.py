@@ -83,9 +83,10 @@ def load_tokenizer(resolved, tokenizer: str | None = None, dummy_weights: bool =
     """(Tokenizer, notices) for a resolved model (cpumla.runtime.resolve.Resolved).
 
     tokenizer: None (the model's own, or the bundled one for a preset), "bundled", or a directory.
-    A directory's own is tokenizer.json, or Moonlight's tiktoken.model. A model directory without
-    either is an error with real weights, and uses the bundled tokenizer (with a notice) on dummy
-    weights; a Moonlight preset on dummy weights gets a synthetic Moonlight stand-in."""
+    A directory's own is tokenizer.json, or Moonlight's tiktoken.model; a GGUF file's own is the one in
+    its metadata (gguf_tokenizer.py), else its folder's. A model without one is an error with real
+    weights, and uses the bundled tokenizer (with a notice) on dummy weights; a Moonlight preset on
+    dummy weights gets a synthetic Moonlight stand-in."""
     from cpumla.chat.tiktoken_tokenizer import TiktokenTokenizer
 
     if tokenizer == "bundled":
@@ -100,6 +101,15 @@ def load_tokenizer(resolved, tokenizer: str | None = None, dummy_weights: bool =
     if resolved.directory is None:
         return (TiktokenTokenizer.synthetic() if moonlight else Tokenizer.bundled()), []
     has_own = any((resolved.directory / f).is_file() for f in ("tokenizer.json", "tiktoken.model"))
+    if resolved.gguf is not None:
+        from cpumla.chat.gguf_tokenizer import from_gguf, has_tokenizer
+
+        if has_tokenizer(resolved.gguf.file):
+            return from_gguf(resolved.gguf.file), []
+        if not has_own and not dummy_weights:
+            raise CpumlaError(f"{resolved.gguf.path}: metadata key 'tokenizer.ggml.model' is missing: the file has "
+                              f"no tokenizer (pass --tokenizer DIR, or --tokenizer bundled for DeepSeek's V3/V4 "
+                              f"tokenizer)")
     if not has_own and dummy_weights:
         if moonlight:
             return TiktokenTokenizer.synthetic(), [f"{resolved.directory} has no tokenizer file; using a "

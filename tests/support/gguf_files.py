@@ -206,3 +206,80 @@ def reference(model, held: dict[str, np.ndarray]):
                     for e in range(a.shape[0]):
                         put(f"{p}mlp.experts.{e}.{w}_proj.weight", a[e])
     return model
+
+
+def with_tokenizer(src: Path, dst: Path, tokenizer_dir: Path, pre: str = "deepseek-v3", metadata=None) -> None:
+    """`src` (a GGUF file) written again as `dst` with the tokenizer of `tokenizer_dir` in its metadata
+    (tokenizer_metadata()); metadata: {key: value or None (left out)} over those keys."""
+    with_metadata(src, dst, {**tokenizer_metadata(tokenizer_dir, pre), **(metadata or {})})
+
+
+def tokenizer_metadata(tokenizer_dir: Path, pre: str = "deepseek-v3") -> dict:
+    """The tokenizer keys the converter's _set_vocab_gpt2 writes for a tokenizer.json / tokenizer_config.json
+    folder: every id's token (added tokens as text: CONTROL when special or looking special (<｜...｜>,
+    <|...|>), else USER_DEFINED; ids without a token as UNUSED [PADi]), their types, `pre`, and
+    gguf.SpecialVocab's merges, special ids, add_bos / add_eos and chat_template."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    vocab = tok.get_vocab()
+    reverse = {i: t for t, i in vocab.items()}
+    added, decoder = tok.get_added_vocab(), tok.added_tokens_decoder
+    T = gguf.TokenType
+    tokens, types = [], []
+    for i in range(max(vocab.values()) + 1):
+        t = reverse.get(i)
+        if t is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(T.UNUSED)
+        elif t in added:
+            if not decoder[i].normalized:
+                t = tok.decode(tok.encode(t, add_special_tokens=False))
+            looks = (t.startswith("<|") and t.endswith("|>")) or (t.startswith("<｜") and t.endswith("｜>"))
+            if decoder[i].special or looks:
+                types.append(T.CONTROL)
+            else:
+                t = t.replace("\u2581", " ")
+                types.append(T.USER_DEFINED)
+            tokens.append(t)
+        else:
+            tokens.append(t)
+            types.append(T.NORMAL)
+    special = gguf.SpecialVocab(tokenizer_dir, load_merges=True)
+    keys = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [int(t) for t in types], "tokenizer.ggml.merges": special.merges}
+    for typ, i in special.special_token_ids.items():
+        keys[f"tokenizer.ggml.{'padding' if typ == 'pad' else typ}_token_id"] = i
+    for typ, on in special.add_special_token.items():
+        keys[f"tokenizer.ggml.add_{typ}_token"] = on
+    if special.chat_template is not None:
+        keys["tokenizer.chat_template"] = special.chat_template
+    return keys
+
+
+def with_metadata(src: Path, dst: Path, keys: dict) -> None:
+    """`src` (a GGUF file) written again as `dst` with `keys` added to its metadata: {key: value or None
+    (left out)}; lists of str become string arrays, lists of int INT32 arrays, scalars as add() writes them."""
+    import gguf
+
+    V = gguf.GGUFValueType
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(str(dst), str(r.fields["general.architecture"].contents()))
+    for k, f in r.fields.items():
+        if k.startswith(("GGUF.", "general.architecture")) or k in keys:
+            continue
+        w.add_key_value(k, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+    for k, v in keys.items():
+        if v is None:
+            continue
+        if isinstance(v, list):
+            w.add_key_value(k, v, V.ARRAY, V.INT32 if v and isinstance(v[0], int) else V.STRING)
+        else:
+            add(w, k, v)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
