@@ -45,10 +45,16 @@ def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "on", "yes", "true")
 
 
+def _where(repo_id: str, revision: str | None) -> str:
+    return repo_id + (f" (revision {revision})" if revision else "")
+
+
 @contextmanager
-def hub_errors(where: str):
-    """The hub's failures as one CpumlaError line naming `where`."""
+def hub_errors(repo_id: str, revision: str | None = None):
+    """The hub's failures as one CpumlaError line naming the repo."""
     from huggingface_hub import errors as hf_errors
+
+    where = _where(repo_id, revision)
 
     try:
         yield
@@ -65,7 +71,7 @@ def hub_errors(where: str):
             raise CpumlaError(f"{where} is not in the cache ({hf_hub_cache()}) and HF_HUB_OFFLINE is set") from None
         raise CpumlaError(f"{where}: cannot reach the Hugging Face hub, and the files are not cached") from None
     except hf_errors.HFValidationError as e:
-        raise CpumlaError(f"'{where}' is not a valid repo id: {str(e).splitlines()[0]}") from None
+        raise CpumlaError(f"'{repo_id}' is not a valid repo id: {str(e).splitlines()[0]}") from None
     except hf_errors.HfHubHTTPError as e:
         raise CpumlaError(f"{where}: {str(e).splitlines()[0]}") from None
     except OSError as e:
@@ -88,21 +94,19 @@ def fetch(repo_id: str, revision: str | None = None, allow_patterns=None, want_c
     """The snapshot directory of `repo_id` in the hub cache, fetching what is missing (allow_patterns:
     which files, ALLOW_PATTERNS by default)."""
     hub = _hub()
-    where = f"{repo_id}" + (f" (revision {revision})" if revision else "")
-    with hub_errors(where):
+    with hub_errors(repo_id, revision):
         path = hub.snapshot_download(repo_id, revision=revision, cache_dir=hf_hub_cache(),
                                      allow_patterns=allow_patterns or ALLOW_PATTERNS, local_files_only=offline())
     path = Path(path)
     if want_config and not (path / "config.json").is_file():
-        raise CpumlaError(f"{where}: the snapshot has no config.json (not a model repository?)")
+        raise CpumlaError(f"{_where(repo_id, revision)}: the snapshot has no config.json (not a model repository?)")
     return path
 
 
 def remote_files(repo_id: str, revision: str | None = None) -> dict[str, int | None]:
     """The files of a repo on the hub: {path: bytes}."""
     hub = _hub()
-    where = f"{repo_id}" + (f" (revision {revision})" if revision else "")
-    with hub_errors(where):
+    with hub_errors(repo_id, revision):
         info = hub.HfApi().model_info(repo_id, revision=revision, files_metadata=True)
     return {s.rfilename: s.size for s in info.siblings or []}
 
@@ -166,8 +170,8 @@ class CachedGGUF:
 
 
 def cached_ggufs(include_all: bool = False, scanned=None) -> list[CachedGGUF]:
-    """The GGUF models in the hub cache (each repo's newest snapshot); only those of an architecture
-    cpumla runs, and split sets whose first file is missing, unless include_all."""
+    """The GGUF models in the hub cache (each repo's newest snapshot). Unless include_all, only those of
+    an architecture cpumla runs (and split sets whose first file is missing, which cannot tell)."""
     from cpumla.checkpoint.gguf_info import architecture
     from cpumla.checkpoint.gguf_model import ARCHES
 
@@ -256,7 +260,7 @@ def _free_space(path: Path) -> int | None:
 
 def download_gguf(repo_id: str, tag: str, revision: str | None) -> None:
     """REPO:QUANT: that quantization's files (every shard) into the hub cache."""
-    where = repo_id + (f" (revision {revision})" if revision else "")
+    where = _where(repo_id, revision)
     if offline():
         snap = gguf_hub.snapshot(repo_id, revision)
         if snap is None:
