@@ -3,17 +3,25 @@
 Downloads go through huggingface_hub's snapshot_download into the standard cache (HF_HOME / HF_HUB_CACHE),
 so they resume after an interruption, share blobs with other tools, and honour HF_TOKEN and
 HF_HUB_OFFLINE. Only what cpumla reads is fetched: no PyTorch .bin, no remote code, no MTP extras.
-"""
+
+`REPO:QUANT` fetches one GGUF quantization (checkpoint/gguf_hub.py names them): the repo's file list
+and sizes come first (HfApi.model_info), then only that model's files, every shard of a split set. A
+repo of GGUF models alone, named without a quantization, gets its quantizations listed and exit 2.
+With HF_HUB_OFFLINE the cache's snapshot stands in for the hub's list."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import typer
 
+from cpumla.checkpoint import gguf_hub
 from cpumla.cli import render
 from cpumla.errors import CpumlaError
 from cpumla.runtime.resolve import hf_hub_cache
@@ -37,17 +45,19 @@ def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "on", "yes", "true")
 
 
-def fetch(repo_id: str, revision: str | None = None) -> Path:
-    """The snapshot directory of `repo_id` in the hub cache, fetching what is missing."""
+def _where(repo_id: str, revision: str | None) -> str:
+    return repo_id + (f" (revision {revision})" if revision else "")
+
+
+@contextmanager
+def hub_errors(repo_id: str, revision: str | None = None):
+    """The hub's failures as one CpumlaError line naming the repo."""
+    from huggingface_hub import errors as hf_errors
+
+    where = _where(repo_id, revision)
+
     try:
-        from huggingface_hub import errors as hf_errors
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise CpumlaError("downloading needs the package huggingface_hub (pip install huggingface_hub)") from None
-    where = f"{repo_id}" + (f" (revision {revision})" if revision else "")
-    try:
-        path = snapshot_download(repo_id, revision=revision, cache_dir=hf_hub_cache(), allow_patterns=ALLOW_PATTERNS,
-                                 local_files_only=offline())
+        yield
     except hf_errors.GatedRepoError:
         raise CpumlaError(f"{where} is gated: accept its terms on huggingface.co and set HF_TOKEN") from None
     except hf_errors.RepositoryNotFoundError:
@@ -66,10 +76,39 @@ def fetch(repo_id: str, revision: str | None = None) -> Path:
         raise CpumlaError(f"{where}: {str(e).splitlines()[0]}") from None
     except OSError as e:
         raise CpumlaError(f"{where}: {e.strerror or e}") from None
+    except Exception as e:            # the HTTP client's own (a refused connection, a timeout)
+        if type(e).__module__.split(".")[0] not in ("httpx", "httpx2", "requests", "urllib3"):
+            raise
+        raise CpumlaError(f"{where}: cannot reach the Hugging Face hub ({type(e).__name__})") from None
+
+
+def _hub():
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise CpumlaError("downloading needs the package huggingface_hub (pip install huggingface_hub)") from None
+    return huggingface_hub
+
+
+def fetch(repo_id: str, revision: str | None = None, allow_patterns=None, want_config: bool = True) -> Path:
+    """The snapshot directory of `repo_id` in the hub cache, fetching what is missing (allow_patterns:
+    which files, ALLOW_PATTERNS by default)."""
+    hub = _hub()
+    with hub_errors(repo_id, revision):
+        path = hub.snapshot_download(repo_id, revision=revision, cache_dir=hf_hub_cache(),
+                                     allow_patterns=allow_patterns or ALLOW_PATTERNS, local_files_only=offline())
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise CpumlaError(f"{where}: the snapshot has no config.json (not a model repository?)")
+    if want_config and not (path / "config.json").is_file():
+        raise CpumlaError(f"{_where(repo_id, revision)}: the snapshot has no config.json (not a model repository?)")
     return path
+
+
+def remote_files(repo_id: str, revision: str | None = None) -> dict[str, int | None]:
+    """The files of a repo on the hub: {path: bytes}."""
+    hub = _hub()
+    with hub_errors(repo_id, revision):
+        info = hub.HfApi().model_info(repo_id, revision=revision, files_metadata=True)
+    return {s.rfilename: s.size for s in info.siblings or []}
 
 
 @dataclass
@@ -82,24 +121,33 @@ class CachedModel:
     snapshot: Path
 
 
-def cached_models(include_all: bool = False) -> list[CachedModel]:
-    """Models in the hub cache; only DeepSeek-family ones (by config.json model_type) unless include_all."""
+def _scan():
+    """huggingface_hub's scan of the hub cache, or None when there is no cache."""
     cache = hf_hub_cache()
     if not cache.is_dir():
-        return []
+        return None
     try:
         from huggingface_hub import scan_cache_dir
     except ImportError:
         raise CpumlaError("listing the cache needs the package huggingface_hub (pip install huggingface_hub)") from None
     try:
-        info = scan_cache_dir(cache)
+        return scan_cache_dir(cache)
     except Exception as e:  # CacheNotFound, CorruptedCacheException
         raise CpumlaError(f"{cache}: cannot scan the cache: {e}") from None
+
+
+def _latest(repo):
+    return max(repo.revisions, key=lambda r: r.last_modified)
+
+
+def cached_models(include_all: bool = False, scanned=None) -> list[CachedModel]:
+    """Models in the hub cache; only DeepSeek-family ones (by config.json model_type) unless include_all."""
+    info = scanned or _scan()
     found = []
-    for repo in info.repos:
+    for repo in info.repos if info else ():
         if repo.repo_type != "model" or not repo.revisions:
             continue
-        rev = max(repo.revisions, key=lambda r: r.last_modified)
+        rev = _latest(repo)
         model_type = _model_type(rev.snapshot_path / "config.json")
         if not include_all and model_type not in DEEPSEEK_MODEL_TYPES:
             continue
@@ -107,6 +155,39 @@ def cached_models(include_all: bool = False) -> list[CachedModel]:
         found.append(CachedModel(repo.repo_id, model_type or "?", repo.size_on_disk, len(repo.revisions), weights,
                                  rev.snapshot_path))
     return sorted(found, key=lambda m: m.repo_id.lower())
+
+
+@dataclass
+class CachedGGUF:
+    repo_id: str
+    quant: gguf_hub.Quant
+    snapshot: Path
+    architecture: str | None     # from the first file's header (None: not there or not readable)
+
+    @property
+    def ref(self) -> str:
+        return f"{self.repo_id}:{self.quant.name}"
+
+
+def cached_ggufs(include_all: bool = False, scanned=None) -> list[CachedGGUF]:
+    """The GGUF models in the hub cache (each repo's newest snapshot). Unless include_all, only those of
+    an architecture cpumla runs (and split sets whose first file is missing, which cannot tell)."""
+    from cpumla.checkpoint.gguf_info import architecture
+    from cpumla.checkpoint.gguf_model import ARCHES
+
+    info = scanned or _scan()
+    found = []
+    for repo in info.repos if info else ():
+        if repo.repo_type != "model" or not repo.revisions:
+            continue
+        rev = _latest(repo)
+        files = {f.file_path.relative_to(rev.snapshot_path).as_posix(): f.size_on_disk for f in rev.files
+                 if f.file_name.lower().endswith(".gguf")}
+        for q in gguf_hub.quants(files):
+            arch = architecture(rev.snapshot_path / q.first) if q.first in q.sizes else None
+            if include_all or arch in ARCHES or (arch is None and q.missing):
+                found.append(CachedGGUF(repo.repo_id, q, rev.snapshot_path, arch))
+    return sorted(found, key=lambda g: (g.repo_id.lower(), g.quant.size))
 
 
 def _model_type(path: Path) -> str | None:
@@ -125,10 +206,117 @@ def human_size(n: int) -> str:
     return f"{n} B"
 
 
+def _quant_list(found: list[gguf_hub.Quant]) -> str:
+    return ", ".join(f"{q.name} ({human_size(q.size)})" for q in found)
+
+
+def choose(where: str, tag: str, found: list[gguf_hub.Quant]) -> gguf_hub.Quant:
+    """The one GGUF model `tag` names among `found`, or a CpumlaError naming what there is."""
+    hits = gguf_hub.matching(tag, found)
+    if len(hits) == 1:
+        return hits[0]
+    if not found:
+        raise CpumlaError(f"{where}: holds no .gguf files")
+    if not hits:
+        raise CpumlaError(f"{where}: no GGUF quantization '{tag}'; it has {_quant_list(found)}")
+    raise CpumlaError(f"{where}: '{tag}' names {len(hits)} GGUF models ({', '.join(q.first for q in hits)}); "
+                      f"name one by its file, REPO:PATH")
+
+
+def complete(ref: str, snap: Path, q: gguf_hub.Quant, hint: str) -> Path:
+    """The first file of `q` in the snapshot, once every shard is there; else a CpumlaError ending in hint."""
+    for i, s in enumerate(q.shards):
+        if not (snap / s).is_file():
+            what = f"shard {i + 1} of {len(q.shards)}" if len(q.shards) > 1 else "the file"
+            raise CpumlaError(f"{ref}: {what} ({s}) is not in the cache ({snap}); {hint}")
+    return snap / q.first
+
+
+def cached_gguf(ref: str) -> Path:
+    """The first file of REPO:QUANT in the hub cache (main, else the newest snapshot), every shard there."""
+    repo_id, tag = gguf_hub.parse_ref(ref)
+    snap = gguf_hub.snapshot(repo_id)
+    if snap is None:
+        raise CpumlaError(f"{repo_id} is not in the Hugging Face cache ({hf_hub_cache()}); "
+                          f"get it with `cpumla download {ref}`")
+    q = choose(f"{repo_id} in the cache", tag, gguf_hub.quants(gguf_hub.cached_files(snap)))
+    return complete(ref, snap, q, f"get it with `cpumla download {repo_id}:{q.name}`")
+
+
+def _literal(path: str) -> str:
+    """A file path as an fnmatch pattern that matches only itself."""
+    return re.sub(r"([*?\[])", r"[\1]", path)
+
+
+def _free_space(path: Path) -> int | None:
+    for p in (path, *path.parents):
+        if p.is_dir():
+            try:
+                return shutil.disk_usage(p).free
+            except OSError:
+                return None
+    return None
+
+
+def download_gguf(repo_id: str, tag: str, revision: str | None) -> None:
+    """REPO:QUANT: that quantization's files (every shard) into the hub cache."""
+    where = _where(repo_id, revision)
+    if offline():
+        snap = gguf_hub.snapshot(repo_id, revision)
+        if snap is None:
+            raise CpumlaError(f"{where} is not in the cache ({hf_hub_cache()}) and HF_HUB_OFFLINE is set")
+        q = choose(f"{where} in the cache", tag, gguf_hub.quants(gguf_hub.cached_files(snap)))
+        first = complete(f"{repo_id}:{q.name}", snap, q, "HF_HUB_OFFLINE is set")
+    else:
+        q = choose(where, tag, gguf_hub.quants(remote_files(repo_id, revision)))
+        if q.missing:
+            raise CpumlaError(f"{where}: {q.name} is a split set of {len(q.shards)} files, but the repo lacks "
+                              f"{', '.join(q.missing)}")
+        n = f"{len(q.shards)} files" if len(q.shards) > 1 else "1 file"
+        render.err.print(f"downloading {repo_id}:{q.name} ({n}, {human_size(q.size)}) into {hf_hub_cache()}",
+                         style="dim", markup=False, highlight=False, soft_wrap=True)
+        free = _free_space(hf_hub_cache())
+        if free is not None and free < q.size:
+            render.print_warning(f"{human_size(free)} free where the cache is, less than {human_size(q.size)} "
+                                 f"(less is needed when part of it is cached already)")
+        snap = fetch(repo_id, revision, allow_patterns=[_literal(s) for s in q.shards], want_config=False)
+        first = complete(f"{repo_id}:{q.name}", snap, q, "the download did not finish: run it again")
+    size = sum((snap / s).stat().st_size for s in q.shards)
+    render.out.print(f"{repo_id}:{q.name}: {human_size(size)} in {first}", markup=False, highlight=False,
+                     soft_wrap=True)
+    render.err.print(f"run it with: cpumla chat {first}", style="dim", markup=False, highlight=False, soft_wrap=True)
+
+
+def _refuse_gguf_only(repo_id: str, revision: str | None) -> None:
+    """A repo of GGUF models and no safetensors: its quantizations listed, and a CpumlaError asking for one."""
+    if offline():
+        snap = gguf_hub.snapshot(repo_id, revision)
+        if snap is None or any(snap.rglob("*.safetensors")):
+            return
+        files = gguf_hub.cached_files(snap)
+    else:
+        files = remote_files(repo_id, revision)
+        if any(f.endswith(".safetensors") for f in files):
+            return
+    found = gguf_hub.quants(files)
+    if not found:
+        return
+    render.table(f"{repo_id}: GGUF models", ["quantization", "files", "size", "path"],
+                 [[q.name, len(q.shards), human_size(q.size), q.first] for q in found], right={1, 2})
+    pick = next((q.name for q in found if q.name.upper() == "Q4_K_M"), found[0].name)
+    raise CpumlaError(f"{repo_id} holds GGUF models only: name a quantization, e.g. "
+                      f"cpumla download {repo_id}:{pick}")
+
+
 def download(
-    repo: str = typer.Argument(..., help="A Hugging Face repo id, e.g. deepseek-ai/DeepSeek-V2-Lite-Chat."),
+    repo: str = typer.Argument(..., help="A Hugging Face repo id, e.g. deepseek-ai/DeepSeek-V2-Lite-Chat; "
+                                         "REPO:QUANT for one GGUF quantization, e.g. unsloth/DeepSeek-V3-GGUF:Q4_K_M."),
     revision: str = typer.Option(None, "--revision", "-r", help="A branch, tag or commit. Default: main."),
 ) -> None:
+    repo, tag = gguf_hub.parse_ref(repo)
+    if tag is not None:
+        return download_gguf(repo, tag, revision)
+    _refuse_gguf_only(repo, revision)
     if not offline():
         render.err.print(f"downloading {repo} ({', '.join(ALLOW_PATTERNS)}) into {hf_hub_cache()}",
                          style="dim", markup=False, highlight=False, soft_wrap=True)
@@ -141,11 +329,22 @@ def download(
 def list_models(
     all_models: bool = typer.Option(False, "--all", help="Every cached model, not only DeepSeek-family ones."),
 ) -> None:
-    models = cached_models(include_all=all_models)
-    if not models:
+    scanned = _scan()
+    models = cached_models(include_all=all_models, scanned=scanned)
+    ggufs = cached_ggufs(include_all=all_models, scanned=scanned)
+    if not models and not ggufs:
         render.err.print(f"no DeepSeek-family models in the Hugging Face cache ({hf_hub_cache()}); "
-                         f"get one with `cpumla download REPO`", markup=False, highlight=False, soft_wrap=True)
+                         f"get one with `cpumla download REPO` or `cpumla download REPO:QUANT`", markup=False,
+                         highlight=False, soft_wrap=True)
         return
-    rows = [[m.repo_id, m.model_type, human_size(m.size_on_disk), "yes" if m.weights else "config only",
-             m.revisions] for m in models]
-    render.table(None, ["model", "model_type", "size", "weights", "revisions"], rows, right={2, 4})
+    if models:
+        rows = [[m.repo_id, m.model_type, human_size(m.size_on_disk), "yes" if m.weights else "config only",
+                 m.revisions] for m in models]
+        render.table(None, ["model", "model_type", "size", "weights", "revisions"], rows, right={2, 4})
+    if models and ggufs:
+        render.out.print()
+    if ggufs:
+        rows = [[g.ref, g.architecture or "?", human_size(g.quant.size),
+                 str(len(g.quant.shards)) if not g.quant.missing else
+                 f"{len(g.quant.present)} of {len(g.quant.shards)}", str(g.snapshot / g.quant.first)] for g in ggufs]
+        render.table("GGUF", ["model", "architecture", "size", "files", "path"], rows, right={2, 3})

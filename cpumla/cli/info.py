@@ -1,9 +1,12 @@
 """`cpumla info`: what this machine is and what cpumla will run on it; `cpumla info MODEL`: what a model
-takes (weights in each format, cache) and whether it fits this machine's memory, before loading it."""
+takes (weights in each format, cache) and whether it fits this machine's memory, before loading it. For a
+GGUF model (a file, a folder holding one, a split set's shard, or REPO:QUANT in the hub cache) also its
+tensor types and bytes by group, from the tensor index (checkpoint/gguf_info.py)."""
 
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 
 import typer
 
@@ -45,13 +48,16 @@ def collect(threads: int | None = None) -> dict:
 
 
 def info(
-    model: str = typer.Argument(None, help="A model (directory, cached repo id or preset): what it takes."),
+    model: str = typer.Argument(None, help="A model (directory, .gguf file, cached repo id or REPO:QUANT, or "
+                                           "preset): what it takes."),
     json_out: bool = typer.Option(False, "--json", metavar="", help="Print JSON instead of tables."),
     threads: int = typer.Option(None, "--threads", "-t", help="Threads (default: one per core)."),
     ctx: int = typer.Option(None, "--ctx", help="With MODEL: the context to plan the cache for."),
     hf_overrides: str = typer.Option(None, "--hf-overrides", help="With MODEL: JSON merged into its config."),
 ) -> None:
     if model is not None:
+        if is_gguf(model):
+            return gguf_plan(model, ctx, hf_overrides, json_out)
         return model_plan(model, ctx, hf_overrides, json_out)
     d = collect(threads)
     for w in d["warnings"]:
@@ -82,6 +88,55 @@ def info(
     render.table("build", ["", ""], [line.split(": ", 1) for line in d["build"]], header=False)
 
 
+def is_gguf(model: str) -> bool:
+    """Whether `model` names a GGUF model: a .gguf file, a folder with one and no config.json, or REPO:QUANT."""
+    from cpumla.checkpoint.gguf_hub import is_ref
+
+    path = Path(model).expanduser()
+    if path.is_file():
+        return path.suffix == ".gguf"
+    if path.is_dir():
+        return not (path / "config.json").is_file() and any(path.glob("*.gguf"))
+    return is_ref(model)
+
+
+def gguf_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: bool) -> None:
+    from cpumla.checkpoint.gguf_info import IndexOnly, groups
+    from cpumla.cli.download import cached_gguf
+    from cpumla.cli.options import check_ctx
+    from cpumla.cli.overrides import parse_hf_overrides
+    from cpumla.runtime.plan import plan
+    from cpumla.runtime.resolve import load_config
+
+    if ctx is not None:
+        check_ctx(ctx, 1 << 62)
+    path = Path(model).expanduser()
+    if not path.exists():
+        path = cached_gguf(model)
+    cfg, resolved = load_config(str(path), parse_hf_overrides(hf_overrides))
+    g = resolved.gguf
+    try:
+        by_group = groups(g.file.entries)
+        files = [str(f) for f in g.file.files]
+        p = plan(model, max_seq_len=ctx, loaded=(cfg, resolved, IndexOnly(g)))
+    finally:
+        g.close()
+    total = {"tensors": sum(v["tensors"] for v in by_group.values()),
+             "bytes": sum(v["bytes"] for v in by_group.values())}
+    if json_out:
+        render.print_json({**p.to_dict(), "gguf": {"files": files, "groups": by_group, "total": total}})
+        return
+    gib = lambda b: f"{b / 2**30:.2f}"   # noqa: E731
+    rows = [[name, v["tensors"], ", ".join(f"{t}: {c['tensors']}" for t, c in v["types"].items()),
+             f"{v['bytes']:,}", gib(v["bytes"])] for name, v in by_group.items()]
+    rows.append(["total", total["tensors"], "", f"{total['bytes']:,}", gib(total["bytes"])])
+    render.out.print(f"file: {files[0]}" if len(files) == 1 else f"files: {files[0]} and {len(files) - 1} more shards",
+                     markup=False, highlight=False, soft_wrap=True)
+    render.table("tensors by group", ["group", "tensors", "types", "bytes", "GiB"], rows, right={1, 3, 4})
+    render.out.print()
+    show_plan(p)
+
+
 def model_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: bool) -> None:
     from cpumla.cli.options import check_ctx
     from cpumla.cli.overrides import parse_hf_overrides
@@ -93,6 +148,10 @@ def model_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: 
     if json_out:
         render.print_json(p.to_dict())
         return
+    show_plan(p)
+
+
+def show_plan(p) -> None:
     gib = lambda b: f"{b / 2**30:.2f} GiB"   # noqa: E731
     label = {"stored": p.stored, "bf16": "bf16", "q8": "--quant q8", "q4": "--quant q4"}
     render.table(None, ["", ""], [

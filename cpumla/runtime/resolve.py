@@ -120,7 +120,7 @@ def resolve_model(model: str) -> Resolved:
         return Resolved("dir", path.resolve(), None, read_json_object(config_path))
     if path.exists():
         if path.suffix == ".gguf":
-            return _gguf(path.resolve())
+            return _gguf(path.absolute())    # not resolved: a link in the hub cache keeps its shard name
         raise CpumlaError(f"{path}: is a file; --model wants a model directory, a .gguf file or a repo id")
     if _looks_like_path(model):
         raise CpumlaError(f"{path}: no such directory")
