@@ -94,7 +94,7 @@ KINDS = {"int": INTS, "float": FLOATS, "bool": ("BOOL",), "str": ("STRING",),
          "ints": tuple(f"ARRAY[{t}]" for t in INTS), "floats": tuple(f"ARRAY[{t}]" for t in FLOATS)}
 WANT = {"int": "an integer", "float": "a number", "bool": "a boolean", "str": "a string",
         "ints": "an array of integers", "floats": "an array of numbers"}
-ARCHES = {"deepseek2": "DeepSeek-V2 / V3", "deepseek32": "DeepSeek-V3.2", "deepseek4": "DeepSeek-V4"}
+ARCHES = ("deepseek2", "deepseek32", "deepseek4")
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -186,8 +186,8 @@ def common(m: Metadata, g: GGUFFile) -> dict:
     a = "{arch}."
     blocks = m.get(a + "block_count", "int")
     nextn = m.get(a + "nextn_predict_layers", "int", 0)
-    if nextn >= blocks:
-        m.fail(a + "nextn_predict_layers", f"is {nextn}, not below block_count {blocks}")
+    if not 0 <= nextn < blocks:
+        m.fail(a + "nextn_predict_layers", f"is {nextn}, not from 0 to below block_count {blocks}")
     vocab = m.get(a + "vocab_size", "int", None)
     if vocab is None:
         embd = g.entries.get("token_embd.weight")
@@ -337,7 +337,8 @@ def swiglu_limit(m: Metadata, n: int) -> float:
             continue
         values = m.get(key, "floats") if t is not None and t[0].startswith("ARRAY") else [m.get(key, "float")]
         if len(set(values[:n])) != 1:
-            m.fail(key, f"is {values[:4]}...; cpumla clamps every layer alike" if values else "is empty")
+            m.fail(key, f"holds {sorted(set(values[:n]))} over the layers; cpumla clamps every layer alike"
+                   if values else "is empty")
         got[key] = values[0]
     exp, shexp = got["{arch}.swiglu_clamp_exp"], got.get("{arch}.swiglu_clamp_shexp")
     if shexp is not None and shexp != exp:
@@ -516,9 +517,13 @@ class GGUFCheckpoint:
 
     def tensor_nbytes(self, name: str) -> int:
         how, gname, index = self._entry(name)
-        if how != "view":
+        if how == "kv_b":
             return self.tensor(name).nbytes
         e = self.file.entries[gname]
+        if how == "fp4":                   # an MXFP4 block's 16 code bytes and 1 scale byte, without rebuilding
+            return e.nbytes // e.shape[0] * 16 // 17
+        if how == "fp4_scale":
+            return e.nbytes // e.shape[0] // 17
         return e.nbytes if index is None else e.nbytes // e.shape[0]
 
     @property

@@ -98,20 +98,6 @@ def test_v4_gguf_f16_and_bf16(v4, v4_rounded, tmp_path):
                      models.reference_logits(rb.to(torch.bfloat16), IDS))
 
 
-def check_q8_drift(got, ref, hf_bf16):
-    """Q8_0 products round the activations to 8-bit codes per block of 32 (kernels.h), coarser than bf16's
-    rounding, and this fixture (mHC, sinks, five layers) amplifies any rounding: transformers' own bf16
-    forward of the same values is 3-4% off the fp32 logits (relative norm; 5-8% of the largest logit),
-    where the deepseek2 fixtures stay within the Q8_0 tests' absolute bound. So against that forward: the
-    logits' relative error at most twice its (1.2-1.5 times over six seeds), per position 1 - cos < 2e-2,
-    the reference's top-1 at 3/4 of the positions or more."""
-    err, hf = np.linalg.norm(got - ref), np.linalg.norm(hf_bf16 - ref)
-    assert err <= 2 * hf, (err / np.linalg.norm(ref), hf / np.linalg.norm(ref))
-    cos = (got * ref).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(ref, axis=-1)
-    assert (1 - cos).max() < 2e-2, 1 - cos
-    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.75
-
-
 def test_v4_gguf_converter_types(v4_rounded, tmp_path):
     """The types the converter gives the release: Q8_0 for its FP8 linears (read in place), BF16 for its
     bf16 matrices, F32 for its f32 tensors and the vectors, the FP4 experts as MXFP4 (served as the
@@ -138,9 +124,9 @@ def test_v4_gguf_converter_types(v4_rounded, tmp_path):
     eng = cpumla.load(str(path))
     L = eng.model.layers[1]
     assert (eng.matmul_format, L["experts"]._keep[0][0].dtype, L["attn"][5].dtype) == ("q8_0", "e2m1", "bf16")
-    check_q8_drift(eng.forward(IDS), ref, hf_bf16)
+    gguf_files.check_q8_drift(eng.forward(IDS), ref, hf_bf16)
     eng.reset()
-    check_q8_drift(np.concatenate([eng.forward(IDS[:5])] + [eng.forward([t]) for t in IDS[5:]]), ref, hf_bf16)
+    gguf_files.check_q8_drift(np.concatenate([eng.forward(IDS[:5])] + [eng.forward([t]) for t in IDS[5:]]), ref, hf_bf16)
 
 
 # ---- bad files ------------------------------------------------------------------------------------
