@@ -74,7 +74,8 @@ FP4 experts) maps to model_type deepseek_v4 and its official tensor names (deeps
     of E8M0 scale, then 16 bytes whose low nibbles are values 0-15 and high nibbles 16-31). A block
     type the native library reads (checkpoint/tensors.py's GGUF_TYPES) is read in place; MXFP4
     experts otherwise are served as the release's FP4 (e2m1 codes two per byte, low nibble first, and
-    an E8M0 `.scale` per 32 values): the same values, the bytes reordered into memory once per expert.
+    an E8M0 `.scale` per 32 values): the same values, the bytes reordered once per expert into memory
+    of their own (the routed experts then take RAM, not the file's page cache).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import torch
 
 import cpumla
 from cpumla.checkpoint.gguf_model import GGUFCheckpoint
+from cpumla.checkpoint.tensors import GGUF_TYPES
 from cpumla.errors import CpumlaError
 
 from support import gguf_files, models
@@ -100,9 +101,10 @@ def test_v4_gguf_f16_and_bf16(v4, v4_rounded, tmp_path):
 
 def test_v4_gguf_converter_types(v4_rounded, tmp_path):
     """The types the converter gives the release: Q8_0 for its FP8 linears (read in place), BF16 for its
-    bf16 matrices, F32 for its f32 tensors and the vectors, the FP4 experts as MXFP4 (served as the
-    release's e2m1 codes and E8M0 scales: the values the gguf package dequantizes, bit for bit), I32
-    tid2eid. Against transformers on the values the file holds, prefill and decode."""
+    bf16 matrices, F32 for its f32 tensors and the vectors, the FP4 experts as MXFP4 (read in place where
+    the native library multiplies MXFP4 blocks, else served as the release's e2m1 codes and E8M0 scales:
+    the values the gguf package dequantizes, bit for bit), I32 tid2eid. Against transformers on the
+    values the file holds, prefill and decode."""
     path = tmp_path / "conv.gguf"
     held = gguf_files.write_v4(v4_rounded, path, "converter")
     Q = gguf.GGMLQuantizationType
@@ -110,20 +112,25 @@ def test_v4_gguf_converter_types(v4_rounded, tmp_path):
     assert (types["blk.1.attn_q_a.weight"], types["blk.1.attn_compressor_kv.weight"], types["blk.1.ffn_up_exps.weight"],
             types["blk.1.hc_attn_fn.weight"], types["blk.0.ffn_gate_tid2eid.weight"]) == (Q.Q8_0, Q.BF16, Q.MXFP4,
                                                                                        Q.F32, Q.I32)
+    in_place = "MXFP4" in GGUF_TYPES           # a native library that multiplies MXFP4 blocks as they are
     with GGUFCheckpoint(path) as g:
         name = "layers.3.ffn.experts.5.w2"
-        assert g.info(name + ".weight") == ("I8", (64, 16)) and g.info(name + ".scale") == ("F8_E8M0", (64, 1))
-        codes, scale = g.tensor(name + ".weight").view(np.uint8), g.tensor(name + ".scale")
-        e2m1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, 0, -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
-        nib = np.stack([codes & 15, codes >> 4], -1).reshape(64, 32)
-        values = e2m1[nib] * np.exp2(scale.astype(np.float32) - 127).repeat(32, 1)
-        assert np.array_equal(values, held["blk.3.ffn_down_exps.weight"][5])
+        if in_place:
+            assert g.info(name + ".weight") == ("MXFP4", (64, 32)) and not g.has(name + ".scale")
+        else:
+            assert g.info(name + ".weight") == ("I8", (64, 16)) and g.info(name + ".scale") == ("F8_E8M0", (64, 1))
+            codes, scale = g.tensor(name + ".weight").view(np.uint8), g.tensor(name + ".scale")
+            e2m1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, 0, -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+            nib = np.stack([codes & 15, codes >> 4], -1).reshape(64, 32)
+            values = e2m1[nib] * np.exp2(scale.astype(np.float32) - 127).repeat(32, 1)
+            assert np.array_equal(values, held["blk.3.ffn_down_exps.weight"][5])
     rm = gguf_files.reference_v4(v4_rounded, held, tmp_path / "ref")
     ref = models.reference_logits(rm, IDS)
     hf_bf16 = models.reference_logits(rm.to(torch.bfloat16), IDS)
     eng = cpumla.load(str(path))
     L = eng.model.layers[1]
-    assert (eng.matmul_format, L["experts"]._keep[0][0].dtype, L["attn"][5].dtype) == ("q8_0", "e2m1", "bf16")
+    assert (eng.matmul_format, L["experts"]._keep[0][0].dtype, L["attn"][5].dtype) == \
+        ("q8_0", "mxfp4" if in_place else "e2m1", "bf16")
     gguf_files.check_q8_drift(eng.forward(IDS), ref, hf_bf16)
     eng.reset()
     gguf_files.check_q8_drift(np.concatenate([eng.forward(IDS[:5])] + [eng.forward([t]) for t in IDS[5:]]), ref, hf_bf16)
