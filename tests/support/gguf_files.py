@@ -261,8 +261,8 @@ def reference_v32(model, held: dict[str, np.ndarray]):
 # ---- deepseek4 (DeepSeek-V4) ------------------------------------------------------------------------
 # DeepseekV4Model reads the official release (FP8 linears with E8M0 scales, FP4 experts, bf16 and f32
 # tensors) and writes: the FP8 linears dequantized as Q8_0, bf16 matrices BF16, f32 tensors and every 1-D
-# one F32, the FP4 experts stacked and repacked as MXFP4, tid2eid I32. Here from a transformers model
-# (its names, fp32 values).
+# one F32, the FP4 experts stacked and repacked as MXFP4, tid2eid I32. Here from the folder transformers
+# saves (its names, fp32 values), in those types (v4_types "converter") or in one float type.
 V4_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "head.weight": "output.weight", "model.hc_head.hc_fn": "output_hc_fn.weight",
              "model.hc_head.hc_base": "output_hc_base.weight", "model.hc_head.hc_scale": "output_hc_scale.weight"}
