@@ -142,7 +142,7 @@ class Names:
         alt = hf_name(name)
         if self.src.has(alt):
             return alt
-        raise CpumlaError(f"{W.where(self.src)}: checkpoint is missing tensor '{name}'")
+        raise CpumlaError(f"{W.where(self.src)}: checkpoint is missing tensor '{W.label(self.src, name)}'")
 
 
 def scale_of(src, name: str) -> tuple[str | None, np.ndarray | None]:
@@ -157,9 +157,12 @@ def scale_of(src, name: str) -> tuple[str | None, np.ndarray | None]:
 
 def linear(src, names: Names, name: str, shape: tuple[int, int], block=(128, 128)) -> native.Weight:
     """A [out, in] weight as stored: f32 / bf16 / f16, FP8 e4m3 with a 128x128 `.scale` grid (E8M0 or
-    f32), or FP4 e2m1 packed two per byte (I8 [out, in/2]) with an E8M0 `.scale` per 1x32."""
+    f32), FP4 e2m1 packed two per byte (I8 [out, in/2]) with an E8M0 `.scale` per 1x32, or a GGUF
+    block type (tensors.GGUF_TYPES)."""
     real = names(name)
     dtype, got = src.info(real)
+    if dtype in W.GGUF_TYPES:          # a GGUF block type (Q8_0 ...), read in place
+        return W.gguf_block(src, real, shape)
     if dtype == "I8":
         if tuple(got) != (shape[0], shape[1] // 2) or shape[1] % 2:
             raise CpumlaError(f"{W.where(src, real)}: FP4 tensor '{real}' has shape {list(got)}, config wants "
@@ -172,7 +175,8 @@ def linear(src, names: Names, name: str, shape: tuple[int, int], block=(128, 128
         except CpumlaError as e:
             raise CpumlaError(f"{W.where(src, sname)}: '{sname}': {e}") from None
     if tuple(got) != tuple(shape):
-        raise CpumlaError(f"{W.where(src, real)}: tensor '{real}' has shape {list(got)}, config wants {list(shape)}")
+        raise CpumlaError(f"{W.where(src, real)}: tensor '{W.label(src, real)}' has shape {list(got)}, config wants "
+                          f"{list(shape)}")
     if dtype == "F8_E4M3":
         sname, scale = scale_of(src, real)
         if scale is None:

@@ -283,3 +283,291 @@ def with_metadata(src: Path, dst: Path, keys: dict) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+# ---- deepseek32 (DeepSeek-V3.2) ---------------------------------------------------------------------
+# DeepseekV32Model: DeepseekV2Model's keys and tensors under arch deepseek32, sigmoid routing, the indexer's
+# sizes and its tensors as the checkpoint has them.
+INDEXER = {"self_attn.indexer.wq_b.weight": "indexer.attn_q_b.weight",
+           "self_attn.indexer.wk.weight": "indexer.attn_k.weight",
+           "self_attn.indexer.k_norm.weight": "indexer.k_norm.weight",
+           "self_attn.indexer.k_norm.bias": "indexer.k_norm.bias",
+           "self_attn.indexer.weights_proj.weight": "indexer.proj.weight"}
+
+
+def converter_metadata_v32(cfg, model) -> dict:
+    """The metadata convert_hf_to_gguf.py writes for a DeepSeek-V3.2 config."""
+    a = "deepseek32."
+    md = {a + k[len("deepseek2."):] if k.startswith("deepseek2.") else k: v
+          for k, v in converter_metadata(cfg, model).items()}
+    md.update({a + "expert_gating_func": 2, a + "attention.indexer.head_count": cfg.index_n_heads,
+               a + "attention.indexer.key_length": cfg.index_head_dim, a + "attention.indexer.top_k": cfg.index_topk})
+    return md
+
+
+def gguf_tensors_v32(model, split_kv_b: bool = True) -> dict[str, np.ndarray]:
+    out = gguf_tensors(model, split_kv_b)
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    for i in range(model.config.num_hidden_layers):
+        for hf, g in INDEXER.items():
+            out[f"blk.{i}.{g}"] = sd[f"model.layers.{i}.{hf}"]
+    return out
+
+
+def write_v32(model, path: Path, qtype: str = "F32", split_kv_b: bool = True, metadata=None, drop=(),
+              transform=None) -> dict[str, np.ndarray]:
+    """write() for a transformers DeepSeek-V3.2 model (arch deepseek32); returns the values the file holds."""
+    tensors = gguf_tensors_v32(model, split_kv_b)
+    types = {n: qtype if a.ndim > 1 and not n.endswith(F32_ONLY) else "F32" for n, a in tensors.items()}
+    return write_file(path, "deepseek32", converter_metadata_v32(model.config, model), tensors, types, metadata,
+                      drop, transform)
+
+
+def reference_v32(model, held: dict[str, np.ndarray]):
+    """reference() with the indexer's tensors too."""
+    reference(model, held)
+    sd = model.state_dict()
+    with torch.no_grad():
+        for i in range(model.config.num_hidden_layers):
+            for hf, g in INDEXER.items():
+                t = sd[f"model.layers.{i}.{hf}"]
+                t.copy_(torch.from_numpy(np.ascontiguousarray(held[f"blk.{i}.{g}"], np.float32)).reshape(t.shape))
+    return model
+
+
+# ---- deepseek4 (DeepSeek-V4) ------------------------------------------------------------------------
+# DeepseekV4Model reads the official release (FP8 linears with E8M0 scales, FP4 experts, bf16 and f32
+# tensors) and writes: the FP8 linears dequantized as Q8_0, bf16 matrices BF16, f32 tensors and every 1-D
+# one F32, the FP4 experts stacked and repacked as MXFP4, tid2eid I32. Here from the folder transformers
+# saves (its names, fp32 values), in those types (v4_types "converter") or in one float type.
+V4_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "head.weight": "output.weight", "model.hc_head.hc_fn": "output_hc_fn.weight",
+             "model.hc_head.hc_base": "output_hc_base.weight", "model.hc_head.hc_scale": "output_hc_scale.weight"}
+V4_SUB = {"attn_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+          "hc_attn_fn": "hc_attn_fn.weight", "hc_attn_base": "hc_attn_base.weight", "hc_attn_scale": "hc_attn_scale.weight",
+          "hc_ffn_fn": "hc_ffn_fn.weight", "hc_ffn_base": "hc_ffn_base.weight", "hc_ffn_scale": "hc_ffn_scale.weight",
+          "attn.attn_sink": "attn_sinks.weight", "attn.wq_a.weight": "attn_q_a.weight",
+          "attn.q_norm.weight": "attn_q_a_norm.weight", "attn.wq_b.weight": "attn_q_b.weight",
+          "attn.wkv.weight": "attn_kv.weight", "attn.norm.weight": "attn_kv_a_norm.weight",
+          "attn.wo_a.weight": "attn_output_a.weight", "attn.wo_b.weight": "attn_output_b.weight",
+          "attn.compressor.wkv.weight": "attn_compressor_kv.weight",
+          "attn.compressor.wgate.weight": "attn_compressor_gate.weight",
+          "attn.compressor.ape": "attn_compressor_ape.weight", "attn.compressor.norm.weight": "attn_compressor_norm.weight",
+          "attn.indexer.wq_b.weight": "indexer.attn_q_b.weight", "attn.indexer.weights_proj.weight": "indexer.proj.weight",
+          "attn.indexer.compressor.wkv.weight": "indexer_compressor_kv.weight",
+          "attn.indexer.compressor.wgate.weight": "indexer_compressor_gate.weight",
+          "attn.indexer.compressor.ape": "indexer_compressor_ape.weight",
+          "attn.indexer.compressor.norm.weight": "indexer_compressor_norm.weight",
+          "ffn.gate.weight": "ffn_gate_inp.weight", "ffn.gate.bias": "exp_probs_b.bias",
+          "ffn.gate.tid2eid": "ffn_gate_tid2eid.weight",
+          "ffn.shared_experts.w1.weight": "ffn_gate_shexp.weight", "ffn.shared_experts.w2.weight": "ffn_down_shexp.weight",
+          "ffn.shared_experts.w3.weight": "ffn_up_shexp.weight"}
+V4_EXPERTS = {"w1": "ffn_gate_exps.weight", "w2": "ffn_down_exps.weight", "w3": "ffn_up_exps.weight"}
+V4_F32 = ("hc_attn_fn.weight", "hc_ffn_fn.weight", "output_hc_fn.weight")            # f32 in the release
+V4_FP8 = ("attn_q_a.weight", "attn_q_b.weight", "attn_kv.weight", "attn_output_a.weight", "attn_output_b.weight",
+          "indexer.attn_q_b.weight", "_shexp.weight")                                   # FP8 in the release
+
+
+def v4_ratios(cfg) -> list[int]:
+    """Each layer's compression ratio (0: sliding window) from a transformers V4 config."""
+    return [0 if t == "sliding_attention" else cfg.compress_rates[t] for t in cfg.layer_types]
+
+
+def gguf_tensors_v4(saved: Path) -> dict[str, np.ndarray]:
+    """The converter's tensors of a DeepSeek-V4 model saved by transformers (`saved`: its folder; the
+    names save_pretrained writes): GGUF name -> array (float32; tid2eid int32)."""
+    from safetensors.numpy import load_file
+
+    from transformers import DeepseekV4Config
+
+    cfg = DeepseekV4Config.from_pretrained(saved)
+    sd = load_file(saved / "model.safetensors")
+    out = {g: sd[hf].astype(np.float32) for hf, g in V4_GLOBAL.items()}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for hf, g in V4_SUB.items():
+            if p + hf in sd:
+                out[f"blk.{i}.{g}"] = sd[p + hf].astype(np.int32 if hf.endswith("tid2eid") else np.float32)
+        for w, g in V4_EXPERTS.items():
+            out[f"blk.{i}.{g}"] = np.stack([sd[f"{p}ffn.experts.{e}.{w}.weight"] for e in range(cfg.n_routed_experts)])
+    return out
+
+
+def converter_metadata_v4(cfg) -> dict:
+    """The metadata convert_hf_to_gguf.py (DeepseekV4Model) writes for a DeepSeek-V4 config, from a
+    transformers config (its nested rope_parameters: main for the sliding layers, compress for the rest)."""
+    a = "deepseek4."
+    main, comp = cfg.rope_parameters["main"], cfg.rope_parameters["compress"]
+    L = cfg.num_hidden_layers
+    md = {
+        "general.name": "tiny", a + "block_count": L, a + "context_length": cfg.max_position_embeddings,
+        a + "embedding_length": cfg.hidden_size, a + "attention.head_count": cfg.num_attention_heads,
+        a + "attention.head_count_kv": 1, a + "rope.freq_base": float(main["rope_theta"]),
+        a + "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps), a + "expert_count": cfg.n_routed_experts,
+        a + "expert_used_count": cfg.num_experts_per_tok, a + "expert_gating_func": 4,
+        a + "attention.key_length": cfg.head_dim, a + "attention.value_length": cfg.head_dim,
+        a + "rope.dimension_count": cfg.qk_rope_head_dim, a + "attention.q_lora_rank": cfg.q_lora_rank,
+        a + "attention.sliding_window": cfg.sliding_window,
+        a + "expert_feed_forward_length": cfg.moe_intermediate_size, a + "expert_shared_count": cfg.n_shared_experts,
+        a + "expert_weights_scale": float(cfg.routed_scaling_factor), a + "expert_weights_norm": bool(cfg.norm_topk_prob),
+        a + "swiglu_clamp_exp": [float(cfg.swiglu_limit)] * L, a + "swiglu_clamp_shexp": [float(cfg.swiglu_limit)] * L,
+        a + "attention.indexer.head_count": cfg.index_n_heads, a + "attention.indexer.key_length": cfg.index_head_dim,
+        a + "attention.indexer.top_k": cfg.index_topk, a + "attention.output_group_count": cfg.o_groups,
+        a + "attention.output_lora_rank": cfg.o_lora_rank, a + "attention.compress_ratios": v4_ratios(cfg),
+        a + "attention.compress_rope_freq_base": float(comp["rope_theta"]), a + "hyper_connection.count": cfg.hc_mult,
+        a + "hyper_connection.sinkhorn_iterations": cfg.hc_sinkhorn_iters, a + "hyper_connection.epsilon": float(cfg.hc_eps),
+        a + "hash_layer_count": sum(t == "hash_moe" for t in cfg.mlp_layer_types),
+        a + "embedding_length_out": cfg.hidden_size * cfg.hc_mult,
+    }
+    if comp.get("rope_type", comp.get("type")) == "yarn":
+        md.update({a + "rope.scaling.type": "yarn", a + "rope.scaling.factor": float(comp["factor"]),
+                   a + "rope.scaling.original_context_length": comp["original_max_position_embeddings"],
+                   a + "rope.scaling.yarn_beta_fast": float(comp.get("beta_fast", 32)),
+                   a + "rope.scaling.yarn_beta_slow": float(comp.get("beta_slow", 1))})
+    return md
+
+
+def v4_types(tensors: dict[str, np.ndarray], qtype: str) -> dict[str, str]:
+    """Each tensor's GGUF type. qtype F32 / F16 / BF16: every matrix but the f32 ones (mHC) in it;
+    "converter": what the converter writes from the release (FP8 -> Q8_0, bf16 -> BF16, FP4 experts ->
+    MXFP4). 1-D tensors, the mHC and compressor position biases F32; tid2eid I32."""
+    out = {}
+    for n, a in tensors.items():
+        if a.dtype == np.int32:
+            out[n] = "I32"
+        elif a.ndim == 1 or n.endswith(V4_F32 + ("_ape.weight",)):
+            out[n] = "F32"
+        elif qtype != "converter":
+            out[n] = qtype
+        elif n.endswith("_exps.weight"):
+            out[n] = "MXFP4"
+        else:
+            out[n] = "Q8_0" if n.endswith(V4_FP8) else "BF16"
+    return out
+
+
+def write_v4(saved: Path, path: Path, qtype: str = "F32", metadata=None, drop=(), transform=None,
+             types=None) -> dict[str, np.ndarray]:
+    """Writes a DeepSeek-V4 model saved by transformers (`saved`) as a GGUF file (arch deepseek4), tensors
+    typed by v4_types(qtype) (types: {name: type} over those). Returns {GGUF name: the values the file holds}."""
+    from transformers import DeepseekV4Config
+
+    tensors = gguf_tensors_v4(saved)
+    return write_file(path, "deepseek4", converter_metadata_v4(DeepseekV4Config.from_pretrained(saved)), tensors,
+                      {**v4_types(tensors, qtype), **(types or {})}, metadata, drop, transform)
+
+
+def reference_v4(saved: Path, held: dict[str, np.ndarray], out: Path):
+    """transformers' DeepSeek-V4 model of `saved` with the values a GGUF file holds (`held`, GGUF names)
+    instead of its own, saved to `out` and loaded from there (fp32, eval mode)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+    from transformers import DeepseekV4ForCausalLM
+
+    inverse = {g: hf for hf, g in V4_GLOBAL.items()}
+    sd = load_file(saved / "model.safetensors")
+    n = len({k.split(".")[2] for k in sd if k.startswith("model.layers.")})
+    for i in range(n):
+        inverse.update({f"blk.{i}.{g}": f"model.layers.{i}.{hf}" for hf, g in V4_SUB.items()})
+    experts = {g: w for w, g in V4_EXPERTS.items()}
+    for name, a in held.items():
+        if name in inverse:
+            sd[inverse[name]] = np.ascontiguousarray(a).astype(sd[inverse[name]].dtype)
+            continue
+        i, g = int(name.split(".")[1]), name.split(".", 2)[2]
+        for e in range(a.shape[0]):
+            sd[f"model.layers.{i}.ffn.experts.{e}.{experts[g]}.weight"] = np.ascontiguousarray(a[e], np.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(saved / "config.json", out / "config.json")
+    save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
+    return DeepseekV4ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+
+# ---- any arch ---------------------------------------------------------------------------------------
+def write_file(path: Path, arch: str, md: dict, tensors: dict[str, np.ndarray], types: dict[str, str],
+               metadata=None, drop=(), transform=None) -> dict[str, np.ndarray]:
+    """A GGUF file of arch `arch`: metadata md ({key: value or None (left out)} over it: metadata), the
+    tensors in their types (F32 / F16 / BF16 / Q8_0 / MXFP4 / I32; a Q8_0 or MXFP4 matrix whose rows are
+    not whole blocks falls back to F16), drop: left out, transform: {name: f(array) -> the array written}.
+    Returns {GGUF name: the values the file holds} (float32, dequantized by the gguf package; I32 as is)."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in {**md, **(metadata or {})}.items():
+        if value is not None:
+            add_any(w, key, value)
+    held = {}
+    for name, a in tensors.items():
+        if name in drop:
+            continue
+        a = np.ascontiguousarray((transform or {}).get(name, lambda x: x)(a))
+        kind = Q[types[name]]
+        if kind in (Q.Q8_0, Q.MXFP4) and a.shape[-1] % 32:
+            kind = Q.F16
+        if kind == Q.I32:
+            data = a.astype(np.int32)
+        elif kind == Q.F32:
+            data = a.astype(np.float32)
+        elif kind == Q.F16:
+            data = a.astype(np.float16)
+        else:
+            data = gguf.quants.quantize(a.astype(np.float32), kind)
+        w.add_tensor(name, data, raw_dtype=kind)
+        held[name] = data if kind == Q.I32 else data.astype(np.float32) if kind in (Q.F32, Q.F16) else \
+            gguf.quants.dequantize(data, kind).reshape(a.shape).astype(np.float32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return held
+
+
+def add_any(w, key: str, value) -> None:
+    """add(), and arrays as the converter writes them (GGUFWriter.add_array: ints INT32, floats FLOAT32)."""
+    if isinstance(value, list):
+        w.add_array(key, value)
+    else:
+        add(w, key, value)
+
+
+# DeepseekV32Model.set_vocab asserts that the tokenizer reports add_bos_token true. transformers 5 drops
+# tokenizer_config.json's add_bos_token when a tokenizer.json is there (the tokenizer reports False,
+# whatever the file says), so no V3.2 folder converts with it: the converter is run with the tokenizer
+# reporting it true, as V3.2's tokenizer_config.json has it.
+BOS_DRIVER = """
+import os, runpy, sys
+import transformers
+load = transformers.AutoTokenizer.from_pretrained
+def from_pretrained(*a, **k):
+    t = load(*a, **k)
+    t.add_bos_token = True
+    return t
+transformers.AutoTokenizer.from_pretrained = from_pretrained
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def convert_add_bos(model_dir: Path, out: Path, outtype: str = "f32") -> None:
+    """convert() with the tokenizer reporting add_bos_token true (BOS_DRIVER)."""
+    conv = llama_cpp() / "convert_hf_to_gguf.py"
+    subprocess.run([sys.executable, "-c", BOS_DRIVER, str(conv), str(model_dir), "--outtype", outtype, "--outfile",
+                    str(out)], check=True, capture_output=True)
+
+
+def check_q8_drift(got, ref, hf_bf16):
+    """A V4 file with Q8_0 linears against transformers fp32 on its values (ref) and transformers' own bf16
+    forward of them (hf_bf16). Q8_0 products round the activations to 8-bit codes per block of 32
+    (kernels.h), coarser than bf16's rounding, and the tiny V4 models (mHC, sinks, five layers, 44 tokens)
+    amplify any rounding: transformers' bf16 forward is 3-4% off the fp32 logits (relative norm; 5-8% of
+    the largest logit), where the deepseek2 fixtures stay within test_gguf.py's absolute Q8_0 bound. So
+    against that forward: the logits' relative error at most twice its (1.2-1.5 times over six seeds),
+    per position 1 - cos < 2e-2, the reference's top-1 at 3/4 of the positions or more."""
+    err, hf = np.linalg.norm(got - ref), np.linalg.norm(hf_bf16 - ref)
+    assert err <= 2 * hf, (err / np.linalg.norm(ref), hf / np.linalg.norm(ref))
+    cos = (got * ref).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(ref, axis=-1)
+    assert (1 - cos).max() < 2e-2, 1 - cos
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.75
