@@ -151,11 +151,11 @@ FP4_FMA_GEMM = {"avx2": 12, "avx512f": 40}     # the levels whose E2M1 gemm has 
 
 
 def expected_owner(isa, kernel, fmt):
-    if fmt in native.GGUF_FORMATS:           # gguf_q.c: scalar, avx2 and avx512vnni fill gemm_gq
+    if fmt in native.GGUF_FORMATS:           # gguf_q.c: scalar, avx2, avx512vnni and neon fill gemm_gq
         if kernel not in ("gemv", "gemm", "head_gemv"):
             return "scalar"
         return {"avx2": "avx2", "avxvnni": "avx2", "avx512f": "avx2", "avx512vnni": "avx512vnni",
-                "avx512": "avx512vnni", "amx": "avx512vnni"}.get(isa, "scalar")
+                "avx512": "avx512vnni", "amx": "avx512vnni", "neon": "neon"}.get(isa, "scalar")
     if fmt == "e2m1" and kernel in ("gemv", "gemm", "head_gemv"):     # the integer product (quant.c)
         if isa == "scalar":
             return "scalar"

@@ -97,6 +97,14 @@ static inline float gq_chunk_product(const gq_unpacked *u, int c, int has_min, i
     return p;
 }
 
+/* chunk c's product with the 32 activation codes x of scale xd, the integer sums formed one by one */
+static inline float gq_chunk_spec(const gq_unpacked *u, int c, int has_min, const int8_t *x, float xd) {
+    int32_t a0 = 0, a1 = 0, x0 = 0, x1 = 0;
+    for (int i = 0; i < 16; i++) { a0 += u->q[32 * c + i] * x[i]; x0 += x[i]; }
+    for (int i = 16; i < 32; i++) { a1 += u->q[32 * c + i] * x[i]; x1 += x[i]; }
+    return gq_chunk_product(u, c, has_min, a0, a1, x0, x1, xd);
+}
+
 /* one activation row x [K] (K a multiple of 32) -> qx in the spec's Q8 layout (scalar_gq.c) */
 CPUMLA_INTERNAL void gq_quant_x(const float *x, int64_t K, void *qx);
 

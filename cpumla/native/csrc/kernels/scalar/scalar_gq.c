@@ -35,13 +35,7 @@ static float row_dot_gq(const cpumla_weight *w, int64_t r, const int8_t *xq, con
     for (int64_t c0 = 0; c0 < w->cols; c0 += 256) {
         const int n = w->cols - c0 >= 256 ? 8 : (int)((w->cols - c0) / 32);
         gq_unpack(w->dtype, row, c0, n, &u);
-        for (int c = 0; c < n; c++) {
-            const int8_t *x = xq + c0 + 32 * c;
-            int32_t a0 = 0, a1 = 0, x0 = 0, x1 = 0;
-            for (int i = 0; i < 16; i++) { a0 += u.q[32 * c + i] * x[i]; x0 += x[i]; }
-            for (int i = 16; i < 32; i++) { a1 += u.q[32 * c + i] * x[i]; x1 += x[i]; }
-            acc += gq_chunk_product(&u, c, t->has_min, a0, a1, x0, x1, xd[c0 / 32 + c]);
-        }
+        for (int c = 0; c < n; c++) acc += gq_chunk_spec(&u, c, t->has_min, xq + c0 + 32 * c, xd[c0 / 32 + c]);
     }
     return acc;
 }
