@@ -20,7 +20,7 @@ line naming the file and the key.
 from __future__ import annotations
 
 from cpumla.chat.tiktoken_tokenizer import PAT_STR
-from cpumla.checkpoint.gguf_model import INTS
+from cpumla.checkpoint.gguf_meta import Metadata
 from cpumla.errors import CpumlaError
 
 # DeepSeek LLM / V2 / V2.5 / Coder-V2 letters: Latin, Greek, Cyrillic, Armenian, Georgian, Cherokee and
@@ -64,42 +64,15 @@ def has_tokenizer(g) -> bool:
     return g.value("tokenizer.ggml.model") is not None
 
 
-class _Meta:
-    """Typed reads of the tokenizer keys: one CpumlaError line naming the file and the key."""
-
-    WANT = {"str": (("STRING",), "a string"), "int": (INTS, "an integer"), "bool": (("BOOL",), "a boolean"),
-            "strs": (("ARRAY[STRING]",), "an array of strings"),
-            "ints": (tuple(f"ARRAY[{t}]" for t in INTS), "an array of integers")}
-
-    def __init__(self, g):
-        self.g, self.file = g, g.files[0]
-
-    def get(self, key: str, kind: str, default=KeyError):
-        got = self.g.value(key)
-        if got is None:
-            if default is KeyError:
-                raise CpumlaError(f"{self.file}: metadata key '{key}' is missing")
-            return default
-        t, v = got
-        types, want = self.WANT[kind]
-        if t not in types:
-            raise CpumlaError(f"{self.file}: metadata key '{key}' is {t}, want {want}")
-        return v
-
-    def fail(self, key: str, why: str):
-        raise CpumlaError(f"{self.file}: metadata key '{key}' {why}")
-
-
 def from_gguf(g):
-    """cpumla.chat.tokenizer.Tokenizer from a GGUFFile's (cpumla.checkpoint.gguf) metadata."""
+    """(tokenizers.Tokenizer, tokenizer config, source name) from a GGUFFile's (cpumla.checkpoint.gguf)
+    metadata: what cpumla.chat.tokenizer.Tokenizer is made of."""
     try:
         from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
     except ImportError:
         raise CpumlaError("a GGUF file's tokenizer needs the package tokenizers (pip install tokenizers)") from None
-    from cpumla.chat.tokenizer import Tokenizer
-
-    m = _Meta(g)
+    m = Metadata(g, any_arch=True)
     kind = m.get("tokenizer.ggml.model", "str")
     if kind != "gpt2":
         m.fail("tokenizer.ggml.model", f"is {kind[:40]!r}; cpumla reads 'gpt2' (byte-level BPE) tokenizers")
@@ -151,7 +124,7 @@ def from_gguf(g):
             config[name] = tokens[i]
     for key in ("add_bos_token", "add_eos_token"):
         config[key] = bool(m.get(f"tokenizer.ggml.{key}", "bool", False))
-    return Tokenizer(tk, config, f"{m.file} (GGUF)")
+    return tk, config, f"{m.file} (GGUF)"
 
 
 def _one_line(e: Exception) -> str:

@@ -105,7 +105,7 @@ def load_tokenizer(resolved, tokenizer: str | None = None, dummy_weights: bool =
         from cpumla.chat.gguf_tokenizer import from_gguf, has_tokenizer
 
         if has_tokenizer(resolved.gguf.file):
-            return from_gguf(resolved.gguf.file), []
+            return Tokenizer(*from_gguf(resolved.gguf.file)), []
         if not has_own and not dummy_weights:
             raise CpumlaError(f"{resolved.gguf.path}: metadata key 'tokenizer.ggml.model' is missing: the file has "
                               f"no tokenizer (pass --tokenizer DIR, or --tokenizer bundled for DeepSeek's V3/V4 "

@@ -38,44 +38,7 @@ deepseek_v32) adds the lightning indexer:
   - blk.N.indexer.attn_q_b (wq_b), indexer.attn_k (wk), indexer.k_norm weight and bias (its LayerNorm),
     indexer.proj (weights_proj), stored as the checkpoint has them (no permutation).
 
-`deepseek4` (DeepSeek-V4 Flash / Pro, DeepseekV4Model, which reads the official release: FP8 linears,
-FP4 experts) maps to model_type deepseek_v4 and its official tensor names (deepseek_v4_tensors.py):
-  - sizes: block_count (minus nextn_predict_layers), embedding_length, attention.head_count,
-    attention.key_length (head_dim: K and V share it), rope.dimension_count (qk_rope_head_dim),
-    attention.q_lora_rank, attention.output_group_count / output_lora_rank (o_groups / o_lora_rank),
-    attention.sliding_window, attention.indexer.head_count / key_length / top_k, context_length,
-    vocab_size (absent, as the converter leaves it: token_embd's rows).
-  - MoE on every layer: expert_count, expert_used_count, expert_shared_count,
-    expert_feed_forward_length, expert_weights_scale, expert_weights_norm, expert_gating_func (4,
-    sqrtsoftplus: the only routing V4 has), hash_layer_count (num_hash_layers: the first layers
-    route by token id through ffn_gate_tid2eid), swiglu_clamp_exp (one value, or one per layer: they
-    must agree, cpumla clamps every layer's experts alike) and swiglu_clamp_shexp (absent: the same;
-    the shared expert is clamped at the same limit).
-  - attention.compress_ratios, one per block: 0 a sliding-window layer, 4 CSA (overlapping windows
-    and the indexer), any other ratio HCA (128 in the releases; one HCA ratio per model). Kept as
-    transformers' layer_types and compress_rates.
-  - mHC: hyper_connection.count / sinkhorn_iterations / epsilon (hc_mult / hc_sinkhorn_iters / hc_eps).
-  - rope: rope.freq_base for the sliding-window layers (no scaling), attention.compress_rope_freq_base
-    with the YaRN keys (rope.scaling.type / factor / original_context_length / yarn_beta_fast / _slow)
-    for the compressed ones. cos/sin are never scaled (llama.cpp's V4 graph cancels YaRN's mscale, as
-    transformers does): rope.scaling.yarn_attn_factor and yarn_log_multiplier are not read.
-  - tensors: token_embd (embed), output_norm (norm), output (head), output_hc_fn / _base / _scale
-    (hc_head_*); per block hc_attn_{fn,base,scale}, hc_ffn_{fn,base,scale}, attn_norm, ffn_norm,
-    attn_sinks (attn.attn_sink), attn_q_a / attn_q_a_norm / attn_q_b (wq_a / q_norm / wq_b), attn_kv /
-    attn_kv_a_norm (wkv / kv_norm), attn_output_a / _b (wo_a / wo_b), attn_compressor_{kv,gate,ape,norm}
-    (compressor.wkv / wgate / ape / norm), indexer.attn_q_b / indexer.proj (indexer.wq_b /
-    weights_proj), indexer_compressor_{kv,gate,ape,norm}, ffn_gate_inp (gate), exp_probs_b.bias
-    (gate.bias, non-hash layers), ffn_gate_tid2eid (gate.tid2eid: I32 [vocab, top_k]),
-    ffn_{gate,up,down}_shexp (shared_experts.w1 / w3 / w2) and the routed experts stacked as
-    ffn_{gate,up,down}_exps (experts.e.w1 / w3 / w2). exp_probs_b_vl (image tokens) and the NextN
-    blocks are not read.
-  - types: the converter dequantizes the release's FP8 linears and writes them Q8_0, keeps bf16
-    tensors BF16 and f32 ones F32, and repacks the FP4 experts losslessly into MXFP4 blocks (a byte
-    of E8M0 scale, then 16 bytes whose low nibbles are values 0-15 and high nibbles 16-31). A block
-    type the native library reads (checkpoint/tensors.py's GGUF_TYPES) is read in place; MXFP4
-    experts otherwise are served as the release's FP4 (e2m1 codes two per byte, low nibble first, and
-    an E8M0 `.scale` per 32 values): the same values, the bytes reordered once per expert into memory
-    of their own (the routed experts then take RAM, not the file's page cache).
+`deepseek4` (DeepSeek-V4): gguf_model_v4.py.
 """
 
 from __future__ import annotations
@@ -85,17 +48,11 @@ from pathlib import Path
 
 import numpy as np
 
-from cpumla.checkpoint import tensors as W
+from cpumla.checkpoint import gguf_model_v4 as V4
 from cpumla.checkpoint.gguf import GGUFFile
+from cpumla.checkpoint.gguf_meta import Metadata, common, yarn
 from cpumla.errors import CpumlaError
 
-INTS = ("UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64")
-FLOATS = ("FLOAT32", "FLOAT64") + INTS
-KINDS = {"int": INTS, "float": FLOATS, "bool": ("BOOL",), "str": ("STRING",),
-         "ints": tuple(f"ARRAY[{t}]" for t in INTS), "floats": tuple(f"ARRAY[{t}]" for t in FLOATS)}
-WANT = {"int": "an integer", "float": "a number", "bool": "a boolean", "str": "a string",
-        "ints": "an array of integers", "floats": "an array of numbers"}
-ARCHES = ("deepseek2", "deepseek32", "deepseek4")
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -118,106 +75,14 @@ INDEXER = {   # deepseek32: V3.2's lightning indexer
     "self_attn.indexer.k_norm.weight": "indexer.k_norm.weight", "self_attn.indexer.k_norm.bias": "indexer.k_norm.bias",
     "self_attn.indexer.weights_proj.weight": "indexer.proj.weight",
 }
-# deepseek4: the official V4 names (deepseek_v4_tensors.py) -> the file's
-V4_GLOBAL = {"embed.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "head.weight": "output.weight",
-             "hc_head_fn": "output_hc_fn.weight", "hc_head_base": "output_hc_base.weight",
-             "hc_head_scale": "output_hc_scale.weight"}
-V4_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-V4_EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
-V4_EXPERTS = {"w1": "ffn_gate_exps.weight", "w2": "ffn_down_exps.weight", "w3": "ffn_up_exps.weight"}
-V4_PER_LAYER = {
-    **{f"hc_{s}_{p}": f"hc_{s}_{p}.weight" for s in ("attn", "ffn") for p in ("fn", "base", "scale")},
-    "attn_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
-    "attn.attn_sink": "attn_sinks.weight", "attn.wq_a.weight": "attn_q_a.weight",
-    "attn.q_norm.weight": "attn_q_a_norm.weight", "attn.wq_b.weight": "attn_q_b.weight",
-    "attn.wkv.weight": "attn_kv.weight", "attn.kv_norm.weight": "attn_kv_a_norm.weight",
-    "attn.wo_a.weight": "attn_output_a.weight", "attn.wo_b.weight": "attn_output_b.weight",
-    **{f"attn.{c}compressor.{n}": f"{g}_{m}.weight" for c, g in (("", "attn_compressor"), ("indexer.", "indexer_compressor"))
-       for n, m in (("wkv.weight", "kv"), ("wgate.weight", "gate"), ("ape", "ape"), ("norm.weight", "norm"))},
-    "attn.indexer.wq_b.weight": "indexer.attn_q_b.weight", "attn.indexer.weights_proj.weight": "indexer.proj.weight",
-    "ffn.gate.weight": "ffn_gate_inp.weight", "ffn.gate.bias": "exp_probs_b.bias",
-    "ffn.gate.tid2eid": "ffn_gate_tid2eid.weight",
-    "ffn.shared_experts.w1.weight": "ffn_gate_shexp.weight", "ffn.shared_experts.w2.weight": "ffn_down_shexp.weight",
-    "ffn.shared_experts.w3.weight": "ffn_up_shexp.weight",
-}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 INT_TYPES = {"I32": np.dtype("<i4"), "I64": np.dtype("<i8")}     # read as raw bytes (gguf.py maps floats and blocks)
-
-
-class Metadata:
-    """Typed reads of a GGUF file's metadata: one CpumlaError line naming the file and the key."""
-
-    def __init__(self, g: GGUFFile):
-        self.g, self.file = g, g.files[0]
-        arch = self.get("general.architecture", "str")
-        if arch not in ARCHES:
-            known = ", ".join(ARCHES)
-            raise CpumlaError(f"{self.file}: architecture '{arch}' is not one cpumla reads from GGUF ({known})")
-        self.arch = arch
-
-    def key(self, key: str) -> str:
-        return key.format(arch=getattr(self, "arch", ""))
-
-    def get(self, key: str, kind: str, default=KeyError):
-        key = self.key(key)
-        got = self.g.value(key)
-        if got is None:
-            if default is KeyError:
-                raise CpumlaError(f"{self.file}: metadata key '{key}' is missing")
-            return default
-        t, v = got
-        if t not in KINDS[kind]:
-            raise CpumlaError(f"{self.file}: metadata key '{key}' is {t}, want {WANT[kind]}")
-        if kind == "floats":
-            return [float(x) for x in v]
-        return float(v) if kind == "float" else v
-
-    def fail(self, key: str, why: str):
-        raise CpumlaError(f"{self.file}: metadata key '{self.key(key)}' {why}")
 
 
 def config_dict(g: GGUFFile) -> dict:
     """The Hugging Face config.json the family module would read for this file."""
     m = Metadata(g)
-    return v4_config(m, g) if m.arch == "deepseek4" else mla_config(m, g)
-
-
-def common(m: Metadata, g: GGUFFile) -> dict:
-    """The keys every arch has: vocabulary, width, layers (NextN blocks left out), eps, context, token ids."""
-    a = "{arch}."
-    blocks = m.get(a + "block_count", "int")
-    nextn = m.get(a + "nextn_predict_layers", "int", 0)
-    if not 0 <= nextn < blocks:
-        m.fail(a + "nextn_predict_layers", f"is {nextn}, not from 0 to below block_count {blocks}")
-    vocab = m.get(a + "vocab_size", "int", None)
-    if vocab is None:
-        embd = g.entries.get("token_embd.weight")
-        if embd is None:
-            raise CpumlaError(f"{m.file}: has no tensor 'token_embd.weight' and no metadata key '{m.arch}.vocab_size'")
-        vocab = embd.shape[0]
-    return {
-        "vocab_size": vocab, "hidden_size": m.get(a + "embedding_length", "int"),
-        "num_hidden_layers": blocks - nextn, "num_nextn_predict_layers": nextn,
-        "num_attention_heads": m.get(a + "attention.head_count", "int"),
-        "max_position_embeddings": m.get(a + "context_length", "int"),
-        "rms_norm_eps": m.get(a + "attention.layer_norm_rms_epsilon", "float"),
-        "bos_token_id": m.get("tokenizer.ggml.bos_token_id", "int", None),
-        "eos_token_id": m.get("tokenizer.ggml.eos_token_id", "int", None),
-    }
-
-
-def yarn(m: Metadata) -> dict | None:
-    """rope_scaling from rope.scaling.*: YaRN's factor, original context and betas, or None."""
-    a = "{arch}."
-    kind = m.get(a + "rope.scaling.type", "str", "none")
-    if kind == "none":
-        return None
-    if kind != "yarn":
-        m.fail(a + "rope.scaling.type", f"is '{kind}'; cpumla takes yarn or none")
-    return {"type": "yarn", "factor": m.get(a + "rope.scaling.factor", "float"),
-            "original_max_position_embeddings": m.get(a + "rope.scaling.original_context_length", "int"),
-            "beta_fast": m.get(a + "rope.scaling.yarn_beta_fast", "float", 32.0),
-            "beta_slow": m.get(a + "rope.scaling.yarn_beta_slow", "float", 1.0)}
+    return V4.config(m, g) if m.arch == "deepseek4" else mla_config(m, g)
 
 
 def mla_config(m: Metadata, g: GGUFFile) -> dict:
@@ -276,78 +141,6 @@ def mla_config(m: Metadata, g: GGUFFile) -> dict:
     return cfg
 
 
-def v4_config(m: Metadata, g: GGUFFile) -> dict:
-    """deepseek4 (V4 Flash / Pro)."""
-    a = "{arch}."
-    cfg = common(m, g)
-    n = cfg["num_hidden_layers"]
-    ratios = m.get(a + "attention.compress_ratios", "ints")
-    if len(ratios) < n:
-        m.fail(a + "attention.compress_ratios", f"lists {len(ratios)} ratios for {n} layers")
-    types, hca = [], set()
-    for r in ratios[:n]:
-        if r < 0:
-            m.fail(a + "attention.compress_ratios", f"holds {r}; ratios are 0 (sliding window), 4 (CSA) or above")
-        types.append("sliding_attention" if r == 0 else "compressed_sparse_attention" if r == 4 else
-                     "heavily_compressed_attention")
-        if r not in (0, 4):
-            hca.add(r)
-    if len(hca) > 1:
-        m.fail(a + "attention.compress_ratios", f"has HCA layers at ratios {sorted(hca)}; cpumla takes one HCA ratio")
-    gating = m.get(a + "expert_gating_func", "int")
-    if gating != 4:
-        m.fail(a + "expert_gating_func", f"is {gating}; DeepSeek-V4 routes with 4 (sqrtsoftplus)")
-    limit = swiglu_limit(m, n)
-    cfg.update({
-        "model_type": "deepseek_v4", "head_dim": m.get(a + "attention.key_length", "int"),
-        "qk_rope_head_dim": m.get(a + "rope.dimension_count", "int"),
-        "q_lora_rank": m.get(a + "attention.q_lora_rank", "int"),
-        "o_groups": m.get(a + "attention.output_group_count", "int"),
-        "o_lora_rank": m.get(a + "attention.output_lora_rank", "int"),
-        "sliding_window": m.get(a + "attention.sliding_window", "int"),
-        "index_n_heads": m.get(a + "attention.indexer.head_count", "int"),
-        "index_head_dim": m.get(a + "attention.indexer.key_length", "int"),
-        "index_topk": m.get(a + "attention.indexer.top_k", "int"),
-        "n_routed_experts": m.get(a + "expert_count", "int"),
-        "num_experts_per_tok": m.get(a + "expert_used_count", "int"),
-        "n_shared_experts": m.get(a + "expert_shared_count", "int"),
-        "moe_intermediate_size": m.get(a + "expert_feed_forward_length", "int"),
-        "routed_scaling_factor": m.get(a + "expert_weights_scale", "float"),
-        "norm_topk_prob": m.get(a + "expert_weights_norm", "bool"),
-        "scoring_func": "sqrtsoftplus", "swiglu_limit": limit,
-        "num_hash_layers": m.get(a + "hash_layer_count", "int"),
-        "layer_types": types,
-        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": hca.pop() if hca else 128},
-        "hc_mult": m.get(a + "hyper_connection.count", "int"),
-        "hc_sinkhorn_iters": m.get(a + "hyper_connection.sinkhorn_iterations", "int"),
-        "hc_eps": m.get(a + "hyper_connection.epsilon", "float"),
-        "rope_theta": m.get(a + "rope.freq_base", "float"),
-        "compress_rope_theta": m.get(a + "attention.compress_rope_freq_base", "float"),
-        "rope_scaling": yarn(m), "tie_word_embeddings": False,
-    })
-    return cfg
-
-
-def swiglu_limit(m: Metadata, n: int) -> float:
-    """The experts' SwiGLU clamp: swiglu_clamp_exp, a number or one per block (alike over the layers),
-    and swiglu_clamp_shexp (absent, or the same value)."""
-    got = {}
-    for key in ("{arch}.swiglu_clamp_exp", "{arch}.swiglu_clamp_shexp"):
-        t = m.g.value(m.key(key))
-        if t is None and key.endswith("shexp"):
-            continue
-        values = m.get(key, "floats") if t is not None and t[0].startswith("ARRAY") else [m.get(key, "float")]
-        if len(set(values[:n])) != 1:
-            m.fail(key, f"holds {sorted(set(values[:n]))} over the layers; cpumla clamps every layer alike"
-                   if values else "is empty")
-        got[key] = values[0]
-    exp, shexp = got["{arch}.swiglu_clamp_exp"], got.get("{arch}.swiglu_clamp_shexp")
-    if shexp is not None and shexp != exp:
-        m.fail("{arch}.swiglu_clamp_shexp", f"is {shexp:g}, swiglu_clamp_exp {exp:g}; cpumla clamps routed and "
-               f"shared experts alike")
-    return exp
-
-
 class GGUFCheckpoint:
     """A GGUF model as a weight source under Hugging Face names (has / info / tensor, as
     checkpoint/safetensors.py's Checkpoint; V4's official names for deepseek4), with the config dict
@@ -371,7 +164,7 @@ class GGUFCheckpoint:
         (the file's tensor; an expert a slice of its stacked tensor), "kv_b" (rebuilt from attn_k_b /
         attn_v_b, named by attn_k_b), "fp4" / "fp4_scale" (an MXFP4 expert as e2m1 codes / E8M0 scales)."""
         if self.arch == "deepseek4":
-            return self._where_v4(name)
+            return V4.where(self.file.entries, name)
         if name in GLOBAL:
             return "view", GLOBAL[name], None
         m = LAYER.match(name)
@@ -388,23 +181,6 @@ class GGUFCheckpoint:
                 and f"blk.{layer}.attn_k_b.weight" in self.file.entries:
             return "kv_b", f"blk.{layer}.attn_k_b.weight", layer
         return "view", f"blk.{layer}.{sub}", None
-
-    def _where_v4(self, name: str):
-        if name in V4_GLOBAL:
-            return "view", V4_GLOBAL[name], None
-        m = V4_LAYER.match(name)
-        if not m:
-            return None
-        layer, rest = int(m[1]), m[2]
-        e = V4_EXPERT.match(rest)
-        if e:
-            stacked = f"blk.{layer}.{V4_EXPERTS[e[2]]}"
-            entry = self.file.entries.get(stacked)
-            if entry is not None and entry.type == "MXFP4" and entry.type not in W.GGUF_TYPES:
-                return ("fp4" if e[3] == "weight" else "fp4_scale"), stacked, int(e[1])
-            return ("view", stacked, int(e[1])) if e[3] == "weight" else None
-        sub = V4_PER_LAYER.get(rest)
-        return None if sub is None else ("view", f"blk.{layer}.{sub}", None)
 
     def has(self, name: str) -> bool:
         w = self._where(name)

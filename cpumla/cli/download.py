@@ -4,7 +4,7 @@ Downloads go through huggingface_hub's snapshot_download into the standard cache
 so they resume after an interruption, share blobs with other tools, and honour HF_TOKEN and
 HF_HUB_OFFLINE. Only what cpumla reads is fetched: no PyTorch .bin, no remote code, no MTP extras.
 
-`REPO:QUANT` fetches one GGUF quantization (checkpoint/gguf_hub.py names them): the repo's file list
+`REPO:QUANT` fetches one GGUF quantization (runtime/gguf_hub.py names them): the repo's file list
 and sizes come first (HfApi.model_info), then only that model's files, every shard of a split set. A
 repo of GGUF models alone, named without a quantization, gets its quantizations listed and exit 2.
 With HF_HUB_OFFLINE the cache's snapshot stands in for the hub's list."""
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import typer
 
-from cpumla.checkpoint import gguf_hub
+from cpumla.runtime import gguf_hub
 from cpumla.cli import render
 from cpumla.errors import CpumlaError
 from cpumla.runtime.resolve import hf_hub_cache
@@ -173,7 +173,7 @@ def cached_ggufs(include_all: bool = False, scanned=None) -> list[CachedGGUF]:
     """The GGUF models in the hub cache (each repo's newest snapshot). Unless include_all, only those of
     an architecture cpumla runs (and split sets whose first file is missing, which cannot tell)."""
     from cpumla.checkpoint.gguf_info import architecture
-    from cpumla.checkpoint.gguf_model import ARCHES
+    from cpumla.checkpoint.gguf_meta import ARCHES
 
     info = scanned or _scan()
     found = []

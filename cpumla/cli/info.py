@@ -90,7 +90,7 @@ def info(
 
 def is_gguf(model: str) -> bool:
     """Whether `model` names a GGUF model: a .gguf file, a folder with one and no config.json, or REPO:QUANT."""
-    from cpumla.checkpoint.gguf_hub import is_ref
+    from cpumla.runtime.gguf_hub import is_ref
 
     path = Path(model).expanduser()
     if path.is_file():

@@ -54,7 +54,7 @@ def _register() -> None:
         ("bench", bench.bench, "Benchmarks: --kernels measures each GEMV format against memory bandwidth."),
         ("chat", chat.chat, "Chat with a model in the terminal (or answer one prompt with -p / stdin)."),
         ("serve", serve.serve, "An OpenAI-compatible HTTP server (chat and completions, streaming)."),
-        ("download", download.download, "Download a model's config, tokenizer and safetensors into the HF cache."),
+        ("download", download.download, "Download a model's config, tokenizer and safetensors (or REPO:QUANT, one GGUF quantization) into the HF cache."),
         ("list", download.list_models, "DeepSeek-family models in the Hugging Face cache, with sizes."),
         ("quantize", quantize.quantize, "Write a checkpoint with q8 / q4 linear layers (loads zero-copy)."),
     ]:

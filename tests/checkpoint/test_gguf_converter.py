@@ -23,7 +23,7 @@ import torch
 
 import cpumla
 
-from support import gguf_files, models
+from support import gguf_files, gguf_files_v4, models
 from support.models import IDS, check_fp32
 
 gguf = pytest.importorskip("gguf")
@@ -120,7 +120,7 @@ def test_converter_v4(tmp_path):
     models.quantize_v4(tmp_path / "hf", release)
     cfg = json.loads((release / "config.json").read_text())
     comp = cfg["rope_parameters"]["compress"]
-    cfg.update({"compress_ratios": gguf_files.v4_ratios(m.config), "num_hash_layers": 5,
+    cfg.update({"compress_ratios": gguf_files_v4.ratios(m.config), "num_hash_layers": 5,
                 "rope_scaling": {k: comp[k] for k in ("type", "factor", "original_max_position_embeddings",
                                                       "beta_fast", "beta_slow")}})
     (release / "config.json").write_text(json.dumps(cfg))
@@ -133,7 +133,7 @@ def test_converter_v4(tmp_path):
             types["blk.1.hc_attn_fn.weight"], types["blk.0.ffn_gate_tid2eid.weight"]) == (Q.Q8_0, Q.BF16, Q.MXFP4,
                                                                                        Q.F32, Q.I32)
     held = held_values(out)
-    rm = gguf_files.reference_v4(tmp_path / "hf", held, tmp_path / "ref")
+    rm = gguf_files_v4.reference(tmp_path / "hf", held, tmp_path / "ref")
     ref = models.reference_logits(rm, V4_IDS)
     hf_bf16 = models.reference_logits(rm.to(torch.bfloat16), V4_IDS)
     eng = cpumla.load(str(out))

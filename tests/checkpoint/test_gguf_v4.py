@@ -1,5 +1,5 @@
 """GGUF files of arch deepseek4 (DeepSeek-V4), written with the gguf package as llama.cpp's converter writes
-them (support/gguf_files.py: write_v4), against transformers on the values the file holds: the config
+them (support/gguf_files_v4.py: write), against transformers on the values the file holds: the config
 from the metadata (layer schedule, hash layers, mHC, both RoPEs), fp32 parity of an F32 file in prefill
 and decode, F16 / BF16 files, the converter's own types (Q8_0 for the release's FP8 linears, BF16, MXFP4
 experts, I32 hash table), and bad metadata refused in one line naming the key."""
@@ -15,7 +15,7 @@ from cpumla.checkpoint.gguf_model import GGUFCheckpoint
 from cpumla.checkpoint.tensors import GGUF_TYPES
 from cpumla.errors import CpumlaError
 
-from support import gguf_files, models
+from support import gguf_files, gguf_files_v4, models
 from support.cli import assert_one_line_error, run_cli
 from support.models import check_bf16_drift, check_fp32
 
@@ -49,7 +49,7 @@ def test_v4_gguf_f32_parity(v4, tmp_path):
     across the windows and compressed entries."""
     d, ref = v4
     path = tmp_path / "m.gguf"
-    gguf_files.write_v4(d, path)
+    gguf_files_v4.write(d, path)
     eng = cpumla.load(str(path))
     check_fp32(eng.forward(IDS), ref)
     eng.reset()
@@ -62,7 +62,7 @@ def test_v4_config_from_metadata(v4, tmp_path):
     (schedule, hash layers, RoPEs, mHC, sizes) is the same."""
     d, _ = v4
     path = tmp_path / "m.gguf"
-    gguf_files.write_v4(d, path)
+    gguf_files_v4.write(d, path)
     with GGUFCheckpoint(path) as g:
         c = g.config
     assert c["model_type"] == "deepseek_v4" and c["compress_rates"]["heavily_compressed_attention"] == 8
@@ -88,12 +88,12 @@ def test_v4_gguf_f16_and_bf16(v4, v4_rounded, tmp_path):
     activations: no further from the reference than transformers' own bf16 forward (the mHC, position
     biases and sinks stay F32, as the converter keeps the release's f32 tensors)."""
     d, _ = v4
-    held = gguf_files.write_v4(d, tmp_path / "f16.gguf", "F16")
+    held = gguf_files_v4.write(d, tmp_path / "f16.gguf", "F16")
     assert held["blk.1.attn_q_a.weight"].dtype == np.float32
-    ref = models.reference_logits(gguf_files.reference_v4(d, held, tmp_path / "r16"), IDS)
+    ref = models.reference_logits(gguf_files_v4.reference(d, held, tmp_path / "r16"), IDS)
     check_fp32(cpumla.load(str(tmp_path / "f16.gguf")).forward(IDS), ref)
-    held = gguf_files.write_v4(v4_rounded, tmp_path / "bf16.gguf", "BF16")
-    rb = gguf_files.reference_v4(v4_rounded, held, tmp_path / "rb")
+    held = gguf_files_v4.write(v4_rounded, tmp_path / "bf16.gguf", "BF16")
+    rb = gguf_files_v4.reference(v4_rounded, held, tmp_path / "rb")
     ref = models.reference_logits(rb, IDS)
     check_bf16_drift(cpumla.load(str(tmp_path / "bf16.gguf")).forward(IDS), ref,
                      models.reference_logits(rb.to(torch.bfloat16), IDS))
@@ -106,7 +106,7 @@ def test_v4_gguf_converter_types(v4_rounded, tmp_path):
     the values the gguf package dequantizes, bit for bit), I32 tid2eid. Against transformers on the
     values the file holds, prefill and decode."""
     path = tmp_path / "conv.gguf"
-    held = gguf_files.write_v4(v4_rounded, path, "converter")
+    held = gguf_files_v4.write(v4_rounded, path, "converter")
     Q = gguf.GGMLQuantizationType
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
     assert (types["blk.1.attn_q_a.weight"], types["blk.1.attn_compressor_kv.weight"], types["blk.1.ffn_up_exps.weight"],
@@ -124,7 +124,7 @@ def test_v4_gguf_converter_types(v4_rounded, tmp_path):
             nib = np.stack([codes & 15, codes >> 4], -1).reshape(64, 32)
             values = e2m1[nib] * np.exp2(scale.astype(np.float32) - 127).repeat(32, 1)
             assert np.array_equal(values, held["blk.3.ffn_down_exps.weight"][5])
-    rm = gguf_files.reference_v4(v4_rounded, held, tmp_path / "ref")
+    rm = gguf_files_v4.reference(v4_rounded, held, tmp_path / "ref")
     ref = models.reference_logits(rm, IDS)
     hf_bf16 = models.reference_logits(rm.to(torch.bfloat16), IDS)
     eng = cpumla.load(str(path))
@@ -168,7 +168,7 @@ def test_v4_bad_metadata(v4, tmp_path, metadata, words):
     """A required key missing or of the wrong type, or a value cpumla cannot run: cpumla.load and
     `cpumla smoke` fail with one line naming the file and the key."""
     path = tmp_path / "bad.gguf"
-    gguf_files.write_v4(v4[0], path, metadata=metadata)
+    gguf_files_v4.write(v4[0], path, metadata=metadata)
     words = [str(path), *words]
     with pytest.raises(CpumlaError) as e:
         cpumla.load(str(path))
@@ -194,7 +194,7 @@ def test_v4_bad_tensors(v4, tmp_path, how, words):
         transform = {words[0]: lambda a: a[:, :-4]}
     else:
         transform = {"blk.0.ffn_gate_tid2eid.weight": lambda a: a + 7}
-    gguf_files.write_v4(v4[0], path, drop=drop, transform=transform)
+    gguf_files_v4.write(v4[0], path, drop=drop, transform=transform)
     with pytest.raises(CpumlaError) as e:
         cpumla.load(str(path))
     for w in words:

@@ -186,13 +186,13 @@ def offline(hub: Path, *args, **env) -> subprocess.CompletedProcess:
     ("x-TQ1_0.gguf", "TQ1_0"), ("gpt-MXFP4_MOE.gguf", "MXFP4_MOE"), ("model.gguf", "model"),
     ("V3-0324/DeepSeek-V3-0324-F16.gguf", "F16")])
 def test_quantization_names(path, name):
-    from cpumla.checkpoint.gguf_hub import quant_name
+    from cpumla.runtime.gguf_hub import quant_name
 
     assert quant_name(path) == name
 
 
 def test_a_repo_files_group_into_models(repos):
-    from cpumla.checkpoint import gguf_hub
+    from cpumla.runtime import gguf_hub
 
     files = {p: len(b) for p, b in repos[REPO].items()}
     found = {q.name: q for q in gguf_hub.quants(files)}
@@ -210,7 +210,7 @@ def test_a_repo_files_group_into_models(repos):
     ("Q2_K_XL", "UD-Q2_K_XL/Tiny-UD-Q2_K_XL-00001-of-00002.gguf"), ("F16", "Tiny-F16.gguf"),
     ("Tiny-Q8_0.gguf", "Tiny-Q8_0.gguf"), ("Q4_K", None), ("K_M", None), ("Q4", None)])
 def test_a_tag_names_a_whole_word(repos, tag, first):
-    from cpumla.checkpoint import gguf_hub
+    from cpumla.runtime import gguf_hub
 
     hits = gguf_hub.matching(tag, gguf_hub.quants({p: len(b) for p, b in repos[REPO].items()}))
     assert [q.first for q in hits] == ([first] if first else [])
