@@ -1,7 +1,7 @@
 """GGUF block types' gemv (and gemm) speed next to cpumla's own q4 / q8 and GGUF's Q8_0, in one run.
 
-Random blocks with sane fp16 scales (the speed does not depend on the values), one weight in cache
-(--cache-mb) and one out of cache (--big-mb) per format. Prints GB/s of weight bytes read per second
+Random blocks with normal scales (gguf_weight of cpumla/bench/kernels.py: the speed does not depend on
+the values), one weight in cache (--cache-mb) and one out of cache (--big-mb) per format. Prints GB/s of weight bytes read per second
 (best of --reps) and the ratio to cpumla's own q4 at the same size; ratios are the numbers to compare
 across runs (absolute speeds drift on a shared host).
 
@@ -19,21 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cpumla import native  # noqa: E402
-
-# byte offsets of the fp16 fields of each block (d, and dmin / min where there is one)
-F16_AT = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "iq4_nl": (0,),
-          "q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_xs": (0,),
-          "iq2_xxs": (0,), "iq3_xxs": (0,), "iq1_s": (0,)}
-
-
-def gguf_weight(fmt: str, rows: int, cols: int, rng) -> native.Weight:
-    block, per = native.GGUF_FORMATS[fmt]
-    raw = rng.integers(0, 256, (rows * (cols // block), per), dtype=np.uint8)
-    for at in F16_AT.get(fmt, ()):
-        v = (rng.uniform(0.2, 1.0, raw.shape[0]) * 1e-2).astype(np.float16)
-        raw[:, at:at + 2] = v.view(np.uint8).reshape(-1, 2)
-    return native.Weight(raw.reshape(rows, -1), fmt)
-
+from cpumla.bench.kernels import gguf_weight  # noqa: E402
 
 def own_weight(fmt: str, rows: int, cols: int, rng) -> native.Weight:
     if fmt == "q8":

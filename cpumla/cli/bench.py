@@ -45,7 +45,7 @@ def bench(
     seed: int = typer.Option(0, "--seed"),
     quant: str = typer.Option(None, "--quant", help=QUANT_HELP),
     formats: str = typer.Option(",".join(("f32", "bf16", "f16", "e4m3", "e4m3-e8m0", "e2m1", "q8", "q4")), "--formats",
-                                help="--kernels: comma-separated GEMV weight formats."),
+                                help="--kernels: comma-separated GEMV weight formats (GGUF's too: q8_0, q4_k, q2_k, iq2_xxs, mxfp4, ...)."),
     report: bool = typer.Option(False, "--report", metavar="", help="--kernels: also `cpumla info --json`, every "
                                 "level checked against the scalar spec on this machine and the GEMV weight operands "
                                 "(one document to attach to a bug report; a wrong result ends it with an error line and exit status 2)."),
@@ -160,15 +160,18 @@ def _kernels(output, threads, formats, rows, cols, seconds, stream_mb, codes="ra
     from cpumla.bench import kernels as kb
 
     fmts = [f.strip() for f in formats.split(",") if f.strip()]
-    bad = [f for f in fmts if f not in kb.FORMATS]
+    bad = [f for f in fmts if f not in kb.ALL_FORMATS]
     if bad:
-        raise CpumlaError(f"unknown weight format '{bad[0]}' (choose from: {', '.join(kb.FORMATS)})")
+        raise CpumlaError(f"unknown weight format '{bad[0]}' (choose from: {', '.join(kb.ALL_FORMATS)})")
     dists = [c.strip() for c in codes.split(",") if c.strip()]
     bad = [c for c in dists if c not in kb.CODES] or ([] if dists else [codes])
     if bad:
         raise CpumlaError(f"unknown code distribution '{bad[0]}' for --codes (choose from: {', '.join(kb.CODES)})")
     if rows < 1 or cols < 32 or cols % 32:
         raise CpumlaError("--rows must be >= 1 and --cols a positive multiple of 32")
+    block = max((native.GGUF_FORMATS[f][0] for f in fmts if f in native.GGUF_FORMATS), default=32)
+    if cols % block:
+        raise CpumlaError(f"--cols {cols}: the GGUF formats asked for take a multiple of {block} columns")
     from cpumla.runtime.memory import available_memory, gib
 
     stream = max(1, stream_mb) << 20

