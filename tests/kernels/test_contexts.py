@@ -4,6 +4,7 @@ kernel owners (cpumla_kernel_impl("gemv:e2m1")) checked against what each implem
 
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
@@ -154,6 +155,8 @@ def expected_owner(isa, kernel, fmt):
     if fmt in native.GGUF_FORMATS:           # gguf_q.c: scalar, avx2, avx512vnni and neon fill gemm_gq
         if kernel not in ("gemv", "gemm", "head_gemv"):
             return "scalar"
+        if isa == "amx" and kernel in ("gemm", "head_gemv"):
+            return None                      # amx_gq.c's tiles, from a number of tokens per type (below)
         return {"avx2": "avx2", "avxvnni": "avx2", "avx512f": "avx2", "avx512vnni": "avx512vnni",
                 "avx512": "avx512vnni", "amx": "avx512vnni", "neon": "neon"}.get(isa, "scalar")
     if fmt == "e2m1" and kernel in ("gemv", "gemm", "head_gemv"):     # the integer product (quant.c)
@@ -217,6 +220,10 @@ def test_kernel_owners_per_format(isa):
     if isa == "neon":
         assert table["gemv"]["e2m1"].startswith("neon") and table["gemv"]["e2m1"].endswith(FP4_HANDBACK)
     if isa == "amx":
+        for fmt in native.GGUF_FORMATS:
+            for kernel in ("gemm", "head_gemv"):
+                m = re.fullmatch(r"amx \(avx512vnni below (\d+) tokens\)", table[kernel][fmt])
+                assert m and 16 <= int(m[1]) <= 256, (kernel, fmt, table[kernel][fmt])
         assert table["gemm"]["bf16"] == "amx (avx512 below 16 tokens)"
         assert table["gemm"]["e4m3"] == "amx (avx512 below 16 tokens or for blocks not of 32k rows and columns)"
     with pytest.raises(CpumlaError):

@@ -90,4 +90,5 @@ def test_served_by_the_level(isa, fmt):
     if isa in ("avx2", "avx512vnni", "avx512", "amx"):
         want = "avx2" if isa == "avx2" else "avx512vnni"
         assert native.kernel_impl(f"gemv:{fmt}") == want
-        assert native.kernel_impl(f"gemm:{fmt}") == want
+        gemm = native.kernel_impl(f"gemm:{fmt}")       # amx: its tiles from some tokens on (amx_gq.c), else want
+        assert gemm == want if isa != "amx" else gemm.startswith(f"amx ({want} below "), gemm

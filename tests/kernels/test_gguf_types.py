@@ -132,3 +132,30 @@ def test_mla_absorb_against_float64(fmt):
 def test_bad_block_bytes_refused():
     with pytest.raises(CpumlaError, match="whole 144-byte blocks"):
         native.Weight(np.zeros((2, 100), np.uint8), "q4_k")
+
+
+@pytest.mark.skipif("amx" not in native.available_isas(), reason="the amx level needs an AMX CPU and OS support")
+@pytest.mark.parametrize("fmt", TYPES)
+def test_amx_tiles_are_the_spec(fmt):
+    """The amx level's tiles (amx_gq.c), which serve from a number of tokens per type: every type at 17
+    tokens (Q8_0's tiles; the others' avx512vnni) and at 161 (every type's tiles, a partial group of 16),
+    panels of 16 rows and a partial one, chunks whose halves differ and agree: bit for bit the spec."""
+    block = native.GGUF_FORMATS[fmt][0]
+    cols = 512 if block == 256 else 288
+    raw = blocks(fmt, 37, cols, seed=11 + len(fmt))
+    w = native.Weight(raw, fmt)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((161, cols)).astype(np.float32)
+    x[3, :32] = 0.0
+    x[40, 64:] *= 1e-3
+    x[150, 5] = np.nan
+    native.init("amx")
+    try:
+        assert native.kernel_impl(f"gemm:{fmt}").startswith("amx")
+        got = [native.gemm(w, x[:n]) for n in (17, 161)]
+        native.init("scalar")
+        spec = [native.gemm(w, x[:n]) for n in (17, 161)]
+    finally:
+        native.init()
+    for g, s in zip(got, spec):
+        assert np.array_equal(g.view(np.uint32), s.view(np.uint32)), f"{fmt}: {np.nanmax(np.abs(g - s))}"

@@ -253,6 +253,7 @@ void cpumla_fill_gq(cpumla_kernels *k, const char *level) {
         cpumla_fill_avx512vnni_gqk(k);
         cpumla_fill_avx512vnni_gqi(k);
     }
+    else if (!strcmp(level, "amx")) cpumla_fill_amx_gq(k);
 #elif defined(__aarch64__)
     else if (!strcmp(level, "neon")) cpumla_fill_neon_gq(k);
 #endif

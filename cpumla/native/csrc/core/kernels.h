@@ -274,6 +274,7 @@ void cpumla_fill_avx2_gqk(cpumla_kernels *k);
 void cpumla_fill_avx2_gqi(cpumla_kernels *k);
 void cpumla_fill_avx512vnni_gqk(cpumla_kernels *k);
 void cpumla_fill_avx512vnni_gqi(cpumla_kernels *k);
+void cpumla_fill_amx_gq(cpumla_kernels *k);         /* amx_gq.c: gemm_gq on int8 tiles */
 void cpumla_fill_neon_gq(cpumla_kernels *k);
 
 /* The flags each file was compiled with, recorded by the build (CPUMLA_FLAGS_<ISA> macros). */

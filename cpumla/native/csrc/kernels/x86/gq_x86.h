@@ -52,10 +52,65 @@ static float gq8_row(const cpumla_weight *w, int64_t r, const int8_t *xq, const 
     return acc;
 }
 
+/* bytes ahead of a Q8_0 row's current 8 blocks to prefetch: the 4 rows of gq8_rows4 are 4 streams the
+ * hardware prefetcher alone keeps too short of memory */
+#define GQ_PF 1024
+
+static inline uint16_t gq_le16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+
+/* rows r .. r + 3 at once (out[i]: row r + i), as gq8_row: each row's 8-block products transposed so
+ * that block j of the 4 rows is one 4-lane vector, added to the 4 sums in block order; the scales by
+ * F16C (exact, f16_to_f32's value for every input but a NaN's payload) */
+static void gq8_rows4(const cpumla_weight *w, int64_t r, const int8_t *xq, const float *xd, float out[4]) {
+    const int64_t nb = w->cols / QK, rb = w->row_bytes;
+    const uint8_t *row0 = (const uint8_t *)w->data + r * rb;
+    __m128 acc = _mm_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        const __m256 xdv = _mm256_loadu_ps(xd + b);
+        __m256 p[4];
+        for (int i = 0; i < 4; i++) {
+            const uint8_t *blk = row0 + i * rb + b * GQ8_0_BYTES;
+            for (int l = 0; l < 5; l++) _mm_prefetch((const char *)blk + GQ_PF + 64 * l, _MM_HINT_T0);
+            __m256i s[8];
+            for (int j = 0; j < 8; j++)
+                s[j] = gq_dot8(_mm256_loadu_si256((const __m256i *)(blk + j * GQ8_0_BYTES + 2)),
+                               _mm256_loadu_si256((const __m256i *)(xq + (b + j) * QK)));
+            const __m128i h = _mm_setr_epi16((short)gq_le16(blk), (short)gq_le16(blk + 34), (short)gq_le16(blk + 68),
+                                             (short)gq_le16(blk + 102), (short)gq_le16(blk + 136),
+                                             (short)gq_le16(blk + 170), (short)gq_le16(blk + 204),
+                                             (short)gq_le16(blk + 238));
+            p[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(gq_sums8(s)), _mm256_mul_ps(_mm256_cvtph_ps(h), xdv));
+        }
+        const __m256 t0 = _mm256_unpacklo_ps(p[0], p[1]), t1 = _mm256_unpackhi_ps(p[0], p[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(p[2], p[3]), t3 = _mm256_unpackhi_ps(p[2], p[3]);
+        const __m256 u[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xee),
+                             _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xee)};
+        for (int j = 0; j < 4; j++) acc = _mm_add_ps(acc, _mm256_castps256_ps128(u[j]));   /* blocks b .. b + 3 */
+        for (int j = 0; j < 4; j++) acc = _mm_add_ps(acc, _mm256_extractf128_ps(u[j], 1));  /* b + 4 .. b + 7 */
+    }
+    _mm_storeu_ps(out, acc);
+    for (; b < nb; b++)
+        for (int i = 0; i < 4; i++) {
+            const uint8_t *blk = row0 + i * rb + b * GQ8_0_BYTES;
+            const int32_t isum = gq_hsum(gq_dot8(_mm256_loadu_si256((const __m256i *)(blk + 2)),
+                                                 _mm256_loadu_si256((const __m256i *)(xq + b * QK))));
+            out[i] += gq_block_product(isum, gq8_scale(blk), xd[b]);
+        }
+}
+
 static void GQ_GEMM(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
                     int64_t r1) {
     const int64_t K = w->cols, per = QX_BYTES(K);
-    for (int64_t r = r0; r < r1; r++) {
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4)
+        for (int64_t t = 0; t < n; t++) {
+            const uint8_t *xt = (const uint8_t *)qx + t * per;
+            float o[4];
+            gq8_rows4(w, r, (const int8_t *)xt, qx_d(xt, K), o);
+            for (int i = 0; i < 4; i++) y[t * ldy + (r - r0) + i] = o[i];
+        }
+    for (; r < r1; r++) {
         if (r + 4 < r1) __builtin_prefetch((const uint8_t *)w->data + (r + 4) * w->row_bytes, 0, 3);
         for (int64_t t = 0; t < n; t++) {
             const uint8_t *xt = (const uint8_t *)qx + t * per;
