@@ -233,7 +233,8 @@ def gemm_throughput(fmt: str, rows: int, cols: int, n: int, min_seconds: float,
 # GEMM shapes (tokens, weight rows, columns): prefill of a V2-Lite layer's 2048x2048 product, and an
 # expert's product with the ~48 tokens a 512-token prefill routes to each of 64 experts (6 per token)
 GEMM_SHAPES = ((128, 2048, 2048), (512, 2048, 2048), (48, 1408, 2048))
-GEMM_FORMATS = ("f32", "bf16", "e4m3", "e2m1", "q8", "q4")     # first shape; the others: bf16, e4m3
+GEMM_FORMATS = ("f32", "bf16", "e4m3", "e2m1", "q8", "q4")     # first shape (and GGUF's types asked for);
+#                                                                 the others: bf16, e4m3
 
 
 def run(formats=FORMATS, rows: int = 10944, cols: int = 2048, gemm_n: int = 128,
@@ -261,7 +262,8 @@ def run(formats=FORMATS, rows: int = 10944, cols: int = 2048, gemm_n: int = 128,
         peak = fma_peak(min(min_seconds, 0.5))
         gemms = []
         for i, (n, r, c) in enumerate(GEMM_SHAPES):
-            for fmt in GEMM_FORMATS if i == 0 else ("bf16", "e4m3"):
+            gguf = [f for f in formats if f in native.GGUF_FORMATS]          # the GGUF types asked for too
+            for fmt in (*GEMM_FORMATS, *gguf) if i == 0 else ("bf16", "e4m3"):
                 step(f"gemm {fmt} {n if i else gemm_n} tokens")
                 gemms.append(gemm_throughput(fmt, r, c, gemm_n if i == 0 else n, min_seconds, rng))
         step("fma probe")

@@ -41,6 +41,8 @@ def test_bench_kernels_gguf_formats():
     assert p.returncode == 0, p.stderr
     gemv = [r for r in json.loads(p.stdout)["results"] if r["kernel"] == "gemv"]
     assert [r["format"] for r in gemv] == ["q4", "q4_k", "iq2_xxs", "mxfp4"]
+    gemm = {r["format"]: r for r in json.loads(p.stdout)["results"] if r["kernel"] == "gemm"}
+    assert {"q4_k", "iq2_xxs", "mxfp4"} <= set(gemm) and gemm["q4_k"]["isa"] == native.kernel_impl("gemm:q4_k")
     for r in gemv[1:]:
         block, per = native.GGUF_FORMATS[r["format"]]
         assert r["isa"] == native.kernel_impl(f"gemv:{r['format']}")
