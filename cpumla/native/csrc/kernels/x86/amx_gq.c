@@ -1,11 +1,11 @@
 /* amx_gq.c: the amx level's gemm_gq, GGUF's block weights (gguf_q.h) on int8 tiles from a number of
  * tokens per type (amx_gq_min); fewer tokens go to the entry below (avx512vnni's).
  *
- * A panel of 16 weight rows is unpacked once (gq_unpack, the spec's own unpack) into int8 codes in
- * column order, [16][K], and each chunk's s, m, d, dm as vectors over the 16 rows. For each group of
- * 16 tokens and each chunk of 32 columns, tdpbssd gives the exact int32 sums of 16 rows x 16 tokens:
- * one over the 32 columns where the panel's two halves of every chunk share their scale and min, else
- * one per half of 16. Then every (row, token) adds the spec's chunk product, in column order:
+ * A panel of 16 weight rows is unpacked once (the K types by gqk_unpack's SIMD, the others by the
+ * spec's own gq_unpack) into int8 codes in column order, [16][K], and each chunk's s, m, d, dm as
+ * vectors over the 16 rows. For each group of 16 tokens and each chunk of 32 columns, tdpbssd gives
+ * the exact int32 sums of 16 rows x 16 tokens: one over the 32 columns where the panel's two halves
+ * of every chunk share their scale and min, else one per half of 16. Then every (row, token) adds the spec's chunk product, in column order:
  *   p = (float)(s0 a0 + s1 a1) * (d * xd)  [- (float)(m0 x0 + m1 x1) * (dm * xd)]
  * each fp32 operation rounded once (this file is compiled without contraction). Where s0 = s1 the
  * integer s * (a0 + a1) is exact in int32, and (float)s * (float)(a0 + a1), one correctly rounded
@@ -25,15 +25,17 @@
 #include "core/gguf_q.h"
 #include "core/kernels.h"
 #include "core/quant.h"
+#include "kernels/x86/gqk_unpack_x86.h"
 
-/* From how many tokens the tiles beat avx512vnni's entry, per type (Q8_0 .. MXFP4): the panel's unpack
- * (the spec's gq_unpack, one call per row and 256 columns) costs as much as the products of tens to
- * about a hundred tokens; Q8_0's is a copy. Measured with benchmarks/gguf_gemv.py on a Xeon with AMX
- * (2 threads, 2048 columns): each type's crossing, rounded up. */
+/* From how many tokens the tiles beat avx512vnni's entry, per type (Q8_0 .. MXFP4). The K types' panels
+ * unpack with SIMD (gqk_unpack) and Q8_0's is a copy: they win from 16. The others unpack with the
+ * spec's gq_unpack (one call per row and 256 columns), which costs as much as the products of tens of
+ * tokens. Measured with benchmarks/gguf_gemv.py on a Xeon with AMX (2 threads, 2048 columns): each
+ * type's crossing, rounded up. */
 static const int16_t amx_gq_min[] = {
     16,                         /* Q8_0 */
     64, 64, 64, 64,             /* Q4_0, Q4_1, Q5_0, Q5_1 */
-    80, 128, 96, 144, 160,      /* Q2_K, Q3_K, Q4_K, Q5_K, Q6_K */
+    16, 16, 16, 16, 16,         /* Q2_K, Q3_K, Q4_K, Q5_K, Q6_K */
     64, 96, 48, 64,             /* IQ4_NL, IQ4_XS, IQ2_XXS, IQ3_XXS */
     48, 48, 64,                 /* IQ1_S, IQ1_M, MXFP4 */
 };
@@ -58,6 +60,41 @@ typedef struct {
 
 #define ROUNDED(v) __asm__("" : "+v"(v))
 
+/* row i of a K-type panel (Q2_K .. Q6_K) by gqk_unpack (SIMD; the spec's values): codes q = u - off, and
+ * each chunk's scales and mins from the gqk_u lanes (per-16 types: gqk_halves order) */
+static void amx_gqk_row(int T, const uint8_t *row, int64_t K, int64_t i, int8_t *o, amx_gq_chunk *ch) {
+    const int off = T == GQK_Q6 ? 32 : T == GQK_Q3 ? 4 : 0, per16 = T != GQK_Q4 && T != GQK_Q5;
+    const int64_t bytes = gq_types[CPUMLA_Q2_K + T - CPUMLA_Q8_0].bytes;
+    const __m256i vo = _mm256_set1_epi8((char)off);
+    gqk_u u;
+    int32_t s0[8], s1[8], m0[8], m1[8];
+    for (int64_t j = 0; j < K / 256; j++) {
+        gqk_unpack(T, row + j * bytes, &u);
+        for (int c = 0; c < 8; c++)
+            _mm256_storeu_si256((__m256i *)(o + 256 * j + 32 * c), _mm256_sub_epi8(u.q[c], vo));
+        _mm256_storeu_si256((__m256i *)s0, u.s0);
+        _mm256_storeu_si256((__m256i *)m0, u.m0);
+        if (per16) {
+            _mm256_storeu_si256((__m256i *)s1, u.s1);
+            _mm256_storeu_si256((__m256i *)m1, u.m1);
+        }
+        for (int c = 0; c < 8; c++) {
+            amx_gq_chunk *k = &ch[8 * j + c];
+            if (per16) {            /* s0: half 0 of chunks 0-3 | half 1 of 0-3; s1: the same for 4-7 */
+                const int32_t *a = c < 4 ? s0 : s1, *b = c < 4 ? m0 : m1;
+                k->s0[i] = a[c % 4]; k->s1[i] = a[4 + c % 4];
+                k->m0[i] = b[c % 4]; k->m1[i] = b[4 + c % 4];
+            } else {
+                k->s0[i] = k->s1[i] = s0[c];
+                k->m0[i] = k->m1[i] = m0[c];
+            }
+            k->d[i] = u.d;
+            k->dm[i] = u.dm;
+            k->sf[i] = (float)k->s0[i];
+        }
+    }
+}
+
 /* rows [p0, p0 + mp) (missing rows zero) unpacked: codes [16][K], chunks [K / 32]; returns whether
  * every chunk's halves share their scale and min */
 static int amx_gq_unpack(const cpumla_weight *w, int64_t p0, int64_t mp, int8_t *codes, amx_gq_chunk *ch) {
@@ -65,10 +102,16 @@ static int amx_gq_unpack(const cpumla_weight *w, int64_t p0, int64_t mp, int8_t 
     int same = 1;
     gq_unpacked u;
     memset(ch, 0, sizeof *ch * (size_t)nc);
+    const int T = w->dtype >= CPUMLA_Q2_K && w->dtype <= CPUMLA_Q6_K ? w->dtype - CPUMLA_Q2_K : -1;
     for (int64_t i = 0; i < 16; i++) {
         int8_t *o = codes + i * K;
         if (i >= mp) { memset(o, 0, (size_t)K); continue; }
         const uint8_t *row = (const uint8_t *)w->data + (p0 + i) * w->row_bytes;
+        if (T >= 0) {
+            amx_gqk_row(T, row, K, i, o, ch);
+            if (T != GQK_Q4 && T != GQK_Q5) same = 0;
+            continue;
+        }
         for (int64_t c0 = 0; c0 < K; c0 += 256) {
             const int n = K - c0 >= 256 ? 8 : (int)((K - c0) / 32);
             gq_unpack(w->dtype, row, c0, n, &u);
