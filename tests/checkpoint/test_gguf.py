@@ -14,7 +14,7 @@ from cpumla.errors import CpumlaError
 
 from support import gguf_files, models
 from support.cli import assert_one_line_error, run_cli
-from support.models import IDS, check_bf16_drift, check_fp32
+from support.models import IDS, check_bf16_drift, check_fp32, stepwise
 
 gguf = pytest.importorskip("gguf")
 
@@ -39,8 +39,7 @@ def test_gguf_f32_parity(tiny, tmp_path, variant, split):
     eng = cpumla.load(str(path))
     check_fp32(eng.forward(IDS), ref)
     eng.reset()
-    parts = [eng.forward(IDS[:5])] + [eng.forward([t]) for t in IDS[5:]]
-    check_fp32(np.concatenate(parts), ref)
+    check_fp32(stepwise(eng, IDS, 5), ref)
 
 
 def test_gguf_config_from_metadata(tiny, tmp_path):
@@ -77,35 +76,11 @@ def test_gguf_split_set(tiny, tmp_path):
     m, ref = tiny["v2-lite"]
     one = tmp_path / "one.gguf"
     gguf_files.write(m, one)
-    parts = split(one, tmp_path / "s", 3)
+    parts = gguf_files.write_split(one, tmp_path / "s", "m", 3)
     check_fp32(cpumla.load(str(parts[1])).forward(IDS), ref)
     parts[2].unlink()
     p = run_cli("smoke", "--model", str(parts[0]))
     assert_one_line_error(p, "shard 3 of 3", parts[2].name, status=2)
-
-
-def split(path, out, n):
-    """path rewritten as a split set of n files (metadata in the first, tensors spread over all)."""
-    r = gguf.GGUFReader(path)
-    out.mkdir()
-    names = [out / f"m-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
-    per = -(-len(r.tensors) // n)
-    for i, name in enumerate(names):
-        w = gguf.GGUFWriter(str(name), "deepseek2")
-        if i == 0:
-            for k, f in r.fields.items():
-                if k.startswith(("GGUF.", "general.architecture")):
-                    continue
-                w.add_key_value(k, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
-        w.add_uint16("split.no", i)
-        w.add_uint16("split.count", n)
-        for t in r.tensors[i * per:(i + 1) * per]:
-            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-    return names
 
 
 def test_gguf_f16_and_bf16(tiny, tmp_path):
@@ -197,12 +172,4 @@ def test_gguf_q8_0(tiny, tmp_path, variant):
     assert {gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F16} <= \
         {t.tensor_type for t in gguf.GGUFReader(path).tensors}
     ref = models.reference_logits(gguf_files.reference(models.build(variant, tmp_path / "ref"), held), IDS)
-    eng = cpumla.load(str(path))
-    assert eng.matmul_format == "q8_0"
-    got = eng.forward(IDS)
-    assert np.abs(got - ref).max() < 0.08 * np.abs(ref).max()
-    cos = (got * ref).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(ref, axis=-1)
-    assert (1 - cos).max() < 1e-2, 1 - cos
-    eng.reset()
-    dec = np.concatenate([eng.forward(IDS[:5])] + [eng.forward([t]) for t in IDS[5:]])
-    assert np.abs(dec - got).max() <= 1e-5 * np.abs(got).max()
+    gguf_files.check_q8_file(cpumla.load(str(path)), ref, IDS)

@@ -24,7 +24,7 @@ import torch
 import cpumla
 
 from support import gguf_files, gguf_files_v4, models
-from support.models import IDS, check_fp32
+from support.models import IDS, check_fp32, stepwise
 
 gguf = pytest.importorskip("gguf")
 if gguf_files.llama_cpp() is None:
@@ -65,7 +65,7 @@ def test_converter_output_loads(tmp_path, variant, outtype):
     mt, extra = models.VARIANTS[variant]
     import tokenizers
     vocab = tokenizers.Tokenizer.from_file(str(tok)).get_vocab_size()
-    m = models.build_from_kwargs(mt, {**models.BASE, **extra, "vocab_size": vocab}, tmp_path / "hf")
+    models.build_from_kwargs(mt, {**models.BASE, **extra, "vocab_size": vocab}, tmp_path / "hf")
     for f in tok.parent.glob("tokenizer*.json"):
         shutil.copy(f, tmp_path / "hf" / f.name)
     out = tmp_path / f"m-{outtype}.gguf"
@@ -102,7 +102,7 @@ def test_converter_v32(tmp_path, outtype):
     if outtype == "f32":
         check_fp32(got, ref)
         eng.reset()
-        check_fp32(np.concatenate([eng.forward(IDS[:3])] + [eng.forward([t]) for t in IDS[3:]]), ref)
+        check_fp32(stepwise(eng, IDS, 3), ref)
     else:
         assert eng.matmul_format == "q8_0"
         assert np.abs(got - ref).max() < 0.08 * np.abs(ref).max()

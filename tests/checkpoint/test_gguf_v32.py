@@ -7,7 +7,6 @@ of ties)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,7 +16,7 @@ from cpumla.errors import CpumlaError
 
 from support import gguf_files, models
 from support.cli import assert_one_line_error, run_cli
-from support.models import IDS, check_bf16_drift, check_fp32
+from support.models import IDS, check_bf16_drift, check_fp32, stepwise
 
 gguf = pytest.importorskip("gguf")
 
@@ -40,8 +39,7 @@ def test_v32_gguf_f32_parity(v32, tmp_path, split):
     eng = cpumla.load(str(path))
     check_fp32(eng.forward(IDS), ref)
     eng.reset()
-    parts = [eng.forward(IDS[:3])] + [eng.forward([t]) for t in IDS[3:]]
-    check_fp32(np.concatenate(parts), ref)
+    check_fp32(stepwise(eng, IDS, 3), ref)
 
 
 def test_v32_config_from_metadata(v32, tmp_path):
@@ -89,15 +87,7 @@ def test_v32_gguf_q8_0(v32, tmp_path):
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
     assert types["blk.1.indexer.attn_k.weight"] == gguf.GGMLQuantizationType.Q8_0
     ref = models.reference_logits(gguf_files.reference_v32(models.build_v32(tmp_path / "ref"), held), IDS)
-    eng = cpumla.load(str(path))
-    assert eng.matmul_format == "q8_0"
-    got = eng.forward(IDS)
-    assert np.abs(got - ref).max() < 0.08 * np.abs(ref).max()
-    cos = (got * ref).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(ref, axis=-1)
-    assert (1 - cos).max() < 1e-2, 1 - cos
-    eng.reset()
-    dec = np.concatenate([eng.forward(IDS[:5])] + [eng.forward([t]) for t in IDS[5:]])
-    assert np.abs(dec - got).max() <= 1e-5 * np.abs(got).max()
+    gguf_files.check_q8_file(cpumla.load(str(path)), ref, IDS)
 
 
 # ---- bad files ------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from cpumla.errors import CpumlaError
 
 from support import gguf_files, gguf_files_v4, models
 from support.cli import assert_one_line_error, run_cli
-from support.models import check_bf16_drift, check_fp32
+from support.models import check_bf16_drift, check_fp32, stepwise
 
 gguf = pytest.importorskip("gguf")
 
@@ -53,8 +53,7 @@ def test_v4_gguf_f32_parity(v4, tmp_path):
     eng = cpumla.load(str(path))
     check_fp32(eng.forward(IDS), ref)
     eng.reset()
-    parts = [eng.forward(IDS[:5])] + [eng.forward([t]) for t in IDS[5:]]
-    check_fp32(np.concatenate(parts), ref)
+    check_fp32(stepwise(eng, IDS, 5), ref)
 
 
 def test_v4_config_from_metadata(v4, tmp_path):
@@ -133,7 +132,7 @@ def test_v4_gguf_converter_types(v4_rounded, tmp_path):
         ("q8_0", "mxfp4" if in_place else "e2m1", "bf16")
     gguf_files.check_q8_drift(eng.forward(IDS), ref, hf_bf16)
     eng.reset()
-    gguf_files.check_q8_drift(np.concatenate([eng.forward(IDS[:5])] + [eng.forward([t]) for t in IDS[5:]]), ref, hf_bf16)
+    gguf_files.check_q8_drift(stepwise(eng, IDS, 5), ref, hf_bf16)
 
 
 # ---- bad files ------------------------------------------------------------------------------------

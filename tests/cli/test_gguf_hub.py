@@ -33,33 +33,6 @@ def write_gguf(path: Path, arch: str = "deepseek2", tensors: int = 3, fill: int 
     w.close()
 
 
-def split(path: Path, out: Path, stem: str, n: int) -> dict[str, bytes]:
-    """The GGUF file at `path` as a split set of n files stem-0000i-of-0000n.gguf (metadata in the first,
-    tensors spread over all): {name: bytes}."""
-    r = gguf.GGUFReader(path)
-    out.mkdir(parents=True, exist_ok=True)
-    per = -(-len(r.tensors) // n)
-    arch = r.fields["general.architecture"].contents()
-    files = {}
-    for i in range(n):
-        name = f"{stem}-{i + 1:05d}-of-{n:05d}.gguf"
-        w = gguf.GGUFWriter(str(out / name), arch)
-        if i == 0:
-            for k, f in r.fields.items():
-                if not k.startswith(("GGUF.", "general.architecture")):
-                    w.add_key_value(k, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
-        w.add_uint16("split.no", i)
-        w.add_uint16("split.count", n)
-        for t in r.tensors[i * per:(i + 1) * per]:
-            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        files[name] = (out / name).read_bytes()
-    return files
-
-
 @pytest.fixture(scope="module")
 def repos(tmp_path_factory):
     """{repo id: {path in the repo: bytes}}: a GGUF repo with single files, a split set in a folder, a UD
@@ -74,8 +47,8 @@ def repos(tmp_path_factory):
         files[name] = (d / name).read_bytes()
     gguf_files.write(model, d / "whole.gguf", "Q8_0")
     for folder, stem, n in (("Q4_K_M", "Tiny-Q4_K_M", 3), ("UD-Q2_K_XL", "Tiny-UD-Q2_K_XL", 2)):
-        for name, data in split(d / "whole.gguf", d / folder, stem, n).items():
-            files[f"{folder}/{name}"] = data
+        for f in gguf_files.write_split(d / "whole.gguf", d / folder, stem, n):
+            files[f"{folder}/{f.name}"] = f.read_bytes()
     for name, arch, fill in (("Tiny-Q2_K.gguf", "deepseek2", 1), ("mmproj-Tiny-F16.gguf", "clip", 2)):
         write_gguf(d / name, arch, fill=fill)
         files[name] = (d / name).read_bytes()

@@ -409,6 +409,50 @@ def convert_add_bos(model_dir: Path, out: Path, outtype: str = "f32") -> None:
                     str(out)], check=True, capture_output=True)
 
 
+def write_split(path: Path, out: Path, stem: str, n: int) -> list[Path]:
+    """The GGUF file at `path` rewritten as a split set of n files out/stem-0000i-of-0000n.gguf, as
+    llama.cpp's gguf-split writes one: the metadata in the first, the tensors spread over all, split.no
+    and split.count in each."""
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    out.mkdir(parents=True, exist_ok=True)
+    arch = r.fields["general.architecture"].contents()
+    names = [out / f"{stem}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
+    per = -(-len(r.tensors) // n)
+    for i, name in enumerate(names):
+        w = gguf.GGUFWriter(str(name), arch)
+        if i == 0:
+            for k, f in r.fields.items():
+                if not k.startswith(("GGUF.", "general.architecture")):
+                    w.add_key_value(k, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+        w.add_uint16("split.no", i)
+        w.add_uint16("split.count", n)
+        for t in r.tensors[i * per:(i + 1) * per]:
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return names
+
+
+def check_q8_file(eng, ref, ids):
+    """A deepseek2 / deepseek32 file with Q8_0 linears against transformers fp32 on its values (ref): max
+    error under 8% of the largest logit, 1 - cos under 1e-2 per position; then a prefill of 5 tokens and
+    one-token decode steps give the full forward's logits."""
+    from support.models import stepwise
+
+    assert eng.matmul_format == "q8_0"
+    got = eng.forward(ids)
+    assert np.abs(got - ref).max() < 0.08 * np.abs(ref).max()
+    cos = (got * ref).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(ref, axis=-1)
+    assert (1 - cos).max() < 1e-2, 1 - cos
+    eng.reset()
+    dec = stepwise(eng, ids, 5)
+    assert np.abs(dec - got).max() <= 1e-5 * np.abs(got).max()
+
+
 def check_q8_drift(got, ref, hf_bf16):
     """A V4 file with Q8_0 linears against transformers fp32 on its values (ref) and transformers' own bf16
     forward of them (hf_bf16). Q8_0 products round the activations to 8-bit codes per block of 32

@@ -253,6 +253,11 @@ def quantize_v4(saved: Path, out: Path, cfg_extra: dict | None = None):
 IDS = [3, 17, 99, 5, 150, 42, 7, 7, 120, 64, 1, 33]
 
 
+def stepwise(eng, ids, first: int):
+    """The logits of a prefill of ids[:first], then of ids[first:] decoded one token at a time."""
+    return np.concatenate([eng.forward(ids[:first])] + [eng.forward([t]) for t in ids[first:]])
+
+
 def check_fp32(got, ref):
     """fp32 parity: got within 1e-4 of max |logit| of the reference logits ref."""
     err = np.abs(got - ref).max()
