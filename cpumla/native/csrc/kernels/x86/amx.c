@@ -23,26 +23,15 @@
 #include "core/common.h"
 #include "core/kernels.h"
 #include "core/quant.h"
+#include "kernels/x86/amx_common.h"
 
 const char cpumla_flags_amx[] = CPUMLA_FLAGS;
 
 #define AMX_MIN_TOKENS 16
 
-/* lane i: i * s (gather offsets of 16 rows or tokens s bytes apart) */
-static inline __m512i lanes_times(int32_t s) {
-    return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(s));
-}
 
 static void (*prev_gemm)(const cpumla_weight *, const float *, int64_t, int64_t, float *, int64_t,
                          int64_t, int64_t);
-
-typedef struct {                /* the 64-byte operand of ldtilecfg, palette 1 */
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];         /* bytes per row of tile i */
-    uint8_t rows[16];           /* rows of tile i */
-} __attribute__((packed, aligned(64))) amx_tilecfg;
 
 /* The packed panel, 32 rows x kpad columns of bf16 (2 KiB per 32 columns), is the thread's
  * CPUMLA_SCRATCH_AMX_PANEL buffer; without it the kernel does nothing (the call then fails). */
@@ -313,7 +302,6 @@ static void gemm_q_amx(const cpumla_weight *w, const void *qx, int64_t n, float 
     int32_t cb[2][256] __attribute__((aligned(64)));
     float fb[256] __attribute__((aligned(64)));
     static __thread float part[16][16][16] __attribute__((aligned(64)));   /* [lane][row][token] */
-    const __m512i tr = lanes_times(16);
     for (int64_t p0 = r0; p0 < r1; p0 += 16) {
         const int64_t mp = r1 - p0 < 16 ? r1 - p0 : 16;
         const int8_t *abase;
@@ -403,11 +391,7 @@ static void gemm_q_amx(const cpumla_weight *w, const void *qx, int64_t n, float 
                 _mm512_store_ps(fb + 16 * i, _mm512_add_ps(_mm512_add_ps(s4[0], s4[2]), _mm512_add_ps(s4[1], s4[3])));
             }
             /* fb[16 i + t]: row p0 + i, token 16g + t */
-            const int64_t nt = n - 16 * g < 16 ? n - 16 * g : 16;
-            const __mmask16 mr = (__mmask16)((1u << mp) - 1u);
-            for (int64_t t = 0; t < nt; t++)
-                _mm512_mask_storeu_ps(y + (16 * g + t) * ldy + (p0 - r0), mr,
-                                      _mm512_i32gather_ps(_mm512_add_epi32(tr, _mm512_set1_epi32((int)t)), fb, 4));
+            amx_store_block(fb, y + 16 * g * ldy + (p0 - r0), ldy, n - 16 * g < 16 ? n - 16 * g : 16, mp);
         }
     }
     _tile_release();

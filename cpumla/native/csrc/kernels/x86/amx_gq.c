@@ -25,6 +25,7 @@
 #include "core/gguf_q.h"
 #include "core/kernels.h"
 #include "core/quant.h"
+#include "kernels/x86/amx_common.h"
 #include "kernels/x86/gqk_unpack_x86.h"
 
 /* From how many tokens the tiles beat avx512vnni's entry, per type (Q8_0 .. MXFP4). The K types' panels
@@ -44,13 +45,6 @@ typedef void (*gq_gemm_fn)(const cpumla_weight *, const void *, int64_t, float *
 static gq_gemm_fn prev_gq[GQ_N];
 _Static_assert(sizeof amx_gq_min / sizeof amx_gq_min[0] == GQ_N, "a threshold per GGUF type");
 
-typedef struct {                /* the 64-byte operand of ldtilecfg, palette 1 */
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed, aligned(64))) amx_gq_tilecfg;
 
 /* per chunk of the panel: the 16 rows' scales, mins and factors (lane i: row i) */
 typedef struct {
@@ -136,8 +130,7 @@ static int amx_gq_unpack(const cpumla_weight *w, int64_t p0, int64_t mp, int8_t 
  * bq[(g nc + c) 128 + kk 16 + t], xd[(g nc + c) 16 + t], xs0 / xs1 likewise */
 static void amx_gq_pack_x(const uint8_t *qx, int64_t n, int64_t K, int32_t *bq, float *xd, int32_t *xs0, int32_t *xs1) {
     const int64_t nc = K / 32, ng = (n + 15) / 16, per = QX_BYTES(K);
-    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32((int32_t)per));
+    const __m512i idx = lanes_times((int32_t)per);
     for (int64_t g = 0; g < ng; g++) {
         const int64_t nt = n - 16 * g < 16 ? n - 16 * g : 16;
         const __mmask16 m = (__mmask16)((1u << nt) - 1u);
@@ -177,7 +170,7 @@ static void gemm_gq_amx(const cpumla_weight *w, const void *qx, int64_t n, float
     int8_t *codes = (int8_t *)(ps + sizeof(amx_gq_chunk) * (size_t)nc);
     amx_gq_pack_x(qx, n, K, bq, xdb, xs0, xs1);
 
-    amx_gq_tilecfg cfg;
+    amx_tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
     cfg.rows[0] = cfg.rows[1] = 16; cfg.colsb[0] = cfg.colsb[1] = 64;      /* C */
@@ -189,8 +182,6 @@ static void gemm_gq_amx(const cpumla_weight *w, const void *qx, int64_t n, float
 
     int32_t c0b[256] __attribute__((aligned(64))), c1b[256] __attribute__((aligned(64)));
     float fb[256] __attribute__((aligned(64)));
-    const __m512i tr = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32(16));
     for (int64_t p0 = r0; p0 < r1; p0 += 16) {
         const int64_t mp = r1 - p0 < 16 ? r1 - p0 : 16;
         const int same = amx_gq_unpack(w, p0, mp, codes, ch);
@@ -263,11 +254,7 @@ static void gemm_gq_amx(const cpumla_weight *w, const void *qx, int64_t n, float
             }
             /* acc[i]: row p0 + i, a lane per token -> y */
             for (int i = 0; i < 16; i++) _mm512_store_ps(fb + 16 * i, acc[i]);
-            const int64_t nt = n - 16 * g < 16 ? n - 16 * g : 16;
-            const __mmask16 mr = (__mmask16)((1u << mp) - 1u);
-            for (int64_t tk = 0; tk < nt; tk++)
-                _mm512_mask_storeu_ps(y + (16 * g + tk) * ldy + (p0 - r0), mr,
-                                      _mm512_i32gather_ps(_mm512_add_epi32(tr, _mm512_set1_epi32((int)tk)), fb, 4));
+            amx_store_block(fb, y + 16 * g * ldy + (p0 - r0), ldy, n - 16 * g < 16 ? n - 16 * g : 16, mp);
         }
     }
     _tile_release();
