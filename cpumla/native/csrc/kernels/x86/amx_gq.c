@@ -127,7 +127,8 @@ static int amx_gq_unpack(const cpumla_weight *w, int64_t p0, int64_t mp, int8_t 
 }
 
 /* B tiles, xd and the halves' code sums of every group of 16 tokens (zero past n):
- * bq[(g nc + c) 128 + kk 16 + t], xd[(g nc + c) 16 + t], xs0 / xs1 likewise */
+ * bq[(g nc + c) 128 + kk 16 + t], xd[(g nc + c) 16 + t], xs0 / xs1 likewise (xs0 NULL: no sums, for
+ * the types without mins) */
 static void amx_gq_pack_x(const uint8_t *qx, int64_t n, int64_t K, int32_t *bq, float *xd, int32_t *xs0, int32_t *xs1) {
     const int64_t nc = K / 32, ng = (n + 15) / 16, per = QX_BYTES(K);
     const __m512i idx = lanes_times((int32_t)per);
@@ -142,7 +143,7 @@ static void amx_gq_pack_x(const uint8_t *qx, int64_t n, int64_t K, int32_t *bq, 
                                                                             base + 32 * c + 4 * kk, 1));
             _mm512_store_ps(xd + (g * nc + c) * 16, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx,
                                                                              base + qx_kp(K) + 4 * c, 1));
-            for (int64_t j = 0; j < 16; j++) {
+            for (int64_t j = 0; xs0 && j < 16; j++) {
                 int32_t a = 0, b = 0;
                 if (j < nt) {
                     const int8_t *x = (const int8_t *)(base + j * per) + 32 * c;
@@ -168,7 +169,7 @@ static void gemm_gq_amx(const cpumla_weight *w, const void *qx, int64_t n, float
     float *xdb = (float *)(xs1 + ng * nc * 16);
     amx_gq_chunk *ch = (amx_gq_chunk *)ps;
     int8_t *codes = (int8_t *)(ps + sizeof(amx_gq_chunk) * (size_t)nc);
-    amx_gq_pack_x(qx, n, K, bq, xdb, xs0, xs1);
+    amx_gq_pack_x(qx, n, K, bq, xdb, has_min ? xs0 : NULL, xs1);
 
     amx_tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -229,7 +230,8 @@ static void gemm_gq_amx(const cpumla_weight *w, const void *qx, int64_t n, float
                     _tile_dpbssd(1, 3, 5);
                     _tile_stored(0, c0b, 64);
                     _tile_stored(1, c1b, 64);
-                    const __m512i x0 = _mm512_load_si512(xs0 + (g * nc + c) * 16), x1 = _mm512_load_si512(xs1 + (g * nc + c) * 16);
+                    const __m512i x0 = has_min ? _mm512_load_si512(xs0 + (g * nc + c) * 16) : _mm512_setzero_si512();
+                    const __m512i x1 = has_min ? _mm512_load_si512(xs1 + (g * nc + c) * 16) : _mm512_setzero_si512();
                     for (int i = 0; i < 16; i++) {
                         __m512 f = _mm512_mul_ps(_mm512_set1_ps(k->d[i]), xv);
                         ROUNDED(f);
