@@ -166,9 +166,11 @@ typedef struct cpumla_kernels {
 
     /* ---- GGUF block weights (gguf_q.h: Q8_0 .. MXFP4), read in place ----
      * gemm_gq[dtype - CPUMLA_Q8_0]: gemm_q for that type, from rows quantized by gq_quant_x (the spec's
-     * layout, every level); gemv_t_gq and dequant_gq: gemv_t_q and dequant_q for them all. */
+     * layout, every level: quant_gq); gemv_t_gq and dequant_gq: gemv_t_q and dequant_q for them all. */
     void (*gemm_gq[CPUMLA_MXFP4 - CPUMLA_Q8_0 + 1])(const cpumla_weight *w, const void *qx, int64_t n, float *y,
                                                     int64_t ldy, int64_t r0, int64_t r1);
+    /* gq_quant_x (the spec, scalar_gq.c) compiled for this level's vectors: the same bytes */
+    void (*quant_gq)(const float *x, int64_t K, void *qx);
     void (*gemv_t_gq)(const cpumla_weight *w, int64_t r0, int64_t nr, const float *x, float *y, int64_t c0,
                       int64_t c1);
     void (*dequant_gq)(const cpumla_weight *w, int64_t r, int64_t c0, int64_t c1, float *out);
@@ -201,7 +203,7 @@ enum cpumla_scratch_slot {
     CPUMLA_SCRATCH_AMX_PANEL,        /* amx.c: packed weight panel */
     CPUMLA_SCRATCH_AMX_QX,           /* amx.c: the tokens' int8 tiles of a Q8 / Q4 product */
     CPUMLA_SCRATCH_QX,               /* quant.c (kern_gemv, kern_gemm): quantized activations */
-    CPUMLA_SCRATCH_QX_JOB,           /* ops.c, moe.c: a GEMV job's quantized activations, for all its tasks */
+    CPUMLA_SCRATCH_QX_JOB,           /* ops.c, moe.c: a job's quantized activations, for all its tasks */
     CPUMLA_SCRATCH_COUNT
 };
 CPUMLA_INTERNAL void *cpumla_scratch(int slot, size_t bytes);
@@ -224,17 +226,20 @@ CPUMLA_INTERNAL void kern_gemv_t(const cpumla_kernels *k, const cpumla_weight *w
                                  const float *x, float *y, int64_t c0, int64_t c1);
 CPUMLA_INTERNAL void kern_dequant(const cpumla_kernels *k, const cpumla_weight *w, int64_t r, int64_t c0,
                                   int64_t c1, float *out);
-/* A GEMV job over weights that take quantized activations: the caller quantizes x once and every task
- * multiplies from that, rather than each task quantizing it again. The results are bit for bit
- * kern_gemv's.
- *   kern_qx_bytes: bytes of one quantized row for w; 0 when w's gemv takes x as it is.
- *   kern_quant_rows: n rows of x (ldx apart) -> qx, kern_qx_bytes(k, w) bytes apart.
- *   kern_gemv_qx: y[i] = W[r0 + i, :] . x for rows [r0, r1), from qx. */
-CPUMLA_INTERNAL int64_t kern_qx_bytes(const cpumla_kernels *k, const cpumla_weight *w);
+/* A GEMV or GEMM job over weights that take quantized activations: the caller quantizes x once and every
+ * task multiplies from that, rather than each task quantizing it again. The results are bit for bit
+ * kern_gemv's and kern_gemm's.
+ *   kern_qx_bytes: bytes of one quantized row for w's product with n tokens; 0 when it takes x as it is.
+ *   kern_quant_rows: n rows of x (ldx apart) -> qx, kern_qx_bytes bytes apart.
+ *   kern_gemv_qx: y[i] = W[r0 + i, :] . x for rows [r0, r1), from qx.
+ *   kern_gemm_qx: kern_gemm's y for rows [r0, r1) and n tokens, from their quantized rows qx. */
+CPUMLA_INTERNAL int64_t kern_qx_bytes(const cpumla_kernels *k, const cpumla_weight *w, int64_t n);
 CPUMLA_INTERNAL void kern_quant_rows(const cpumla_kernels *k, const cpumla_weight *w, const float *x, int64_t ldx,
                                      int64_t n, void *qx);
 CPUMLA_INTERNAL void kern_gemv_qx(const cpumla_kernels *k, const cpumla_weight *w, const void *qx, float *y,
                                   int64_t r0, int64_t r1);
+CPUMLA_INTERNAL void kern_gemm_qx(const cpumla_kernels *k, const cpumla_weight *w, const void *qx, int64_t n, float *y,
+                                  int64_t ldy, int64_t r0, int64_t r1);
 
 /* ---- the levels' fills, called by dispatch.c root first ------------------------------------------
  * Each level exports one fill that overwrites the entries it provides: its q entries last (its q fill,

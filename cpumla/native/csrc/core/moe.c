@@ -188,11 +188,11 @@ static int64_t shared_qx_bytes(const cpumla_expert *experts, const int32_t *idx,
         const cpumla_weight *ws[2] = {down ? &ex->down : &ex->gate, down ? &ex->down : &ex->up};
         for (int i = 0; i < 2; i++) {
             if (!first) first = ws[i];
-            if (!kern_qx_bytes(&cpumla_k, ws[i]) || ws[i]->dtype != first->dtype || ws[i]->cols != first->cols)
+            if (!kern_qx_bytes(&cpumla_k, ws[i], 1) || ws[i]->dtype != first->dtype || ws[i]->cols != first->cols)
                 return 0;
         }
     }
-    return first ? kern_qx_bytes(&cpumla_k, first) : 0;
+    return first ? kern_qx_bytes(&cpumla_k, first, 1) : 0;
 }
 
 static int moe_one_token(const cpumla_expert *experts, const float *x, const int32_t *idx, const float *w,

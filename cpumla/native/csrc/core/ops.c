@@ -33,7 +33,8 @@ typedef struct {
     int64_t halves_from;                  /* row tasks from this one on take half a task's rows */
     const uint16_t *xb;                   /* BF16 weights: x in bf16 for gemm_xb, or NULL */
     int64_t ldb;
-    const void *qx;                       /* gemv of Q8 / Q4 / E2M1 weights: x quantized once, or NULL */
+    const void *qx;                       /* weights that take quantized activations: x quantized once, or NULL */
+    int64_t qx_per;                       /* bytes of one token's quantized row */
 } lin_job;
 
 static void gemv_task(void *p, int64_t t, int tid) {
@@ -57,7 +58,10 @@ static void gemm_task(void *p, int64_t t, int tid) {
     int64_t r1 = min64(r0 + (half ? j->rows_per_task / 2 : j->rows_per_task), j->r_end);
     if (r1 <= r0) return;
     int64_t t0 = tt * j->tokens_per_task, t1 = min64(t0 + j->tokens_per_task, j->n);
-    if (j->xb)
+    if (j->qx)
+        kern_gemm_qx(&cpumla_k, j->w, (const uint8_t *)j->qx + t0 * j->qx_per, t1 - t0,
+                     j->y + t0 * j->ldy + (r0 - j->r_begin), j->ldy, r0, r1);
+    else if (j->xb)
         cpumla_k.gemm_xb(j->w, j->xb + t0 * j->ldb, j->ldb, t1 - t0, j->y + t0 * j->ldy + (r0 - j->r_begin),
                          j->ldy, r0, r1);
     else
@@ -77,6 +81,21 @@ static const uint16_t *x_to_bf16(const float *x, int64_t ldx, int64_t n, int64_t
     return xb;
 }
 
+/* tokens [t*per_task, ...) of x quantized for w (kern_quant_rows) */
+typedef struct {
+    const cpumla_weight *w;
+    const float *x;
+    int64_t ldx, n, per, per_task;
+    uint8_t *qx;
+} quant_rows_job;
+
+static void quant_rows_task(void *p, int64_t t, int tid) {
+    (void)tid;
+    const quant_rows_job *j = p;
+    const int64_t t0 = t * j->per_task, t1 = min64(t0 + j->per_task, j->n);
+    if (t1 > t0) kern_quant_rows(&cpumla_k, j->w, j->x + t0 * j->ldx, j->ldx, t1 - t0, j->qx + t0 * j->per);
+}
+
 /* Rows [r_begin, r_end) of w times n tokens (x [n, ldx] -> y [n, ldy]). */
 static void linear_rows(const cpumla_weight *w, int64_t r_begin, int64_t r_end, const float *x,
                         int64_t ldx, int64_t n, float *y, int64_t ldy) {
@@ -87,7 +106,7 @@ static void linear_rows(const cpumla_weight *w, int64_t r_begin, int64_t r_end, 
     lin_job j = {.w = w, .r_begin = r_begin, .r_end = r_end, .x = x, .ldx = ldx, .n = n, .y = y, .ldy = ldy};
     if (n == 1) {
         if (small) { kern_gemv(&cpumla_k, w, x, y, r_begin, r_end); return; }
-        int64_t per = kern_qx_bytes(&cpumla_k, w);
+        int64_t per = kern_qx_bytes(&cpumla_k, w, 1);
         if (per) {
             void *qx = cpumla_scratch(CPUMLA_SCRATCH_QX_JOB, (size_t)per);
             if (!qx) return;
@@ -105,6 +124,13 @@ static void linear_rows(const cpumla_weight *w, int64_t r_begin, int64_t r_end, 
         j.xb = x_to_bf16(x, ldx, n, w->cols, j.ldb);
         if (!j.xb) return;
     }
+    if (!small && (j.qx_per = kern_qx_bytes(&cpumla_k, w, n))) {   /* quantize x once, the threads sharing it */
+        quant_rows_job q = {.w = w, .x = x, .ldx = ldx, .n = n, .per = j.qx_per, .per_task = ceil_div(n, 2 * threads)};
+        q.qx = cpumla_scratch(CPUMLA_SCRATCH_QX_JOB, (size_t)(j.qx_per * n));
+        if (!q.qx) return;
+        cpumla_pool_run(ceil_div(n, q.per_task), quant_rows_task, &q);
+        j.qx = q.qx;
+    }
     if (small) {
         if (j.xb) cpumla_k.gemm_xb(w, j.xb, j.ldb, n, y, ldy, r_begin, r_end);
         else kern_gemm(&cpumla_k, w, x, ldx, n, y, ldy, r_begin, r_end);
@@ -114,7 +140,8 @@ static void linear_rows(const cpumla_weight *w, int64_t r_begin, int64_t r_end, 
      * converted activation, kernels.h); with too few blocks to feed every thread, split rows finer
      * and tokens too. With many rows per thread, other formats take larger blocks (at most
      * GEMM_TASK_ROWS, multiples of 32, an even count per thread): every task converts the tokens'
-     * activations again, which 64-row tasks of a few threads pay once per 64 rows. */
+     * activations again (BF16 and E4M3 weights on levels without gemm_xb; the integer formats' are
+     * quantized once above), which 64-row tasks of a few threads pay once per 64 rows. */
     int64_t unit = w->dtype == CPUMLA_E4M3 && w->block_rows == 128 ? 128 : 64;
     j.rows_per_task = rows >= unit * 2 * threads ? unit : ceil_div(ceil_div(rows, 2 * threads), 8) * 8;
     if (unit == 64 && rows >= unit * 2 * threads) {

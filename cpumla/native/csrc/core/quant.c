@@ -24,7 +24,7 @@ static int is_q_product(const cpumla_weight *w) { return is_q(w) || is_e2m1_q(w)
 /* a row of activations quantized for w, and w's product from such rows: the GGUF block types (gguf_q.h) to
  * the gq entries, the other integer formats to the q ones */
 static void quant_row(const cpumla_kernels *k, const cpumla_weight *w, const float *x, void *qx) {
-    if (is_gq(w)) gq_quant_x(x, w->cols, qx);
+    if (is_gq(w)) k->quant_gq(x, w->cols, qx);
     else k->quant_x(w->dtype, x, w->cols, qx);
 }
 static void gemm_from_qx(const cpumla_kernels *k, const cpumla_weight *w, const void *qx, int64_t n, float *y,
@@ -71,9 +71,9 @@ void kern_dequant(const cpumla_kernels *k, const cpumla_weight *w, int64_t r, in
     else k->dequant_row(w, r, c0, c1, out);
 }
 
-/* ---- a GEMV job's activations, quantized once for all of its tasks (kernels.h) ---- */
-int64_t kern_qx_bytes(const cpumla_kernels *k, const cpumla_weight *w) {
-    if (!is_q_product(w) || (k->gemm_fp4 && k->gemm_fp4_min_n <= 1 && is_e2m1_q(w))) return 0;
+/* ---- a job's activations, quantized once for all of its tasks (kernels.h) ---- */
+int64_t kern_qx_bytes(const cpumla_kernels *k, const cpumla_weight *w, int64_t n) {
+    if (!is_q_product(w) || (k->gemm_fp4 && n >= k->gemm_fp4_min_n && is_e2m1_q(w))) return 0;
     return QX_BYTES(w->cols);
 }
 
@@ -86,6 +86,11 @@ void kern_quant_rows(const cpumla_kernels *k, const cpumla_weight *w, const floa
 void kern_gemv_qx(const cpumla_kernels *k, const cpumla_weight *w, const void *qx, float *y, int64_t r0,
                   int64_t r1) {
     if (r1 > r0) gemm_from_qx(k, w, qx, 1, y, 0, r0, r1);
+}
+
+void kern_gemm_qx(const cpumla_kernels *k, const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy,
+                  int64_t r0, int64_t r1) {
+    if (n > 0 && r1 > r0) gemm_from_qx(k, w, qx, n, y, ldy, r0, r1);
 }
 
 /* ---- cpumla_quantize ------------------------------------------------------------------------------ */

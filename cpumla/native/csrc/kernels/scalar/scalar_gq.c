@@ -81,6 +81,7 @@ static void gemv_t_gq_scalar(const cpumla_weight *w, int64_t r0, int64_t nr, con
 
 void cpumla_fill_scalar_gq(cpumla_kernels *k) {
     for (int t = 0; t < GQ_N; t++) k->gemm_gq[t] = gemm_gq_scalar;
+    k->quant_gq = gq_quant_x;
     k->gemv_t_gq = gemv_t_gq_scalar;
     k->dequant_gq = dequant_gq_scalar;
     for (int i = K_GEMV; i <= K_DEQUANT; i++)

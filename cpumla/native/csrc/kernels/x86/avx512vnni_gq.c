@@ -13,10 +13,12 @@ static inline __m256i gq_xsum8(__m256i x) {
 }
 #define GQ_GEMM gemm_gq_avx512vnni
 #define GQ_GEMM_ANY gemm_gq_any_avx512vnni
+#define GQ_QUANT gq_quant_x_avx512vnni
 #include "kernels/x86/gq_x86.h"
 
 void cpumla_fill_avx512vnni_gq(cpumla_kernels *k) {
     k->gemm_gq[0] = gemm_gq_avx512vnni;
+    k->quant_gq = gq_quant_x_avx512vnni;
     for (int t = 1; t < GQ_N; t++) k->gemm_gq[t] = gemm_gq_any_avx512vnni;
     for (int f = CPUMLA_Q8_0; f <= CPUMLA_MXFP4; f++) k->who_fmt[K_GEMV][f] = k->who_fmt[K_GEMM][f] = "avx512vnni";
 }

@@ -6,8 +6,10 @@
  * Q8_0 reads its blocks directly; the other types unpack 256 columns at a time with the spec's
  * gq_unpack, then take the 16 half sums of 8 chunks at once.
  * Per 8 blocks: their block sums by a tree of integer adds (exact), then (float)isum * (d * xd) as
- * 8 fp32 products, each rounded once as the spec's, added to the row's sum in block order. */
+ * 8 fp32 products, each rounded once as the spec's, added to the row's sum in block order.
+ * GQ_QUANT names the level's gq_quant_x, the activations' quantization in 8-lane vectors. */
 #include <immintrin.h>
+#include <string.h>
 #include "core/gguf_q.h"
 #include "core/quant.h"
 
@@ -50,6 +52,40 @@ static float gq8_row(const cpumla_weight *w, int64_t r, const int8_t *xq, const 
         acc += gq_block_product(isum, gq8_scale(blk), xd[b]);
     }
     return acc;
+}
+
+/* gq_quant_x's bytes: per block of 32, amax over the bits of |x| (an integer max), xd and id as
+ * quant.h computes them, codes nearest_even(x * id) (vcvtps2dq under the default rounding), 0 for a block
+ * that is not finite, and their int32 sum */
+static void GQ_QUANT(const float *x, int64_t K, void *qx) {
+    int8_t *q = qx;
+    float *d = qx_d(qx, K);
+    int32_t *s = qx_s(qx, K);
+    const int64_t nb = K / QK, kp = qx_kp(K);
+    const __m256i abs = _mm256_set1_epi32(0x7fffffff), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 v[4];
+        __m256i m = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(x + b * QK + 8 * j);
+            m = _mm256_max_epi32(m, _mm256_and_si256(_mm256_castps_si256(v[j]), abs));
+        }
+        m = _mm256_max_epi32(m, _mm256_permute2x128_si256(m, m, 1));
+        m = _mm256_max_epi32(m, _mm256_shuffle_epi32(m, 0x4e));
+        m = _mm256_max_epi32(m, _mm256_shuffle_epi32(m, 0xb1));
+        const float amax = f32_from_bits((uint32_t)_mm256_cvtsi256_si32(m));
+        const float id = qact_id(amax, QACT_MAX8);
+        d[b] = qact_xd(amax, QACT_MAX8);
+        __m256i c[4];
+        for (int j = 0; j < 4; j++)
+            c[j] = q_nonfinite(amax) ? _mm256_setzero_si256() : _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(id)));
+        s[b] = gq_hsum(_mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3])));
+        /* |code| <= 127: the saturating packs are exact; they interleave 128-bit lanes, which order undoes */
+        const __m256i h = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+        _mm256_storeu_si256((__m256i *)(q + b * QK), _mm256_permutevar8x32_epi32(h, order));
+    }
+    memset(q + K, 0, (size_t)(kp - K));
+    for (int64_t b = nb; b < kp / QK; b++) { d[b] = 0.0f; s[b] = 0; }
 }
 
 /* bytes ahead of a Q8_0 row's current 8 blocks to prefetch: the 4 rows of gq8_rows4 are 4 streams the
