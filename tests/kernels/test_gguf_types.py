@@ -137,9 +137,9 @@ def test_bad_block_bytes_refused():
 @pytest.mark.skipif("amx" not in native.available_isas(), reason="the amx level needs an AMX CPU and OS support")
 @pytest.mark.parametrize("fmt", TYPES)
 def test_amx_tiles_are_the_spec(fmt):
-    """The amx level's tiles (amx_gq.c), which serve from a number of tokens per type: every type at 17
-    tokens (Q8_0's tiles; the others' avx512vnni) and at 161 (every type's tiles, a partial group of 16),
-    panels of 16 rows and a partial one, chunks whose halves differ and agree: bit for bit the spec."""
+    """The amx level's tiles (amx_gq.c), which serve from 16 tokens: every type at 17 tokens (a group of
+    16 and one of 1) and at 161 (a partial group of 16), panels of 16 rows and a partial one, chunks whose
+    halves differ and agree: bit for bit the spec."""
     block = native.GGUF_FORMATS[fmt][0]
     cols = 512 if block == 256 else 288
     raw = blocks(fmt, 37, cols, seed=11 + len(fmt))
