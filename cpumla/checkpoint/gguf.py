@@ -135,31 +135,29 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.files = gguf_files(self.path)
-        self.readers = [open_reader(f) for f in self.files]
-        self.fields = self.readers[0].fields
+        readers = [open_reader(f) for f in self.files]
         self.entries: dict[str, Entry] = {}
         self._data = {}
-        for f, r in zip(self.files, self.readers):
+        for f, r in zip(self.files, readers):
             self._data[f] = r.data
             for name, e in r.entries.items():
                 if name in self.entries:
                     raise CpumlaError(f"{f}: tensor '{name}' is also in {self.entries[name].file.name}")
                 self.entries[name] = e
+        # The metadata as python values, and the readers let go: GGUFReader keeps a numpy view per part of
+        # every field (two per string: 600k for a 129k vocabulary and its merges), which the garbage
+        # collector would walk for as long as the model lives; the values' strings and numbers it does not.
+        self._values = {k: _field_value(f) for k, f in readers[0].fields.items()}
 
     def value(self, key: str):
         """(GGUF type name, python value) of a metadata key, or None when absent; arrays as lists."""
-        from gguf import GGUFValueType
-
-        f = self.fields.get(key)
-        if f is None:
+        got = self._values.get(key)
+        if got is None:
             return None
-        kind = f.types[0]
-        try:
-            v = f.contents()
-        except (ValueError, IndexError, UnicodeDecodeError) as e:
-            raise CpumlaError(f"{self.files[0]}: metadata key '{key}' cannot be read ({e})") from None
-        name = kind.name if kind != GGUFValueType.ARRAY else f"ARRAY[{f.types[1].name if len(f.types) > 1 else '?'}]"
-        return name, v
+        name, v, err = got
+        if err is not None:
+            raise CpumlaError(f"{self.files[0]}: metadata key '{key}' cannot be read ({err})")
+        return name, list(v) if isinstance(v, list) else v
 
     def array(self, name: str) -> np.ndarray:
         """Tensor `name` as a read-only view of its file's mapping, numpy shape, no copy."""
@@ -182,4 +180,17 @@ class GGUFFile:
 
     def close(self) -> None:
         """Drops the mappings: each goes with the last view of it still alive."""
-        self.readers, self._data = [], {}
+        self._data = {}
+
+
+def _field_value(f) -> tuple:
+    """(GGUF type name, python value, None) of a GGUFReader field, or (name, None, why) where it cannot be
+    read (raised when the key is asked for)."""
+    from gguf import GGUFValueType
+
+    kind = f.types[0]
+    name = kind.name if kind != GGUFValueType.ARRAY else f"ARRAY[{f.types[1].name if len(f.types) > 1 else '?'}]"
+    try:
+        return name, f.contents(), None
+    except (ValueError, IndexError, UnicodeDecodeError) as e:
+        return name, None, str(e)

@@ -323,6 +323,26 @@ def test_small_tokenizer_reads(files, tmp_path):
     assert tok.decode([259, 258, 258], skip_special_tokens=True) == " the the"
 
 
+def test_open_file_keeps_values_not_parts(files):
+    """An open GGUF model holds its metadata as python values: the garbage collector does not walk a numpy
+    view per token (GGUFReader's parts) for as long as the model lives, and the values still read."""
+    import gc
+
+    from cpumla.checkpoint.gguf import GGUFFile
+
+    gc.collect()
+    before = len(gc.get_objects())
+    g = GGUFFile(files["deepseek-v3"])
+    gc.collect()
+    try:
+        kind, tokens = g.value("tokenizer.ggml.tokens")
+        assert kind == "ARRAY[STRING]" and len(tokens) == VOCAB
+        assert len(gc.get_objects()) - before < VOCAB // 10
+        assert tokens[:3] == g.value("tokenizer.ggml.tokens")[1][:3]
+    finally:
+        g.close()
+
+
 @pytest.mark.parametrize("change,words", [
     ({"tokenizer.ggml.model": "llama"}, ["tokenizer.ggml.model", "'llama'", "gpt2"]),
     ({"tokenizer.ggml.model": 7}, ["tokenizer.ggml.model", "UINT32", "a string"]),
