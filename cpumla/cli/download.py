@@ -24,7 +24,8 @@ import typer
 from cpumla.runtime import gguf_hub
 from cpumla.cli import render
 from cpumla.errors import CpumlaError
-from cpumla.runtime.resolve import hf_hub_cache
+from cpumla.runtime.gguf_hub import choose, complete, human_size
+from cpumla.runtime.hub_cache import hf_hub_cache
 
 # config, generation config, tokenizer files, safetensors shards and their index
 ALLOW_PATTERNS = [
@@ -196,51 +197,6 @@ def _model_type(path: Path) -> str | None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
     return d.get("model_type") if isinstance(d, dict) else None
-
-
-def human_size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n} B"
-
-
-def _quant_list(found: list[gguf_hub.Quant]) -> str:
-    return ", ".join(f"{q.name} ({human_size(q.size)})" for q in found)
-
-
-def choose(where: str, tag: str, found: list[gguf_hub.Quant]) -> gguf_hub.Quant:
-    """The one GGUF model `tag` names among `found`, or a CpumlaError naming what there is."""
-    hits = gguf_hub.matching(tag, found)
-    if len(hits) == 1:
-        return hits[0]
-    if not found:
-        raise CpumlaError(f"{where}: holds no .gguf files")
-    if not hits:
-        raise CpumlaError(f"{where}: no GGUF quantization '{tag}'; it has {_quant_list(found)}")
-    raise CpumlaError(f"{where}: '{tag}' names {len(hits)} GGUF models ({', '.join(q.first for q in hits)}); "
-                      f"name one by its file, REPO:PATH")
-
-
-def complete(ref: str, snap: Path, q: gguf_hub.Quant, hint: str) -> Path:
-    """The first file of `q` in the snapshot, once every shard is there; else a CpumlaError ending in hint."""
-    for i, s in enumerate(q.shards):
-        if not (snap / s).is_file():
-            what = f"shard {i + 1} of {len(q.shards)}" if len(q.shards) > 1 else "the file"
-            raise CpumlaError(f"{ref}: {what} ({s}) is not in the cache ({snap}); {hint}")
-    return snap / q.first
-
-
-def cached_gguf(ref: str) -> Path:
-    """The first file of REPO:QUANT in the hub cache (main, else the newest snapshot), every shard there."""
-    repo_id, tag = gguf_hub.parse_ref(ref)
-    snap = gguf_hub.snapshot(repo_id)
-    if snap is None:
-        raise CpumlaError(f"{repo_id} is not in the Hugging Face cache ({hf_hub_cache()}); "
-                          f"get it with `cpumla download {ref}`")
-    q = choose(f"{repo_id} in the cache", tag, gguf_hub.quants(gguf_hub.cached_files(snap)))
-    return complete(ref, snap, q, f"get it with `cpumla download {repo_id}:{q.name}`")
 
 
 def _literal(path: str) -> str:

@@ -102,7 +102,6 @@ def is_gguf(model: str) -> bool:
 
 def gguf_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: bool) -> None:
     from cpumla.checkpoint.gguf_info import IndexOnly, groups
-    from cpumla.cli.download import cached_gguf
     from cpumla.cli.options import check_ctx
     from cpumla.cli.overrides import parse_hf_overrides
     from cpumla.runtime.plan import plan
@@ -110,10 +109,7 @@ def gguf_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: b
 
     if ctx is not None:
         check_ctx(ctx, 1 << 62)
-    path = Path(model).expanduser()
-    if not path.exists():
-        path = cached_gguf(model)
-    cfg, resolved = load_config(str(path), parse_hf_overrides(hf_overrides))
+    cfg, resolved = load_config(model, parse_hf_overrides(hf_overrides))
     g = resolved.gguf
     try:
         by_group = groups(g.file.entries)

@@ -18,7 +18,7 @@ from pathlib import Path, PurePosixPath
 
 from cpumla.checkpoint.gguf import SPLIT
 from cpumla.errors import CpumlaError
-from cpumla.runtime.resolve import hf_hub_cache
+from cpumla.runtime.hub_cache import hf_hub_cache
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 QUANT_NAME = re.compile(r"^(?:I?Q\d+(?:_[A-Z0-9]+)*|TQ\d+_\d+|BF16|F16|F32|MXFP4(?:_MOE)?)$", re.IGNORECASE)
@@ -143,3 +143,48 @@ def cached_files(snap: Path) -> dict[str, int]:
         if p.name.lower().endswith(".gguf") and p.is_file():
             out[p.relative_to(snap).as_posix()] = p.stat().st_size
     return out
+
+
+def human_size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def _quant_list(found: list[Quant]) -> str:
+    return ", ".join(f"{q.name} ({human_size(q.size)})" for q in found)
+
+
+def choose(where: str, tag: str, found: list[Quant]) -> Quant:
+    """The one GGUF model `tag` names among `found`, or a CpumlaError naming what there is."""
+    hits = matching(tag, found)
+    if len(hits) == 1:
+        return hits[0]
+    if not found:
+        raise CpumlaError(f"{where}: holds no .gguf files")
+    if not hits:
+        raise CpumlaError(f"{where}: no GGUF quantization '{tag}'; it has {_quant_list(found)}")
+    raise CpumlaError(f"{where}: '{tag}' names {len(hits)} GGUF models ({', '.join(q.first for q in hits)}); "
+                      f"name one by its file, REPO:PATH")
+
+
+def complete(ref: str, snap: Path, q: Quant, hint: str) -> Path:
+    """The first file of `q` in the snapshot, once every shard is there; else a CpumlaError ending in hint."""
+    for i, s in enumerate(q.shards):
+        if not (snap / s).is_file():
+            what = f"shard {i + 1} of {len(q.shards)}" if len(q.shards) > 1 else "the file"
+            raise CpumlaError(f"{ref}: {what} ({s}) is not in the cache ({snap}); {hint}")
+    return snap / q.first
+
+
+def cached_path(ref: str) -> Path:
+    """The first file of REPO:QUANT in the hub cache (main, else the newest snapshot), every shard there."""
+    repo_id, tag = parse_ref(ref)
+    snap = snapshot(repo_id)
+    if snap is None:
+        raise CpumlaError(f"{repo_id} is not in the Hugging Face cache ({hf_hub_cache()}); "
+                          f"get it with `cpumla download {ref}`")
+    q = choose(f"{repo_id} in the cache", tag, quants(cached_files(snap)))
+    return complete(ref, snap, q, f"get it with `cpumla download {repo_id}:{q.name}`")

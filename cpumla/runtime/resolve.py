@@ -20,6 +20,8 @@ from cpumla.checkpoint.safetensors import Checkpoint
 from cpumla.errors import CpumlaError
 from cpumla.models import config_from_dict, family
 from cpumla.models.presets import DIR as PRESET_DIR
+from cpumla.runtime import gguf_hub
+from cpumla.runtime.hub_cache import hf_hub_cache, hf_home
 
 # repo id -> preset config.json; file "<org>--<name>.json" holds repo "<org>/<name>".
 PRESETS: dict[str, Path] = {
@@ -68,21 +70,6 @@ def preset_config(repo_id: str) -> dict[str, Any]:
     return read_json_object(PRESETS[key])
 
 
-def hf_hub_cache() -> Path:
-    """The hub cache directory, read from the environment now (huggingface_hub reads it at import)."""
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if os.environ.get(var):
-            return Path(os.environ[var]).expanduser()
-    return hf_home() / "hub"
-
-
-def hf_home() -> Path:
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
-    return Path(xdg, "huggingface").expanduser()
-
-
 def _cached_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
     """The snapshot directory of `repo_id` in the local hub cache if it has config.json, else None."""
     cache = hf_hub_cache()
@@ -122,6 +109,8 @@ def resolve_model(model: str) -> Resolved:
         if path.suffix == ".gguf":
             return _gguf(path.absolute())    # not resolved: a link in the hub cache keeps its shard name
         raise CpumlaError(f"{path}: is a file; --model wants a model directory, a .gguf file or a repo id")
+    if gguf_hub.is_ref(model):           # REPO:QUANT, a GGUF quantization in the hub cache
+        return _gguf(gguf_hub.cached_path(model))
     if _looks_like_path(model):
         raise CpumlaError(f"{path}: no such directory")
 

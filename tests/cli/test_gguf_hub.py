@@ -356,6 +356,26 @@ def test_the_printed_path_of_a_cached_split_set_runs(cache):
     assert len(json.loads(p.stdout)["gguf"]["files"]) == 2
 
 
+def test_a_cached_ref_is_a_model_everywhere(cache):
+    """REPO:QUANT names a cached GGUF model wherever a model is taken: the library resolves it to the split
+    set in the cache, and bench runs it; a ref not there is the one line that says how to get it."""
+    from cpumla.runtime.resolve import resolve_model
+
+    r = resolve_model(f"{REPO}:Q4_K_M")
+    try:
+        assert r.gguf.file.files == [snap_of(cache, REPO) / f"Q4_K_M/Tiny-Q4_K_M-0000{i}-of-00003.gguf"
+                                     for i in (1, 2, 3)]
+    finally:
+        r.gguf.close()
+    p = offline(cache, "bench", f"{REPO}:Q4_K_M", "-p", "4", "-n", "2", "-r", "1", "-o", "json")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    tests = {t["test"] for t in (doc if isinstance(doc, list) else doc["results"])}
+    assert {"pp4", "tg2"} <= tests, tests
+    assert_one_line_error(offline(cache, "bench", "test-org/absent:Q8_0", "-p", "4", "-n", "2"),
+                          "not in the Hugging Face cache", "cpumla download test-org/absent:Q8_0", status=2)
+
+
 def test_info_of_a_ref_not_in_the_cache(cache):
     assert_one_line_error(offline(cache, "info", "test-org/absent:Q8_0"), "not in the Hugging Face cache",
                           "cpumla download test-org/absent:Q8_0", status=2)
