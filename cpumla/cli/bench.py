@@ -89,7 +89,7 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
     dep = _ints(depths, "--n-depth")
     need = max(dep) + max(n_prompt, n_gen, 0) + 1
     from cpumla.runtime.resolve import load_config
-    cfg, _ = load_config(model, hf_overrides)
+    cfg, resolved = load_config(model, hf_overrides)
     for w in mb.check_args(cfg.max_position_embeddings, n_prompt, n_gen, reps, thr, dep):
         render.print_warning(w)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
@@ -105,7 +105,7 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
         prog.update(task, description=f"loading {render.escape(model)}")
         t0 = time.perf_counter()
         eng = load(model, dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed,
-                          max_seq_len=need, dummy_dtype=dummy_dtype, quant=quant,
+                          max_seq_len=need, dummy_dtype=dummy_dtype, quant=quant, resolved=resolved,
                           progress=lambda done, total: prog.update(task, description=f"quantizing to {quant}",
                                                                    completed=done, total=total))
         load_s = time.perf_counter() - t0

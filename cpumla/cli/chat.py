@@ -119,7 +119,7 @@ def _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, sys
     t0 = time.perf_counter()
     with render.loading(f"loading {model}", quant, show=interactive or quant is not None) as progress:
         engine = load(model, dummy_weights=dummy_weights, hf_overrides=overrides, seed=seed or 0,
-                             threads=threads, max_seq_len=ctx, quant=quant, progress=progress)
+                             threads=threads, max_seq_len=ctx, quant=quant, progress=progress, resolved=resolved)
     load_s = time.perf_counter() - t0
     notices += ctx_notes
     name = resolved.repo_id or (resolved.directory.name if resolved.directory else model)

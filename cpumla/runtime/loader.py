@@ -25,18 +25,20 @@ from cpumla.runtime.resolve import load_config, open_weights
 
 
 def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: int = 0, threads: int | None = None,
-         max_seq_len: int | None = None, dummy_dtype: str = "bf16", quant: str | None = None, progress=None):
+         max_seq_len: int | None = None, dummy_dtype: str = "bf16", quant: str | None = None, progress=None,
+         resolved=None):
     """An Engine for `model` (a local directory, a GGUF file or a folder holding one, a Hugging Face repo
     id in the local cache, or a known repo id whose config cpumla bundles). dummy_weights: deterministic random weights from `seed` in
     the checkpoint's in-memory formats (dummy_dtype "bf16", or "fp8" as V3 ships). quant "q8" / "q4":
     quantize the linear layers as they load (checkpoint/quant.py: quant_plan says which), calling
-    progress(done, total) (elements) as it goes. Raises CpumlaError, also when the model cannot fit in
-    memory (checked before anything is allocated)."""
+    progress(done, total) (elements) as it goes. resolved: `model` as runtime.resolve.load_config resolved
+    it for the caller (its GGUF file opened once), which the Engine then owns. Raises CpumlaError, also when
+    the model cannot fit in memory (checked before anything is allocated)."""
     if threads is not None:        # quantizing runs on the pool: size it first
         native.ensure_init()
         native.set_threads(threads)
     quantizer = Quantizer(quant, progress) if quant is not None else None
-    cfg, resolved = load_config(model, hf_overrides)
+    cfg, resolved = load_config(model, hf_overrides, resolved)
     fam = family(cfg.model_type)
     ctx = context_length(cfg, max_seq_len)
     where = f"preset {model}" if resolved.directory is None else str(resolved.directory)

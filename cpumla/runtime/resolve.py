@@ -162,9 +162,11 @@ def check_overrides(overrides: dict[str, Any] | None) -> dict[str, Any]:
     return overrides
 
 
-def load_config(model: str, hf_overrides=None):
-    """(family config, Resolved) for a local directory, a cached repo id or a preset."""
-    resolved = resolve_model(model)
+def load_config(model: str, hf_overrides=None, resolved: Resolved | None = None):
+    """(family config, Resolved) for a local directory, a cached repo id or a preset. resolved: `model`
+    resolved already (a GGUF file open once, not parsed again), its config taken under hf_overrides."""
+    if resolved is None:
+        resolved = resolve_model(model)
     where = resolved.source if resolved.kind != "preset" else f"preset {model}"
     cfg_dict = apply_overrides(resolved.config, hf_overrides)
     fit = getattr(family(cfg_dict.get("model_type"), where), "fit_overrides", None)

@@ -243,7 +243,8 @@ def load_served(model: str, *, dummy_weights: bool = False, hf_overrides=None, d
         elif not tok.bundled:
             notices.append(f"the tokenizer has {tok.vocab_size} ids, the model {cfg.vocab_size}")
     engine = load(model, dummy_weights=dummy_weights, hf_overrides=overrides, seed=seed, threads=threads,
-                         max_seq_len=ctx, dummy_dtype=dummy_dtype, quant=quant, progress=progress)
+                         max_seq_len=ctx, dummy_dtype=dummy_dtype, quant=quant, progress=progress,
+                         resolved=resolved)
     name = resolved.repo_id or (resolved.directory.name if resolved.directory else model)
     own_template = None if tok.bundled else tok.chat_template
     fmt = ChatFormat(detect_family(cfg.model_type, name, own_template), chat_template=own_template,

@@ -376,6 +376,20 @@ def test_a_cached_ref_is_a_model_everywhere(cache):
                           "not in the Hugging Face cache", "cpumla download test-org/absent:Q8_0", status=2)
 
 
+@pytest.mark.parametrize("args", [("bench", "-p", "4", "-n", "2", "-r", "1"), ("info",)])
+def test_a_command_parses_the_file_once(cache, capsys, monkeypatch, args):
+    """A command reads a GGUF's metadata once (seconds for a 129k vocabulary): the config it checks first
+    and the engine it loads share the open file (chat and serve as bench: load(..., resolved=))."""
+    from cpumla.checkpoint import gguf
+
+    opened = []
+    init = gguf.GGUFFile.__init__
+    monkeypatch.setattr(gguf.GGUFFile, "__init__", lambda self, path: (opened.append(path), init(self, path))[1])
+    p = cli(capsys, args[0], f"{REPO}:Q8_0", *args[1:])
+    assert p.returncode == 0, p.stderr
+    assert len(opened) == 1, opened
+
+
 def test_info_of_a_ref_not_in_the_cache(cache):
     assert_one_line_error(offline(cache, "info", "test-org/absent:Q8_0"), "not in the Hugging Face cache",
                           "cpumla download test-org/absent:Q8_0", status=2)
