@@ -1,7 +1,7 @@
 /* avx2_common.h: inline helpers of avx2.c (linear algebra), avx2_gemm.c (its gemm) and avx2_rows.c
  * (row-wise and attention kernels): first those they share, then avx2.c's weight decoders (see avx2.c
- * for the tricks), last the functions avx2.c lends avx2_gemm.c. Only included by those three files,
- * which are compiled with the same AVX2 flags (FLAGS). static inline and declarations only:
+ * for the tricks), last the functions avx2.c lends avx2_gemm.c. Included by those three files and by
+ * int_avx2.h and gq_x86.h (their shared helpers), all compiled with AVX2 at least (FLAGS). static inline and declarations only:
  * nothing here may define data (tables and buffers stay in the one file that uses them). */
 #ifndef CPUMLA_AVX2_COMMON_H
 #define CPUMLA_AVX2_COMMON_H

@@ -12,6 +12,7 @@
 #include <string.h>
 #include "core/gguf_q.h"
 #include "core/quant.h"
+#include "kernels/x86/avx2_common.h"
 
 /* the 8 block sums of s[0..7] (each 8 int32 lanes), in order */
 static inline __m256i gq_sums8(const __m256i s[8]) {
@@ -54,7 +55,7 @@ static float gq8_row(const cpumla_weight *w, int64_t r, const int8_t *xq, const 
     return acc;
 }
 
-/* gq_quant_x's bytes: per block of 32, amax over the bits of |x| (an integer max), xd and id as
+/* gq_quant_x's bytes: per block of 32, amax over the bits of |x| (avx2_common.h's amax32), xd and id as
  * quant.h computes them, codes nearest_even(x * id) (vcvtps2dq under the default rounding), 0 for a block
  * that is not finite, and their int32 sum */
 static void GQ_QUANT(const float *x, int64_t K, void *qx) {
@@ -62,18 +63,12 @@ static void GQ_QUANT(const float *x, int64_t K, void *qx) {
     float *d = qx_d(qx, K);
     int32_t *s = qx_s(qx, K);
     const int64_t nb = K / QK, kp = qx_kp(K);
-    const __m256i abs = _mm256_set1_epi32(0x7fffffff), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t b = 0; b < nb; b++) {
         __m256 v[4];
-        __m256i m = _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++) {
-            v[j] = _mm256_loadu_ps(x + b * QK + 8 * j);
-            m = _mm256_max_epi32(m, _mm256_and_si256(_mm256_castps_si256(v[j]), abs));
-        }
-        m = _mm256_max_epi32(m, _mm256_permute2x128_si256(m, m, 1));
-        m = _mm256_max_epi32(m, _mm256_shuffle_epi32(m, 0x4e));
-        m = _mm256_max_epi32(m, _mm256_shuffle_epi32(m, 0xb1));
-        const float amax = f32_from_bits((uint32_t)_mm256_cvtsi256_si32(m));
+        for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(x + b * QK + 8 * j);
+        const float amax = amax32(v, absm);
         const float id = qact_id(amax, QACT_MAX8);
         d[b] = qact_xd(amax, QACT_MAX8);
         __m256i c[4];
