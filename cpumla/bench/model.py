@@ -48,6 +48,11 @@ class TestResult:
     bf16_peak_gflops: float = 0.0
     load_s: float = 0.0
     peak_rss_mb: float = 0.0
+    # routed experts read from disk (an engine with an ExpertStream); None otherwise
+    expert_hit_rate: float | None = None     # of the experts the measured runs asked for, those in a slot
+    disk_bytes_per_token: float | None = None
+    disk_read_gbps: float | None = None      # the expert reads' GB/s while any was in flight
+    disk_probe_gbps: float | None = None     # direct reads of the model's largest file, in the same run
 
 
 def peak_rss_mb() -> float:
@@ -133,6 +138,25 @@ class BandwidthProbe:
         return self.nbytes / best / 1e9
 
 
+class DiskProbe:
+    """Direct-read speed of the file system the model's experts come from: 1 MiB reads, as many in flight
+    as the expert stream has, of the first GiB of the largest of its files (the page cache bypassed)."""
+
+    BYTES = 1 << 30
+
+    def __init__(self, eng):
+        from cpumla.runtime.streaming import IO_THREADS
+
+        self.threads = IO_THREADS
+        files = sorted(eng._src.mappings(), key=lambda f: -f[1])
+        self.path = files[0][2]
+
+    def __call__(self) -> float:
+        from cpumla.native.stream import disk_probe
+
+        return disk_probe(self.path, self.BYTES, self.threads)[0] / 1e9
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -145,6 +169,8 @@ def run(eng, *, model_name: str, n_prompt: int, n_gen: int, reps: int, threads: 
     """Yields TestResult for each (threads, depth, test). progress(label, done, total) is called.
     peak_gflops / bf16_peak_gflops: the fp32 FMA / bf16 dot probes' GFLOP/s by thread count."""
     cfg = eng.config
+    stream = eng.stream
+    disk = DiskProbe(eng) if stream is not None else None
     rng = np.random.default_rng(seed)
     tests = [("pp", n_prompt) for _ in [0] if n_prompt > 0] + [("tg", n_gen) for _ in [0] if n_gen > 0]
     total = len(threads) * len(depths) * len(tests) * (reps + 1)
@@ -156,6 +182,7 @@ def run(eng, *, model_name: str, n_prompt: int, n_gen: int, reps: int, threads: 
             for kind, n in tests:
                 samples = []
                 probe_before = probe()
+                disk_gbs = disk() if disk is not None else None
                 for rep in range(reps + 1):                  # the first run is the warm-up
                     if progress:
                         progress(f"{kind}{n} d{d} t{t}", done, total)
@@ -173,6 +200,8 @@ def run(eng, *, model_name: str, n_prompt: int, n_gen: int, reps: int, threads: 
                     done += 1
                     if rep:
                         samples.append(ns)
+                    elif stream is not None:                 # counted over the measured runs only
+                        stream.reset_stats()
                 probe_gbs = (probe_before + probe()) / 2
                 ns = np.array(samples, dtype=np.float64)
                 ts = n / (ns / 1e9)
@@ -183,6 +212,10 @@ def run(eng, *, model_name: str, n_prompt: int, n_gen: int, reps: int, threads: 
                                fma_peak_gflops=peak_gflops.get(t, 0.0),
                                bf16_peak_gflops=(bf16_peak_gflops or {}).get(t, 0.0), load_s=load_s,
                                peak_rss_mb=peak_rss_mb())
+                if stream is not None:
+                    st = stream.stats()
+                    r.expert_hit_rate, r.disk_read_gbps, r.disk_probe_gbps = st.hit_rate, st.read_gbps, disk_gbs
+                    r.disk_bytes_per_token = st.bytes_read / (n * reps)
                 if kind == "tg":
                     mid = d + n / 2
                     r.bytes_per_token = decode_bytes(eng, int(mid))

@@ -14,6 +14,13 @@ Q_DTYPE = {"q8": "I8", "q4": "U8"}         # how a q8 / q4 tensor is stored in s
 QUANT_VERSION = 1         # the layout of a checkpoint `cpumla quantize` writes (docs/quantization.md)
 
 
+def scale_names(name: str) -> list[str]:
+    """The scale grids a checkpoint may store beside weight `name`: FP8's weight_scale_inv (V2/V3),
+    the official V4 `.scale` (FP8 and FP4), cpumla's q8 / q4 `_qscale`."""
+    base = name[: -len(".weight")] if name.endswith(".weight") else name
+    return [base + ".weight_scale_inv", base + ".scale", name + QSCALE]
+
+
 def check_quant_config(qc, source: str) -> None:
     """config.json's quantization_config: none, FP8 block (as DeepSeek ships), or cpumla's q8 / q4."""
     if not qc:

@@ -178,6 +178,10 @@ class GGUFFile:
         e = self.entries[name]
         return np.frombuffer(self._data[e.file], np.uint8, e.nbytes, e.offset)
 
+    def mappings(self) -> list[tuple[int, int, str]]:
+        """(address, bytes, path) of each file's mapping, which starts at its byte 0."""
+        return [(d.ctypes.data, d.size, str(f)) for f, d in self._data.items()]
+
     def close(self) -> None:
         """Drops the mappings: each goes with the last view of it still alive."""
         self._data = {}

@@ -307,6 +307,9 @@ class GGUFCheckpoint:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.file.entries.values())
 
+    def mappings(self) -> list[tuple[int, int, str]]:
+        return self.file.mappings()
+
     def close(self) -> None:
         self.file.close()
 

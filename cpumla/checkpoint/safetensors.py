@@ -204,6 +204,11 @@ class SafetensorsFile:
             arr = arr.copy()
         return arr.reshape(shape)
 
+    def mapping(self) -> tuple[int, int, str]:
+        """(address, bytes, path) of the file's mapping, which starts at its byte 0."""
+        view = np.frombuffer(self._mm, np.uint8)
+        return view.ctypes.data, view.size, str(self.path)
+
     # ---- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -297,6 +302,10 @@ class Checkpoint:
 
     def has(self, name: str) -> bool:
         return name in self._where
+
+    def mappings(self) -> list[tuple[int, int, str]]:
+        """(address, bytes, path) of each shard's mapping: where tensor views point."""
+        return [f.mapping() for f in self.files.values()]
 
     __contains__ = has
 

@@ -12,7 +12,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from cpumla import native
 from cpumla.cli import render
-from cpumla.cli.options import QUANT_HELP, check_quant, check_threads, dummy_dtypes_help
+from cpumla.cli.options import MEMORY_HELP, QUANT_HELP, check_quant, check_threads, dummy_dtypes_help, parse_size
 from cpumla.cli.overrides import parse_hf_overrides
 from cpumla.errors import CpumlaError
 
@@ -44,6 +44,7 @@ def bench(
     output: str = typer.Option("md", "--output", "-o", help="md, json, jsonl or csv."),
     seed: int = typer.Option(0, "--seed"),
     quant: str = typer.Option(None, "--quant", help=QUANT_HELP),
+    memory: str = typer.Option(None, "--memory", help=MEMORY_HELP),
     formats: str = typer.Option(",".join(("f32", "bf16", "f16", "e4m3", "e4m3-e8m0", "e2m1", "q8", "q4")), "--formats",
                                 help="--kernels: comma-separated GEMV weight formats (GGUF's too: q8_0, q4_k, q2_k, iq2_xxs, mxfp4, ...)."),
     report: bool = typer.Option(False, "--report", metavar="", help="--kernels: also `cpumla info --json`, every "
@@ -58,6 +59,7 @@ def bench(
                                   "MiB (keep it well above the last-level cache)."),
 ) -> None:
     check_quant(quant)
+    budget = parse_size(memory)
     if output not in OUTPUTS:
         raise CpumlaError(f"unknown output format '{output}' (choose from: {', '.join(OUTPUTS)})")
     if kernels:
@@ -68,6 +70,8 @@ def bench(
             raise CpumlaError("--kernels prints md or json")
         if quant is not None:
             raise CpumlaError("--quant quantizes a model; --kernels measures q8 and q4 through --formats")
+        if budget is not None:
+            raise CpumlaError("--memory is a model's budget; --kernels loads none")
         thr = _ints(threads, "--threads")[0] if threads else None
         return _kernels(output, thr, formats, rows, cols, seconds, stream_mb, codes, report)
     if report:
@@ -75,11 +79,11 @@ def bench(
     if model is None:
         raise CpumlaError("name a model (or a preset with --dummy-weights), or pass --kernels")
     _model(model, dummy_weights, parse_hf_overrides(hf_overrides), dummy_dtype, n_prompt, n_gen, reps, threads,
-           depths, output, seed, quant)
+           depths, output, seed, quant, budget)
 
 
 def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, reps, threads, depths, output, seed,
-           quant=None):
+           quant=None, memory=None):
     from cpumla.bench import model as mb
     from cpumla.runtime.loader import load
 
@@ -105,7 +109,7 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
         prog.update(task, description=f"loading {render.escape(model)}")
         t0 = time.perf_counter()
         eng = load(model, dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed,
-                          max_seq_len=need, dummy_dtype=dummy_dtype, quant=quant, resolved=resolved,
+                          max_seq_len=need, dummy_dtype=dummy_dtype, quant=quant, resolved=resolved, memory=memory,
                           progress=lambda done, total: prog.update(task, description=f"quantizing to {quant}",
                                                                    completed=done, total=total))
         load_s = time.perf_counter() - t0
@@ -152,7 +156,16 @@ def _print(results, output, eng, peaks, bf16_peaks):
                 f"{r.pct_fma_peak:.0f}% of the FMA peak")
         extra = (f"{r.gbs:.1f} GB/s = {r.pct_bandwidth:.0f}% of {r.read_probe_gbs:.1f} GB/s probe" if r.n_gen else
                  f"{r.gflops:.0f} GFLOP/s = {peak}, TTFT {r.ttft_ms:.0f} ms")
+        if r.expert_hit_rate is not None:
+            extra += (f"; experts {100 * r.expert_hit_rate:.0f}% in memory, {r.disk_bytes_per_token / 1e6:.1f} MB a "
+                      f"token from disk at {r.disk_read_gbps:.2f} GB/s = "
+                      f"{100 * r.disk_read_gbps / max(r.disk_probe_gbps, 1e-9):.0f}% of {r.disk_probe_gbps:.2f} GB/s probe")
         rows.append([r.test, str(r.n_threads), f"{r.avg_ts:.2f} ± {r.stddev_ts:.2f}", extra])
+    if eng.stream is not None:
+        st = eng.stream.stats()
+        render.print_line(f"routed experts from disk: {st.slots} slots of {st.slot_bytes / 2**20:.1f} MiB "
+                          f"({st.slots * st.slot_bytes / 2**30:.1f} GiB), {eng.stream.policy}, "
+                          f"{'direct I/O' if st.direct else 'buffered reads'}")
     render.table(None, ["test", "threads", "t/s", "vs the machine"], rows, right={1, 2})
 
 

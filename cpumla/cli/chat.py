@@ -14,7 +14,7 @@ import time
 import typer
 
 from cpumla.cli import render
-from cpumla.cli.options import QUANT_HELP
+from cpumla.cli.options import MEMORY_HELP, QUANT_HELP
 from cpumla.errors import CpumlaError
 
 PROGRESS_AFTER_S = 1.0    # a prefill running longer than this shows its progress on stderr
@@ -27,7 +27,7 @@ HELP = """\
 /set [KEY VALUE]           show settings, or set one: temperature, top_p, top_k, min_p, max_tokens,
                            think (on/off), seed (none: random), repeat_penalty, repeat_last_n,
                            presence_penalty, frequency_penalty, stop (text, or off)
-/stats                     cache use and the last turn's speeds
+/stats                     cache use, the last turn's speeds, experts read from disk
 /regen                     answer the last message again
 \"\"\"                        start and end a multi-line message
 Ctrl-C                     stop the answer being written (the conversation keeps what was written);
@@ -61,12 +61,14 @@ def chat(
     hf_overrides: str = typer.Option(None, "--hf-overrides", help="JSON merged into the config (as vLLM)."),
     threads: int = typer.Option(None, "--threads", "-t", help="Threads (default: one per core)."),
     quant: str = typer.Option(None, "--quant", help=QUANT_HELP),
+    memory: str = typer.Option(None, "--memory", help=MEMORY_HELP),
 ) -> None:
     from cpumla.chat.stops import parse_stop
-    from cpumla.cli.options import check_quant, check_threads
+    from cpumla.cli.options import check_quant, check_threads, parse_size
     from cpumla.sampling import check
 
     check_quant(quant)
+    budget = parse_size(memory)
     interactive = prompt is None and sys.stdin.isatty()
     warnings = check_threads(threads)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
@@ -83,7 +85,7 @@ def chat(
         if not prompt.strip():
             raise CpumlaError("empty prompt (pass -p TEXT or pipe a prompt on stdin)")
     conv, info, notices = _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, system,
-                                sampling, think, interactive, quant)
+                                sampling, think, interactive, quant, budget)
     for n in warnings + notices:
         render.err.print(f"note: {n}", style="yellow", markup=False, highlight=False, soft_wrap=True)
     render.err.print(f"ready: {info['model']} loaded in {info['load_s']:.1f} s", style="dim", markup=False,
@@ -97,7 +99,7 @@ def chat(
 
 # ---- setup ----
 def _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, system, sampling, think, interactive,
-          quant=None):
+          quant=None, memory=None):
     from cpumla import native
     from cpumla.chat.chat_format import ChatFormat, detect_family
     from cpumla.chat.conversation import Conversation, Settings
@@ -119,7 +121,8 @@ def _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, sys
     t0 = time.perf_counter()
     with render.loading(f"loading {model}", quant, show=interactive or quant is not None) as progress:
         engine = load(model, dummy_weights=dummy_weights, hf_overrides=overrides, seed=seed or 0,
-                             threads=threads, max_seq_len=ctx, quant=quant, progress=progress, resolved=resolved)
+                             threads=threads, max_seq_len=ctx, quant=quant, progress=progress, resolved=resolved,
+                      memory=memory)
     load_s = time.perf_counter() - t0
     notices += ctx_notes
     name = resolved.repo_id or (resolved.directory.name if resolved.directory else model)
@@ -322,6 +325,11 @@ def _command(conv, text: str):
                          f"{len(conv.history)} messages in history · {conv.dropped_turns} turns dropped", markup=False,
                          highlight=False)
         render.out.print(f"last turn: {_stats_line(st)}", markup=False, highlight=False)
+        if e.stream is not None:
+            s = e.stream.stats()
+            render.out.print(f"routed experts: {s.slots} slots, {100 * s.hit_rate:.0f}% of {s.lookups} lookups in "
+                             f"memory, {s.bytes_read / 1e9:.2f} GB read from disk at {s.read_gbps:.2f} GB/s",
+                             markup=False, highlight=False)
     elif cmd == "/regen":
         _turn(conv, conv.regenerate(), interactive=True)
     else:

@@ -163,8 +163,18 @@ def show_plan(p) -> None:
                  right={1, 2})
     for n in p.notes:
         render.out.print(f"note: {n}", markup=False, highlight=False)
+    s = p.streamed()
+    if s is not None:
+        speed = (f"; at the {s['disk_probe_gbps']:.2f} GB/s this disk reads directly, decode up to "
+                 f"{s['tok_s_bound']:.1f} tok/s" if s["tok_s_bound"] else "")
+        render.out.print(f"routed experts from disk: {gib(p.routed)} of experts ({p.routed_per_token / 1e6:.0f} MB a "
+                         f"token) beside {gib(s['resident'])} resident; the rest of the memory holds "
+                         f"{100 * s['held']:.0f}% of them, so a token reads about "
+                         f"{s['disk_bytes_per_token'] / 1e6:.0f} MB from disk (uniform routing){speed}",
+                         markup=False, highlight=False, soft_wrap=True)
     if not p.fits("stored"):
         q = p.smallest_fitting_quant()
+        streams = s is not None and s["held"] > 0
         render.out.print(f"as {'stored' if p.stored == 'as stored' else 'released'} it does not fit: "
-                         + (f"--quant {q} would fit" if q else "no --quant makes it fit here"), markup=False,
-                         highlight=False)
+                         + (f"--quant {q} would fit" if q else "its routed experts are read from disk as tokens use "
+                            "them" if streams else "no --quant makes it fit here"), markup=False, highlight=False)

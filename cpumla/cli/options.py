@@ -8,6 +8,7 @@ import functools
 import inspect
 import math
 import os
+import re
 
 from cpumla.errors import CpumlaError
 
@@ -64,6 +65,22 @@ def check_quant(quant) -> None:
 
     if quant is not None and quant not in QUANTS:
         raise CpumlaError(f"--quant must be one of {', '.join(QUANTS)}, not '{quant}'")
+
+
+MEMORY_HELP = ("Memory budget, e.g. 16G (K, M, G, T: powers of 1024; default: what this process may use). A "
+               "checkpoint larger than it keeps its routed experts on disk and reads those each token uses.")
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text, flag: str = "--memory") -> int | None:
+    """A byte count as the user writes it: 16G, 1.5T, 512MiB, 24GB, 800000000 (K/M/G/T: powers of 1024)."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d*)?)\s*([KMGT]?)(?:I?B)?", str(text).strip().upper())
+    v = int(float(m[1]) * _UNITS[m[2]]) if m else 0
+    if v < 1:
+        raise CpumlaError(f"{flag} must be a size such as 16G, 512M or a byte count, not {text!r}")
+    return v
 
 
 def _at_least(lo: int):

@@ -10,7 +10,7 @@ import sys
 import typer
 
 from cpumla.cli import render
-from cpumla.cli.options import QUANT_HELP
+from cpumla.cli.options import MEMORY_HELP, QUANT_HELP
 from cpumla.errors import CpumlaError
 
 
@@ -30,16 +30,18 @@ def serve(
     max_queue: int = typer.Option(8, "--max-queue", help="Requests waiting for the engine before 503s."),
     tokenizer: str = typer.Option(None, "--tokenizer", help="A directory with tokenizer.json, or 'bundled'."),
     quant: str = typer.Option(None, "--quant", help=QUANT_HELP),
+    memory: str = typer.Option(None, "--memory", help=MEMORY_HELP),
 ) -> None:
     import uvicorn
 
-    from cpumla.cli.options import check_quant
+    from cpumla.cli.options import check_quant, parse_size
 
     from cpumla.cli.overrides import parse_hf_overrides
     from cpumla.server.app import create_app
     from cpumla.server.model import load_served
 
-    check_quant(quant)       # the numeric options: cli/options.py's RULES, before this runs
+    check_quant(quant)
+    budget = parse_size(memory)       # the numeric options: cli/options.py's RULES, before this runs
     if api_key is not None and not api_key.strip():
         raise CpumlaError("--api-key is empty")
     overrides = parse_hf_overrides(hf_overrides)
@@ -47,7 +49,7 @@ def serve(
     with render.loading(f"loading {model}", quant) as progress:
         served, notices = load_served(model, dummy_weights=dummy_weights, hf_overrides=overrides,
                                       dummy_dtype=dummy_dtype, seed=seed or 0, threads=threads, ctx=ctx_size,
-                                      tokenizer=tokenizer, quant=quant, progress=progress)
+                                      tokenizer=tokenizer, quant=quant, progress=progress, memory=budget)
     for n in notices:
         render.err.print(f"note: {n}", style="yellow", markup=False, highlight=False, soft_wrap=True)
     if api_key is None and not _loopback(host):

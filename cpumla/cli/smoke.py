@@ -11,7 +11,7 @@ import numpy as np
 import typer
 
 from cpumla.cli import render
-from cpumla.cli.options import QUANT_HELP, check_quant, check_threads, dummy_dtypes_help
+from cpumla.cli.options import MEMORY_HELP, QUANT_HELP, check_quant, check_threads, dummy_dtypes_help, parse_size
 from cpumla.cli.overrides import parse_hf_overrides
 from cpumla.errors import CpumlaError
 from cpumla.models import family
@@ -79,12 +79,12 @@ class SmokeResult:
 
 def run(model: str, *, dummy_weights: bool, hf_overrides=None, seed: int = 0, threads: int | None = None,
         prompt_tokens: int = 32, decode_tokens: int = 16, dummy_dtype: str = "bf16", quant: str | None = None,
-        progress=None) -> SmokeResult:
+        progress=None, memory: int | None = None) -> SmokeResult:
     if prompt_tokens < 1 or decode_tokens < 1:
         raise CpumlaError("smoke needs at least one prompt token and one decode step")
     eng = load(model, dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed, threads=threads,
                       max_seq_len=prompt_tokens + decode_tokens + 1, dummy_dtype=dummy_dtype, quant=quant,
-                      progress=progress)
+                      progress=progress, memory=memory)
     cfg = eng.config
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, cfg.vocab_size, size=prompt_tokens).tolist()
@@ -117,7 +117,7 @@ def run(model: str, *, dummy_weights: bool, hf_overrides=None, seed: int = 0, th
             status = _tie_or_bug(model, cfg, tokens, prompt_tokens, bad, err,
                                  dict(dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed,
                                       threads=threads, max_seq_len=prompt_tokens + decode_tokens + 1,
-                                      dummy_dtype=dummy_dtype, quant=quant))
+                                      dummy_dtype=dummy_dtype, quant=quant, memory=memory))
     return SmokeResult(model, cfg.model_type, cfg.num_hidden_layers, cfg.n_routed_experts or 0,
                        prompt_tokens / t_prefill, len(steps) / t_decode if steps else 0.0, err, status)
 
@@ -181,8 +181,10 @@ def smoke(
     prompt_tokens: int = typer.Option(32, "--prompt-tokens", "-p"),
     decode_tokens: int = typer.Option(16, "--decode-tokens", "-n"),
     quant: str = typer.Option(None, "--quant", help=QUANT_HELP),
+    memory: str = typer.Option(None, "--memory", help=MEMORY_HELP),
 ) -> None:
     check_quant(quant)
+    budget = parse_size(memory)
     if model is None and not dummy_weights:
         raise CpumlaError("without --model, smoke runs the bundled configs and needs --dummy-weights")
     for w in check_threads(threads):
@@ -208,7 +210,7 @@ def smoke(
 
             results.append(run(m, dummy_weights=dummy_weights, hf_overrides=ov, seed=seed, threads=threads,
                                   prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
-                                  dummy_dtype=dummy_dtype, quant=quant, progress=progress))
+                                  dummy_dtype=dummy_dtype, quant=quant, progress=progress, memory=budget))
     rows = [[r.model.rstrip("/").split("/")[-1], r.family, r.layers, r.experts, f"{r.prefill_tps:.1f}", f"{r.decode_tps:.1f}",
              f"{r.max_decode_err:.1e}", r.status] for r in results]
     render.table(None, ["model", "family", "layers", "experts", "prefill tok/s", "decode tok/s",

@@ -325,6 +325,10 @@ class Model(NativeModel):
         """The weight format of the linear layers ("bf16", "e4m3", ...): that of kv_a_proj."""
         return self.layers[0].kv_a.dtype
 
+    def routed_tables(self) -> list[native.Experts]:
+        """The routed expert tables, one per MoE layer (what an ExpertStream may keep on disk)."""
+        return [L.experts for L in self.layers if L.experts is not None]
+
     def probe_arrays(self) -> list[np.ndarray]:
         """The model's largest resident arrays, for a read-bandwidth probe over the memory decode reads."""
         return [self.lm_head.data, self.embed]

@@ -41,6 +41,7 @@ from cpumla.models.deepseek_v4_tensors import (  # noqa: F401  (the family's int
     layer_tensors,
     linear,
     memory_bytes,
+    stored_name,
     tensors,
     vector,
 )
@@ -355,6 +356,10 @@ class Model(NativeModel):
     def matmul_format(self) -> str:
         """The format of the attention's linears (e4m3 in the official release)."""
         return self.layers[0]["wq_a"].dtype
+
+    def routed_tables(self) -> list[native.Experts]:
+        """The routed expert tables, one per layer (what an ExpertStream may keep on disk)."""
+        return [L["experts"] for L in self.layers]
 
     def probe_arrays(self) -> list[np.ndarray]:
         return [self.lm_head.data, self.embed]

@@ -145,6 +145,12 @@ class Names:
         raise CpumlaError(f"{W.where(self.src)}: checkpoint is missing tensor '{W.label(self.src, name)}'")
 
 
+def stored_name(src, name: str) -> str | None:
+    """The name under which src holds the tensor tensors() calls `name` (official or transformers'
+    spelling), or None."""
+    return name if src.has(name) else hf_name(name) if src.has(hf_name(name)) else None
+
+
 def scale_of(src, name: str) -> tuple[str | None, np.ndarray | None]:
     """(name, array) of the scale grid stored beside weight `name` (V4's `.scale`, or transformers'
     `weight_scale_inv`), or (None, None)."""

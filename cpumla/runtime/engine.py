@@ -64,6 +64,7 @@ class Engine:
         self.max_seq_len = ctx
         self.model = family.Model(cfg, src, ctx, min(PREFILL_CHUNK, ctx))
         self._src = src                  # a checkpoint's mappings stay open while the engine lives
+        self.stream = None               # its routed experts' ExpertStream when they are read from disk
         self._lock = threading.Lock()
         self._one = np.zeros(1, np.int64)     # the ids of a one-token forward (forward's fast path)
         self.pos = 0
@@ -105,6 +106,8 @@ class Engine:
     def close(self) -> None:
         """Frees the model's native state now; the engine cannot run afterwards."""
         with self._lock:
+            if self.stream is not None:
+                self.stream.close()
             self.model.close()
 
     def forward(self, token_ids, last_only: bool = False) -> np.ndarray:

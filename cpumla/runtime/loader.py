@@ -5,9 +5,10 @@ Memory: before anything is allocated, the family's byte count (weights, caches, 
 config alone) is compared with the memory this process may still use: MemAvailable, and the cgroup's
 limit less its usage (cgroup v2 or v1). Memory that must be anonymous (caches, scratch, and dummy
 weights, which are generated in memory) has to fit, else one CpumlaError line naming both numbers. A
-checkpoint's weights are memory-mapped from its files and count against nothing: as with llama.cpp's
-mmap, a model larger than RAM still loads, and runs from the page cache (slowly, as pages are read
-back from disk).
+checkpoint's weights are memory-mapped from its files. When they, the caches and the scratch fit the
+budget (`memory`, by default that same measure), they run mapped, from the page cache; when they do
+not, the routed experts stay on disk and are read as tokens route to them, into slots of what the
+budget leaves (runtime/streaming.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from cpumla.checkpoint.formats import quantized_as
 from cpumla.checkpoint.quant import Quantizer
 from cpumla.errors import CpumlaError
 from cpumla.models import PREFILL_CHUNK, family
+from cpumla.runtime import streaming
 from cpumla.runtime.engine import Engine, context_length
 from cpumla.runtime.memory import check_memory
 from cpumla.runtime.plan import check_fits, plan
@@ -26,14 +28,23 @@ from cpumla.runtime.resolve import load_config, open_weights
 
 def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: int = 0, threads: int | None = None,
          max_seq_len: int | None = None, dummy_dtype: str = "bf16", quant: str | None = None, progress=None,
-         resolved=None):
+         resolved=None, memory: int | None = None, expert_slots: int | None = None, expert_policy: str = "lru"):
     """An Engine for `model` (a local directory, a GGUF file or a folder holding one, a Hugging Face repo
     id in the local cache, or a known repo id whose config cpumla bundles). dummy_weights: deterministic random weights from `seed` in
     the checkpoint's in-memory formats (dummy_dtype "bf16", or "fp8" as V3 ships). quant "q8" / "q4":
     quantize the linear layers as they load (checkpoint/quant.py: quant_plan says which), calling
     progress(done, total) (elements) as it goes. resolved: `model` as runtime.resolve.load_config resolved
-    it for the caller (its GGUF file opened once), which the Engine then owns. Raises CpumlaError, also when
-    the model cannot fit in memory (checked before anything is allocated)."""
+    it for the caller (its GGUF file opened once), which the Engine then owns. memory: the budget in bytes
+    (default: what the process may use); a checkpoint whose weights, caches and scratch exceed it keeps
+    its routed experts on disk and reads those a token uses into slots (runtime/streaming.py).
+    expert_slots: that many slots, whatever the budget (streaming even when all would fit); expert_policy:
+    which slot an expert replaces, "lru" or "lfu". Raises CpumlaError, also when the model cannot fit in
+    memory (checked before anything is allocated)."""
+    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 1):
+        raise CpumlaError(f"memory must be a positive number of bytes, got {memory!r}")
+    if expert_slots is not None and (isinstance(expert_slots, bool) or not isinstance(expert_slots, int)
+                                     or expert_slots < 1):
+        raise CpumlaError(f"expert_slots must be a positive integer, got {expert_slots!r}")
     if threads is not None:        # quantizing runs on the pool: size it first
         native.ensure_init()
         native.set_threads(threads)
@@ -56,7 +67,7 @@ def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: in
         ckpt = open_weights(resolved)    # its headers serve both the plan and the load
     try:
         return _load(model, hf_overrides, cfg, resolved, fam, ctx, where, quantizer, ckpt, dummy_weights,
-                     dummy_dtype, seed, threads)
+                     dummy_dtype, seed, threads, (memory, expert_slots, expert_policy))
     except BaseException:
         if ckpt is not None:
             ckpt.close()
@@ -66,8 +77,12 @@ def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: in
 
 
 def _load(model, hf_overrides, cfg, resolved, fam, ctx, where, quantizer, ckpt, dummy_weights, dummy_dtype, seed,
-          threads):
-    """load() past its first checks; ckpt: the checkpoint already open for a quantizing load, else None"""
+          threads, streams):
+    """load() past its first checks; ckpt: the checkpoint already open for a quantizing load, else None;
+    streams: (memory, expert_slots, expert_policy)"""
+    memory, expert_slots, policy = streams
+    if expert_slots is not None and (dummy_weights or quantizer is not None):
+        raise CpumlaError("expert slots read a checkpoint's experts from disk: not with dummy weights or --quant")
     if quantizer is not None:
         # the quantized weights are made in memory: they, the caches and the scratch must fit
         check_fits(plan(model, hf_overrides, ctx, loaded=(cfg, resolved, ckpt), dummy=dummy_weights), quantizer.fmt,
@@ -85,7 +100,23 @@ def _load(model, hf_overrides, cfg, resolved, fam, ctx, where, quantizer, ckpt, 
                               f"weights with `cpumla download {model}`")
         check_memory(fam.memory_bytes(cfg, ctx, "bf16", PREFILL_CHUNK), False, where)
         src = ckpt if ckpt is not None else open_weights(resolved)
+    b = None
+    if quantizer is None and not dummy_weights:
+        b = streaming.budget(fam, cfg, src, ctx, memory)
+        if b.routed == 0 or (b.fits and expert_slots is None):
+            b = None                                    # runs mapped, as any model that fits
+        elif memory is None and expert_slots is None and not b.holds(cfg.num_experts_per_tok):
+            b = None    # the memory measured here cannot hold a token's experts: mapped, from the page cache
+        else:
+            src = streaming.ResidentSource(src)
     if quantizer is not None:
         quantizer.plan_total(src, fam.tensors(cfg))
         src.quantizer = quantizer
-    return Engine(fam, cfg, src, max_seq_len=ctx, threads=threads)
+    engine = Engine(fam, cfg, src, max_seq_len=ctx, threads=threads)
+    if b is not None:
+        try:
+            engine.stream = streaming.start(engine.model, src, b, cfg.num_experts_per_tok, where, expert_slots, policy)
+        except BaseException:
+            engine.close()
+            raise
+    return engine

@@ -11,14 +11,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from cpumla.checkpoint.formats import QSCALE, QUANTS, quantized_as
+from cpumla.checkpoint.formats import QUANTS, quantized_as, scale_names
 from cpumla.checkpoint.quant import quant_plan
 from cpumla.checkpoint.safetensors import Checkpoint
 from cpumla.errors import CpumlaError
 from cpumla.models import PREFILL_CHUNK, family
 from cpumla.runtime.engine import context_length
 from cpumla.runtime.memory import available_memory, gib
+from cpumla.native.stream import disk_probe
 from cpumla.runtime.resolve import load_config
+from cpumla.runtime.streaming import MARGIN, is_routed
 
 QBYTES = {"q8": 1.0, "q4": 0.5}          # bytes per weight of the codes; each block of 32 adds an fp16 scale
 ITEM = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I8": 1, "U8": 1, "I64": 8, "I32": 4}
@@ -50,13 +52,6 @@ def _bytes(shape, dtype: str, block, scale_bytes: int = 4) -> int:
     return ITEM.get(dtype, 2) * n
 
 
-def _scale_names(name: str) -> list[str]:
-    """The scale grids a checkpoint may store beside weight `name`: FP8's weight_scale_inv (V2/V3),
-    the official V4 `.scale` (FP8 and FP4), cpumla's q8 / q4 `_qscale`."""
-    base = name[: -len(".weight")] if name.endswith(".weight") else name
-    return [base + ".weight_scale_inv", base + ".scale", name + QSCALE]
-
-
 def _as(shape, fmt: str) -> int:
     n = math.prod(shape)
     return int(n * QBYTES[fmt]) + 2 * (n // 32)
@@ -78,6 +73,23 @@ class Plan:
     available_from: str
     quantized: str | None = None          # q8 / q4 when the checkpoint is cpumla-quantized
     notes: list[str] = field(default_factory=list)
+    routed: int = 0                       # bytes of the routed experts (in the stored form)
+    routed_per_token: int = 0             # of those, what one token reads (top_k a MoE layer, on average)
+    disk_probe_gbps: float | None = None  # direct reads of the checkpoint's largest file, when it does not fit
+
+    def streamed(self) -> dict | None:
+        """When the stored weights do not fit but the resident part does: what reading the routed experts
+        from disk gives (runtime/streaming.py): the share of experts the slots hold, the expert bytes a
+        token then reads from disk with uniform routing (the worst case), and the decode speed that the
+        disk probe allows for them. None otherwise."""
+        if self.routed == 0 or self.fits("stored"):
+            return None
+        room = self.available - MARGIN - (self.weights["stored"] - self.routed) - self.cache - self.scratch
+        held = min(1.0, max(0.0, room / self.routed))
+        missed = (1.0 - held) * self.routed_per_token
+        return {"resident": self.weights["stored"] - self.routed + self.cache + self.scratch, "held": held,
+                "disk_bytes_per_token": missed, "disk_probe_gbps": self.disk_probe_gbps,
+                "tok_s_bound": self.disk_probe_gbps * 1e9 / missed if self.disk_probe_gbps and missed else None}
 
     def need(self, fmt: str) -> int:
         return self.weights[fmt] + self.cache + self.scratch
@@ -97,7 +109,8 @@ class Plan:
                 "stored": self.stored, "weights": self.weights, "cache_per_1k_tokens": self.cache_per_1k,
                 "ctx": self.ctx, "cache": self.cache, "scratch": self.scratch, "available": self.available,
                 "available_from": self.available_from, "quantized": self.quantized,
-                "fits": {f: self.fits(f) for f in self.weights}, "notes": self.notes}
+                "fits": {f: self.fits(f) for f in self.weights}, "notes": self.notes, "routed": self.routed,
+                "routed_per_token": self.routed_per_token, "streamed": self.streamed()}
 
 
 def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=None, dummy: bool = False) -> Plan:
@@ -120,6 +133,7 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
         src = Checkpoint(resolved.directory)
     elif src is None and not dummy:
         src = resolved.gguf
+    routed = 0
     try:
         params, sizes = 0, {"stored": 0, **({"bf16": 0, **{f: 0 for f in QUANTS}} if quantizable else {})}
         for name, shape, kind, count in groups:
@@ -127,12 +141,14 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
             params += n * count
             if src is not None and src.has(name):
                 dtype, got = src.info(name)
-                stored = src.tensor_nbytes(name) + sum(src.tensor_nbytes(s) for s in _scale_names(name) if src.has(s))
+                stored = src.tensor_nbytes(name) + sum(src.tensor_nbytes(s) for s in scale_names(name) if src.has(s))
                 shape = tuple(got) if dtype != "U8" else tuple(shape)
             else:
                 dtype = _released_dtype(kind, fp8)
                 stored = _bytes(shape, dtype, block, scale_bytes)
             sizes["stored"] += stored * count
+            if is_routed(name):
+                routed += stored * count
             if not quantizable:
                 continue
             sizes["bf16"] += count * (stored if dtype in ("F32", "I64", "I32") else 2 * n)
@@ -153,11 +169,33 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
                      else f"--quant is not supported for {cfg.model_type}")
     if sizes.get("bf16") == sizes["stored"]:
         sizes.pop("bf16")
+    experts = getattr(cfg, "n_routed_experts", 0) or 0
+    per_token = routed * (getattr(cfg, "num_experts_per_tok", 0) or 0) // experts if experts else 0
+    probe = None
+    if routed and sizes["stored"] + mem["cache"] + mem["scratch"] > avail and not dummy:
+        probe = disk_probe_gbps(resolved)
     return Plan(model=model, model_type=cfg.model_type,
                 where=str(resolved.directory) if resolved.directory else f"preset {model}", params=params,
                 stored="as stored" if src is not None else "as released", weights=sizes,
                 cache_per_1k=k1, ctx=ctx, cache=mem["cache"], scratch=mem["scratch"], available=avail,
-                available_from=what, quantized=quantized_as(cfg), notes=notes)
+                available_from=what, quantized=quantized_as(cfg), notes=notes, routed=routed,
+                routed_per_token=per_token, disk_probe_gbps=probe)
+
+
+def disk_probe_gbps(resolved) -> float | None:
+    """GB/s of direct reads of the largest file of a local checkpoint (256 MiB of it), or None."""
+    if resolved.gguf is not None:
+        files = list(resolved.gguf.file.files)
+    elif resolved.directory is not None:
+        files = list(resolved.directory.glob("*.safetensors"))
+    else:
+        return None
+    if not files:
+        return None
+    try:
+        return disk_probe(max(files, key=lambda f: f.stat().st_size), 256 << 20)[0] / 1e9
+    except (CpumlaError, OSError):
+        return None
 
 
 def check_fits(p: Plan, fmt: str, what: str) -> None:

@@ -225,7 +225,7 @@ class ServedModel:
 def load_served(model: str, *, dummy_weights: bool = False, hf_overrides=None, dummy_dtype: str = "bf16",
                 seed: int = 0, threads: int | None = None, ctx: int | None = None,
                 tokenizer: str | None = None, quant: str | None = None,
-                progress=None) -> tuple[ServedModel, list[str]]:
+                progress=None, memory: int | None = None) -> tuple[ServedModel, list[str]]:
     """(ServedModel, notices): the engine, tokenizer and chat format as `cpumla chat` sets them up
     (a dummy model's vocabulary grows to fit the tokenizer). Raises CpumlaError."""
     from cpumla.chat.tokenizer import load_tokenizer
@@ -244,7 +244,7 @@ def load_served(model: str, *, dummy_weights: bool = False, hf_overrides=None, d
             notices.append(f"the tokenizer has {tok.vocab_size} ids, the model {cfg.vocab_size}")
     engine = load(model, dummy_weights=dummy_weights, hf_overrides=overrides, seed=seed, threads=threads,
                          max_seq_len=ctx, dummy_dtype=dummy_dtype, quant=quant, progress=progress,
-                         resolved=resolved)
+                         resolved=resolved, memory=memory)
     name = resolved.repo_id or (resolved.directory.name if resolved.directory else model)
     own_template = None if tok.bundled else tok.chat_template
     fmt = ChatFormat(detect_family(cfg.model_type, name, own_template), chat_template=own_template,

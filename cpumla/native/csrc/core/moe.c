@@ -9,6 +9,7 @@
 #include <string.h>
 #include "core/common.h"
 #include "core/dispatch.h"
+#include "core/expert_stream.h"
 #include "core/threadpool.h"
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -195,11 +196,10 @@ static int64_t shared_qx_bytes(const cpumla_expert *experts, const int32_t *idx,
     return first ? kern_qx_bytes(&cpumla_k, first, 1) : 0;
 }
 
-static int moe_one_token(const cpumla_expert *experts, const float *x, const int32_t *idx, const float *w,
-                         int64_t k, float *y, float limit) {
+/* o[e] = Expert_{idx[e]}(x) for every e < k with idx[e] >= 0 (h, o: moe1_job's) */
+static int moe_one_pass(const cpumla_expert *experts, const float *x, const int32_t *idx, int64_t k, float *h,
+                        float limit) {
     int64_t I = experts[0].gate.rows, D = experts[0].gate.cols;
-    float *h = cpumla_scratch(CPUMLA_SCRATCH_MOE1, sizeof(float) * (size_t)(k * 2 * I + k * D));
-    if (!h) return -1;
     int threads = cpumla_pool_threads();
     moe1_job j = {.experts = experts, .idx = idx, .k = k, .I = I, .D = D, .threads = threads, .x = x, .h = h,
                   .o = h + k * 2 * I};
@@ -229,16 +229,72 @@ static int moe_one_token(const cpumla_expert *experts, const float *x, const int
         j.per_out = per_out;
     }
     cpumla_pool_run_spans(threads * j.pieces_out, moe1_out_task, &j);
+    return 0;
+}
+
+/* lets go of the experts a streamed call holds: those idx[e] >= 0 whose first occurrence is e */
+static void drop_held(stream_table *st, const int32_t *idx, const uint8_t *held, int64_t k) {
+    for (int64_t e = 0; e < k; e++)
+        if (held[e]) stream_drop(st, idx[e]);
+}
+
+static int no_slot(int64_t k) {
+    char msg[160];
+    snprintf(msg, sizeof msg, "MoE: the expert stream's slots cannot hold the %lld experts of one token at once",
+             (long long)k);
+    cpumla_set_error(msg);
+    return -1;
+}
+
+/* One token. A streamed table (st): the experts already in slots compute while the others are read,
+ * then those; every expert's output has its own row, summed into y in slot order at the end, so the
+ * result is the same bits either way. */
+static int moe_one_token(const cpumla_expert *experts, stream_table *st, const float *x, const int32_t *idx,
+                         const float *w, int64_t k, float *y, float limit) {
+    int64_t I = experts[0].gate.rows, D = experts[0].gate.cols;
+    float *h = cpumla_scratch(CPUMLA_SCRATCH_MOE1, sizeof(float) * (size_t)(k * 2 * I + k * D) + (size_t)(9 * k));
+    if (!h) return -1;
+    const float *o = h + k * 2 * I;
+    if (!st) {
+        if (moe_one_pass(experts, x, idx, k, h, limit) != 0) return -1;
+    } else {
+        int32_t *now = (int32_t *)(h + k * 2 * I + k * D), *later = now + k;
+        uint8_t *held = (uint8_t *)(later + k);
+        int any_now = 0, any_later = 0;
+        for (int64_t e = 0; e < k; e++) {
+            now[e] = later[e] = -1;
+            held[e] = 0;
+            if (idx[e] < 0) continue;
+            int64_t f = 0;
+            while (idx[f] != idx[e]) f++;      /* its first occurrence */
+            int r = f < e ? (now[f] >= 0 ? 1 : 2) : stream_take(st, idx[e]);
+            if (r <= 0) {
+                drop_held(st, idx, held, e);
+                return r == 0 ? no_slot(k) : -1;
+            }
+            held[e] = f == e;
+            if (r == 1) { now[e] = idx[e]; any_now = 1; } else { later[e] = idx[e]; any_later = 1; }
+        }
+        stream_flush(st);                      /* the next layer's predicted experts, behind these */
+        experts = stream_live(st);
+        int rc = any_now ? moe_one_pass(experts, x, now, k, h, limit) : 0;
+        for (int64_t e = 0; e < k && rc == 0; e++)
+            if (held[e] && later[e] >= 0) rc = stream_wait(st, idx[e]);
+        if (rc == 0 && any_later) rc = moe_one_pass(experts, x, later, k, h, limit);
+        drop_held(st, idx, held, k);
+        if (rc != 0) return -1;
+    }
     for (int64_t e = 0; e < k; e++) {
         if (idx[e] < 0) continue;
-        const float *o = j.o + e * D;
+        const float *oe = o + e * D;
         float we = w[e];
-        for (int64_t d = 0; d < D; d++) y[d] += we * o[d];
+        for (int64_t d = 0; d < D; d++) y[d] += we * oe[d];
     }
     return 0;
 }
 
 /* ---- prefill: group tokens by expert, one GEMM per expert hit ----------------------------------- */
+enum { STREAM_AHEAD = 4 };     /* streamed experts held (read or being read) at once in a prefill */
 static int moe(const cpumla_expert *experts, int64_t n_experts, const float *x, int64_t ldx, int64_t n,
                const int32_t *idx, const float *w, int64_t k, float *y, int64_t ldy, float limit) {
     if (n <= 0 || k <= 0) return 0;
@@ -251,7 +307,13 @@ static int moe(const cpumla_expert *experts, int64_t n_experts, const float *x, 
             return -1;
         }
     }
-    if (n == 1) return moe_one_token(experts, x, idx, w, k, y, limit);
+    stream_table *st = stream_table_of(experts);
+    if (st && n_experts > stream_size(st)) {
+        cpumla_set_error("MoE: more experts than the streamed table holds");
+        return -1;
+    }
+    if (n == 1) return moe_one_token(experts, st, x, idx, w, k, y, limit);
+    if (st) experts = stream_live(st);
 
     int64_t I = experts[0].gate.rows, D = experts[0].gate.cols;
     /* counting sort of the (token, slot) pairs by expert */
@@ -277,14 +339,39 @@ static int moe(const cpumla_expert *experts, int64_t n_experts, const float *x, 
     float *xs = cpumla_scratch(CPUMLA_SCRATCH_MOE, sizeof(float) * (size_t)(most * (D + 2 * I + D)));
     if (!xs) return -1;
     float *g = xs + most * D, *u = g + most * I, *o = u + most * I;
+    /* a streamed table: experts are held from when their read is queued, up to STREAM_AHEAD of them
+     * ahead of the one computing, and let go once computed; the order of the sums is the same */
+    int64_t ahead = 0, held = 0;
     for (int64_t e = 0; e < n_experts; e++) {
         int64_t b = start[e], cnt = start[e + 1] - b;
         if (cnt == 0) continue;
+        if (st) {
+            for (ahead = ahead > e ? ahead : e; ahead < n_experts && held < STREAM_AHEAD; ahead++) {
+                if (start[ahead + 1] == start[ahead]) continue;
+                int r = stream_take(st, (int32_t)ahead);
+                if (r < 0) break;
+                if (r == 0) { if (ahead == e) r = -1; break; }
+                held++;
+            }
+            if (ahead <= e || stream_wait(st, (int32_t)e) != 0) {
+                if (ahead <= e && held == 0) no_slot(1);
+                for (int64_t f = e; f < ahead; f++)
+                    if (start[f + 1] > start[f]) stream_drop(st, (int32_t)f);
+                return -1;
+            }
+        }
         for (int64_t r = 0; r < cnt; r++) memcpy(xs + r * D, x + (list[b + r] / k) * ldx, sizeof(float) * (size_t)D);
-        if (cpumla_gemm(&experts[e].gate, xs, D, cnt, g, I) != 0 || cpumla_gemm(&experts[e].up, xs, D, cnt, u, I) != 0)
+        int rc = cpumla_gemm(&experts[e].gate, xs, D, cnt, g, I) != 0 || cpumla_gemm(&experts[e].up, xs, D, cnt, u, I) != 0;
+        if (!rc) {
+            cpumla_swiglu(g, u, I, g, I, cnt, I, limit);
+            rc = cpumla_gemm(&experts[e].down, g, I, cnt, o, D) != 0;
+        }
+        if (st) { stream_drop(st, (int32_t)e); held--; }
+        if (rc) {
+            for (int64_t f = e + 1; st && f < ahead; f++)
+                if (start[f + 1] > start[f]) stream_drop(st, (int32_t)f);
             return -1;
-        cpumla_swiglu(g, u, I, g, I, cnt, I, limit);
-        if (cpumla_gemm(&experts[e].down, g, I, cnt, o, D) != 0) return -1;
+        }
         for (int64_t r = 0; r < cnt; r++) {
             int64_t pair = list[b + r];
             float we = w[pair];

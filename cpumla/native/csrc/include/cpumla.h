@@ -299,6 +299,54 @@ typedef struct cpumla_expert {
 int cpumla_moe(const cpumla_expert *experts, int64_t n_experts, const float *x, int64_t ldx, int64_t n,
                const int32_t *idx, const float *w, int64_t k, float *y, int64_t ldy, float limit);
 
+/* ---- routed experts streamed from disk (expert_stream.c) ---------------------------------------- */
+/* A stream keeps the experts of the tables registered with it on disk and reads those a cpumla_moe
+ * call routes to into a fixed number of slots of memory (each holds one expert), with direct I/O
+ * (O_DIRECT, aligned; buffered reads where the file system refuses it) on io_threads threads of its
+ * own, many reads in flight. A table's weights point into read-only mappings of the files (files[]:
+ * base address, bytes mapped from offset 0, path); the stream turns each pointer into a file offset
+ * and never touches the mapped pages. A pointer outside every file (a scale grid converted at load)
+ * is memory already and used as it is. Expert reads for a call are issued together, the experts
+ * already in slots compute while they are read, and the results are the bits of the same call with
+ * every expert in memory. A slot to reuse is the least recently used (CPUMLA_STREAM_LRU) or the least
+ * used, counts halved every 8 slot-fulls of lookups (CPUMLA_STREAM_LFU), among the slots not held.
+ * Read errors (EIO, a file cut short under the model) fail the call with one line naming the file and
+ * the offset: nothing reads a mapped page that may be gone. */
+enum cpumla_stream_policy { CPUMLA_STREAM_LRU = 0, CPUMLA_STREAM_LFU = 1 };
+typedef struct cpumla_stream cpumla_stream;
+typedef struct cpumla_stream_file {
+    const void *base;
+    int64_t length;
+    const char *path;
+} cpumla_stream_file;
+typedef struct cpumla_stream_stats {
+    int64_t lookups, hits;       /* experts a call asked for (each once a call), and those found in a slot */
+    int64_t reads, bytes_read;   /* experts read from disk, and the bytes (aligned) read for them */
+    double busy_seconds;         /* time with at least one read in flight */
+    double wait_seconds;         /* time cpumla_moe waited for reads */
+    int64_t prefetches;          /* experts read ahead of a call, from the previous layer's hidden state */
+    int64_t prefetch_used;       /* of those, the ones a call then asked for */
+    int64_t n_slots, slot_bytes, direct;   /* direct: 1 when every file takes O_DIRECT */
+} cpumla_stream_stats;
+/* NULL on a file that cannot be opened or out of memory (cpumla_last_error says which). */
+cpumla_stream *cpumla_stream_new(const cpumla_stream_file *files, int32_t n_files, int32_t io_threads,
+                                 int32_t policy);
+/* Registers a table of n experts (before cpumla_stream_start): cpumla_moe on `experts` then reads
+ * them through the stream. -1 for a weight that lies partly outside its file, a table registered
+ * twice, or after start. */
+int cpumla_stream_add(cpumla_stream *s, const cpumla_expert *experts, int64_t n);
+int64_t cpumla_stream_slot_bytes(const cpumla_stream *s);   /* the bytes a slot takes (the largest expert, aligned) */
+/* Allocates n_slots slots (at least 1; a cpumla_moe call needs its tokens' top_k experts held at once)
+ * and starts the readers. -1 when out of memory. */
+int cpumla_stream_start(cpumla_stream *s, int64_t n_slots);
+void cpumla_stream_free(cpumla_stream *s);          /* unregisters its tables; NULL ok */
+void cpumla_stream_get_stats(const cpumla_stream *s, cpumla_stream_stats *out);
+void cpumla_stream_reset_stats(cpumla_stream *s);
+/* The disk probe: reads up to `bytes` of the file at path from offset 0 with direct I/O (as the stream reads: 1 MiB
+ * requests, `threads` in flight) and returns the bytes per second, or -1 (cpumla_last_error).
+ * *read_bytes receives the bytes read. */
+double cpumla_disk_probe(const char *path, int64_t bytes, int32_t threads, int64_t *read_bytes);
+
 /* ---- latent cache and MLA attention ----------------------------------------------------------- */
 /* cache row slots[t] = src row t (width values), for t < n; a slot of -1 is skipped.
  * cache_dtype: CPUMLA_F32, or CPUMLA_BF16 (round to nearest even); another is an error (-1). */

@@ -9,6 +9,7 @@
 #include <string.h>
 #include "models/deepseek_v2_impl.h"
 #include "core/dispatch.h"
+#include "core/expert_stream.h"
 
 #define TRY(call) do { if ((call) != 0) return -1; } while (0)
 
@@ -191,6 +192,9 @@ int dsv2_ffn(cpumla_dsv2_state *s, int64_t l, int64_t n) {
          * across the top-k boundary */
         TRY(cpumla_gemm_f32act(L->gate, s->x, D, n, s->gate, r->n_experts));
         TRY(cpumla_route(r, s->gate, r->n_experts, n, NULL, s->idx, s->w));
+        const cpumla_dsv2_layer *next = l + 1 < m->n_layers ? &m->layers[l + 1] : NULL;
+        if (n == 1 && next && next->gate)       /* experts read from disk: the next layer's, ahead */
+            TRY(stream_predict(next->experts, next->gate, next->router, s->x, D, NULL));
         TRY(cpumla_moe(L->experts, r->n_experts, s->x, D, n, s->idx, s->w, r->top_k, s->h, D, 0.0f));
     }
     if (L->mlp) TRY(cpumla_moe(L->mlp, 1, s->x, D, n, s->zeros, s->ones, 1, s->h, D, 0.0f));

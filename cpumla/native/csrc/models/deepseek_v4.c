@@ -7,6 +7,7 @@
 #include <string.h>
 #include "models/deepseek_v4_impl.h"
 #include "core/dispatch.h"
+#include "core/expert_stream.h"
 
 #define SCORE_FLOATS (8 << 20)   /* index scores of one query block: at most 32 MB */
 
@@ -228,6 +229,10 @@ static int ffn(cpumla_dsv4_state *s, int64_t l, int64_t n, const int64_t *ids) {
     memset(s->o, 0, sizeof(float) * (size_t)(n * D));
     DSV4_TRY(cpumla_gemm_f32act(L->gate, s->x, D, n, s->gl, r->n_experts));
     DSV4_TRY(cpumla_route(r, s->gl, r->n_experts, n, ids, s->ri, s->rw));
+    if (n == 1 && l + 1 < m->n_layers) {        /* experts read from disk: the next layer's, ahead */
+        const cpumla_dsv4_layer *next = &m->layers[l + 1];
+        DSV4_TRY(stream_predict(next->experts, next->gate, next->router, s->x, D, ids));
+    }
     DSV4_TRY(cpumla_moe(L->experts, r->n_experts, s->x, D, n, s->ri, s->rw, r->top_k, s->o, D, m->swiglu_limit));
     if (L->shared) DSV4_TRY(cpumla_moe(L->shared, 1, s->x, D, n, s->zeros, s->ones, 1, s->o, D, m->swiglu_limit));
     return 0;
