@@ -151,7 +151,7 @@ def policies(model: str, memory: str | None, warm: int, tokens: int, skew: float
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model")
+    ap.add_argument("model", nargs="?")
     ap.add_argument("-n", type=int, default=16, help="decode tokens a run")
     ap.add_argument("-r", type=int, default=3, help="measured runs a bench (after a warm-up)")
     ap.add_argument("--rounds", type=int, default=2, help="alternations of the two paths")
@@ -169,6 +169,8 @@ def main() -> None:
     if args.make_gguf:
         make_gguf(*args.make_gguf)
         return
+    if args.model is None:
+        ap.error("name the model to measure")
     streamed_mem = args.memory or ""
     rows = {"streamed": [], "mapped": []}
     llama = []

@@ -20,7 +20,7 @@ from cpumla.runtime.engine import context_length
 from cpumla.runtime.memory import available_memory, gib
 from cpumla.native.stream import disk_probe
 from cpumla.runtime.resolve import load_config
-from cpumla.runtime.streaming import MARGIN, is_routed
+from cpumla.runtime.streaming import MARGIN, budget, is_routed
 
 QBYTES = {"q8": 1.0, "q4": 0.5}          # bytes per weight of the codes; each block of 32 adds an fp16 scale
 ITEM = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I8": 1, "U8": 1, "I64": 8, "I32": 4}
@@ -155,6 +155,9 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
             for fmt in QUANTS:
                 to = quant_plan(name, dtype, shape, fmt) if kind in ("linear", "plain") else None
                 sizes[fmt] += count * (_as(shape, to) if to else stored)
+        if src is not None:     # as stored, tensor by tensor: a file's types may differ by layer (GGUF's mixes)
+            exact = budget(fam, cfg, src, ctx, 1)
+            sizes["stored"], routed = exact.resident + exact.routed, exact.routed
     finally:
         if own:
             src.close()

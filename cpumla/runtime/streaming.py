@@ -94,9 +94,17 @@ class ResidentSource:
         return a if is_routed(name) else np.array(a)
 
 
-def drop_page_cache(paths) -> None:
-    """Asks the kernel to drop the files' cached pages (the resident part has its copy now)."""
-    for p in paths:
+def drop_page_cache(files) -> None:
+    """Unmaps the pages of the mappings (address, length, path) that building the model read, and asks
+    the kernel to drop the files' cached pages: the resident part has its copy now, and a mapped page
+    would count against the budget (RSS) for as long as the model lives."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    for addr, length, _ in files:
+        libc.madvise(addr, length, 4)                     # MADV_DONTNEED: the pages read back on use
+    for _, _, p in files:
         try:
             fd = os.open(p, os.O_RDONLY)
         except OSError:
@@ -129,7 +137,7 @@ def start(model, src, b: Budget, top_k: int, where: str, slots: int | None = Non
                 f"{gib(b.resident)}, caches {gib(b.cache)}, scratch {gib(b.scratch)}) and {max(n, 0)} routed experts "
                 f"of {gib(per)}, fewer than the {top_k} a token uses: give it at least "
                 f"{gib(b.memory - b.room + top_k * per)}")
-        drop_page_cache(p for _, _, p in files)     # before the slots take the memory it held
+        drop_page_cache(files)     # before the slots take the memory it held
         s.start(n)
     except BaseException:
         s.close()
