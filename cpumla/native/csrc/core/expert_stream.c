@@ -342,6 +342,13 @@ static int64_t victim(cpumla_stream *s) {
     return best;
 }
 
+/* whether a slot that no call holds is being read (a read ahead): it will be free to take (mutex held) */
+static int reading_unheld(const cpumla_stream *s) {
+    for (int64_t i = 0; i < s->n_slots; i++)
+        if (s->slots[i].state == SLOT_READING && !s->slots[i].held) return 1;
+    return 0;
+}
+
 /* puts expert e of t in a slot and queues its reads (mutex held); held: the caller holds it. The slot,
 or -1 when every slot is held or being read. */
 static int64_t load(cpumla_stream *s, stream_table *t, int32_t e, int held) {
@@ -375,6 +382,16 @@ int stream_take(stream_table *t, int32_t e) {
         for (int64_t i = 0; i < s->n_slots; i++) s->slots[i].uses /= 2;
     if (d->slot >= 0) {
         slot *sl = &s->slots[d->slot];
+        if (sl->failed && sl->held == 0 && sl->state == SLOT_READY) {   /* a read ahead that failed: again */
+            d->slot = -1;
+            relink(t, e, NULL);
+            sl->t = NULL;
+            sl->state = SLOT_EMPTY;
+            sl->failed = 0;
+        }
+    }
+    if (d->slot >= 0) {
+        slot *sl = &s->slots[d->slot];
         sl->held++;
         sl->last = s->clock;
         sl->uses++;
@@ -385,7 +402,9 @@ int stream_take(stream_table *t, int32_t e) {
         pthread_mutex_unlock(&s->mu);
         return ready ? 1 : 2;
     }
-    int64_t v = load(s, t, e, 1);
+    int64_t v;
+    while ((v = load(s, t, e, 1)) < 0 && reading_unheld(s))   /* a read ahead still fills the slot it needs */
+        pthread_cond_wait(&s->done, &s->mu);
     if (v < 0) s->st.lookups--;
     pthread_mutex_unlock(&s->mu);
     return v < 0 ? 0 : 2;
