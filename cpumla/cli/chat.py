@@ -39,9 +39,11 @@ def chat(
     prompt: str = typer.Option(None, "--prompt", "-p", help="Answer this one prompt on stdout and exit."),
     system: str = typer.Option(None, "--system", "-s", help="System prompt."),
     temperature: float = typer.Option(0.6, "--temperature", help="0 is greedy."),
-    top_p: float = typer.Option(0.95, "--top-p"),
+    top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling: the smallest set of tokens holding this "
+                                "much probability (1: off)."),
     top_k: int = typer.Option(0, "--top-k", help="0: no top-k."),
-    min_p: float = typer.Option(0.0, "--min-p"),
+    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below this fraction of the likeliest's "
+                                "probability (0: off)."),
     repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="Penalise the last --repeat-last-n "
                                          "tokens (llama.cpp's; 1: off)."),
     repeat_last_n: int = typer.Option(64, "--repeat-last-n", help="Tokens the repeat penalty looks back at."),
@@ -61,7 +63,7 @@ def chat(
     hf_overrides: str = typer.Option(None, "--hf-overrides", help="JSON merged into the config (as vLLM)."),
     threads: int = typer.Option(None, "--threads", "-t", help="Threads (default: one per core)."),
     quant: str = typer.Option(None, "--quant", help=QUANT_HELP),
-    memory: str = typer.Option(None, "--memory", help=MEMORY_HELP),
+    memory: str = typer.Option(None, "--memory", metavar="SIZE", help=MEMORY_HELP),
 ) -> None:
     from cpumla.chat.stops import parse_stop
     from cpumla.cli.options import check_quant, check_threads, parse_size
@@ -181,6 +183,20 @@ def _stats_line(st) -> str:
                 "stop": " · stop string"}.get(st.stop, "")
 
 
+def progress_line(console, text: str | None) -> None:
+    """One line of progress that the next overwrites, on a terminal (text None: clear it); elsewhere each
+    on a line of its own. Rich drops a carriage return inside printed text, so the control codes go to the
+    console's file directly."""
+    if not console.is_terminal:
+        if text is not None:
+            console.print(text, style="dim", markup=False, highlight=False, soft_wrap=True)
+        return
+    console.file.write("\r\x1b[2K")
+    if text is not None:
+        console.print(text, style="dim", end="", markup=False, highlight=False, soft_wrap=True)
+    console.file.flush()
+
+
 def _turn(conv, events, interactive: bool) -> bool:
     """Stream one answer; Ctrl-C stops it. True when it was stopped by Ctrl-C."""
     previous = signal.signal(signal.SIGINT, lambda *_: conv.request_stop())
@@ -192,14 +208,11 @@ def _turn(conv, events, interactive: bool) -> bool:
                 if ev.seconds >= PROGRESS_AFTER_S or progress:
                     progress = True
                     rate = ev.done / ev.seconds if ev.seconds > 0 else 0.0
-                    render.err.print(f"\rreading the prompt: {ev.done} / {ev.total} tokens, {rate:.0f} tok/s "
-                                     f"(Ctrl-C stops)", style="dim", end="", markup=False, highlight=False,
-                                     soft_wrap=True)
+                    progress_line(render.err, f"reading the prompt: {ev.done} / {ev.total} tokens, {rate:.0f} "
+                                              f"tok/s (Ctrl-C stops)")
                 continue
             if progress:
-                render.err.print("\r\x1b[2K" if render.err.is_terminal else "", end="", markup=False)
-                if not render.err.is_terminal:
-                    render.err.print()
+                progress_line(render.err, None)
                 progress = False
             if ev.kind == "notice":
                 if wrote:

@@ -283,7 +283,7 @@ def download(
 
 
 def list_models(
-    all_models: bool = typer.Option(False, "--all", help="Every cached model, not only DeepSeek-family ones."),
+    all_models: bool = typer.Option(False, "--all", metavar="", help="Every cached model, not only DeepSeek-family ones."),
 ) -> None:
     scanned = _scan()
     models = cached_models(include_all=all_models, scanned=scanned)

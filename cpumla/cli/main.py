@@ -6,11 +6,31 @@ from __future__ import annotations
 import sys
 
 import typer
+import typer.core
 
 from cpumla.errors import CpumlaError
 
+
+def _no_value(opt):
+    """--help as our flags show: without a `<bool>` value, which a flag does not take."""
+    if opt is not None:
+        opt.metavar = ""
+    return opt
+
+
+class _Command(typer.core.TyperCommand):
+    def get_help_option(self, ctx):
+        return _no_value(super().get_help_option(ctx))
+
+
+class _Group(typer.core.TyperGroup):
+    def get_help_option(self, ctx):
+        return _no_value(super().get_help_option(ctx))
+
+
 app = typer.Typer(
     name="cpumla",
+    cls=_Group,
     help="Run DeepSeek MLA-family models (V2, V3, V3.2, V4, Moonlight) on the CPU alone.",
     no_args_is_help=True,
     add_completion=False,
@@ -58,7 +78,7 @@ def _register() -> None:
         ("list", download.list_models, "DeepSeek-family models in the Hugging Face cache, with sizes."),
         ("quantize", quantize.quantize, "Write a checkpoint with q8 / q4 linear layers (loads zero-copy)."),
     ]:
-        app.command(name, help=text)(checked(fn))
+        app.command(name, help=text, cls=_Command)(checked(fn))
 
 
 _register()

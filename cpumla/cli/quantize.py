@@ -135,12 +135,33 @@ def quantize_checkpoint(model: str, outdir, fmt: str, *, force: bool = False, du
             for f in sorted(resolved.directory.iterdir()) if reading else ():
                 if f.is_file() and f.name not in SKIP_FILES and f.suffix not in (".safetensors", ".bin", ".pt", ".pth"):
                     shutil.copy2(f, tmp / f.name)
+            tokenizer = _tokenizer_for(tmp, cfg, resolved)
     finally:
         if hasattr(src, "close"):
             src.close()
     kept = sum(1 for g in groups if g[0][1] not in ("I8", "U8"))
     return {"outdir": str(outdir), "format": fmt, "quantized": dict(qz.formats), "kept": kept, "bytes": written,
+            "tokenizer": tokenizer,
             "source_bytes": sum(nbytes(*src_info) for src_info in source_infos(groups, src))}
+
+
+def _tokenizer_for(folder: Path, cfg, resolved) -> str | None:
+    """A folder written without a tokenizer of its own (dummy weights from a preset) gets the bundled
+    DeepSeek tokenizer when its vocabulary covers it (V3 and later), so that `cpumla chat FOLDER` runs as
+    the preset does. What the folder's tokenizer is, for the summary: "own", "bundled ...", or None (none,
+    say so)."""
+    if any((folder / f).is_file() for f in ("tokenizer.json", "tiktoken.model")):
+        return "own"
+    if "moonlight" in (resolved.repo_id or str(resolved.directory or "")).lower():
+        return None
+    from cpumla.chat.tokenizer import Tokenizer, bundled_files
+
+    tok = Tokenizer.bundled()
+    if tok.vocab_size > cfg.vocab_size:
+        return None
+    for f in bundled_files():
+        shutil.copy2(f, folder / f.name)
+    return tok.source
 
 
 def source_infos(groups, src):
@@ -161,7 +182,7 @@ def quantize(
     hf_overrides: str = typer.Option(None, "--hf-overrides", help="JSON merged into the config (as vLLM)."),
     dummy_dtype: str = typer.Option("bf16", "--dummy-dtype", help=f"Dummy weight format: {dummy_dtypes_help()}."),
     seed: int = typer.Option(0, "--seed", help="Dummy weights' seed."),
-    threads: int = typer.Option(None, "--threads", "-t"),
+    threads: int = typer.Option(None, "--threads", "-t", help="Threads (default: one per core)."),
 ) -> None:
     if quant is None:
         raise CpumlaError("--quant is required: q8 or q4")
@@ -176,3 +197,10 @@ def quantize(
     render.out.print(f"wrote {s['outdir']}: weights quantized {made}, {s['kept']} tensors kept as stored; "
                      f"{s['source_bytes'] / 1e9:.2f} GB -> {s['bytes'] / 1e9:.2f} GB", markup=False, highlight=False,
                      soft_wrap=True)
+    if s["tokenizer"] is None:
+        render.err.print(f"note: {s['outdir']} has no tokenizer: chat with it through --tokenizer DIR (a folder with "
+                         f"the model's tokenizer.json)", style="yellow", markup=False, highlight=False, soft_wrap=True)
+    elif s["tokenizer"] != "own":
+        render.err.print(f"note: {s['outdir']}: DeepSeek's V3/V4 tokenizer copied in ({s['tokenizer']}), as the "
+                         f"preset has none of its own",
+                         style="dim", markup=False, highlight=False, soft_wrap=True)

@@ -16,7 +16,7 @@ from cpumla.errors import CpumlaError
 
 def serve(
     model: str = typer.Argument(..., help="Model dir, cached repo id, or preset (presets need --dummy-weights)."),
-    dummy_weights: bool = typer.Option(False, "--dummy-weights", help="Deterministic random weights."),
+    dummy_weights: bool = typer.Option(False, "--dummy-weights", metavar="", help="Deterministic random weights."),
     hf_overrides: str = typer.Option(None, "--hf-overrides", help="JSON merged into the config (as vLLM)."),
     dummy_dtype: str = typer.Option("bf16", "--dummy-dtype", help="bf16 or fp8 (FP8 block-scaled linears)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
@@ -24,13 +24,13 @@ def serve(
     api_key: str = typer.Option(None, "--api-key", envvar="CPUMLA_API_KEY",
                                 help="Require 'Authorization: Bearer KEY' on every request."),
     ctx_size: int = typer.Option(None, "--ctx-size", "-c", help="Context size in tokens. Default: min(model's, 4096)."),
-    threads: int = typer.Option(None, "--threads", "-t"),
+    threads: int = typer.Option(None, "--threads", "-t", help="Threads (default: one per core)."),
     seed: int = typer.Option(None, "--seed", help="Dummy weights' seed (default 0) and the sampling seed of "
                              "requests without their own."),
     max_queue: int = typer.Option(8, "--max-queue", help="Requests waiting for the engine before 503s."),
     tokenizer: str = typer.Option(None, "--tokenizer", help="A directory with tokenizer.json, or 'bundled'."),
     quant: str = typer.Option(None, "--quant", help=QUANT_HELP),
-    memory: str = typer.Option(None, "--memory", help=MEMORY_HELP),
+    memory: str = typer.Option(None, "--memory", metavar="SIZE", help=MEMORY_HELP),
 ) -> None:
     import uvicorn
 

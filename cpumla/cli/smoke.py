@@ -176,12 +176,13 @@ def smoke(
     hf_overrides: str = typer.Option(None, "--hf-overrides", help="JSON merged into the config (as vLLM)."),
     dummy_dtype: str = typer.Option("bf16", "--dummy-dtype", help=f"Dummy weight format: {dummy_dtypes_help()} "
                                     f"(fp8: FP8 block-scaled linears)."),
-    seed: int = typer.Option(0, "--seed"),
-    threads: int = typer.Option(None, "--threads", "-t"),
-    prompt_tokens: int = typer.Option(32, "--prompt-tokens", "-p"),
-    decode_tokens: int = typer.Option(16, "--decode-tokens", "-n"),
+    seed: int = typer.Option(0, "--seed", help="Dummy weights' seed, and the prompt's."),
+    threads: int = typer.Option(None, "--threads", "-t", help="Threads (default: one per core)."),
+    prompt_tokens: int = typer.Option(32, "--prompt-tokens", "-p", help="Random prompt tokens of each model."),
+    decode_tokens: int = typer.Option(16, "--decode-tokens", "-n", help="Greedy decode steps, each checked against "
+                                      "the full forward."),
     quant: str = typer.Option(None, "--quant", help=QUANT_HELP),
-    memory: str = typer.Option(None, "--memory", help=MEMORY_HELP),
+    memory: str = typer.Option(None, "--memory", metavar="SIZE", help=MEMORY_HELP),
 ) -> None:
     check_quant(quant)
     budget = parse_size(memory)

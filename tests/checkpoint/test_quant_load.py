@@ -259,3 +259,21 @@ def test_cli_quant_flags():
                             quant="q8")
     assert served.engine.matmul_format == "q8"
     served.engine.close()
+
+
+def test_quantized_preset_chats_as_it_is(tmp_path):
+    """A preset quantized on dummy weights gets DeepSeek's tokenizer copied in when its vocabulary covers
+    it, so `cpumla chat OUT` runs without --tokenizer; a V2 preset (102400 ids) is told it has none."""
+    small = {k: v for k, v in TINY.items() if k != "vocab_size"}
+    out = tmp_path / "v3"
+    p = run_cli("quantize", V3, str(out), "--quant", "q4", "--dummy-weights", "--hf-overrides", json.dumps(small))
+    assert p.returncode == 0, p.stderr
+    assert (out / "tokenizer.json").is_file() and "tokenizer copied in" in p.stderr
+    p = run_cli("chat", str(out), "-p", "hi", "-n", "2", "--temperature", "0")
+    assert p.returncode == 0, p.stderr
+    out = tmp_path / "v2"
+    p = run_cli("quantize", "deepseek-ai/DeepSeek-V2-Lite", str(out), "--quant", "q4", "--dummy-weights",
+                "--hf-overrides", json.dumps({"num_hidden_layers": 2, "n_routed_experts": 4, "hidden_size": 256,
+                                              "intermediate_size": 512, "moe_intermediate_size": 128}))
+    assert p.returncode == 0, p.stderr
+    assert not (out / "tokenizer.json").exists() and "has no tokenizer" in p.stderr

@@ -131,3 +131,25 @@ def test_sampling_flags_and_stop_strings_reach_the_answer():
 def test_context_full_with_one_shot_prompt_does_not_promise_a_next_turn():
     rc, _, err = cli("chat", *TINY, "-p", "hello there", "--ctx", "16", "-n", "100", "--temperature", "0")
     assert rc == 0 and "the answer was cut" in err and "next turn" not in err, err
+
+
+def test_prompt_progress_overwrites_itself():
+    """On a terminal each progress line replaces the last (Rich drops a carriage return inside printed
+    text: the codes must reach the terminal) and the last is cleared; piped, each is a line of its own."""
+    import io
+
+    from rich.console import Console
+
+    from cpumla.cli.chat import progress_line
+
+    for tty in (True, False):
+        f = io.StringIO()
+        c = Console(file=f, force_terminal=tty, width=80)
+        progress_line(c, "reading the prompt: 256 / 768")
+        progress_line(c, "reading the prompt: 512 / 768")
+        progress_line(c, None)
+        text = f.getvalue()
+        if tty:
+            assert text.count("\r\x1b[2K") == 3 and text.endswith("\r\x1b[2K") and "\n" not in text
+        else:
+            assert text == "reading the prompt: 256 / 768\nreading the prompt: 512 / 768\n"

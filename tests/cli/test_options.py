@@ -46,3 +46,25 @@ def test_bad_values_are_one_line_errors(capsys, command, flag, value):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and flag in err[0], err
+
+
+def test_every_option_says_what_it_is():
+    """In `--help`: every option has help text, and a flag shows no `<bool>` value it does not take."""
+    for name, params in commands():
+        for p in params.values():
+            info = p.default
+            if not hasattr(info, "param_decls") or not any(d.startswith("-") for d in info.param_decls or ()):
+                continue                                   # an argument
+            flag = options.flag_of(p)
+            assert info.help, f"`{name}` option {flag} has no help"
+            if p.annotation in ("bool", bool):
+                assert info.metavar == "", f"`{name}` flag {flag} shows a <bool> value in --help"
+
+
+@pytest.mark.parametrize("command", [None] + [name for name, _ in commands()])
+def test_help_shows_no_bool_values(capsys, command):
+    with pytest.raises(SystemExit) as e:
+        main(([command] if command else []) + ["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "--help" in text and "<bool>" not in text
