@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import time
 
 import typer
@@ -144,8 +145,13 @@ def _print(results, output, eng, peaks, bf16_peaks):
         return
     cfg = eng.config
     r0 = results[0]
-    render.print_line(f"model: {r0.model_filename} ({cfg.model_type}, {cfg.num_hidden_layers} layers); "
-                      f"implementation {r0.isa}; load {r0.load_s:.1f} s; peak RSS {max(r.peak_rss_mb for r in results):.0f} MB")
+    from cpumla.models import family
+
+    params = sum(math.prod(shape) for shape, _ in family(cfg.model_type).tensors(cfg).values())
+    render.print_line(f"model: {r0.model_filename} ({cfg.model_type}, {cfg.num_hidden_layers} layers, "
+                      f"{params / 1e9:.2f} B parameters, {eng.matmul_format} linear layers, "
+                      f"{eng.model.decode_bytes(0) / 1e6:.0f} MB read a decode token); implementation {r0.isa}; "
+                      f"load {r0.load_s:.1f} s; peak RSS {max(r.peak_rss_mb for r in results):.0f} MB")
     render.print_line("peaks: " + ", ".join(f"fp32 FMA {v:.0f} / bf16 dot {bf16_peaks[t]:.0f} GFLOP/s at {t} threads"
                                              for t, v in peaks.items())
                       + "; read bandwidth probed before and after each test")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import subprocess
 import sys
 
@@ -49,6 +50,8 @@ def test_bench_model_csv_jsonl_md():
     p = run_cli("bench", *TINY, "-p", "8", "-n", "0", "-r", "1", "-t", "1")
     # bf16 dummy weights: prefill is measured against the bf16 dot-product peak (and fp32 FMA's)
     assert "pp8" in p.stdout and "% of the bf16 dot peak" in p.stdout and "read bandwidth probe" in p.stdout
+    # the header names what runs: parameters, the weights' format, the bytes a decode token reads
+    assert re.search(r"\d+\.\d\d B parameters, bf16 linear layers, \d+ MB read a decode token", p.stdout), p.stdout
 
 
 def test_bench_threads_beyond_cores_warns():
