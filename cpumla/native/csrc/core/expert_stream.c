@@ -577,8 +577,8 @@ int64_t cpumla_stream_slot_bytes(const cpumla_stream *s) { return s->slot_bytes;
 /* Backs the slots with memory now. A direct read into a page never touched faults it in first, in the
  * kernel, on the readers' threads and the CPU the forward needs (and on a virtual machine the host backs
  * it on first touch too): measured on a 2-vCPU KVM guest, populating while decoding halved the disk's
- * speed and took a third of the compute time, where populating first takes ~0.4 s a GB at load.
- * MADV_POPULATE_WRITE (Linux 5.14) in one call, else a write to each page. */
+ * speed and took a third of the compute time, where populating first takes 0.35 to 2.9 s a GB at load
+ * (as the host allows). MADV_POPULATE_WRITE (Linux 5.14) in one call, else a write to each page. */
 static void populate(uint8_t *a, int64_t bytes) {
 #ifdef MADV_POPULATE_WRITE
     if (madvise(a, (size_t)bytes, MADV_POPULATE_WRITE) == 0) return;
