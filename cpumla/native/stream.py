@@ -89,7 +89,10 @@ class ExpertStream:
             self._s = None
 
     def __del__(self):
-        self.close()
+        try:
+            self.close()
+        except Exception:      # at interpreter exit the library's module may be gone already
+            pass
 
 
 def disk_probe(path, nbytes: int, threads: int = 8) -> tuple[float, int]:
