@@ -5,8 +5,9 @@
  * into at most six aligned reads when they lie close together; a slot holds one expert, each read at its
  * own aligned offset, so that the weights keep their in-file layout and the kernels read them as they
  * would the mapping. Reads are split into requests of CHUNK bytes, queued (the call's own before any
- * other), and served by io_threads threads doing pread on an O_DIRECT descriptor: the page cache is
- * neither filled nor consulted, so the memory budget is the slots plus what stays resident.
+ * other), and served by io_threads threads doing pread on an O_DIRECT descriptor (expert_reads.c): the
+ * page cache is neither filled nor consulted, so the memory budget is the slots plus what stays resident.
+ * This file: the registry of streamed tables, the slots and their policy, moe.c's side, the public API.
  *
  * Locking: one mutex per stream guards the slots, the queue and the statistics; moe.c calls in with the
  * library lock held (one forward at a time), the readers take only the stream's mutex. The live table of
@@ -21,93 +22,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
-#include "core/common.h"
 #include "core/dispatch.h"
-#include "core/expert_stream.h"
-#include "core/gguf_q.h"
-
-#define ALIGN ((int64_t)4096)           /* O_DIRECT's offset, length and buffer alignment (any block size up to 4 KiB) */
-#define CHUNK ((int64_t)1 << 20)        /* bytes of one read request */
-#define MERGE_GAP ((int64_t)256 << 10)  /* ranges this close are read as one (the gap is read too) */
-#define MAX_GROUPS 6                    /* data and scale of gate, up and down */
-
-typedef struct {
-    int32_t file;
-    int64_t off, len, end;      /* aligned file range read; end: where its real bytes end in the file */
-    int64_t slot_off;           /* where it lands in the slot */
-} group;
-
-typedef struct {
-    group g[MAX_GROUPS];
-    int32_t n_groups;
-    int64_t at[MAX_GROUPS];     /* pointer i (gate data, gate scale, up .., down ..): its slot offset, or -1 in memory */
-    int32_t slot;               /* -1: not in a slot */
-} expert_desc;
-
-struct stream_table {
-    cpumla_stream *s;
-    const cpumla_expert *key;   /* the table the model describes (its pointers: into the mappings) */
-    cpumla_expert *live;        /* its copy, whose held experts point into their slots */
-    expert_desc *ex;
-    int64_t n;
-};
-
-enum { SLOT_EMPTY, SLOT_READING, SLOT_READY };
-typedef struct {
-    uint8_t *mem;
-    stream_table *t;
-    int32_t e;                  /* owner: expert e of t, or t NULL */
-    int32_t state, held;
-    int64_t last, uses;         /* the lookup clock at its last use; uses (LFU, halved as it ages) */
-    int32_t pending;            /* requests not yet done */
-    int32_t failed;
-    int32_t ahead;              /* read by a prefetch and not asked for since */
-    char msg[240];
-} slot;
-
-typedef struct {
-    int32_t slot, file;
-    int64_t off, len, need;     /* read len bytes at off (aligned); at least need of them must exist */
-    uint8_t *dst;
-} request;
-
-struct cpumla_stream {
-    int32_t n_files, direct;
-    int *fd, *fd_buf;           /* O_DIRECT descriptor (or the buffered one) and a buffered one */
-    char **path;
-    const uint8_t **base;
-    int64_t *length;
-    stream_table **tables;
-    int32_t n_tables, cap_tables, policy, io_threads, started, stop;
-    slot *slots;
-    int64_t n_slots, slot_bytes, arena_bytes, clock;
-    uint8_t *arena;
-    pthread_mutex_t mu;
-    pthread_cond_t work, done;
-    request *q;                 /* a ring of q_cap requests */
-    int64_t q_head, q_len, q_cap;
-    pthread_t *th;
-    stream_table *pend_t;       /* a prediction waiting for the current call's own reads (stream_predict) */
-    int32_t *pend;
-    int64_t n_pend, cap_pend;
-    float *logits;              /* stream_predict's router logits and weights */
-    int64_t cap_logits;
-    int32_t inflight;
-    double busy_t0;
-    cpumla_stream_stats st;
-};
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int64_t align_down(int64_t v) { return v / ALIGN * ALIGN; }
-static int64_t align_up(int64_t v) { return (v + ALIGN - 1) / ALIGN * ALIGN; }
+#include "core/expert_stream_impl.h"
 
 /* ---- the registry: which tables are streamed ----------------------------------------------------- */
 static pthread_mutex_t reg_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -147,89 +64,6 @@ static void reg_remove(stream_table *t) {
     pthread_mutex_unlock(&reg_mu);
 }
 
-/* ---- what an expert occupies in its files ------------------------------------------------------- */
-static int64_t row_len(const cpumla_weight *w) {
-    int64_t c = w->cols;
-    switch (w->dtype) {
-    case CPUMLA_F32: case CPUMLA_I32: return 4 * c;
-    case CPUMLA_BF16: case CPUMLA_F16: return 2 * c;
-    case CPUMLA_E4M3: case CPUMLA_Q8: return c;
-    case CPUMLA_E2M1: case CPUMLA_Q4: return (c + 1) / 2;
-    default:
-        if (w->dtype >= CPUMLA_Q8_0 && w->dtype <= CPUMLA_MXFP4) {
-            const gq_type *g = gq_info(w->dtype);
-            return (c + g->block - 1) / g->block * g->bytes;
-        }
-        return 8 * c;
-    }
-}
-
-static int64_t data_bytes(const cpumla_weight *w) {
-    return w->rows > 0 ? (w->rows - 1) * w->row_bytes + row_len(w) : 0;
-}
-
-static int64_t scale_bytes(const cpumla_weight *w) {
-    if (!w->scale || w->rows <= 0 || w->block_rows <= 0 || w->block_cols <= 0) return 0;
-    int64_t el = w->scale_dtype == CPUMLA_F32 ? 4 : w->scale_dtype == CPUMLA_E8M0 ? 1 : 2;
-    int64_t gr = (w->rows + w->block_rows - 1) / w->block_rows, gc = (w->cols + w->block_cols - 1) / w->block_cols;
-    return ((gr - 1) * w->scale_ld + gc) * el;
-}
-
-static const void **ptr_at(cpumla_expert *x, int i) {
-    cpumla_weight *w = i < 2 ? &x->gate : i < 4 ? &x->up : &x->down;
-    return i % 2 ? &w->scale : &w->data;
-}
-
-/* expert e's reads: its pointers that lie in a file, merged into aligned groups, and each pointer's
- * offset in the slot */
-static int describe(cpumla_stream *s, const cpumla_expert *x, int64_t e, expert_desc *d) {
-    struct { int32_t file, ptr; int64_t off, len; } r[MAX_GROUPS];
-    int n = 0;
-    cpumla_expert copy = *x;
-    for (int i = 0; i < MAX_GROUPS; i++) {
-        d->at[i] = -1;
-        const cpumla_weight *w = i < 2 ? &x->gate : i < 4 ? &x->up : &x->down;
-        const uint8_t *p = *ptr_at(&copy, i);
-        int64_t len = i % 2 ? scale_bytes(w) : data_bytes(w);
-        if (!p || len <= 0) continue;
-        for (int32_t f = 0; f < s->n_files; f++) {
-            if (p < s->base[f] || p >= s->base[f] + s->length[f]) continue;
-            int64_t off = p - s->base[f];
-            if (len > s->length[f] - off) {
-                char msg[400];
-                snprintf(msg, sizeof msg, "%s: a weight of expert %lld ends past the file (%lld bytes at %lld of %lld)",
-                         s->path[f], (long long)e, (long long)len, (long long)off, (long long)s->length[f]);
-                cpumla_set_error(msg);
-                return -1;
-            }
-            int k = n++;   /* insertion by (file, offset) */
-            while (k > 0 && (r[k - 1].file > f || (r[k - 1].file == f && r[k - 1].off > off))) { r[k] = r[k - 1]; k--; }
-            r[k].file = f; r[k].ptr = i; r[k].off = off; r[k].len = len;
-            break;
-        }
-    }
-    d->n_groups = 0;
-    d->slot = -1;
-    int64_t at = 0;
-    for (int i = 0; i < n; i++) {
-        group *g = d->n_groups ? &d->g[d->n_groups - 1] : NULL;
-        int64_t a0 = align_down(r[i].off), a1 = align_up(r[i].off + r[i].len);
-        if (g && g->file == r[i].file && a0 <= g->off + g->len + MERGE_GAP) {
-            int64_t end = a1 > g->off + g->len ? a1 : g->off + g->len;
-            at += end - (g->off + g->len);
-            g->len = end - g->off;
-            if (r[i].off + r[i].len > g->end) g->end = r[i].off + r[i].len;
-        } else {
-            g = &d->g[d->n_groups++];
-            g->file = r[i].file; g->off = a0; g->len = a1 - a0; g->end = r[i].off + r[i].len; g->slot_off = at;
-            at += g->len;
-        }
-        d->at[r[i].ptr] = g->slot_off + (r[i].off - g->off);
-    }
-    if (at > s->slot_bytes) s->slot_bytes = at;
-    return 0;
-}
-
 /* points expert e of t at its slot (mem) or, mem NULL, back at its mapped pointers */
 static void relink(stream_table *t, int32_t e, uint8_t *mem) {
     for (int i = 0; i < MAX_GROUPS; i++) {
@@ -237,90 +71,6 @@ static void relink(stream_table *t, int32_t e, uint8_t *mem) {
         cpumla_expert key = t->key[e];
         *ptr_at(&t->live[e], i) = mem ? (const void *)(mem + t->ex[e].at[i]) : *ptr_at(&key, i);
     }
-}
-
-/* ---- readers ----------------------------------------------------------------------------------- */
-/* one request: 0, or -1 with msg */
-static int do_read(cpumla_stream *s, const request *r, char *msg, size_t cap) {
-    int fd = s->fd[r->file];
-    int64_t got = 0;
-    while (got < r->len) {
-        ssize_t k = pread(fd, r->dst + got, (size_t)(r->len - got), r->off + got);
-        if (k < 0 && errno == EINTR) continue;
-        if (k < 0 && errno == EINVAL && fd != s->fd_buf[r->file]) {
-            if (got > 0) break;                          /* a short direct read at the end of the file */
-            fd = s->fd_buf[r->file];                     /* this file system refuses O_DIRECT here */
-            continue;
-        }
-        if (k < 0) {
-            snprintf(msg, cap, "%s: read error at byte %lld: %s", s->path[r->file], (long long)(r->off + got),
-                     strerror(errno));
-            return -1;
-        }
-        if (k == 0) break;
-        got += k;
-    }
-    if (got < r->need) {
-        snprintf(msg, cap, "%s: the file ends before byte %lld, which the model reads (was it cut short?)",
-                 s->path[r->file], (long long)(r->off + r->need));
-        return -1;
-    }
-    return 0;
-}
-
-static void *reader(void *p) {
-    cpumla_stream *s = p;
-    char msg[240];
-    pthread_mutex_lock(&s->mu);
-    for (;;) {
-        while (!s->stop && s->q_len == 0) pthread_cond_wait(&s->work, &s->mu);
-        if (s->stop) break;
-        request r = s->q[s->q_head];
-        s->q_head = (s->q_head + 1) % s->q_cap;
-        s->q_len--;
-        if (s->inflight++ == 0) s->busy_t0 = now();
-        pthread_mutex_unlock(&s->mu);
-        int rc = do_read(s, &r, msg, sizeof msg);
-        pthread_mutex_lock(&s->mu);
-        if (--s->inflight == 0) s->st.busy_seconds += now() - s->busy_t0;
-        slot *sl = &s->slots[r.slot];
-        if (rc != 0 && !sl->failed) {
-            sl->failed = 1;
-            memcpy(sl->msg, msg, sizeof sl->msg);
-        }
-        if (--sl->pending == 0) {
-            sl->state = SLOT_READY;
-            pthread_cond_broadcast(&s->done);
-        }
-    }
-    pthread_mutex_unlock(&s->mu);
-    return NULL;
-}
-
-/* queues a slot's reads (mutex held): a call's own ahead of everything queued (urgent), a prefetch's
-behind; the ring is sized for every slot's requests at once */
-static void enqueue(cpumla_stream *s, int64_t si, const expert_desc *d, int urgent) {
-    slot *sl = &s->slots[si];
-    int64_t n = 0;
-    for (int g = 0; g < d->n_groups; g++) n += (d->g[g].len + CHUNK - 1) / CHUNK;
-    if (urgent) s->q_head = (s->q_head - n + s->q_cap) % s->q_cap;      /* room at the front, filled in order */
-    int64_t at = urgent ? s->q_head : (s->q_head + s->q_len) % s->q_cap;
-    for (int g = 0; g < d->n_groups; g++) {
-        const group *gr = &d->g[g];
-        for (int64_t o = 0; o < gr->len; o += CHUNK) {
-            request r = {.slot = (int32_t)si, .file = gr->file, .off = gr->off + o,
-                         .len = gr->len - o < CHUNK ? gr->len - o : CHUNK, .dst = sl->mem + gr->slot_off + o};
-            int64_t real = gr->end - r.off;
-            r.need = real < 0 ? 0 : real < r.len ? real : r.len;
-            s->q[at] = r;
-            at = (at + 1) % s->q_cap;
-            sl->pending++;
-        }
-        s->st.bytes_read += gr->len;
-    }
-    s->q_len += n;
-    s->st.reads++;
-    pthread_cond_broadcast(&s->work);
 }
 
 /* ---- moe.c's side ------------------------------------------------------------------------------- */
@@ -363,7 +113,7 @@ static int64_t load(cpumla_stream *s, stream_table *t, int32_t e, int held) {
     sl->failed = 0; sl->pending = 0; sl->state = SLOT_READING; sl->ahead = !held;
     t->ex[e].slot = (int32_t)v;
     relink(t, e, sl->mem);
-    enqueue(s, v, &t->ex[e], held);
+    stream_enqueue(s, v, &t->ex[e], held);
     if (sl->pending == 0) sl->state = SLOT_READY;   /* an expert wholly in memory */
     return v;
 }
@@ -461,9 +211,9 @@ int stream_wait(stream_table *t, int32_t e) {
     pthread_mutex_lock(&s->mu);
     slot *sl = &s->slots[t->ex[e].slot];
     if (sl->state == SLOT_READING) {
-        double t0 = now();
+        double t0 = stream_now();
         while (sl->state == SLOT_READING) pthread_cond_wait(&s->done, &s->mu);
-        s->st.wait_seconds += now() - t0;
+        s->st.wait_seconds += stream_now() - t0;
     }
     char msg[240];
     int failed = sl->failed;
@@ -555,7 +305,7 @@ int cpumla_stream_add(cpumla_stream *s, const cpumla_expert *experts, int64_t n)
     memcpy(t->live, experts, sizeof *t->live * (size_t)n);
     int64_t keep = s->slot_bytes;
     for (int64_t e = 0; e < n; e++) {
-        if (describe(s, &experts[e], e, &t->ex[e]) != 0) {
+        if (stream_describe(s, &experts[e], e, &t->ex[e]) != 0) {
             s->slot_bytes = keep;
             free(t->live); free(t->ex); free(t);
             return -1;
@@ -600,8 +350,7 @@ int cpumla_stream_start(cpumla_stream *s, int64_t n_slots) {
     int64_t per_slot = 0;
     for (int32_t i = 0; i < s->n_tables; i++)
         for (int64_t e = 0; e < s->tables[i]->n; e++) {
-            int64_t r = 0;
-            for (int g = 0; g < s->tables[i]->ex[e].n_groups; g++) r += (s->tables[i]->ex[e].g[g].len + CHUNK - 1) / CHUNK;
+            int64_t r = requests_of(&s->tables[i]->ex[e]);
             per_slot = r > per_slot ? r : per_slot;
         }
     s->q_cap = per_slot * n_slots + 1;
@@ -614,13 +363,13 @@ int cpumla_stream_start(cpumla_stream *s, int64_t n_slots) {
         cpumla_set_error("out of memory for the expert slots");
         return -1;
     }
-    if (a != MAP_FAILED) populate(a, s->arena_bytes);
+    populate(a, s->arena_bytes);
     s->arena = a;
     s->n_slots = n_slots;
     for (int64_t i = 0; i < n_slots; i++) s->slots[i].mem = s->arena + i * per;
     int made = 0;
     for (; made < s->io_threads; made++)
-        if (pthread_create(&s->th[made], NULL, reader, s) != 0) break;
+        if (pthread_create(&s->th[made], NULL, stream_reader, s) != 0) break;
     s->io_threads = made;
     s->started = 1;
     if (made == 0) {
@@ -659,7 +408,7 @@ void cpumla_stream_get_stats(const cpumla_stream *s, cpumla_stream_stats *out) {
     cpumla_stream *m = (cpumla_stream *)s;
     pthread_mutex_lock(&m->mu);
     *out = m->st;
-    if (m->inflight) out->busy_seconds += now() - m->busy_t0;
+    if (m->inflight) out->busy_seconds += stream_now() - m->busy_t0;
     out->n_slots = m->n_slots;
     out->slot_bytes = m->n_slots ? m->arena_bytes / m->n_slots : align_up(m->slot_bytes);
     out->direct = m->direct;
@@ -669,80 +418,6 @@ void cpumla_stream_get_stats(const cpumla_stream *s, cpumla_stream_stats *out) {
 void cpumla_stream_reset_stats(cpumla_stream *s) {
     pthread_mutex_lock(&s->mu);
     memset(&s->st, 0, sizeof s->st);
-    if (s->inflight) s->busy_t0 = now();
+    if (s->inflight) s->busy_t0 = stream_now();
     pthread_mutex_unlock(&s->mu);
-}
-
-/* ---- the direct-read probe --------------------------------------------------------------------- */
-typedef struct {
-    int fd;
-    int64_t size, next;
-    int failed;
-    pthread_mutex_t mu;
-    char msg[240];
-    const char *path;
-} probe_job;
-
-static void *probe_reader(void *p) {
-    probe_job *j = p;
-    uint8_t *buf = NULL;
-    if (posix_memalign((void **)&buf, (size_t)ALIGN, (size_t)CHUNK) != 0) {
-        pthread_mutex_lock(&j->mu);
-        j->failed = 1;
-        snprintf(j->msg, sizeof j->msg, "out of memory");
-        pthread_mutex_unlock(&j->mu);
-        return NULL;
-    }
-    for (;;) {
-        pthread_mutex_lock(&j->mu);
-        int64_t off = j->next;
-        j->next += CHUNK;
-        int stop = j->failed || off >= j->size;
-        pthread_mutex_unlock(&j->mu);
-        if (stop) break;
-        ssize_t k;
-        do k = pread(j->fd, buf, (size_t)CHUNK, off); while (k < 0 && errno == EINTR);
-        if (k < 0) {
-            pthread_mutex_lock(&j->mu);
-            j->failed = 1;
-            snprintf(j->msg, sizeof j->msg, "%s: read error at byte %lld: %s", j->path, (long long)off, strerror(errno));
-            pthread_mutex_unlock(&j->mu);
-            break;
-        }
-    }
-    free(buf);
-    return NULL;
-}
-
-double cpumla_disk_probe(const char *path, int64_t bytes, int32_t threads, int64_t *read_bytes) {
-    char msg[400];
-    if (read_bytes) *read_bytes = 0;
-    if (threads < 1 || threads > 256) threads = 8;
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT);
-    if (fd < 0 && errno == EINVAL) fd = open(path, O_RDONLY | O_CLOEXEC);
-    struct stat st;
-    if (fd < 0 || fstat(fd, &st) != 0) {
-        snprintf(msg, sizeof msg, "%s: cannot open: %s", path, strerror(errno));
-        if (fd >= 0) close(fd);
-        cpumla_set_error(msg);
-        return -1;
-    }
-    probe_job j = {.fd = fd, .size = align_down(bytes < st.st_size ? bytes : st.st_size), .path = path};
-    if (j.size <= 0) j.size = align_down(st.st_size);
-    pthread_mutex_init(&j.mu, NULL);
-    pthread_t th[256];
-    double t0 = now();
-    int made = 0;
-    for (; made < threads; made++)
-        if (pthread_create(&th[made], NULL, probe_reader, &j) != 0) break;
-    for (int i = 0; i < made; i++) pthread_join(th[i], NULL);
-    double dt = now() - t0;
-    close(fd);
-    pthread_mutex_destroy(&j.mu);
-    if (j.failed || made == 0 || j.size <= 0) {
-        cpumla_set_error(j.failed ? j.msg : j.size <= 0 ? "the file is too small to probe" : "cannot start readers");
-        return -1;
-    }
-    if (read_bytes) *read_bytes = j.size;
-    return (double)j.size / (dt > 0 ? dt : 1e-9);
 }
