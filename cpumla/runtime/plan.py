@@ -20,7 +20,7 @@ from cpumla.runtime.engine import context_length
 from cpumla.runtime.memory import available_memory, gib
 from cpumla.native.stream import disk_probe
 from cpumla.runtime.resolve import load_config
-from cpumla.runtime.streaming import MARGIN, budget, is_routed
+from cpumla.runtime.streaming import Budget, budget, is_routed
 
 QBYTES = {"q8": 1.0, "q4": 0.5}          # bytes per weight of the codes; each block of 32 adds an fp16 scale
 ITEM = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I8": 1, "U8": 1, "I64": 8, "I32": 4}
@@ -84,10 +84,11 @@ class Plan:
         disk probe allows for them. None otherwise."""
         if self.routed == 0 or self.fits("stored"):
             return None
-        room = self.available - MARGIN - (self.weights["stored"] - self.routed) - self.cache - self.scratch
-        held = min(1.0, max(0.0, room / self.routed))
+        b = Budget(self.available, self.available_from, self.weights["stored"] - self.routed, self.routed, 0,
+                   self.cache, self.scratch)
+        held = min(1.0, max(0.0, b.room / self.routed))
         missed = (1.0 - held) * self.routed_per_token
-        return {"resident": self.weights["stored"] - self.routed + self.cache + self.scratch, "held": held,
+        return {"resident": b.resident + b.cache + b.scratch, "held": held,
                 "disk_bytes_per_token": missed, "disk_probe_gbps": self.disk_probe_gbps,
                 "tok_s_bound": self.disk_probe_gbps * 1e9 / missed if self.disk_probe_gbps and missed else None}
 
