@@ -68,3 +68,15 @@ def test_help_shows_no_bool_values(capsys, command):
     assert e.value.code == 0
     text = capsys.readouterr().out
     assert "--help" in text and "<bool>" not in text
+
+
+def test_memory_sizes():
+    """--memory's sizes: K/M/G/T are powers of 1024, with or without B / iB, or plain bytes."""
+    from cpumla.errors import CpumlaError
+
+    assert options.parse_size("16G") == options.parse_size("16GiB") == options.parse_size("16 gb") == 16 << 30
+    assert options.parse_size("1.5T") == 3 << 39 and options.parse_size("512M") == 512 << 20
+    assert options.parse_size("800000000") == 800000000 and options.parse_size(None) is None
+    for bad in ("lots", "-1G", "0", "G", "1.5X", "1e9", ""):
+        with pytest.raises(CpumlaError, match="--memory must be a size"):
+            options.parse_size(bad)
