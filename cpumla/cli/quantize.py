@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import typer
 
@@ -147,21 +148,21 @@ def quantize_checkpoint(model: str, outdir, fmt: str, *, force: bool = False, du
 
 def _tokenizer_for(folder: Path, cfg, resolved) -> str | None:
     """A folder written without a tokenizer of its own (dummy weights from a preset) gets the bundled
-    DeepSeek tokenizer when its vocabulary covers it (V3 and later), so that `cpumla chat FOLDER` runs as
-    the preset does. What the folder's tokenizer is, for the summary: "own", "bundled ...", or None (none,
-    say so)."""
+    DeepSeek tokenizer of its family (V2's for deepseek_v2, else V3/V4's) when its vocabulary covers it, so
+    that `cpumla chat FOLDER` runs as the preset does. What the folder's tokenizer is, for the summary:
+    "own", the bundled one's description, or None (none, say so)."""
     if any((folder / f).is_file() for f in ("tokenizer.json", "tiktoken.model")):
         return "own"
     if "moonlight" in (resolved.repo_id or str(resolved.directory or "")).lower():
         return None
-    from cpumla.chat.tokenizer import Tokenizer, bundled_files
+    from cpumla.chat.tokenizer import NAMES, Tokenizer, bundled_name, copy_bundled
 
-    tok = Tokenizer.bundled()
+    name = bundled_name(cfg.model_type)
+    tok = Tokenizer.bundled(name)
     if tok.vocab_size > cfg.vocab_size:
         return None
-    for f in bundled_files():
-        shutil.copy2(f, folder / f.name)
-    return tok.source
+    copy_bundled(name, folder)
+    return f"DeepSeek's {NAMES[name]} tokenizer ({tok.source})"
 
 
 def source_infos(groups, src):
@@ -201,6 +202,6 @@ def quantize(
         render.err.print(f"note: {s['outdir']} has no tokenizer: chat with it through --tokenizer DIR (a folder with "
                          f"the model's tokenizer.json)", style="yellow", markup=False, highlight=False, soft_wrap=True)
     elif s["tokenizer"] != "own":
-        render.err.print(f"note: {s['outdir']}: DeepSeek's V3/V4 tokenizer copied in ({s['tokenizer']}), as the "
-                         f"preset has none of its own",
+        render.err.print(f"note: {s['outdir']}: tokenizer copied in, {s['tokenizer']}, as the preset has "
+                         f"none of its own",
                          style="dim", markup=False, highlight=False, soft_wrap=True)

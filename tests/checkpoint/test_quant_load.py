@@ -262,8 +262,10 @@ def test_cli_quant_flags():
 
 
 def test_quantized_preset_chats_as_it_is(tmp_path):
-    """A preset quantized on dummy weights gets DeepSeek's tokenizer copied in when its vocabulary covers
-    it, so `cpumla chat OUT` runs without --tokenizer; a V2 preset (102400 ids) is told it has none."""
+    """A preset quantized on dummy weights gets its family's bundled DeepSeek tokenizer copied in when its
+    vocabulary covers it, so `cpumla chat OUT` runs without --tokenizer: V3's (129280 ids) for a V3 preset,
+    V2's (102400 ids, its chat_template: prompt ids BOS User : ␣hi \n \n Assistant :) for a V2 preset; a V3
+    preset whose vocabulary is too small for it is told it has none."""
     small = {k: v for k, v in TINY.items() if k != "vocab_size"}
     out = tmp_path / "v3"
     p = run_cli("quantize", V3, str(out), "--quant", "q4", "--dummy-weights", "--hf-overrides", json.dumps(small))
@@ -275,5 +277,14 @@ def test_quantized_preset_chats_as_it_is(tmp_path):
     p = run_cli("quantize", "deepseek-ai/DeepSeek-V2-Lite", str(out), "--quant", "q4", "--dummy-weights",
                 "--hf-overrides", json.dumps({"num_hidden_layers": 2, "n_routed_experts": 4, "hidden_size": 256,
                                               "intermediate_size": 512, "moe_intermediate_size": 128}))
+    assert p.returncode == 0, p.stderr
+    assert (out / "tokenizer.json").is_file() and "tokenizer copied in, DeepSeek's V2 tokenizer" in p.stderr
+    cfg = json.loads((out / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert cfg["bos_token"] == "<｜begin▁of▁sentence｜>" and "Assistant:" in cfg["chat_template"]
+    p = run_cli("chat", str(out), "-p", "hi", "-n", "2", "--temperature", "0")
+    assert p.returncode == 0, p.stderr
+    assert "prompt 8 tok" in p.stderr and "vocab_size" not in p.stderr    # [100000, 5726, 25, 2868, 185, 185, 77398, 25]
+    out = tmp_path / "v3-small-vocab"
+    p = run_cli("quantize", V3, str(out), "--quant", "q4", "--dummy-weights", "--hf-overrides", json.dumps(TINY))
     assert p.returncode == 0, p.stderr
     assert not (out / "tokenizer.json").exists() and "has no tokenizer" in p.stderr
