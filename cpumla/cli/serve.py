@@ -31,6 +31,11 @@ def serve(
     tokenizer: str = typer.Option(None, "--tokenizer", help="A directory with tokenizer.json, or 'bundled'."),
     quant: str = typer.Option(None, "--quant", help=QUANT_HELP),
     memory: str = typer.Option(None, "--memory", metavar="SIZE", help=MEMORY_HELP),
+    served_model_name: list[str] = typer.Option(None, "--served-model-name", metavar="NAME",
+                                                help="Name clients use in 'model' (repeatable: aliases; the "
+                                                     "first is reported). Default: MODEL as given."),
+    cors: list[str] = typer.Option(None, "--cors", metavar="ORIGIN",
+                                   help="Let browsers at ORIGIN call the API (repeatable; '*' for any)."),
 ) -> None:
     import uvicorn
 
@@ -45,11 +50,18 @@ def serve(
     if api_key is not None and not api_key.strip():
         raise CpumlaError("--api-key is empty")
     overrides = parse_hf_overrides(hf_overrides)
+    aliases = tuple(served_model_name or ())
+    if any(not n.strip() for n in aliases):
+        raise CpumlaError("--served-model-name is empty")
+    for origin in cors or ():
+        if origin != "*" and not origin.startswith(("http://", "https://")):
+            raise CpumlaError(f"--cors {origin}: an origin is '*' or scheme://host[:port], e.g. http://localhost:3000")
     sock = _listen(host, port)
     with render.loading(f"loading {model}", quant) as progress:
         served, notices = load_served(model, dummy_weights=dummy_weights, hf_overrides=overrides,
                                       dummy_dtype=dummy_dtype, seed=seed or 0, threads=threads, ctx=ctx_size,
-                                      tokenizer=tokenizer, quant=quant, progress=progress, memory=budget)
+                                      tokenizer=tokenizer, quant=quant, progress=progress, memory=budget,
+                                      aliases=aliases)
     for n in notices:
         render.err.print(f"note: {n}", style="yellow", markup=False, highlight=False, soft_wrap=True)
     if api_key is None and not _loopback(host):
@@ -59,12 +71,13 @@ def serve(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S",
                         stream=sys.stderr)
     runners: list = []
-    app = create_app(served, api_key=api_key, max_queue=max_queue, seed=seed, runner_ref=runners)
+    app = create_app(served, api_key=api_key, max_queue=max_queue, seed=seed, runner_ref=runners,
+                     cors=[o.rstrip("/") for o in cors or ()])
     addr = sock.getsockname()
     shown = f"[{addr[0]}]" if sock.family == socket.AF_INET6 else addr[0]
     think = ("always thinks" if served.fmt.always_thinks else
              "thinking off unless asked" if served.fmt.think_switch else "no thinking mode")
-    render.err.print(f"cpumla serve: {model}{' (dummy weights)' if dummy_weights else ''} · {served.fmt.family} "
+    render.err.print(f"cpumla serve: {served.name}{' (dummy weights)' if dummy_weights else ''} · {served.fmt.family} "
                      f"({think}) · context {served.ctx} · queue {max_queue}"
                      f"{' · API key required' if api_key else ''}", markup=False, highlight=False, soft_wrap=True)
 

@@ -23,13 +23,16 @@ import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from cpumla.chat.generate import PromptError
 from cpumla.errors import CpumlaError
 from cpumla.server import protocol as P
 from cpumla.server.model import Job, ServedModel
+from cpumla.server.structured import FieldError
 
 MAX_BODY = 4 << 20          # bytes of a request body
 log = logging.getLogger("cpumla.server")
@@ -129,16 +132,18 @@ class Runner:
                 raise P.ApiError(503, "the server is shutting down", "server_busy")
             try:
                 prompt = await loop.run_in_executor(self.worker, prepare)
+                max_tokens = self.served.check(prompt, sampling.max_tokens)
+            except PromptError as e:
+                raise P.bad(str(e), e.param or prompt_param, e.code) from None
             except CpumlaError as e:
                 raise P.bad(str(e)) from None
-            max_tokens = self.served.check(prompt, sampling.max_tokens, prompt_param)
             if sampling.seed is None:
                 sampling.seed = int(self.rng.integers(1 << 63))
             job = Job(prompt, sampling, max_tokens, **job_kw)
             events: asyncio.Queue = asyncio.Queue()
 
-            def emit(kind: str, text: str) -> None:
-                loop.call_soon_threadsafe(events.put_nowait, (kind, text))
+            def emit(kind: str, payload) -> None:
+                loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
 
             fut = loop.run_in_executor(self.worker, self.served.run, job, emit)
         except BaseException:
@@ -223,15 +228,20 @@ async def read_json(request: Request) -> dict:
 
 # ---- the app ----
 def create_app(served: ServedModel, *, api_key: str | None = None, max_queue: int = 8, seed: int | None = None,
-               runner_ref: list | None = None) -> Starlette:
-    """The server's ASGI app. runner_ref, when given, receives the Runner (for a shutdown hook)."""
+               runner_ref: list | None = None, cors: list[str] | None = None) -> Starlette:
+    """The server's ASGI app. runner_ref, when given, receives the Runner (for a shutdown hook); cors:
+    the origins browsers may call it from ("*": any), preflight requests answered before the API key."""
     runner = Runner(served, max_queue, seed)
     if runner_ref is not None:
         runner_ref.append(runner)
     fmt = served.fmt
     can_think = fmt.think_switch or fmt.always_thinks
 
-    async def generate(request: Request, prepare, sampling, stream, kind, include_usage=False, echo=False, **job_kw):
+    def text_of(i: int) -> str:
+        return served.tok.decode([i])
+
+    async def start(request: Request, prepare, sampling, kind, **job_kw):
+        """(job, events, done, watch), or a Response when the client left while queued."""
         watch = Watch(request.receive)
         try:
             job, events, done = await runner.start(watch, prepare, sampling, "messages" if kind == "chat" else "prompt",
@@ -243,84 +253,142 @@ def create_app(served: ServedModel, *, api_key: str | None = None, max_queue: in
         except BaseException:
             watch.close()
             raise
-        rid = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
-        if stream:
-            return JobStream(_stream(job, events, rid, kind, include_usage, echo), job, done, watch,
-                             lambda: _stats_note(request, job, True))
+        return job, events, done, watch
+
+    async def collect(request: Request, job, events, watch) -> dict:
+        """The whole answer of a non-streamed job: content, reasoning, tool_calls, logprobs."""
+        parts = {"content": [], "reasoning": [], "tool_calls": [], "logprobs": []}
         try:
-            parts = {"content": [], "reasoning": []}
             while True:
-                ev, text = await events.get()
+                ev, payload = await events.get()
                 if ev == "done":
                     break
                 if ev == "error":
-                    raise P.ApiError(500, text, "server_error")
-                parts[ev].append(text)
+                    raise P.ApiError(500, payload, "server_error")
+                parts[ev].extend(payload) if ev in ("tool_calls", "logprobs") else parts[ev].append(payload)
         finally:
             job.cancel()
             watch.close()
             _stats_note(request, job, False)
+        return parts
+
+    def usage_of(job: Job) -> dict:
+        st = job.stats
+        return P.usage(st.prompt_tokens, st.completion_tokens, st.cached_tokens, st.reasoning_tokens)
+
+    async def generate(request: Request, prepare, sampling, stream, kind, include_usage=False, echo=False, **job_kw):
+        got = await start(request, prepare, sampling, kind, **job_kw)
+        if isinstance(got, Response):
+            return got
+        job, events, done, watch = got
+        rid = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
+        if stream:
+            return JobStream(_stream(job, events, rid, kind, include_usage, echo), job, done, watch,
+                             lambda: _stats_note(request, job, True))
+        parts = await collect(request, job, events, watch)
         st = job.stats
         if st.finish == "cancelled":
             return Response(status_code=499)
-        use = P.usage(st.prompt_tokens, st.completion_tokens, st.cached_tokens)
         content = "".join(parts["content"])
+        lps = parts["logprobs"] if job.logprobs is not None else None
         if kind == "chat":
             reasoning = "".join(parts["reasoning"]) if (job.prompt.thinks or parts["reasoning"]) else None
-            return JSONResponse(P.chat_response(rid, served.name, content, reasoning, st.finish, use))
-        if echo:
-            content = _echo(job) + content
-        return JSONResponse(P.completion_response(rid, served.name, content, st.finish, use))
+            calls = parts["tool_calls"]
+            return JSONResponse(P.chat_response(
+                rid, served.name, content if content or not calls else None, reasoning, st.finish, usage_of(job),
+                calls, P.chat_logprobs(lps, text_of) if lps is not None else None))
+        head = _echo(job) if echo else ""
+        return JSONResponse(P.completion_response(rid, served.name, head + content, st.finish, usage_of(job),
+                                                  P.completion_logprobs(lps, text_of, len(head)) if lps is not None else None))
 
     async def _stream(job, events, rid, kind, include_usage, echo):
-        name = served.name
+        name, lp_on = served.name, job.logprobs is not None
+        offset, pending, ncalls = 0, [], 0
         if kind == "chat":
             yield P.sse(P.chat_chunk(rid, name, {"role": "assistant", "content": ""}))
         elif echo:
-            yield P.sse(P.completion_chunk(rid, name, _echo(job)))
+            head = _echo(job)
+            offset = len(head)
+            yield P.sse(P.completion_chunk(rid, name, head))
+
+        def lp_block():
+            nonlocal offset
+            if not lp_on:
+                return None
+            got = P.chat_logprobs(pending, text_of) if kind == "chat" else P.completion_logprobs(pending, text_of, offset)
+            if kind != "chat":
+                offset += sum(len(t) for t in got["tokens"])
+            pending.clear()
+            return got
+
         while True:
-            ev, text = await events.get()
+            ev, payload = await events.get()
             if ev == "done":
                 break
             if ev == "error":
-                yield P.sse(P.ApiError(500, text, "server_error").body())
+                yield P.sse(P.ApiError(500, payload, "server_error").body())
                 return
-            if kind == "chat":
-                yield P.sse(P.chat_chunk(rid, name, {"reasoning_content" if ev == "reasoning" else "content": text}))
+            if ev == "logprobs":
+                pending.extend(payload)
+            elif ev == "tool_calls":
+                yield P.sse(P.chat_chunk(rid, name, {"tool_calls": P.tool_calls_json(payload, ncalls, stream=True)}))
+                ncalls += len(payload)
+            elif kind == "chat":
+                key = "reasoning_content" if ev == "reasoning" else "content"
+                yield P.sse(P.chat_chunk(rid, name, {key: payload}, logprobs=lp_block() if ev == "content" else None))
             else:
-                yield P.sse(P.completion_chunk(rid, name, text))
+                yield P.sse(P.completion_chunk(rid, name, payload, logprobs=lp_block()))
         st = job.stats
         if st.finish == "cancelled":
             return
-        use = P.usage(st.prompt_tokens, st.completion_tokens, st.cached_tokens)
         chunk = P.chat_chunk if kind == "chat" else P.completion_chunk
-        yield P.sse(chunk(rid, name, {} if kind == "chat" else "", st.finish))
+        yield P.sse(chunk(rid, name, {} if kind == "chat" else "", st.finish, logprobs=lp_block() if pending else None))
         if include_usage:
-            yield P.sse(chunk(rid, name, {} if kind == "chat" else "", use=use))
+            yield P.sse(chunk(rid, name, {} if kind == "chat" else "", use=usage_of(job)))
         yield P.SSE_DONE
 
     def _echo(job: Job) -> str:
         return served.tok.decode(job.prompt.ids, skip_special_tokens=True)
 
+    def _checked(structured) -> None:
+        try:
+            structured.check(fmt.tools)
+        except FieldError as e:
+            raise P.bad(str(e), e.param) from None
+
     async def chat_completions(request: Request):
         body = await read_json(request)
-        P.check_model(body, served.name)
+        P.check_model(body, served.names)
         req = P.parse_chat(body)
-        job_kw = dict(split_reasoning=can_think, strip_first_space=fmt.family == "deepseek-v2")
-        return await generate(request, lambda: served.chat_prompt(req.messages, req.think), req.sampling, req.stream,
-                              "chat", include_usage=req.include_usage, **job_kw)
+        _checked(req.structured)
+        tools = req.structured.prompt_tools
+        job_kw = dict(split_reasoning=can_think, strip_first_space=fmt.family == "deepseek-v2", logprobs=req.logprobs,
+                      **req.structured.job_kw(served))
+        return await generate(request, lambda: served.chat_prompt(req.messages, req.think, tools), req.sampling,
+                              req.stream, "chat", include_usage=req.include_usage, **job_kw)
 
     async def completions(request: Request):
         body = await read_json(request)
-        P.check_model(body, served.name)
+        P.check_model(body, served.names)
         req = P.parse_completion(body)
+        _checked(req.structured)
         return await generate(request, lambda: served.completion_prompt(req.prompt), req.sampling, req.stream,
-                              "completion", include_usage=req.include_usage, echo=req.echo)
+                              "completion", include_usage=req.include_usage, echo=req.echo, logprobs=req.logprobs,
+                              **req.structured.job_kw(served))
+
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": started, "owned_by": "cpumla", "max_model_len": served.ctx}
 
     async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [
-            {"id": served.name, "object": "model", "created": started, "owned_by": "cpumla",
-             "max_model_len": served.ctx}]})
+        return JSONResponse({"object": "list", "data": [model_card(n) for n in served.names]})
+
+    async def model(request: Request):
+        name = request.path_params["model"]
+        if name not in served.names:
+            raise P.ApiError(404, f"the model '{name}' does not exist; this server serves "
+                                  f"{', '.join(repr(n) for n in served.names)}", "not_found_error",
+                             param="model", code="model_not_found")
+        return JSONResponse(model_card(name))
 
     async def health(request: Request):
         return JSONResponse({"status": "ok", "model": served.name, "running": int(runner.slot.busy),
@@ -343,15 +411,18 @@ def create_app(served: ServedModel, *, api_key: str | None = None, max_queue: in
         await asyncio.get_running_loop().run_in_executor(None, runner.worker.shutdown)
 
     started = int(time.time())
-    return Starlette(
-        routes=[Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-                Route("/v1/completions", completions, methods=["POST"]),
-                Route("/v1/models", models, methods=["GET"]),
-                Route("/health", health, methods=["GET"])],
-        middleware=[Middleware(Gate, api_key=api_key)],
-        exception_handlers={P.ApiError: on_api_error, HTTPException: on_http_error},
-        lifespan=lifespan,
-    )
+    middleware = [Middleware(Gate, api_key=api_key)]
+    if cors:
+        # Starlette's own CORS layer, outside the key: a browser's preflight carries no Authorization
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(cors), allow_methods=["GET", "POST", "OPTIONS"],
+                                        allow_headers=["*"], max_age=600))
+    routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/models/{model:path}", model, methods=["GET"]),
+              Route("/health", health, methods=["GET"])]
+    return Starlette(routes=routes, middleware=middleware,
+                     exception_handlers={P.ApiError: on_api_error, HTTPException: on_http_error}, lifespan=lifespan)
 
 
 class Gate:

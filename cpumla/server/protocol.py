@@ -9,7 +9,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+from cpumla.chat.chat_format import Message
+from cpumla.chat.generate import Sampling
+from cpumla.server.structured import FieldError, Structured, parse_structured, parse_tool_calls
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+MAX_TOP_LOGPROBS = 20
 MAX_STOPS = 4                  # as OpenAI
 MAX_STOP_CHARS = 256
 MAX_DEPTH = 32                 # nesting of a request body's arrays and objects
@@ -34,23 +39,14 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> ApiE
 
 
 @dataclass
-class Sampling:
-    max_tokens: int | None          # None: the rest of the context
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-
-
-@dataclass
 class ChatRequest:
-    messages: list[tuple[str, str, str]]     # (role, content, reasoning), role in system/user/assistant
+    messages: list[Message]
     sampling: Sampling
     stream: bool = False
     include_usage: bool = False
     think: bool | None = None                # None: the model's default
+    structured: Structured = field(default_factory=Structured)
+    logprobs: int | None = None              # None: off; k: the chosen token's and the k most likely
 
 
 @dataclass
@@ -60,6 +56,8 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
+    logprobs: int | None = None
+    structured: Structured = field(default_factory=Structured)
 
 
 class _TooManyDigits(ValueError):
@@ -114,18 +112,33 @@ def _check_tree(body) -> None:
             stack.extend((x, depth + 1) for x in items)
 
 
-def check_model(body: dict, served: str) -> None:
+def check_model(body: dict, served: tuple[str, ...]) -> None:
+    """The request's model must be one of the served names (absent: the served model)."""
     name = body.get("model")
     if name is None:
         return
     if not isinstance(name, str):
         raise bad("model must be a string", "model")
-    if name != served:
-        raise ApiError(404, f"the model '{name}' does not exist; this server serves '{served}'",
-                       param="model", code="model_not_found")
+    if name not in served:
+        raise ApiError(404, f"the model '{name}' does not exist; this server serves "
+                            f"{', '.join(repr(n) for n in served)}", param="model", code="model_not_found")
 
 
 def parse_chat(body: dict) -> ChatRequest:
+    try:
+        return _parse_chat(body)
+    except FieldError as e:
+        raise bad(str(e), e.param) from None
+
+
+def parse_completion(body: dict) -> CompletionRequest:
+    try:
+        return _parse_completion(body)
+    except FieldError as e:
+        raise bad(str(e), e.param) from None
+
+
+def _parse_chat(body: dict) -> ChatRequest:
     msgs = body.get("messages")
     if not isinstance(msgs, list):
         raise bad("messages must be a list of {role, content} objects", "messages")
@@ -140,21 +153,28 @@ def parse_chat(body: dict) -> ChatRequest:
         if not isinstance(role, str) or role not in ROLES:
             known = ", ".join(r for r in ROLES)
             raise bad(f"{where}.role {json.dumps(role)} is not supported (roles: {known})", f"{where}.role")
+        calls = parse_tool_calls(m.get("tool_calls"), f"{where}.tool_calls") if role == "assistant" else []
         content = _content(m.get("content"), f"{where}.content", allow_none=role == "assistant")
         reasoning = m.get("reasoning_content") or ""
         if not isinstance(reasoning, str):
             raise bad(f"{where}.reasoning_content must be a string", f"{where}.reasoning_content")
-        out.append((ROLES[role], content, reasoning))
-    if out[-1][0] != "user":
-        raise bad("the last message must be from the user", f"messages[{len(out) - 1}].role")
+        out.append(Message(ROLES[role], content, reasoning, calls))
+    if out[-1].role not in ("user", "tool"):
+        raise bad("the last message must be from the user or a tool", f"messages[{len(out) - 1}].role")
     _check_n(body)
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise bad("logprobs are not supported", "logprobs")
     return ChatRequest(out, _sampling(body, ("max_completion_tokens", "max_tokens")), _bool(body, "stream"),
-                       _include_usage(body), _think(body))
+                       _include_usage(body), _think(body), parse_structured(body, chat=True), _chat_logprobs(body))
 
 
-def parse_completion(body: dict) -> CompletionRequest:
+def _chat_logprobs(body: dict) -> int | None:
+    on = _bool(body, "logprobs")
+    k = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if k is not None and not on:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    return (k or 0) if on else None
+
+
+def _parse_completion(body: dict) -> CompletionRequest:
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]                            # a batch of one
@@ -166,14 +186,14 @@ def parse_completion(body: dict) -> CompletionRequest:
     elif not p:
         raise bad("prompt is empty", "prompt")
     _check_n(body)
-    if body.get("logprobs") is not None:
-        raise bad("logprobs are not supported", "logprobs")
+    logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS - 15)    # OpenAI's completions allow at most 5
     if body.get("suffix"):
         raise bad("suffix is not supported", "suffix")
     if body.get("best_of") not in (None, 1):
         raise bad("best_of must be 1", "best_of")
     return CompletionRequest(p, _sampling(body, ("max_tokens",), default_max=16), _bool(body, "stream"),
-                             _include_usage(body), _bool(body, "echo"))
+                             _include_usage(body), _bool(body, "echo"), logprobs,
+                             parse_structured(body, chat=False))
 
 
 # ---- fields ----
@@ -306,21 +326,58 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt: int, completion: int, cached: int) -> dict:
+def usage(prompt: int, completion: int, cached: int, reasoning: int = 0) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens_details": {"reasoning_tokens": reasoning}}
 
 
-def chat_response(rid: str, model: str, content: str, reasoning: str | None, finish: str, use: dict) -> dict:
+def tool_calls_json(calls, first_index: int = 0, stream: bool = False) -> list[dict]:
+    out = []
+    for i, c in enumerate(calls):
+        d = {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        if stream:
+            d["index"] = first_index + i
+        out.append(d)
+    return out
+
+
+def chat_logprobs(entries, text_of) -> dict:
+    """OpenAI chat logprobs of (id, logprob, [(id, logprob), ...]) entries; text_of(id) -> str."""
+    def one(i, lp):
+        t = text_of(i)
+        return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+    return {"content": [{**one(i, lp), "top_logprobs": [one(j, q) for j, q in top]} for i, lp, top in entries],
+            "refusal": None}
+
+
+def completion_logprobs(entries, text_of, offset: int = 0) -> dict:
+    """The legacy completions shape: tokens, token_logprobs, top_logprobs ({token: logprob}), text_offset."""
+    tokens, lps, tops, offs = [], [], [], []
+    for i, lp, top in entries:
+        t = text_of(i)
+        tokens.append(t)
+        lps.append(lp)
+        tops.append({text_of(j): q for j, q in top})
+        offs.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
+
+def chat_response(rid: str, model: str, content: str | None, reasoning: str | None, finish: str, use: dict,
+                  tool_calls=None, logprobs: dict | None = None) -> dict:
     msg = {"role": "assistant", "content": content}
     if reasoning is not None:
         msg["reasoning_content"] = reasoning
+    if tool_calls:
+        msg["tool_calls"] = tool_calls_json(tool_calls)
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": msg, "logprobs": None, "finish_reason": finish}], "usage": use}
+            "choices": [{"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": finish}], "usage": use}
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None, use: dict | None = None) -> dict:
-    choices = [] if use is not None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None, use: dict | None = None,
+               logprobs: dict | None = None) -> dict:
+    choices = [] if use is not None else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
     out = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
            "choices": choices}
     if use is not None:
@@ -328,13 +385,14 @@ def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None, use
     return out
 
 
-def completion_response(rid: str, model: str, text: str, finish: str, use: dict) -> dict:
+def completion_response(rid: str, model: str, text: str, finish: str, use: dict, logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], "usage": use}
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}], "usage": use}
 
 
-def completion_chunk(rid: str, model: str, text: str, finish: str | None = None, use: dict | None = None) -> dict:
-    choices = [] if use is not None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+def completion_chunk(rid: str, model: str, text: str, finish: str | None = None, use: dict | None = None,
+                     logprobs: dict | None = None) -> dict:
+    choices = [] if use is not None else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]
     out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": choices}
     if use is not None:
         out["usage"] = use

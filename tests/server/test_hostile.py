@@ -115,7 +115,8 @@ anything = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_siz
 message = st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "system", "assistant", "tool"]), anything),
                                  "content": st.one_of(st.text(max_size=30), anything)})
 FIELDS = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-          "stream", "stream_options", "n", "logprobs", "chat_template_kwargs", "thinking", "reasoning_effort", "echo",
+          "stream", "stream_options", "n", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+          "response_format", "chat_template_kwargs", "thinking", "reasoning_effort", "echo",
           "suffix", "best_of"]
 chat_bodies = st.fixed_dictionaries({"messages": st.one_of(st.lists(message, max_size=3), anything)},
                                     optional={k: anything for k in FIELDS})

@@ -290,7 +290,7 @@ def test_thinking_split_and_switches(thinker):
 
 # ---- pieces ----
 def test_stop_strings_hold_back_a_partial_match():
-    from cpumla.server.model import StopStrings
+    from cpumla.chat.generate import StopStrings
 
     s = StopStrings(["END", "xy"])
     assert s.push("abcE") == ("abc", False)
@@ -316,8 +316,9 @@ def test_cli_errors_are_one_line(server):
 def test_v2_answer_sent_back_is_reused():
     """V2 writes "Assistant: " + answer in history: the answer's leading space is not sent, so a client
     sending it back hits the cache up to the end of the answer."""
-    from cpumla.server.model import Job, load_served
-    from cpumla.server.protocol import Sampling
+    from cpumla.chat.chat_format import Message
+    from cpumla.chat.generate import Job, Sampling
+    from cpumla.server.model import load_served
 
     served, _ = load_served("deepseek-ai/DeepSeek-V2-Lite-Chat", dummy_weights=True, ctx=256,
                             hf_overrides={k: v for k, v in SHRINK.items() if k != "q_lora_rank"})
@@ -331,11 +332,11 @@ def test_v2_answer_sent_back_is_reused():
 
     try:
         for seed in range(50):        # an answer whose first token starts with a space
-            first, answer = turn([("user", "Hello", "")], seed)
+            first, answer = turn([Message("user", "Hello")], seed)
             if served.tok.decode(served.engine.tokens[first.prompt_tokens:][:1]).startswith(" "):
                 break
         assert seed < 49 and answer and not answer.startswith(" ")
-        second, _ = turn([("user", "Hello", ""), ("assistant", answer, ""), ("user", "More", "")], 0)
+        second, _ = turn([Message("user", "Hello"), Message("assistant", answer), Message("user", "More")], 0)
         assert second.cached_tokens == first.prompt_tokens + first.completion_tokens - (first.finish == "length")
     finally:
         served.engine.close()
