@@ -57,6 +57,7 @@ class Stats:
     completion_tokens: int = 0
     reasoning_tokens: int = 0      # of completion_tokens, those generated inside <think>...</think>
     finish: str = ""               # "stop" | "length" | "tool_calls" | "cancelled" | "error"
+    stop_string: str | None = None  # the stop string that ended the answer
     prompt_s: float = 0.0
     gen_s: float = 0.0
 
@@ -85,14 +86,16 @@ class StopStrings:
     def __init__(self, stops: list[str]):
         self.stops = stops
         self.held = ""
+        self.hit: str | None = None      # the stop string that ended the text
 
     def push(self, text: str) -> tuple[str, bool]:
         """(text safe to send, whether a stop string was hit)."""
         buf = self.held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s in self.stops for i in (buf.find(s),) if i >= 0]
         if hits:
+            at, self.hit = min(hits)
             self.held = ""
-            return buf[:min(hits)], True
+            return buf[:at], True
         keep = 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(buf)), keep, -1):
@@ -323,6 +326,7 @@ class _Decode:
         self._end()
 
     def _end(self) -> None:
+        self.job.stats.stop_string = self.stops.hit
         tail = self.stops.flush()
         if self.tools is not None:
             tail, calls = self.tools.finish(tail)

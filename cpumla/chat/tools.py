@@ -294,11 +294,28 @@ def _raw_string(schema) -> str | None:
     return "/[^<]*/" if (lo, hi) == (0, None) else f"/[^<]{{{lo},{'' if hi is None else hi}}}/"
 
 
-def _with_style(schema) -> dict:
+def closed(schema):
+    """The schema with additionalProperties false wherever an object lists properties and says nothing
+    about others: what a constrained answer may write is what the schema names (as xgrammar's strict mode
+    and OpenAI's strict schemas do; an explicit additionalProperties is kept)."""
+    if isinstance(schema, list):
+        return [closed(v) for v in schema]
     if not isinstance(schema, dict):
-        schema = {}
-    out = dict(schema)
-    out["x-guidance"] = {**JSON_STYLE, **(schema.get("x-guidance") or {})}
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in ("properties", "patternProperties", "$defs", "definitions") and isinstance(v, dict):
+            out[k] = {name: closed(sub) for name, sub in v.items()}      # maps of names to schemas
+        else:
+            out[k] = v if k in ("enum", "const", "default", "examples") else closed(v)
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+def _with_style(schema) -> dict:
+    out = closed(schema if isinstance(schema, dict) else {})
+    out["x-guidance"] = {**JSON_STYLE, **(out.get("x-guidance") or {})}
     return out
 
 

@@ -1,13 +1,6 @@
-"""The ASGI app (Starlette): routes, the API-key gate, one log line per request, errors in OpenAI's
-shape, and the scheduler that gives the one engine to one request at a time.
-
-Scheduling. A request takes the engine (`Slot`) or waits in a FIFO of at most `max_queue` requests;
-beyond it the answer is 503. Its prompt is tokenized and generated on the server's single worker thread
-(the engine's forward is a blocking native call), and the event loop stays free to accept, queue and
-refuse. The engine is handed to the next request only once the worker has finished. A client that
-disconnects (streaming or not, running or queued) cancels its job: the worker stops before the next
-token, or between 512-token chunks of a prefill.
-"""
+"""The ASGI app (Starlette): routes (OpenAI's chat and completions, Anthropic's messages, models), the
+API-key gate, CORS, one log line per request, and errors in the API's own shape. The engine's scheduling
+is scheduling.py's."""
 
 from __future__ import annotations
 
@@ -16,10 +9,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -28,153 +18,15 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from cpumla.chat.generate import PromptError
-from cpumla.errors import CpumlaError
+from cpumla.server import anthropic as A
 from cpumla.server import protocol as P
 from cpumla.server.model import Job, ServedModel
+from cpumla.server.scheduling import ClientGone, Runner, Watch
 from cpumla.server.structured import FieldError
 
 MAX_BODY = 4 << 20          # bytes of a request body
+MESSAGES = "/v1/messages"   # Anthropic's route: its errors take Anthropic's shape
 log = logging.getLogger("cpumla.server")
-
-
-class ClientGone(Exception):
-    """The client went away before its request got the engine."""
-
-
-# ---- scheduling ----
-class Slot:
-    """The engine: one holder, a bounded FIFO of waiters."""
-
-    def __init__(self, max_queue: int):
-        self.max_queue = max_queue
-        self.busy = False
-        self.waiters: deque[asyncio.Future] = deque()
-
-    @property
-    def queued(self) -> int:
-        return sum(not f.done() for f in self.waiters)
-
-    async def acquire(self, gone: asyncio.Event) -> None:
-        if not self.busy:
-            self.busy = True
-            return
-        if self.queued >= self.max_queue:
-            raise P.ApiError(503, f"the server is busy: one request is running and {self.queued} are queued "
-                                  f"(at most {self.max_queue}); retry later", "server_busy", code="queue_full")
-        fut = asyncio.get_running_loop().create_future()
-        self.waiters.append(fut)
-        watch = asyncio.ensure_future(gone.wait())
-        try:
-            await asyncio.wait({fut, watch}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            self._give_up(fut)
-            raise
-        finally:
-            watch.cancel()
-        if not fut.done() or gone.is_set():
-            self._give_up(fut)
-            raise ClientGone()
-
-    def _give_up(self, fut: asyncio.Future) -> None:
-        if fut.done() and not fut.cancelled():
-            self.release()              # it was handed to us: pass it on
-        else:
-            fut.cancel()
-            with contextlib.suppress(ValueError):
-                self.waiters.remove(fut)
-
-    def release(self) -> None:
-        while self.waiters:
-            fut = self.waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)    # handed over: busy stays True
-                return
-        self.busy = False
-
-
-class Watch:
-    """Watches a request's connection; a disconnect sets `gone` and cancels the job."""
-
-    def __init__(self, receive):
-        self.gone = asyncio.Event()
-        self.job: Job | None = None
-        self._task = asyncio.ensure_future(self._watch(receive))
-
-    async def _watch(self, receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self.gone.set()
-        if self.job is not None:
-            self.job.cancel()
-
-    def close(self) -> None:
-        self._task.cancel()
-
-
-class Runner:
-    def __init__(self, served: ServedModel, max_queue: int, seed: int | None):
-        self.served = served
-        self.slot = Slot(max_queue)
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="cpumla-engine")
-        self.rng = np.random.default_rng(seed)
-        self.job: Job | None = None
-        self.closing = False
-
-    async def start(self, watch: Watch, prepare, sampling: P.Sampling, prompt_param: str, **job_kw):
-        """Wait for the engine, make the prompt on the worker, start generating; (job, events, done):
-        events gets (kind, text) reports and ("done", ""), done is set once the worker has finished.
-        Raises ApiError (refused; the engine is free again) or ClientGone."""
-        await self.slot.acquire(watch.gone)
-        loop = asyncio.get_running_loop()
-        try:
-            if self.closing:
-                raise P.ApiError(503, "the server is shutting down", "server_busy")
-            try:
-                prompt = await loop.run_in_executor(self.worker, prepare)
-                max_tokens = self.served.check(prompt, sampling.max_tokens)
-            except PromptError as e:
-                raise P.bad(str(e), e.param or prompt_param, e.code) from None
-            except CpumlaError as e:
-                raise P.bad(str(e)) from None
-            if sampling.seed is None:
-                sampling.seed = int(self.rng.integers(1 << 63))
-            job = Job(prompt, sampling, max_tokens, **job_kw)
-            events: asyncio.Queue = asyncio.Queue()
-
-            def emit(kind: str, payload) -> None:
-                loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
-
-            fut = loop.run_in_executor(self.worker, self.served.run, job, emit)
-        except BaseException:
-            self.slot.release()
-            raise
-        self.job = watch.job = job
-        if watch.gone.is_set():
-            job.cancel()
-        done = asyncio.Event()
-
-        def finished(f: asyncio.Future) -> None:
-            if not f.cancelled() and f.exception() is not None:      # a bug, not a user error
-                e = f.exception()
-                job.stats.finish = "error"
-                log.error("internal error in the engine's worker", exc_info=e)
-                events.put_nowait(("error", f"internal error ({type(e).__name__}; the server log has the details)"))
-            events.put_nowait(("done", ""))
-            self.job = None
-            self.slot.release()
-            done.set()
-
-        fut.add_done_callback(finished)
-        return job, events, done
-
-    def cancel_all(self) -> None:
-        """Shutting down: stop the running job; queued ones are refused when their turn comes."""
-        self.closing = True
-        job = self.job
-        if job is not None:
-            job.cancel()
-
 
 # ---- responses ----
 class JobStream(StreamingResponse):
@@ -198,9 +50,11 @@ class JobStream(StreamingResponse):
             self.on_end()
 
 
-def error_response(e: P.ApiError) -> JSONResponse:
+def error_response(e: P.ApiError, path: str = "") -> JSONResponse:
+    """OpenAI's error shape, or Anthropic's on its route."""
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else ({"Retry-After": "1"} if e.status == 503 else None)
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    body = A.error_body(e) if path == MESSAGES else e.body()
+    return JSONResponse(body, status_code=e.status, headers=headers)
 
 
 def _note(request: Request, **kv) -> None:
@@ -350,9 +204,11 @@ def create_app(served: ServedModel, *, api_key: str | None = None, max_queue: in
     def _echo(job: Job) -> str:
         return served.tok.decode(job.prompt.ids, skip_special_tokens=True)
 
-    def _checked(structured) -> None:
+    def _checked(structured) -> dict:
+        """The job fields of a request's tools and response_format; a 400 for what cannot be done."""
         try:
             structured.check(fmt.tools)
+            return structured.job_kw(served)
         except FieldError as e:
             raise P.bad(str(e), e.param) from None
 
@@ -360,10 +216,9 @@ def create_app(served: ServedModel, *, api_key: str | None = None, max_queue: in
         body = await read_json(request)
         P.check_model(body, served.names)
         req = P.parse_chat(body)
-        _checked(req.structured)
         tools = req.structured.prompt_tools
         job_kw = dict(split_reasoning=can_think, strip_first_space=fmt.family == "deepseek-v2", logprobs=req.logprobs,
-                      **req.structured.job_kw(served))
+                      **_checked(req.structured))
         return await generate(request, lambda: served.chat_prompt(req.messages, req.think, tools), req.sampling,
                               req.stream, "chat", include_usage=req.include_usage, **job_kw)
 
@@ -371,10 +226,30 @@ def create_app(served: ServedModel, *, api_key: str | None = None, max_queue: in
         body = await read_json(request)
         P.check_model(body, served.names)
         req = P.parse_completion(body)
-        _checked(req.structured)
+        job_kw = _checked(req.structured)
         return await generate(request, lambda: served.completion_prompt(req.prompt), req.sampling, req.stream,
                               "completion", include_usage=req.include_usage, echo=req.echo, logprobs=req.logprobs,
-                              **req.structured.job_kw(served))
+                              **job_kw)
+
+    async def messages(request: Request):
+        body = await read_json(request)
+        P.check_model(body, served.names)
+        req = A.parse(body)
+        job_kw = _checked(req.structured)
+        tools = req.structured.prompt_tools
+        got = await start(request, lambda: served.chat_prompt(req.messages, req.think, tools), req.sampling, "chat",
+                          split_reasoning=can_think, strip_first_space=fmt.family == "deepseek-v2", **job_kw)
+        if isinstance(got, Response):
+            return got
+        job, events, done, watch = got
+        mid = A.new_id()
+        if req.stream:
+            return JobStream(A.stream(job, events, mid, served.name), job, done, watch,
+                             lambda: _stats_note(request, job, True))
+        parts = await collect(request, job, events, watch)
+        if job.stats.finish == "cancelled":
+            return Response(status_code=499)
+        return JSONResponse(A.message(mid, served.name, parts, job))
 
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": started, "owned_by": "cpumla", "max_model_len": served.ctx}
@@ -396,7 +271,7 @@ def create_app(served: ServedModel, *, api_key: str | None = None, max_queue: in
 
     async def on_api_error(request: Request, e: P.ApiError):
         _note(request, error=e.message)
-        return error_response(e)
+        return error_response(e, request.url.path)
 
     async def on_http_error(request: Request, e: HTTPException):
         msg = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
@@ -418,6 +293,7 @@ def create_app(served: ServedModel, *, api_key: str | None = None, max_queue: in
                                         allow_headers=["*"], max_age=600))
     routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
+              Route(MESSAGES, messages, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
               Route("/v1/models/{model:path}", model, methods=["GET"]),
               Route("/health", health, methods=["GET"])]
@@ -435,8 +311,10 @@ class Gate:
         self.key = f"Bearer {api_key}".encode() if api_key else None
 
     def _authorized(self, scope) -> bool:
-        got = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
-        return hmac.compare_digest(got, self.key)
+        """Authorization: Bearer KEY (OpenAI's clients) or x-api-key: KEY (Anthropic's)."""
+        headers = dict(scope.get("headers", ()))
+        bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.key)
+        return hmac.compare_digest(b"Bearer " + headers.get(b"x-api-key", b""), self.key) or bearer
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -452,10 +330,10 @@ class Gate:
 
         try:
             if self.key is not None and not self._authorized(scope):
-                e = P.ApiError(401, "a valid API key is needed (Authorization: Bearer KEY)",
+                e = P.ApiError(401, "a valid API key is needed (Authorization: Bearer KEY, or x-api-key: KEY)",
                                code="invalid_api_key")
                 note["error"] = e.message
-                await error_response(e)(scope, receive, send_)
+                await error_response(e, scope.get("path", ""))(scope, receive, send_)
             else:
                 await self.app(scope, receive, send_)
         except (OSError, ClientDisconnect):
@@ -466,7 +344,8 @@ class Gate:
             if not status[0]:
                 with contextlib.suppress(Exception):
                     await error_response(P.ApiError(500, f"internal error ({type(e).__name__}; the server log has "
-                                                         f"the details)", "server_error"))(scope, receive, send_)
+                                                         f"the details)", "server_error"),
+                                         scope.get("path", ""))(scope, receive, send_)
         finally:
             client = scope.get("client") or ("-", 0)
             parts = [f"{client[0]}:{client[1]}", scope.get("method", ""), scope.get("path", ""), str(status[0] or 499)]

@@ -87,7 +87,7 @@ def parse_json(raw: bytes) -> dict:
     except RecursionError:
         raise bad(f"the request body nests arrays or objects more than {MAX_DEPTH} deep") from None
     if not isinstance(body, dict):
-        raise bad(f"the request body must be a JSON object, not {_kind(body)}")
+        raise bad(f"the request body must be a JSON object, not {kind_of(body)}")
     _check_tree(body)
     return body
 
@@ -148,7 +148,7 @@ def _parse_chat(body: dict) -> ChatRequest:
     for i, m in enumerate(msgs):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise bad(f"{where} must be an object, not {_kind(m)}", where)
+            raise bad(f"{where} must be an object, not {kind_of(m)}", where)
         role = m.get("role")
         if not isinstance(role, str) or role not in ROLES:
             known = ", ".join(r for r in ROLES)
@@ -162,13 +162,13 @@ def _parse_chat(body: dict) -> ChatRequest:
     if out[-1].role not in ("user", "tool"):
         raise bad("the last message must be from the user or a tool", f"messages[{len(out) - 1}].role")
     _check_n(body)
-    return ChatRequest(out, _sampling(body, ("max_completion_tokens", "max_tokens")), _bool(body, "stream"),
+    return ChatRequest(out, _sampling(body, ("max_completion_tokens", "max_tokens")), boolean(body, "stream"),
                        _include_usage(body), _think(body), parse_structured(body, chat=True), _chat_logprobs(body))
 
 
 def _chat_logprobs(body: dict) -> int | None:
-    on = _bool(body, "logprobs")
-    k = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    on = boolean(body, "logprobs")
+    k = integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if k is not None and not on:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     return (k or 0) if on else None
@@ -186,18 +186,18 @@ def _parse_completion(body: dict) -> CompletionRequest:
     elif not p:
         raise bad("prompt is empty", "prompt")
     _check_n(body)
-    logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS - 15)    # OpenAI's completions allow at most 5
+    logprobs = integer(body, "logprobs", 0, MAX_TOP_LOGPROBS - 15)    # OpenAI's completions allow at most 5
     if body.get("suffix"):
         raise bad("suffix is not supported", "suffix")
     if body.get("best_of") not in (None, 1):
         raise bad("best_of must be 1", "best_of")
-    return CompletionRequest(p, _sampling(body, ("max_tokens",), default_max=16), _bool(body, "stream"),
-                             _include_usage(body), _bool(body, "echo"), logprobs,
+    return CompletionRequest(p, _sampling(body, ("max_tokens",), default_max=16), boolean(body, "stream"),
+                             _include_usage(body), boolean(body, "echo"), logprobs,
                              parse_structured(body, chat=False))
 
 
 # ---- fields ----
-def _kind(v) -> str:
+def kind_of(v) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
         type(v), "a number")
 
@@ -214,10 +214,10 @@ def _content(v, where: str, allow_none: bool) -> str:
                 raise bad(f"{where}[{j}]: only text parts are supported", f"{where}[{j}]")
             parts.append(part["text"])
         return "".join(parts)
-    raise bad(f"{where} must be a string or a list of text parts, not {_kind(v)}", where)
+    raise bad(f"{where} must be a string or a list of text parts, not {kind_of(v)}", where)
 
 
-def _bool(body: dict, key: str) -> bool:
+def boolean(body: dict, key: str) -> bool:
     v = body.get(key, False)
     if v is None:
         return False
@@ -226,7 +226,7 @@ def _bool(body: dict, key: str) -> bool:
     return v
 
 
-def _number(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+def number(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
     v = body.get(key)
     if v is None:
         return default
@@ -240,7 +240,7 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float, lo_open:
     return float(v)
 
 
-def _int(body: dict, key: str, lo: int, hi: int = MAX_INT) -> int | None:
+def integer(body: dict, key: str, lo: int, hi: int = MAX_INT) -> int | None:
     v = body.get(key)
     if v is None:
         return None
@@ -262,7 +262,7 @@ def _check_n(body: dict) -> None:
 def _sampling(body: dict, max_keys: tuple[str, ...], default_max: int | None = None) -> Sampling:
     max_tokens = None
     for k in max_keys:
-        max_tokens = _int(body, k, 1)
+        max_tokens = integer(body, k, 1)
         if max_tokens is not None:
             break
     stop = body.get("stop")
@@ -276,11 +276,11 @@ def _sampling(body: dict, max_keys: tuple[str, ...], default_max: int | None = N
         raise bad(f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters", "stop")
     return Sampling(
         max_tokens=max_tokens if max_tokens is not None else default_max,
-        temperature=_number(body, "temperature", 1.0, 0.0, math.inf),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=0 if body.get("top_k") == -1 else (_int(body, "top_k", 0) or 0),   # vLLM's -1: off
-        min_p=_number(body, "min_p", 0.0, 0.0, 0.999999),
-        seed=_int(body, "seed", 0, 2**64 - 1),
+        temperature=number(body, "temperature", 1.0, 0.0, math.inf),
+        top_p=number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=0 if body.get("top_k") == -1 else (integer(body, "top_k", 0) or 0),   # vLLM's -1: off
+        min_p=number(body, "min_p", 0.0, 0.0, 0.999999),
+        seed=integer(body, "seed", 0, 2**64 - 1),
         stop=[s for s in stop if s],
     )
 
@@ -291,7 +291,7 @@ def _include_usage(body: dict) -> bool:
         return False
     if not isinstance(opts, dict):
         raise bad("stream_options must be an object", "stream_options")
-    return _bool(opts, "include_usage")
+    return boolean(opts, "include_usage")
 
 
 def _think(body: dict) -> bool | None:

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 
 from cpumla.chat.constraint import Constraint, check_grammar, lark_grammar, schema_grammar
-from cpumla.chat.tools import JSON_STYLE, Tool, ToolCall
+from cpumla.chat.tools import JSON_STYLE, Tool, ToolCall, closed
 from cpumla.errors import CpumlaError
 
 MAX_TOOLS = 128
@@ -46,7 +46,7 @@ class Structured:
             chosen = [t for t in self.tools if self.choice == "required" or t.name == self.function]
             return lark_grammar(tool_format.grammar(chosen, token_id, self.parallel and self.choice == "required"))
         if self.schema is not None:
-            return schema_grammar(self.schema, JSON_STYLE)
+            return schema_grammar(closed(self.schema), JSON_STYLE)
         return None
 
     def job_kw(self, served) -> dict:
@@ -58,6 +58,9 @@ class Structured:
         grammar = self.constraint_grammar(served.fmt.tools, served.tok.token_id)
         if grammar is not None:
             tok, n = served.tok, served.engine.config.vocab_size
+            if not hasattr(tok, "to_json"):
+                raise FieldError(f"constrained output is not available with this model's tokenizer ({tok.source})",
+                                 "response_format" if self.schema is not None else "tool_choice")
             kw["constraint"] = lambda: Constraint(tok, n, grammar)
         return kw
 

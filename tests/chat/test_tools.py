@@ -165,3 +165,20 @@ def test_grammar_refuses_what_the_format_does_not_allow(tok):
 
 def test_every_family_has_a_tool_format():
     assert {ToolFormat(f).style for f in FAMILIES} == {"v3", "v31", "v32", "v4", "plain"}
+
+
+def test_constrained_schemas_are_closed_unless_they_say_otherwise():
+    from cpumla.chat.tools import closed
+
+    s = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"a": {"type": "integer"}}},
+                                          "open": {"type": "object", "properties": {}, "additionalProperties": True}},
+         "$defs": {"x": {"type": "object", "properties": {"b": {"enum": [{"properties": {}}]}}}}}
+    c = closed(s)
+    assert c["additionalProperties"] is False
+    assert c["properties"]["properties"]["additionalProperties"] is False          # a property named "properties"
+    assert "additionalProperties" not in c["properties"]["properties"]["properties"]
+    assert c["properties"]["open"]["additionalProperties"] is True
+    assert c["$defs"]["x"]["additionalProperties"] is False
+    assert c["$defs"]["x"]["properties"]["b"] == {"enum": [{"properties": {}}]}     # values are left alone
+    assert s["properties"]["open"] == {"type": "object", "properties": {}, "additionalProperties": True}
+    assert "additionalProperties" not in s                                         # the caller's schema unchanged
