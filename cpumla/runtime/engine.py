@@ -70,6 +70,7 @@ class Engine:
         self.pos = 0
         self.tokens: list[int] = []
         self._epoch = 0                  # counts the changes of the cache: a generator notices others'
+        self.text = None                 # runtime.text.Text: the tokenizer and chat format, set by the loader
 
     # ---- public ----
     @property
@@ -150,6 +151,31 @@ class Engine:
             else:
                 self.tokens.extend(ids.tolist())
         return logits
+
+    # ---- text (runtime/text.py) ----
+    def chat(self, messages, *, stream: bool = False, think: bool | None = None, tools=None,
+             max_tokens: int | None = None, stop=None, **sampling):
+        """The answer to a conversation (a string, or a list of {"role", "content"} dicts or chat_format
+        Messages) in the model's chat format: a text.Reply (text, reasoning, tool_calls, finish, token
+        counts), or with stream=True an iterator of text.Delta (text or reasoning as it arrives, then tool
+        calls). think: thinking on or off where the model has the switch; tools: OpenAI-style function
+        tools, described in the prompt and parsed out of the answer; sampling: temperature, top_p, top_k,
+        min_p, seed. max_tokens None: up to the end of the context."""
+        from cpumla.runtime import text
+
+        return text.chat(self, messages, stream, think, tools, max_tokens, stop, sampling)
+
+    def complete(self, prompt: str, *, stream: bool = False, max_tokens: int | None = None, stop=None, **sampling):
+        """The continuation of raw text (BOS added), as chat() returns or streams it."""
+        from cpumla.runtime import text
+
+        return text.complete(self, prompt, stream, max_tokens, stop, sampling)
+
+    def text_generator(self):
+        """The chat.generate.Generator of this engine (its tokenizer loaded on first use)."""
+        if self.text is None:
+            raise CpumlaError("this engine has no tokenizer: load it with cpumla.load() for chat() / complete()")
+        return self.text.generator(self)
 
     def generate(self, prompt_ids, max_new_tokens: int, stop_ids=None, **sampling):
         """An iterator of generated token ids; the prompt is appended to the cache first. sampling: the

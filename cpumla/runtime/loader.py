@@ -24,11 +24,13 @@ from cpumla.runtime.engine import Engine, context_length
 from cpumla.runtime.memory import check_memory
 from cpumla.runtime.plan import check_fits, plan
 from cpumla.runtime.resolve import load_config, open_weights
+from cpumla.runtime.text import Text
 
 
 def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: int = 0, threads: int | None = None,
          max_seq_len: int | None = None, dummy_dtype: str = "bf16", quant: str | None = None, progress=None,
-         resolved=None, memory: int | None = None, expert_slots: int | None = None, expert_policy: str = "lru"):
+         resolved=None, memory: int | None = None, expert_slots: int | None = None, expert_policy: str = "lru",
+         tokenizer: str | None = None):
     """An Engine for `model` (a local directory, a GGUF file or a folder holding one, a Hugging Face repo
     id in the local cache, or a known repo id whose config cpumla bundles). dummy_weights: deterministic random weights from `seed` in
     the checkpoint's in-memory formats (dummy_dtype "bf16", or "fp8" as V3 ships). quant "q8" / "q4":
@@ -38,8 +40,9 @@ def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: in
     (default: what the process may use); a checkpoint whose weights, caches and scratch exceed it keeps
     its routed experts on disk and reads those a token uses into slots (runtime/streaming.py).
     expert_slots: that many slots, whatever the budget (streaming even when all would fit); expert_policy:
-    which slot an expert replaces, "lru" or "lfu". Raises CpumlaError, also when the model cannot fit in
-    memory (checked before anything is allocated)."""
+    which slot an expert replaces, "lru" or "lfu". tokenizer: the text API's (Engine.chat / complete), as
+    `cpumla chat --tokenizer` takes it (default: the model's own). Raises CpumlaError, also when the model
+    cannot fit in memory (checked before anything is allocated)."""
     if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 1):
         raise CpumlaError(f"memory must be a positive number of bytes, got {memory!r}")
     if expert_slots is not None and (isinstance(expert_slots, bool) or not isinstance(expert_slots, int)
@@ -66,8 +69,10 @@ def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: in
     if quantizer is not None and resolved.directory is not None and not dummy_weights:
         ckpt = open_weights(resolved)    # its headers serve both the plan and the load
     try:
-        return _load(model, hf_overrides, cfg, resolved, fam, ctx, where, quantizer, ckpt, dummy_weights,
-                     dummy_dtype, seed, threads, (memory, expert_slots, expert_policy))
+        engine = _load(model, hf_overrides, cfg, resolved, fam, ctx, where, quantizer, ckpt, dummy_weights,
+                       dummy_dtype, seed, threads, (memory, expert_slots, expert_policy))
+        engine.text = Text(model, resolved, dummy_weights, tokenizer)
+        return engine
     except BaseException:
         if ckpt is not None:
             ckpt.close()
