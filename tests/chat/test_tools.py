@@ -182,3 +182,40 @@ def test_constrained_schemas_are_closed_unless_they_say_otherwise():
     assert c["$defs"]["x"]["properties"]["b"] == {"enum": [{"properties": {}}]}     # values are left alone
     assert s["properties"]["open"] == {"type": "object", "properties": {}, "additionalProperties": True}
     assert "additionalProperties" not in s                                         # the caller's schema unchanged
+
+
+def test_tool_watch_streams_text_before_the_block_and_keeps_a_malformed_block_as_text():
+    from cpumla.chat.generate import ToolWatch
+
+    fmt = ToolFormat("deepseek-v3.1")
+    w = ToolWatch(fmt, parallel=True)
+    sent = [w.push(p) for p in ["Hello <｜tool▁calls", "▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\": 1}",
+                                 "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"]]
+    assert "".join(sent) == "Hello " and sent[0] == "Hello "          # the opener's start is held back
+    text, calls = w.finish()
+    assert text == "" and len(calls) == 1
+    assert calls[0].name == "f" and json.loads(calls[0].arguments) == {"a": 1}
+    w = ToolWatch(fmt, parallel=True)
+    body = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{broken<｜tool▁call▁end｜>"
+    assert w.push("Hi " + body) == "Hi "
+    assert w.finish() == (body, None)                                 # not a call: it goes out as content
+    w = ToolWatch(fmt, parallel=False)
+    w.push("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁call▁begin｜>g"
+           "<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+    assert [c.name for c in w.finish()[1]] == ["f"]                    # parallel_tool_calls false: the first
+    w = ToolWatch(fmt, parallel=True)
+    assert w.push("no calls <｜tool") == "no calls " and w.finish("") == ("<｜tool", None)
+
+
+def test_constrained_output_needs_a_tokenizer_llguidance_can_read():
+    from types import SimpleNamespace
+
+    from cpumla.server.structured import FieldError, Structured
+
+    served = SimpleNamespace(fmt=SimpleNamespace(tools=ToolFormat("moonlight")),
+                             tok=SimpleNamespace(source="tiktoken.model", token_id=lambda s: None),
+                             engine=SimpleNamespace(config=SimpleNamespace(vocab_size=163840)))
+    with pytest.raises(FieldError, match="not available with this model's tokenizer") as e:
+        Structured(schema={"type": "object"}).job_kw(served)
+    assert e.value.param == "response_format"
+    assert Structured().job_kw(served) == {}                           # nothing constrained: nothing needed
