@@ -237,6 +237,18 @@ def test_read_probe(isa):
     assert native.read_probe(buf) == float(buf.sum())
 
 
+@pytest.mark.parametrize("kind,depth", [(0, 32), (1, 64)], ids=["bf16", "int8"])
+def test_tile_probe_counts_the_tile_products_of_every_thread(isa, kind, depth):
+    """4 products of 16 x 16 x depth multiply-adds a round on each thread where the level has tiles;
+    nothing below it."""
+    from cpumla.native.library import lib
+
+    threads = native.get_threads()
+    ops = lib.cpumla_tile_probe(kind, 100)
+    assert ops == (threads * 100 * 4 * 2 * 16 * 16 * depth if isa == "amx" else 0)
+    assert lib.cpumla_tile_probe(2, 100) == 0 and lib.cpumla_tile_probe(kind, 0) == 0
+
+
 def test_bad_weights_are_errors():
     rng = np.random.default_rng(0)
     q, s, _ = ref.make_weight("e4m3", 200, 300, rng)

@@ -128,6 +128,11 @@ typedef struct cpumla_kernels {
      * instruction), fp32 FMAs where it decodes the weights first */
     double (*dot_loop)(int64_t iters, float *sink);
 
+    /* iters rounds of AMX tile multiply-adds on resident tiles (kind 0: tdpbf16ps, 16 x 16 x 32
+     * multiply-adds an instruction; kind 1: tdpbusd, 16 x 16 x 64): the tiles' peak; returns the
+     * operations done (2 per multiply-add). NULL below the amx level. */
+    double (*tile_loop)(int kind, int64_t iters, float *sink);
+
     /* ---- Q8 / Q4 weights (quant.h: the activation buffer qx and its layout per implementation) ---- */
     /* one activation row x [K] (K a multiple of 32) -> qx, in this implementation's layout for
      * weights of dtype wdtype (CPUMLA_Q8 / CPUMLA_Q4 / CPUMLA_E2M1) */

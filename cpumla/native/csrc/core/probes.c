@@ -1,4 +1,4 @@
-/* probes.c: the benchmark probes of cpumla.h (read bandwidth, fp32 FMA and bf16 dot-product peaks):
+/* probes.c: the benchmark probes of cpumla.h (read bandwidth, fp32 FMA, bf16 dot-product and AMX tile peaks):
  * each runs the table's single-threaded probe kernel (kernels.h: read_sum, fma_loop, dot_loop) on
  * every thread of the pool and adds up what they return, holding the library lock (cpumla_enter),
  * which also guards the static job records. */
@@ -77,4 +77,34 @@ double cpumla_bf16_probe(int64_t iters) {
     double f = flops_probe(cpumla_k.dot_loop, iters);
     cpumla_leave(0);
     return f;
+}
+
+typedef struct {
+    int kind;
+    int64_t iters;
+    double ops[MAX_POOL_THREADS * 8];
+    float sink[MAX_POOL_THREADS * 16];
+} tile_job;
+
+static void tile_task(void *p, int64_t t, int tid) {
+    (void)t;
+    tile_job *j = p;
+    j->ops[tid * 8] += cpumla_k.tile_loop(j->kind, j->iters, &j->sink[tid * 16]);
+}
+
+double cpumla_tile_probe(int32_t kind, int64_t iters) {
+    cpumla_enter(NULL);
+    cpumla_ensure_init();
+    double s = 0;
+    if (cpumla_k.tile_loop && (kind == 0 || kind == 1) && iters > 0) {
+        static tile_job j;
+        int threads = cpumla_pool_threads();
+        memset(j.ops, 0, sizeof j.ops);
+        j.kind = kind;
+        j.iters = iters;
+        cpumla_pool_run(threads, tile_task, &j);
+        for (int i = 0; i < threads; i++) s += j.ops[i * 8];
+    }
+    cpumla_leave(0);
+    return s;
 }

@@ -445,6 +445,11 @@ double cpumla_fma_probe(int64_t iters);
  * them, fp32 FMAs otherwise): the peak that prefill of a bf16 checkpoint is measured against. */
 double cpumla_bf16_probe(int64_t iters);
 
+/* The same for the AMX tiles (kind 0: bf16 tdpbf16ps; kind 1: int8 tdpbusd) on every thread: the peak
+ * of the products that run on tiles. Returns the operations done, or 0 where the kernels' level has no
+ * tiles (below amx, or CPUMLA_ISA forcing a lower level). */
+double cpumla_tile_probe(int32_t kind, int64_t iters);
+
 #ifdef __cplusplus
 }
 #endif

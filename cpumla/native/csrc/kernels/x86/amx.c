@@ -408,7 +408,50 @@ void cpumla_fill_amx_q(cpumla_kernels *k) {
     k->who_fmt[K_GEMM][CPUMLA_E2M1] = "amx (avx512vnni below " FP4_STR(AMX_MIN_TOKENS) " tokens; " E2M1_HANDBACK ")";
 }
 
+/* The tile_loop probe: 4 accumulators over 2 x 2 resident A / B tiles, 4 tile products a round with no
+ * dependence between consecutive ones (each accumulator is written every 4th product). */
+static double tile_loop_amx(int kind, int64_t iters, float *sink) {
+    amx_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    static const uint8_t src[16 * 64] __attribute__((aligned(64))) = {0};     /* zeros: no subnormal, no overflow */
+    float out[16 * 16] __attribute__((aligned(64)));
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(4, src, 64);
+    _tile_loadd(5, src, 64);
+    _tile_loadd(6, src, 64);
+    _tile_loadd(7, src, 64);
+    if (kind == 0) {
+        for (int64_t it = 0; it < iters; it++) {
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    } else {
+        for (int64_t it = 0; it < iters; it++) {
+            _tile_dpbusd(0, 4, 6);
+            _tile_dpbusd(1, 4, 7);
+            _tile_dpbusd(2, 5, 6);
+            _tile_dpbusd(3, 5, 7);
+        }
+    }
+    _tile_stored(0, out, 64);
+    _tile_release();
+    *sink += out[0] + out[255];
+    return 4.0 * 2.0 * 16.0 * 16.0 * (kind == 0 ? 32.0 : 64.0) * (double)iters;
+}
+
 void cpumla_fill_amx(cpumla_kernels *k) {
+    k->tile_loop = tile_loop_amx;
     static char bf16_gemm[64];
     if (k->gemm != gemm_amx) prev_gemm = k->gemm;
     k->gemm = gemm_amx;
