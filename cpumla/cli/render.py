@@ -8,25 +8,29 @@ rare caller that composes markup around such text."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import unicodedata
 from contextlib import contextmanager
 
+from rich import box
 from rich.console import Console
 from rich.markup import escape as _markup_escape
 from rich.table import Table
 from rich.text import Text
 
 
-def _isatty(stream) -> bool:
+def is_terminal(stream) -> bool:
     try:
         return stream is not None and stream.isatty()
     except (ValueError, OSError):          # a closed stream
         return False
 
 
-# Wide enough for the tables when stdout is a pipe or a file (rich would assume 80 columns).
-out = Console(highlight=False, width=None if _isatty(sys.stdout) else 160)
+# Wide enough for the tables when stdout is a pipe or a file (rich would assume 80 columns), unless
+# COLUMNS says how wide.
+out = Console(highlight=False, width=None if is_terminal(sys.stdout) or os.environ.get("COLUMNS", "").isdigit()
+              else 160)
 err = Console(stderr=True, highlight=False)
 
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
@@ -67,17 +71,35 @@ def print_line(text, style: str | None = None) -> None:
     _print(out, (one_line(text), style or ""))
 
 
+def print_wrapped(text) -> None:
+    """A result paragraph on stdout, as given (no markup), wrapped at the terminal's width."""
+    try:
+        out.print(Text(one_line(text)), highlight=False)
+    except (OSError, ValueError):
+        pass
+
+
 def print_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2) + "\n")
 
 
 def table(title: str | None, columns: list[str], rows: list[list[str]], right: set[int] = frozenset(),
-          header: bool = True) -> None:
-    t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False, show_header=header)
+          header: bool = True, compact: bool = False, keep: set[int] = frozenset()) -> None:
+    """compact: two spaces between columns and a rule under the header, no vertical lines (for a table
+    that must fit 80 columns); keep: columns whose cells are never cut or wrapped (their headers may
+    wrap at spaces; the other columns give way)."""
+    t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False, show_header=header,
+              **(dict(box=box.SIMPLE_HEAD, collapse_padding=True) if compact else {}))
+    cells = [[Text(one_line(v)) for v in r] for r in rows]
     for i, c in enumerate(columns):
         t.add_column(Text(one_line(c)), justify="right" if i in right else "left")
-    for r in rows:
-        t.add_row(*[Text(one_line(v)) for v in r])
+    for r in cells:
+        t.add_row(*r)
+    if keep and out.measure(t, options=out.options.update_width(1 << 16)).maximum > out.width:
+        # too wide for the terminal: the kept columns as wide as their cells, the headers wrapped
+        for i in keep:
+            words = [len(w) for w in one_line(columns[i]).split()]
+            t.columns[i].width = max([r[i].cell_len for r in cells] + words[:1] + [max(words, default=0)])
     out.print(t)
 
 

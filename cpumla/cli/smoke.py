@@ -169,6 +169,28 @@ def _tie_or_bug(model, cfg, tokens, prompt_tokens, bad_steps, err, load_kw) -> s
     return f"{what}; not a routing tie ({again:.2g} with every expert routed)"
 
 
+def _family(model_type: str) -> str:
+    """model_type without the "deepseek_" every family has: v2, v3, v32, v4."""
+    return model_type[len("deepseek_"):] if model_type.startswith("deepseek_") else model_type
+
+
+def show(results: list[SmokeResult]) -> None:
+    """The table, narrow enough for 80 columns: model names whole, and a status that needs words (a
+    near-tie, a failure) as a marker in its cell and a footnote under the table."""
+    rows, notes = [], []
+    for r in results:
+        name, status = r.model.rstrip("/").split("/")[-1], r.status
+        if status != "ok":
+            notes.append(f"[{len(notes) + 1}] {name}: {status[len('ok: '):] if r.passed else status}")
+            status = f"{'ok' if r.passed else 'FAILED'} [{len(notes)}]"
+        rows.append([name, _family(r.family), r.layers, r.experts,
+                     f"{r.prefill_tps:.1f}", f"{r.decode_tps:.1f}", f"{r.max_decode_err:.1e}", status])
+    render.table(None, ["model", "family", "layers", "experts", "prefill tok/s", "decode tok/s", "decode vs full",
+                        "status"], rows, right={2, 3, 4, 5, 6}, compact=True, keep={0, 2, 3, 4, 5, 6, 7})
+    for n in notes:
+        render.print_wrapped(n)
+
+
 def smoke(
     model: str = typer.Option(None, "--model", "-m", help="Model dir, cached repo id or preset. Default: "
                               "shrunk V2-Lite, V2, V3, V3.2 and Moonlight configs (needs --dummy-weights)."),
@@ -212,9 +234,6 @@ def smoke(
             results.append(run(m, dummy_weights=dummy_weights, hf_overrides=ov, seed=seed, threads=threads,
                                   prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
                                   dummy_dtype=dummy_dtype, quant=quant, progress=progress, memory=budget))
-    rows = [[r.model.rstrip("/").split("/")[-1], r.family, r.layers, r.experts, f"{r.prefill_tps:.1f}", f"{r.decode_tps:.1f}",
-             f"{r.max_decode_err:.1e}", r.status] for r in results]
-    render.table(None, ["model", "family", "layers", "experts", "prefill tok/s", "decode tok/s",
-                        "decode vs full", "status"], rows, right={2, 3, 4, 5, 6})
+    show(results)
     if not all(r.passed for r in results):
         sys.exit(1)
