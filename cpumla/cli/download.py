@@ -1,4 +1,4 @@
-"""`cpumla download REPO` and `cpumla list`: models in the Hugging Face hub cache, as cpumla uses it.
+"""`cpumla download REPO`, and the hub cache as `cpumla list` and `cpumla rm` read it (cli/local.py).
 
 Downloads go through huggingface_hub's snapshot_download into the standard cache (HF_HOME / HF_HUB_CACHE),
 so they resume after an interruption, share blobs with other tools, and honour HF_TOKEN and
@@ -122,7 +122,7 @@ class CachedModel:
     snapshot: Path
 
 
-def _scan():
+def scan_cache():
     """huggingface_hub's scan of the hub cache, or None when there is no cache."""
     cache = hf_hub_cache()
     if not cache.is_dir():
@@ -143,7 +143,7 @@ def _latest(repo):
 
 def cached_models(include_all: bool = False, scanned=None) -> list[CachedModel]:
     """Models in the hub cache; only DeepSeek-family ones (by config.json model_type) unless include_all."""
-    info = scanned or _scan()
+    info = scanned or scan_cache()
     found = []
     for repo in info.repos if info else ():
         if repo.repo_type != "model" or not repo.revisions:
@@ -176,7 +176,7 @@ def cached_ggufs(include_all: bool = False, scanned=None) -> list[CachedGGUF]:
     from cpumla.checkpoint.gguf_info import architecture
     from cpumla.checkpoint.gguf_meta import ARCHES
 
-    info = scanned or _scan()
+    info = scanned or scan_cache()
     found = []
     for repo in info.repos if info else ():
         if repo.repo_type != "model" or not repo.revisions:
@@ -281,26 +281,3 @@ def download(
     render.out.print(f"{repo}: {human_size(size)} in {path}", markup=False, highlight=False, soft_wrap=True)
     render.err.print(f"run it with: cpumla chat {repo}", style="dim", markup=False, highlight=False)
 
-
-def list_models(
-    all_models: bool = typer.Option(False, "--all", metavar="", help="Every cached model, not only DeepSeek-family ones."),
-) -> None:
-    scanned = _scan()
-    models = cached_models(include_all=all_models, scanned=scanned)
-    ggufs = cached_ggufs(include_all=all_models, scanned=scanned)
-    if not models and not ggufs:
-        render.err.print(f"no DeepSeek-family models in the Hugging Face cache ({hf_hub_cache()}); "
-                         f"get one with `cpumla download REPO` or `cpumla download REPO:QUANT`", markup=False,
-                         highlight=False, soft_wrap=True)
-        return
-    if models:
-        rows = [[m.repo_id, m.model_type, human_size(m.size_on_disk), "yes" if m.weights else "config only",
-                 m.revisions] for m in models]
-        render.table(None, ["model", "model_type", "size", "weights", "revisions"], rows, right={2, 4})
-    if models and ggufs:
-        render.out.print()
-    if ggufs:
-        rows = [[g.ref, g.architecture or "?", human_size(g.quant.size),
-                 str(len(g.quant.shards)) if not g.quant.missing else
-                 f"{len(g.quant.present)} of {len(g.quant.shards)}", str(g.snapshot / g.quant.first)] for g in ggufs]
-        render.table("GGUF", ["model", "architecture", "size", "files", "path"], rows, right={2, 3})

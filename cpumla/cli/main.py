@@ -65,7 +65,7 @@ def _main(version: bool = typer.Option(False, "--version", metavar="", is_eager=
 
 
 def _register() -> None:
-    from cpumla.cli import bench, chat, download, info, quantize, serve, smoke
+    from cpumla.cli import bench, chat, download, info, local, quantize, serve, smoke
     from cpumla.cli.options import checked
 
     for name, fn, text in [
@@ -75,7 +75,9 @@ def _register() -> None:
         ("chat", chat.chat, "Chat with a model in the terminal (or answer one prompt with -p / stdin)."),
         ("serve", serve.serve, "An OpenAI-compatible HTTP server (chat and completions, streaming)."),
         ("download", download.download, "Download a model's config, tokenizer and safetensors (or REPO:QUANT, one GGUF quantization) into the HF cache."),
-        ("list", download.list_models, "DeepSeek-family models in the Hugging Face cache, with sizes."),
+        ("list", local.list_models, "Models here: the Hugging Face cache's, folders `cpumla quantize` wrote (in DIR), "
+                                    "the bundled presets; with sizes and how each is removed."),
+        ("rm", local.rm, "Remove a model from the Hugging Face cache (asks first; --yes does not)."),
         ("quantize", quantize.quantize, "Write a checkpoint with q8 / q4 linear layers (loads zero-copy)."),
     ]:
         app.command(name, help=text, cls=_Command)(checked(fn))
