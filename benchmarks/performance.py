@@ -130,7 +130,7 @@ def decode(m: dict, a) -> str:
         res = bench(cmd)
         pp = next(r for r in res if r["n_prompt"])
         tg = next(r for r in res if r["n_gen"])
-        # the peak `cpumla bench` names: bf16 dot products where the activations are rounded to bf16
+        # the two arithmetic probes `cpumla bench` measures (bench/peaks.py says which bounds what)
         peaks.add((round(pp["fma_peak_gflops"]), round(pp["bf16_peak_gflops"])))
         rows.append([name, fmt, f"{pp['avg_ts']:.1f}", f"{pp['gflops']:.0f}", f"{tg['avg_ts']:.2f}",
                      f"{tg['bytes_per_token'] / 1e9:.3f}", f"{tg['gbs']:.1f}",
@@ -179,13 +179,16 @@ def kernels(m: dict, a) -> str:
                              f"{r['cache_gbs']:.1f}"])
             else:
                 gemm.append([d["isa"], r["format"], r["shape"], r["isa"], f"{r['gflops']:.0f}",
-                             f"{r['pct_fma_peak']:.0f}% of {r['fma_peak_gflops']:.0f}"])
+                             f"{r['pct_peak']:.0f}% of {r['peak']} {r['peak_gflops']:.0f}" if r["peak"] else
+                             f"none: {r['no_peak']}"])
     return ("## Kernels\n\nA GEMV of each weight format over a 10944 x 2048 weight (a V2-Lite dense layer), "
             "cycling over copies that cannot stay in cache, next to a read probe taken right before and after it; "
             "its rate over weights that stay in cache is what its instructions allow (below the probe, that "
-            "format's decode is bound by the core). GEMM: 128 tokens.\n\n" + stamp(m, cmds) + "\n" +
+            "format's decode is bound by the core). GEMM: 128 tokens, against the probe that bounds its arithmetic "
+            "(none for AMX tiles and int8 dot products).\n\n" + stamp(m, cmds) + "\n" +
             table(["level", "format", "served by", "GB/s", "of the read probe (GB/s)", "in cache, GB/s"], gemv, right=3) +
-            "\n\n" + table(["level", "format", "shape", "served by", "GFLOP/s", "of the fp32 FMA probe"], gemm, right=4) + "\n")
+            "\n\n" + table(["level", "format", "shape", "served by", "GFLOP/s", "of the peak bounding it (GFLOP/s)"], gemm,
+                                 right=4) + "\n")
 
 
 def formats(m: dict, a) -> str:

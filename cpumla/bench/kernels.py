@@ -1,6 +1,7 @@
 """Kernel micro-benchmark: GB/s of each GEMV weight format next to a read-bandwidth probe measured in
-the same run (the probe is what decode is bound by), and prefill GEMM GFLOP/s next to the fp32 FMA
-probe of the same run (what the GEMMs of every level but avx512's and amx's bf16 products are bound by).
+the same run (the probe is what decode is bound by), and prefill GEMM GFLOP/s next to the peak of the
+same run that bounds its arithmetic (bench/peaks.py: the fp32 FMA probe, the bf16 dot probe, or none for
+AMX tiles and integer products).
 
 Each measurement cycles over enough copies of the weight that they cannot stay in the last-level
 cache, so every pass streams from memory as a real model's decode does. Each GEMV is also timed over
@@ -16,6 +17,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from cpumla import native
+from cpumla.bench import peaks
 
 STREAM_BYTES = 512 << 20        # copies of a weight add up to at least this much
 CACHE_BYTES = 512 << 10         # weight bytes per thread of the in-cache GEMV (half a 1 MiB L2)
@@ -50,7 +52,10 @@ class KernelResult:
     pct_probe: float         # gbs / probe_gbs * 100
     gflops: float
     fma_peak_gflops: float = 0.0   # GEMM: the fp32 FMA probe of the same run (all threads)
-    pct_fma_peak: float = 0.0      # GEMM: gflops / fma_peak_gflops * 100
+    peak: str = ""                 # GEMM: the peak that bounds its arithmetic (bench/peaks.py); "": none does
+    peak_gflops: float = 0.0       # GEMM: that peak, measured in the same run
+    pct_peak: float | None = None  # GEMM: gflops / peak_gflops * 100 (None without a peak)
+    no_peak: str = ""              # GEMM without a peak: what it runs (AMX tiles, int8 dot products)
     cache_gbs: float = 0.0         # GEMV: GB/s over weights that stay in cache (gemv_in_cache)
     probe_gbs: float = 0.0         # GEMV: the read probe right before and after its passes (their mean)
 
@@ -143,21 +148,22 @@ def read_bandwidth(buf: np.ndarray, min_seconds: float = 1.0) -> float:
     return buf.nbytes / _time_passes(lambda: native.read_probe(buf), min_seconds) / 1e9
 
 
-def fma_peak(min_seconds: float = 0.3) -> float:
-    """GFLOP/s of the fp32 FMA probe (every thread), the best of a few passes: other work on the
-    machine only ever lowers a pass."""
+def fma_peak(min_seconds: float = 0.3, kind: str = "fp32") -> float:
+    """GFLOP/s of the fp32 FMA probe (kind "bf16": the bf16 probe) on every thread, the best of a few
+    passes: other work on the machine only ever lowers a pass."""
     native.ensure_init()
+    probe = native.lib.cpumla_bf16_probe if kind == "bf16" else native.lib.cpumla_fma_probe
     iters = 1 << 16
     while True:                       # one pass of about a tenth of min_seconds
         t0 = time.perf_counter()
-        native.lib.cpumla_fma_probe(iters)
+        probe(iters)
         if time.perf_counter() - t0 > min_seconds / 10 or iters > 1 << 34:
             break
         iters *= 2
     best, start = 0.0, time.perf_counter()
     while best == 0.0 or time.perf_counter() - start < min_seconds:
         t0 = time.perf_counter()
-        flops = native.lib.cpumla_fma_probe(iters)
+        flops = probe(iters)
         best = max(best, flops / (time.perf_counter() - t0) / 1e9)
     return best
 
@@ -268,8 +274,19 @@ def run(formats=FORMATS, rows: int = 10944, cols: int = 2048, gemm_n: int = 128,
                 gemms.append(gemm_throughput(fmt, r, c, gemm_n if i == 0 else n, min_seconds, rng))
         step("fma probe")
         peak = max(peak, fma_peak(min(min_seconds, 0.5)))       # before and after: the better one
-        for g in gemms:
-            g.fma_peak_gflops, g.pct_fma_peak = peak, 100.0 * g.gflops / peak
+        measured = {peaks.FMA: peak}
+        dot = peaks.dot_name()
+        bounds = [peaks.bound(g.format, g.isa, *[int(g.shape.split("x")[0])] * 2) for g in gemms]
+        if dot is not None and any(name == dot for name, _ in bounds):
+            step("bf16 dot probe")
+            measured[dot] = fma_peak(min(min_seconds, 0.5), "bf16")
+        for g, (name, runs) in zip(gemms, bounds):
+            g.fma_peak_gflops = peak
+            if name is None:
+                g.no_peak = runs
+            else:
+                g.peak, g.peak_gflops = name, measured[name]
+                g.pct_peak = peaks.percent(g.gflops, g.peak_gflops)
         results += gemms
     return first_probe, results
 

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from cpumla import native
+from cpumla.bench import peaks
 from cpumla.errors import CpumlaError
 
 
@@ -40,12 +41,14 @@ class TestResult:
     gbs: float = 0.0               # decode: bytes_per_token * tok/s
     pct_bandwidth: float = 0.0     # of the read probe
     gflops: float = 0.0            # prefill
-    pct_fma_peak: float = 0.0      # of the fp32 FMA probe
-    pct_bf16_peak: float = 0.0     # of the bf16 dot-product probe (the arithmetic of bf16 weights)
+    peak: str | None = None        # prefill: the peak that bounds its products (bench/peaks.py); None: none does
+    peak_gflops: float = 0.0       # that peak, measured in the same run
+    pct_peak: float | None = None  # gflops / peak_gflops * 100 (None without a peak)
+    no_peak: str = ""              # without a peak: what of the prefill no probe bounds
     ttft_ms: float = 0.0           # prefill: time to the first token's logits
     read_probe_gbs: float = 0.0
-    fma_peak_gflops: float = 0.0
-    bf16_peak_gflops: float = 0.0
+    fma_peak_gflops: float = 0.0   # the fp32 FMA probe
+    bf16_peak_gflops: float = 0.0  # the bf16 probe (bf16 dot products where the level has them, fp32 FMAs elsewhere)
     load_s: float = 0.0
     peak_rss_mb: float = 0.0
     # routed experts read from disk (an engine with an ExpertStream); None otherwise
@@ -106,15 +109,15 @@ class AtDepth:
 class BandwidthProbe:
     """Read bandwidth right now. The host's bandwidth drifts (other tenants), so the bench probes right
     before and after each test. The probe reads the model's own largest tensors (already resident, so
-    it adds nothing to the peak RSS, and it is the memory decode streams from); with less than 256 MiB
-    of them it reads a buffer of its own. Anything under ~8x the last-level cache reads high."""
+    it adds nothing to the peak RSS, and it is the memory decode streams from); with less than min_bytes
+    (256 MiB) of them it reads a buffer of its own. Anything under ~8x the last-level cache reads high."""
 
     MIN_BYTES = 256 << 20
 
-    def __init__(self, arrays=()):
+    def __init__(self, arrays=(), min_bytes: int = MIN_BYTES):
         spans, total = [], 0
         for a in sorted(arrays, key=lambda a: -a.nbytes):
-            if total >= 4 * self.MIN_BYTES:
+            if total >= 4 * min_bytes:
                 break
             start = native.ffi.cast("uintptr_t", native.vptr(a))
             skip = (-int(start)) % 64                         # the kernels read whole aligned lines
@@ -123,8 +126,8 @@ class BandwidthProbe:
                 spans.append((native.ffi.cast("char *", start) + skip, n))
                 total += n
         self._keep = list(arrays)
-        if total < self.MIN_BYTES:
-            self._own = np.ones(self.MIN_BYTES // 8, np.float64)
+        if total < min_bytes:
+            self._own = np.ones(min_bytes // 8, np.float64)
             spans, total = [(native.ffi.cast("char *", native.vptr(self._own)), self._own.nbytes)], self._own.nbytes
         self.spans, self.nbytes = spans, total
 
@@ -157,6 +160,25 @@ class DiskProbe:
         return disk_probe(self.path, self.BYTES, self.threads)[0] / 1e9
 
 
+def weight_formats(model) -> set[str]:
+    """The formats of every weight a model multiplies: its layers' linears, expert tables and head."""
+    found, seen, todo = set(), set(), [model]
+    while todo:
+        o = todo.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, native.Weight):
+            found.add(o.dtype)
+        elif isinstance(o, dict):
+            todo.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            todo.extend(o)
+        elif type(o).__module__.startswith("cpumla.") and hasattr(o, "__dict__"):
+            todo.extend(vars(o).values())
+    return found
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -167,7 +189,8 @@ def run(eng, *, model_name: str, n_prompt: int, n_gen: int, reps: int, threads: 
         load_s: float, probe: BandwidthProbe, peak_gflops: dict[int, float], progress=None, seed: int = 0,
         bf16_peak_gflops: dict[int, float] | None = None):
     """Yields TestResult for each (threads, depth, test). progress(label, done, total) is called.
-    peak_gflops / bf16_peak_gflops: the fp32 FMA / bf16 dot probes' GFLOP/s by thread count."""
+    peak_gflops / bf16_peak_gflops: the fp32 FMA / bf16 probes' GFLOP/s by thread count; a prefill's
+    share is of the one that bounds its products (bench/peaks.py), or of none."""
     cfg = eng.config
     stream = eng.stream
     disk = DiskProbe(eng) if stream is not None else None
@@ -176,6 +199,7 @@ def run(eng, *, model_name: str, n_prompt: int, n_gen: int, reps: int, threads: 
     total = len(threads) * len(depths) * len(tests) * (reps + 1)
     done = 0
     at_depth = AtDepth(eng, max(depths), np.random.default_rng([seed, 1]))
+    formats, dot = weight_formats(eng.model), peaks.dot_name()
     for t in threads:
         native.set_threads(t)
         for d in depths:
@@ -223,8 +247,9 @@ def run(eng, *, model_name: str, n_prompt: int, n_gen: int, reps: int, threads: 
                     r.pct_bandwidth = 100.0 * r.gbs / probe_gbs if probe_gbs else 0.0
                 else:
                     r.gflops = prefill_flops(eng, n, d) / (r.avg_ns / 1e9) / 1e9
-                    r.pct_fma_peak = 100.0 * r.gflops / r.fma_peak_gflops if r.fma_peak_gflops else 0.0
-                    r.pct_bf16_peak = 100.0 * r.gflops / r.bf16_peak_gflops if r.bf16_peak_gflops else 0.0
+                    measured = {peaks.FMA: r.fma_peak_gflops, **({dot: r.bf16_peak_gflops} if dot else {})}
+                    r.peak, r.peak_gflops, r.no_peak = peaks.ceiling(formats, measured, most=n)
+                    r.pct_peak = peaks.percent(r.gflops, r.peak_gflops)
                     r.ttft_ms = r.avg_ns / 1e6
                 yield r
     native.set_threads(None)

@@ -152,16 +152,20 @@ def _print(results, output, eng, peaks, bf16_peaks):
                       f"{params / 1e9:.2f} B parameters, {eng.matmul_format} linear layers, "
                       f"{eng.model.decode_bytes(0) / 1e6:.0f} MB read a decode token); implementation {r0.isa}; "
                       f"load {r0.load_s:.1f} s; peak RSS {max(r.peak_rss_mb for r in results):.0f} MB")
-    render.print_line("peaks: " + ", ".join(f"fp32 FMA {v:.0f} / bf16 dot {bf16_peaks[t]:.0f} GFLOP/s at {t} threads"
-                                             for t, v in peaks.items())
+    from cpumla.bench.peaks import dot_name
+
+    dot = dot_name()                       # None: the bf16 probe is the fp32 FMA loop on this level
+    render.print_line("peaks: " + ", ".join(f"fp32 FMA {v:.0f}" + (f" / {dot} {bf16_peaks[t]:.0f}" if dot else "")
+                                             + f" GFLOP/s at {t} threads" for t, v in peaks.items())
                       + "; read bandwidth probed before and after each test")
-    bf16 = eng.bf16_activations            # prefill is measured against its own arithmetic's peak
     rows = []
     for r in results:
-        peak = (f"{r.pct_bf16_peak:.0f}% of the bf16 dot peak ({r.pct_fma_peak:.0f}% of fp32 FMA)" if bf16 else
-                f"{r.pct_fma_peak:.0f}% of the FMA peak")
+        # prefill against the peak that bounds its products, or none (bench/peaks.py)
+        peak = (f"{r.pct_peak:.0f}% of the {r.peak} peak" if r.pct_peak is not None else
+                f"no measured peak bounds its {r.no_peak}")
         extra = (f"{r.gbs:.1f} GB/s = {r.pct_bandwidth:.0f}% of {r.read_probe_gbs:.1f} GB/s probe" if r.n_gen else
-                 f"{r.gflops:.0f} GFLOP/s = {peak}, TTFT {r.ttft_ms:.0f} ms")
+                 f"{r.gflops:.0f} GFLOP/s = {peak}, TTFT {r.ttft_ms:.0f} ms" if r.pct_peak is not None else
+                 f"{r.gflops:.0f} GFLOP/s ({peak}), TTFT {r.ttft_ms:.0f} ms")
         if r.expert_hit_rate is not None:
             extra += (f"; experts {100 * r.expert_hit_rate:.0f}% in memory, {r.disk_bytes_per_token / 1e6:.1f} MB a "
                       f"token from disk at {r.disk_read_gbps:.2f} GB/s = "
@@ -219,8 +223,11 @@ def _kernels(output, threads, formats, rows, cols, seconds, stream_mb, codes="ra
         _report_verdict(checked)
         return
     fma = max((r.fma_peak_gflops for r in results), default=0.0)
+    measured = {r.peak: r.peak_gflops for r in results if r.peak}
     render.out.print(f"read bandwidth probe: [bold]{probe:.1f} GB/s[/] at the start, and around each GEMV"
                      + (f", fp32 FMA probe: [bold]{fma:.0f} GFLOP/s[/]" if fma else "")
+                     + "".join(f", {name} probe: [bold]{v:.0f} GFLOP/s[/]" for name, v in measured.items()
+                               if name != "fp32 FMA")
                      + f" ({native.get_threads()} threads, implementation {native.isa()})")
     rows_out = []
     for r in results:
@@ -228,12 +235,17 @@ def _kernels(output, threads, formats, rows, cols, seconds, stream_mb, codes="ra
         rows_out.append([r.kernel, r.format, r.codes, r.shape, r.isa, f"{r.seconds * 1e6:.0f}",
                          f"{r.gbs:.1f}" if gemv else "", f"{r.pct_probe:.0f}% of {r.probe_gbs:.1f}" if gemv else "",
                          f"{r.cache_gbs:.1f}" if gemv else "", f"{r.gflops:.1f}",
-                         "" if gemv else f"{r.pct_fma_peak:.0f}%"])
+                         "" if gemv else f"{r.pct_peak:.0f}% of {r.peak}" if r.pct_peak is not None else
+                         f"none: {r.no_peak}"])
     render.table(None, ["kernel", "weights", "codes", "shape", "impl", "us/call", "GB/s", "% of probe",
-                        "in cache GB/s", "GFLOP/s", "% of FMA peak"], rows_out, right={5, 6, 7, 8, 9, 10})
+                        "in cache GB/s", "GFLOP/s", "% of peak"], rows_out, right={5, 6, 7, 8, 9, 10})
     if any(r.kernel == "gemv" for r in results):
         render.out.print("in cache GB/s: the GEMV over weights that stay in cache, the most its instructions "
                          "read per second; below the probe, decode of that format is bound by the core")
+    if any(r.kernel == "gemm" for r in results):
+        render.out.print("% of peak: of the probe that bounds the GEMM's arithmetic (fp32 FMAs, or bf16 dot "
+                         "products where the level has them); none for AMX tiles and int8 dot products, which "
+                         "no probe bounds")
     if checked:
         render.out.print()
         render.out.print("cpumla info --json:")

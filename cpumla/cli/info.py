@@ -1,7 +1,9 @@
 """`cpumla info`: what this machine is and what cpumla will run on it; `cpumla info MODEL`: what a model
-takes (weights in each format, cache) and whether it fits this machine's memory, before loading it. For a
-GGUF model (a file, a folder holding one, a split set's shard, or REPO:QUANT in the hub cache) also its
-tensor types and bytes by group, from the tensor index (checkpoint/gguf_info.py)."""
+takes (weights in each format, cache) and whether it fits this machine's memory, before loading it; the
+decode speed to expect here (the weight bytes a token reads over a read-bandwidth probe taken then); and
+when nothing fits, what would. For a GGUF model (a file, a folder holding one, a split set's shard, or
+REPO:QUANT in the hub cache) also its tensor types and bytes by group, from the tensor index
+(checkpoint/gguf_info.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 import typer
 
 from cpumla import __version__, native
+from cpumla.checkpoint.formats import QUANTS
 from cpumla.cli import render
 
 
@@ -56,6 +59,12 @@ def info(
     hf_overrides: str = typer.Option(None, "--hf-overrides", help="With MODEL: JSON merged into its config."),
 ) -> None:
     if model is not None:
+        if threads is not None:
+            from cpumla.cli.options import check_threads
+
+            for w in check_threads(threads):
+                render.err.print(f"note: {w}", style="yellow", markup=False, highlight=False)
+            native.set_threads(threads)            # the read probe's threads, as decode would run
         if is_gguf(model):
             return gguf_plan(model, ctx, hf_overrides, json_out)
         return model_plan(model, ctx, hf_overrides, json_out)
@@ -119,8 +128,10 @@ def gguf_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: b
         g.close()
     total = {"tensors": sum(v["tensors"] for v in by_group.values()),
              "bytes": sum(v["bytes"] for v in by_group.values())}
+    gbs = read_gbs()
     if json_out:
-        render.print_json({**p.to_dict(), "gguf": {"files": files, "groups": by_group, "total": total}})
+        render.print_json({**p.to_dict(), "decode_here": decode_here(p, gbs),
+                           "gguf": {"files": files, "groups": by_group, "total": total}})
         return
     gib = lambda b: f"{b / 2**30:.2f}"   # noqa: E731
     rows = [[name, v["tensors"], ", ".join(f"{t}: {c['tensors']}" for t, c in v["types"].items()),
@@ -130,7 +141,7 @@ def gguf_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: b
                      markup=False, highlight=False, soft_wrap=True)
     render.table("tensors by group", ["group", "tensors", "types", "bytes", "GiB"], rows, right={1, 3, 4})
     render.out.print()
-    show_plan(p)
+    show_plan(p, gbs)
 
 
 def model_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: bool) -> None:
@@ -141,13 +152,32 @@ def model_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: 
     if ctx is not None:
         check_ctx(ctx, 1 << 62)
     p = plan(model, parse_hf_overrides(hf_overrides), ctx)
+    gbs = read_gbs()
     if json_out:
-        render.print_json(p.to_dict())
+        render.print_json({**p.to_dict(), "decode_here": decode_here(p, gbs)})
         return
-    show_plan(p)
+    show_plan(p, gbs)
 
 
-def show_plan(p) -> None:
+PROBE_BYTES = 512 << 20
+
+
+def read_gbs() -> float:
+    """GB/s of the read probe over a buffer of its own (512 MiB; less where less memory is free), taken
+    now: what decode here is bound by (a tenth of a second or so)."""
+    from cpumla.bench.model import BandwidthProbe
+    from cpumla.runtime.memory import available_memory
+
+    native.ensure_init()
+    return BandwidthProbe(min_bytes=max(64 << 20, min(PROBE_BYTES, available_memory()[0] // 8)))()
+
+
+def decode_here(p, gbs: float) -> dict:
+    """The probe and, per weight format, the decode tokens a second it allows (were that format to fit)."""
+    return {"read_probe_gbs": gbs, "tok_s": {f: p.decode_tok_s(f, gbs) for f in p.token_bytes}}
+
+
+def show_plan(p, gbs: float) -> None:
     gib = lambda b: f"{b / 2**30:.2f} GiB"   # noqa: E731
     label = {"stored": p.stored, "bf16": "bf16", "q8": "--quant q8", "q4": "--quant q4"}
     render.table(None, ["", ""], [
@@ -158,9 +188,15 @@ def show_plan(p) -> None:
         ["available", f"{gib(p.available)} ({p.available_from})"],
     ], header=False)
     render.out.print()
-    render.table("weights", ["format", "weights", "with cache and scratch", "fits"],
-                 [[label[f], gib(b), gib(p.need(f)), "yes" if p.fits(f) else "no"] for f, b in p.weights.items()],
-                 right={1, 2})
+    render.table("weights", ["format", "weights", "with cache and scratch", "fits", "decode here"],
+                 [[label[f], gib(b), gib(p.need(f)), "yes" if p.fits(f) else "no",
+                   f"{p.decode_tok_s(f, gbs):.1f} tok/s" if p.fits(f) else ""] for f, b in p.weights.items()],
+                 right={1, 2, 4})
+    runs = next((f for f in ("stored", *QUANTS) if f in p.weights and p.fits(f)), None)
+    if runs is not None:
+        render.print_line(f"decode here: about {p.decode_tok_s(runs, gbs):.1f} tok/s "
+                          f"{label[runs].replace('--quant', 'with --quant')} ({megabytes(p.token_bytes[runs])} MB a "
+                          f"token at {gbs:.1f} GB/s measured)")
     for n in p.notes:
         render.out.print(f"note: {n}", markup=False, highlight=False)
     s = p.streamed()
@@ -174,7 +210,49 @@ def show_plan(p) -> None:
                          markup=False, highlight=False, soft_wrap=True)
     if not p.fits("stored"):
         q = p.smallest_fitting_quant()
-        streams = s is not None and s["held"] > 0
-        render.out.print(f"as {'stored' if p.stored == 'as stored' else 'released'} it does not fit: "
-                         + (f"--quant {q} would fit" if q else "its routed experts are read from disk as tokens use "
-                            "them" if streams else "no --quant makes it fit here"), markup=False, highlight=False)
+        what = f"as {'stored' if p.stored == 'as stored' else 'released'} it does not fit"
+        if q:
+            render.print_line(f"{what}: --quant {q} would fit")
+        else:
+            render.print_line(f"{what}{', nor with --quant' if 'q4' in p.weights else ''}; what would:")
+            for line in what_would_fit(p, s):
+                render.print_line(f"  - {line}")
+
+
+def what_would_fit(p, s: dict | None) -> list[str]:
+    """When no format of the model fits: its routed experts read from disk (when the rest fits with a
+    token's experts), a GGUF file small enough, and the largest smaller presets that fit."""
+    from cpumla.runtime.memory import gib
+    from cpumla.runtime.plan import plan
+    from cpumla.runtime.resolve import PRESETS
+
+    lines = []
+    if s is not None and s["held"] * p.routed >= p.routed_per_token > 0:
+        lines.append("this model with its routed experts read from disk as tokens use them (chat, serve, bench "
+                     "and smoke do it by themselves; --memory SIZE sets the budget): see the line above")
+    room = p.available - p.cache - p.scratch
+    bits = 8 * room / p.params if p.params else 0.0
+    types = sorted((8 * per / block, name) for name, (block, per) in native.GGUF_FORMATS.items())
+    below = [t for t in types if t[0] <= bits]
+    if below:
+        lines.append(f"a GGUF file of this model of at most {gib(room)}: {bits:.2f} bits a weight on average "
+                     f"({below[-1][1].upper()} takes {below[-1][0]:.2f}; `cpumla download REPO:QUANT` fetches one)")
+    fitting = []
+    for name in PRESETS:
+        other = plan(name, max_seq_len=p.ctx, dummy=True)
+        how = next((f for f in ("stored", *QUANTS) if f in other.weights and other.fits(f)), None)
+        if how is not None and other.params < p.params:
+            fitting.append((other.params, name, "as released" if how == "stored" else f"with --quant {how}"))
+    groups: dict[tuple, list[str]] = {}                  # the two largest that fit, with those of their size
+    for n, name, how in sorted(fitting, key=lambda f: (-f[0], f[1])):
+        if (n, how) in groups or len(groups) < 2:
+            groups.setdefault((n, how), []).append(name)
+    if groups:
+        lines.append("a smaller model: " + "; ".join(f"{', '.join(names)} ({n / 1e9:.1f} B parameters, {how})"
+                                                     for (n, how), names in groups.items()))
+    return lines or [f"no model cpumla knows of fits in {gib(p.available)}"]
+
+
+def megabytes(b: float) -> str:
+    """MB with at least three significant digits."""
+    return f"{b / 1e6:.0f}" if b >= 1e8 else f"{b / 1e6:.3g}"

@@ -1,6 +1,7 @@
 """What a model takes before it is loaded (`cpumla info MODEL`, and the loader's refusal of a model
 that cannot fit): parameters, the bytes of its weights as released or stored and in bf16 / q8 / q4,
-the cache per 1k tokens and at the context asked for, and which of those fits this machine's memory.
+the cache per 1k tokens and at the context asked for, which of those fits this machine's memory, and the
+weight bytes one decode token reads in each form (what its decode speed is bound by).
 
 Everything comes from the config and, for a checkpoint directory, the safetensors headers: nothing is
 read or allocated. The q8 / q4 bytes follow checkpoint.quant.quant_plan, the rule the loader quantizes by.
@@ -76,6 +77,7 @@ class Plan:
     routed: int = 0                       # bytes of the routed experts (in the stored form)
     routed_per_token: int = 0             # of those, what one token reads (top_k a MoE layer, on average)
     disk_probe_gbps: float | None = None  # direct reads of the checkpoint's largest file, when it does not fit
+    token_bytes: dict[str, int] = field(default_factory=dict)   # format -> weight bytes a decode token reads
 
     def streamed(self) -> dict | None:
         """When the stored weights do not fit but the resident part does: what reading the routed experts
@@ -98,6 +100,11 @@ class Plan:
     def fits(self, fmt: str) -> bool:
         return self.need(fmt) <= self.available
 
+    def decode_tok_s(self, fmt: str, read_gbs: float) -> float:
+        """Decode tokens a second that a memory reading read_gbs GB/s allows in `fmt`: every token reads
+        token_bytes[fmt] (the cache it attends to adds a little as it grows)."""
+        return read_gbs * 1e9 / self.token_bytes[fmt]
+
     def smallest_fitting_quant(self) -> str | None:
         """The --quant that would fit (q8 before q4), or None when neither does or none applies."""
         for fmt in QUANTS:
@@ -111,7 +118,8 @@ class Plan:
                 "ctx": self.ctx, "cache": self.cache, "scratch": self.scratch, "available": self.available,
                 "available_from": self.available_from, "quantized": self.quantized,
                 "fits": {f: self.fits(f) for f in self.weights}, "notes": self.notes, "routed": self.routed,
-                "routed_per_token": self.routed_per_token, "streamed": self.streamed()}
+                "routed_per_token": self.routed_per_token, "token_bytes": self.token_bytes,
+                "streamed": self.streamed()}
 
 
 def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=None, dummy: bool = False) -> Plan:
@@ -134,12 +142,18 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
         src = Checkpoint(resolved.directory)
     elif src is None and not dummy:
         src = resolved.gguf
-    routed = 0
+    routed = embed = 0
+    experts = getattr(cfg, "n_routed_experts", 0) or 0
+    top_k = getattr(cfg, "num_experts_per_tok", 0) or 0
     try:
         params, sizes = 0, {"stored": 0, **({"bf16": 0, **{f: 0 for f in QUANTS}} if quantizable else {})}
+        per_token = dict.fromkeys(sizes, 0.0)       # of those bytes, what a decode token reads
         for name, shape, kind, count in groups:
             n = math.prod(shape)
             params += n * count
+            # a token reads top_k of the routed experts, one row of the embedding (and of V4's hash table)
+            share = top_k / experts if is_routed(name) and experts else \
+                1 / shape[0] if kind == "embed" or kind.startswith("ids:") else 1.0
             if src is not None and src.has(name):
                 dtype, got = src.info(name)
                 stored = src.tensor_nbytes(name) + sum(src.tensor_nbytes(s) for s in scale_names(name) if src.has(s))
@@ -147,18 +161,23 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
             else:
                 dtype = _released_dtype(kind, fp8)
                 stored = _bytes(shape, dtype, block, scale_bytes)
-            sizes["stored"] += stored * count
+            b = {"stored": stored}
             if is_routed(name):
                 routed += stored * count
-            if not quantizable:
-                continue
-            sizes["bf16"] += count * (stored if dtype in ("F32", "I64", "I32") else 2 * n)
-            for fmt in QUANTS:
-                to = quant_plan(name, dtype, shape, fmt) if kind in ("linear", "plain") else None
-                sizes[fmt] += count * (_as(shape, to) if to else stored)
+            elif share != 1.0:
+                embed += stored * count
+            if quantizable:
+                b["bf16"] = stored if dtype in ("F32", "I64", "I32") else 2 * n
+                for fmt in QUANTS:
+                    to = quant_plan(name, dtype, shape, fmt) if kind in ("linear", "plain") else None
+                    b[fmt] = _as(shape, to) if to else stored
+            for fmt, v in b.items():
+                sizes[fmt] += v * count
+                per_token[fmt] += v * count * share
         if src is not None:     # as stored, tensor by tensor: a file's types may differ by layer (GGUF's mixes)
             exact = budget(fam, cfg, src, ctx, 1)
             sizes["stored"], routed = exact.resident + exact.routed, exact.routed
+            per_token["stored"] = exact.resident - embed * (1 - 1 / cfg.vocab_size) + routed * top_k / max(experts, 1)
     finally:
         if own:
             src.close()
@@ -173,8 +192,7 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
                      else f"--quant is not supported for {cfg.model_type}")
     if sizes.get("bf16") == sizes["stored"]:
         sizes.pop("bf16")
-    experts = getattr(cfg, "n_routed_experts", 0) or 0
-    per_token = routed * (getattr(cfg, "num_experts_per_tok", 0) or 0) // experts if experts else 0
+        per_token.pop("bf16")
     probe = None
     if routed and sizes["stored"] + mem["cache"] + mem["scratch"] > avail and not dummy:
         probe = disk_probe_gbps(resolved)
@@ -183,7 +201,8 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
                 stored="as stored" if src is not None else "as released", weights=sizes,
                 cache_per_1k=k1, ctx=ctx, cache=mem["cache"], scratch=mem["scratch"], available=avail,
                 available_from=what, quantized=quantized_as(cfg), notes=notes, routed=routed,
-                routed_per_token=per_token, disk_probe_gbps=probe)
+                routed_per_token=routed * top_k // experts if experts else 0, disk_probe_gbps=probe,
+                token_bytes={f: round(v) for f, v in per_token.items()})
 
 
 def disk_probe_gbps(resolved) -> float | None:

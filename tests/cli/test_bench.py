@@ -33,8 +33,12 @@ def test_bench_model_json():
         assert r["bf16_peak_gflops"] > 0
     pp, tg = rows[0], rows[1]
     assert pp["n_prompt"] == 16 and pp["n_gen"] == 0 and pp["gflops"] > 0 and pp["ttft_ms"] > 0
-    assert pp["pct_fma_peak"] == pytest.approx(100 * pp["gflops"] / pp["fma_peak_gflops"])
-    assert pp["pct_bf16_peak"] == pytest.approx(100 * pp["gflops"] / pp["bf16_peak_gflops"])
+    if pp["peak"] is not None:          # the share is of the peak named, one of the two measured
+        assert pp["pct_peak"] == pytest.approx(100 * pp["gflops"] / pp["peak_gflops"])
+        assert pp["peak_gflops"] in (pp["fma_peak_gflops"], pp["bf16_peak_gflops"])
+    else:
+        assert pp["pct_peak"] is None and pp["no_peak"]
+    assert tg["peak"] is None and tg["pct_peak"] is None
     assert tg["n_gen"] == 4 and tg["gbs"] > 0
     assert tg["pct_bandwidth"] == pytest.approx(100 * tg["gbs"] / tg["read_probe_gbs"])
     assert rows[3]["bytes_per_token"] > tg["bytes_per_token"]          # deeper cache, more bytes read
@@ -48,10 +52,44 @@ def test_bench_model_csv_jsonl_md():
     p = run_cli("bench", *TINY, "-p", "0", "-n", "2", "-r", "1", "-t", "1", "-o", "jsonl")
     assert [json.loads(line)["test"] for line in p.stdout.splitlines()] == ["tg2"]
     p = run_cli("bench", *TINY, "-p", "8", "-n", "0", "-r", "1", "-t", "1")
-    # bf16 dummy weights: prefill is measured against the bf16 dot-product peak (and fp32 FMA's)
-    assert "pp8" in p.stdout and "% of the bf16 dot peak" in p.stdout and "read bandwidth probe" in p.stdout
+    assert "pp8" in p.stdout and "read bandwidth probe" in p.stdout
     # the header names what runs: parameters, the weights' format, the bytes a decode token reads
     assert re.search(r"\d+\.\d\d B parameters, bf16 linear layers, \d+ MB read a decode token", p.stdout), p.stdout
+
+
+def _at_level(isa: str, *args: str):
+    """`cpumla bench` on TINY at one implementation level (the test is skipped where it does not run)."""
+    from support.cli import cli_env
+
+    if isa not in native.available_isas():
+        pytest.skip(f"this machine does not run {isa}")
+    return run_cli("bench", *TINY, "-r", "1", "-t", "1", *args, env={**cli_env(), "CPUMLA_ISA": isa})
+
+
+@pytest.mark.parametrize("isa,tokens", [("avx2", 32), ("avx512f", 32), ("avx512", 32), ("amx", 32), ("amx", 8)])
+def test_prefill_is_a_share_of_a_peak_that_bounds_it(isa, tokens):
+    """Prefill's share is only of a peak bounding every product it runs: fp32 FMAs where bf16 weights are
+    multiplied by FMAs (avx2, avx512f); the higher of the FMA and bf16 dot peaks where they are dot
+    products (avx512, and amx below its tiles' 16 tokens); none where AMX tiles run (amx from 16 tokens),
+    which no probe bounds."""
+    p = _at_level(isa, "-p", str(tokens), "-n", "0", "-o", "json")
+    assert p.returncode == 0, p.stderr
+    pp = json.loads(p.stdout)[0]
+    fma, dot = pp["fma_peak_gflops"], pp["bf16_peak_gflops"]
+    if isa == "amx" and tokens >= 16:
+        assert pp["peak"] is None and pp["pct_peak"] is None and pp["no_peak"] == "AMX tiles"
+        p = _at_level(isa, "-p", str(tokens), "-n", "0")
+        line = next(ln for ln in p.stdout.splitlines() if ln.startswith(f"pp{tokens} "))
+        assert "% of" not in line and "no measured peak bounds its AMX tiles" in line, line
+        return
+    if isa in ("avx2", "avx512f"):
+        assert pp["peak"] == "fp32 FMA" and pp["peak_gflops"] == fma
+    else:
+        assert pp["peak_gflops"] == max(fma, dot) > 0
+        assert pp["peak"] == ("fp32 FMA" if fma >= dot else "AVX-512 bf16 dot")
+    assert pp["pct_peak"] == pytest.approx(100 * pp["gflops"] / pp["peak_gflops"])
+    p = _at_level(isa, "-p", str(tokens), "-n", "0")
+    assert f"% of the {pp['peak']} peak" in p.stdout, p.stdout
 
 
 def test_bench_threads_beyond_cores_warns():

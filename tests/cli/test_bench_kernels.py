@@ -28,8 +28,68 @@ def test_bench_kernels_json():
     gemm = [r for r in d["results"] if r["kernel"] == "gemm"]
     assert gemm and all(r["gflops"] > 0 and r["fma_peak_gflops"] > 0 and r["cache_gbs"] == 0 for r in gemm)
     for r in gemm:
-        assert r["pct_fma_peak"] == pytest.approx(100 * r["gflops"] / r["fma_peak_gflops"])
+        if r["peak"]:
+            assert r["pct_peak"] == pytest.approx(100 * r["gflops"] / r["peak_gflops"]) and r["peak_gflops"] > 0
+        else:
+            assert r["pct_peak"] is None and r["no_peak"] in ("AMX tiles", "int8 dot products")
     assert {r["shape"] for r in gemm} >= {"512x2048 @ 2048x2048", "48x2048 @ 1408x2048"}
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512f", "avx512", "amx"])
+def test_gemm_shares_only_of_a_peak_that_bounds_it(isa):
+    """Each GEMM's share is of the probe of the arithmetic it runs at that level, or none: fp32 FMAs
+    (f32 everywhere; bf16 and FP8 where the level has no bf16 dot products; FP4 from the tokens its level
+    names), bf16 dot products (avx512), none for AMX tiles and int8 dot products."""
+    from support.cli import cli_env
+
+    if isa not in native.available_isas():
+        pytest.skip(f"this machine does not run {isa}")
+    p = run_cli("bench", "--kernels", "-o", "json", "--rows", "64", "--cols", "256", "--seconds", "0.01",
+                "--stream-mb", "1", "--formats", "f32", env={**cli_env(), "CPUMLA_ISA": isa})
+    assert p.returncode == 0, p.stderr
+    gemm = {(r["format"], r["shape"].split("x")[0]): r for r in json.loads(p.stdout)["results"]
+            if r["kernel"] == "gemm"}
+    want = {"f32": "fp32 FMA", "bf16": "fp32 FMA", "e4m3": "fp32 FMA", "e2m1": "fp32 FMA", "q8": None, "q4": None}
+    if isa == "avx512":
+        want.update(bf16="AVX-512 bf16 dot", e4m3="AVX-512 bf16 dot", e2m1=None)
+    if isa == "amx":
+        want.update(bf16=None, e4m3=None, e2m1=None, q8=None, q4=None)
+    for (fmt, n), r in gemm.items():
+        assert r["peak"] == (want[fmt] or ""), (fmt, n, r["isa"], r["peak"])
+        if r["peak"]:
+            assert r["pct_peak"] == pytest.approx(100 * r["gflops"] / r["peak_gflops"])
+            assert r["peak_gflops"] == r["fma_peak_gflops"] if r["peak"] == "fp32 FMA" else r["peak_gflops"] > 0
+        else:
+            assert r["pct_peak"] is None
+            assert r["no_peak"] == ("AMX tiles" if isa == "amx" else "int8 dot products")
+    assert len(gemm) == 10
+
+
+def test_peaks_follow_what_serves_the_product(monkeypatch):
+    """bench/peaks.py's rule on the implementations' own words, on a CPU with bf16 dot products (the bf16
+    probe on avx512, the fp32 FMA probe on avx512f) and on one without (both on avx2)."""
+    from cpumla.bench import peaks
+
+    probes = {"bf16_probe": "avx512", "fma_probe": "avx512f"}
+    monkeypatch.setattr(peaks.native, "kernel_impl", lambda k: probes[k])
+    dot, fma = "AVX-512 bf16 dot", "fp32 FMA"
+    amx = "amx (avx512 below 16 tokens)"
+    assert peaks.bound("bf16", amx) == (None, "AMX tiles") and peaks.bound("bf16", amx, 16, 16)[0] is None
+    assert peaks.bound("bf16", amx, most=15)[0] == dot and peaks.bound("e4m3-e8m0", "avx512")[0] == dot
+    assert peaks.bound("bf16", "avx512f")[0] == fma and peaks.bound("f16", "avx512f")[0] == fma
+    assert peaks.bound("f32", "amx") == (None, "AMX tiles")
+    assert peaks.bound("q8", "amx (avx512vnni below 16 tokens)", 8, 8) == (None, "int8 dot products")
+    fp4 = "avx2 (fp32 FMAs from 12 tokens; scalar when cols % 32 != 0 or blocks not 1x32 E8M0)"
+    assert peaks.bound("e2m1", fp4, 12, 128)[0] == fma
+    assert peaks.bound("e2m1", fp4, 11, 128)[0] is None and peaks.bound("e2m1", fp4)[0] is None
+    monkeypatch.setattr(peaks.native, "kernel_formats", lambda: {"gemm": {"bf16": "avx512", "q4": "avx512vnni"}})
+    assert peaks.ceiling(["bf16"], {fma: 400.0, dot: 800.0}) == (dot, 800.0, "")
+    assert peaks.ceiling(["bf16"], {fma: 400.0, dot: 200.0}) == (fma, 400.0, "")    # the higher bounds the mix
+    assert peaks.ceiling(["bf16", "q4"], {fma: 400.0, dot: 800.0}) == (None, 0.0, "int8 dot products")
+    assert peaks.ceiling(["bf16"], {fma: 400.0})[0] is None                        # the dot peak not measured
+    probes.update(bf16_probe="avx2", fma_probe="avx2")
+    assert peaks.dot_name() is None and peaks.bound("bf16", "avx2")[0] == fma
+    assert peaks.percent(50.0, 200.0) == 25.0 and peaks.percent(50.0, 0.0) is None
 
 
 def test_bench_kernels_gguf_formats():

@@ -146,3 +146,74 @@ print(hwm - p.weights["q4"] - p.cache)
     assert r.returncode == 0, r.stderr
     excess = int(r.stdout.split()[-1])
     assert excess <= 300 << 20, f"peak RSS is {excess >> 20} MiB over the q4 weights and the cache"
+
+
+V4_TINY = {"num_hidden_layers": 4, "vocab_size": 1000, "n_routed_experts": 16, "compress_ratios": [0, 4, 128, 4, 0]}
+
+
+@pytest.mark.parametrize("model,overrides,dtype,quant,fmt", [
+    (V3, TINY, "bf16", None, "bf16"), (V3, TINY, "fp8", None, "stored"), (V3, TINY, "bf16", "q4", "q4"),
+    (V3, TINY, "bf16", "q8", "q8"), ("deepseek-ai/DeepSeek-V4-Flash", V4_TINY, "bf16", None, "stored")])
+def test_token_bytes_are_what_a_decode_token_reads(model, overrides, dtype, quant, fmt):
+    """The plan's weight bytes a decode token reads (every weight once, top_k of the routed experts, one
+    embedding row) are the model's own count of them, once built, within its norms and cache rows."""
+    eng = cpumla.load(model, dummy_weights=True, hf_overrides=overrides, dummy_dtype=dtype, quant=quant,
+                      max_seq_len=64)
+    try:
+        built = eng.model.decode_bytes(0)
+    finally:
+        eng.close()
+    assert plan(model, overrides).token_bytes[fmt] == pytest.approx(built, rel=2e-3)
+
+
+def _info(*args, memory: int | None = None):
+    from support.cli import cli_env
+
+    env = cli_env(CPUMLA_MEMORY_AVAILABLE=str(memory) if memory else None)
+    p = run_cli("info", *args, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+def test_info_says_the_decode_speed_here():
+    """tok/s = the read probe's GB/s over the bytes a token reads, in the line and the table alike, and in
+    --json for every format."""
+    import re
+
+    over = ["--hf-overrides", json.dumps(TINY)]
+    d = json.loads(_info(V3, *over, "--json"))
+    here = d["decode_here"]
+    assert 1.0 < here["read_probe_gbs"] < 1e4
+    assert d["token_bytes"] == plan(V3, TINY).token_bytes
+    for f, b in d["token_bytes"].items():
+        assert here["tok_s"][f] == pytest.approx(here["read_probe_gbs"] * 1e9 / b, rel=1e-9)
+    out = _info(V3, *over)
+    m = re.search(r"^decode here: about ([\d.]+) tok/s as released \(([\d.]+) MB a token at ([\d.]+) GB/s "
+                  r"measured\)$", out, re.M)
+    assert m, out
+    tok_s, mb, gbs = map(float, m.groups())
+    assert mb == round(plan(V3, TINY).token_bytes["stored"] / 1e6, 2)
+    assert tok_s == pytest.approx(gbs * 1e3 / mb, rel=0.01)
+    row = next(line for line in out.splitlines() if line.startswith("as released "))
+    assert row.rstrip().endswith(f"{tok_s:.1f} tok/s")
+
+
+def test_info_says_what_would_fit():
+    """When no format fits: the routed experts from disk (the rest fits), the GGUF size that would, and
+    the largest presets that fit; with too little memory for any of them, that."""
+    avail = 100 * GIB
+    d = json.loads(_info("deepseek-ai/DeepSeek-V2", "--json", memory=avail))
+    assert not any(d["fits"].values())
+    room = avail - d["cache"] - d["scratch"]
+    out = _info("deepseek-ai/DeepSeek-V2", memory=avail)
+    lines = out[out.index("as released it does not fit, nor with --quant; what would:"):].splitlines()[1:]
+    assert len(lines) == 3 and all(line.startswith("  - ") for line in lines), out
+    assert "routed experts read from disk" in lines[0] and "--memory SIZE" in lines[0]
+    # Q3_K: 110 bytes a block of 256, 3.44 bits a weight, the largest GGUF type below the room's bits
+    assert f"at most {room / GIB:.1f} GiB: {8 * room / d['params']:.2f} bits a weight" in lines[1]
+    assert "(Q3_K takes 3.44;" in lines[1] and 3.44 < 8 * room / d["params"] < 4.25
+    assert lines[2] == ("  - a smaller model: moonshotai/Moonlight-16B-A3B, moonshotai/Moonlight-16B-A3B-Instruct "
+                        "(16.0 B parameters, as released); deepseek-ai/DeepSeek-V2-Lite, "
+                        "deepseek-ai/DeepSeek-V2-Lite-Chat (15.7 B parameters, as released)")
+    out = _info(V3, memory=4 * GIB)
+    assert out.rstrip().endswith("what would:\n  - no model cpumla knows of fits in 4.0 GiB"), out
