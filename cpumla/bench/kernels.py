@@ -280,10 +280,15 @@ def run(formats=FORMATS, rows: int = 10944, cols: int = 2048, gemm_n: int = 128,
         if dot is not None and any(name == dot for name, _ in bounds):
             step("bf16 dot probe")
             measured[dot] = fma_peak(min(min_seconds, 0.5), "bf16")
+        if any(name in (peaks.TILE_BF16, peaks.TILE_INT8) for name, _ in bounds):
+            step("tile probe")
+            measured.update(peaks.tile_peaks(min(min_seconds, 0.5) / 2))
         for g, (name, runs) in zip(gemms, bounds):
             g.fma_peak_gflops = peak
             if name is None:
                 g.no_peak = runs
+            elif measured.get(name, 0.0) <= 0:
+                g.no_peak = f"{runs} (the {name} peak not measured)"
             else:
                 g.peak, g.peak_gflops = name, measured[name]
                 g.pct_peak = peaks.percent(g.gflops, g.peak_gflops)

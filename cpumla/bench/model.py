@@ -49,6 +49,8 @@ class TestResult:
     read_probe_gbs: float = 0.0
     fma_peak_gflops: float = 0.0   # the fp32 FMA probe
     bf16_peak_gflops: float = 0.0  # the bf16 probe (bf16 dot products where the level has them, fp32 FMAs elsewhere)
+    amx_bf16_peak_gflops: float = 0.0  # the AMX tiles' bf16 products (0: no tiles at this level)
+    amx_int8_peak_gflops: float = 0.0  # the AMX tiles' int8 products, G operations/s
     load_s: float = 0.0
     peak_rss_mb: float = 0.0
     # routed experts read from disk (an engine with an ExpertStream); None otherwise
@@ -187,10 +189,11 @@ def _timed(fn) -> float:
 
 def run(eng, *, model_name: str, n_prompt: int, n_gen: int, reps: int, threads: list[int], depths: list[int],
         load_s: float, probe: BandwidthProbe, peak_gflops: dict[int, float], progress=None, seed: int = 0,
-        bf16_peak_gflops: dict[int, float] | None = None):
+        bf16_peak_gflops: dict[int, float] | None = None, tile_peak_gflops: dict[int, dict] | None = None):
     """Yields TestResult for each (threads, depth, test). progress(label, done, total) is called.
-    peak_gflops / bf16_peak_gflops: the fp32 FMA / bf16 probes' GFLOP/s by thread count; a prefill's
-    share is of the one that bounds its products (bench/peaks.py), or of none."""
+    peak_gflops / bf16_peak_gflops: the fp32 FMA / bf16 probes' GFLOP/s by thread count, tile_peak_gflops
+    the AMX tiles' (bench/peaks.tile_peaks, by name); a prefill's share is of the one that bounds its
+    products (bench/peaks.py), or of none."""
     cfg = eng.config
     stream = eng.stream
     disk = DiskProbe(eng) if stream is not None else None
@@ -235,6 +238,8 @@ def run(eng, *, model_name: str, n_prompt: int, n_gen: int, reps: int, threads: 
                                ns.tolist(), ts.tolist(), native.isa(), read_probe_gbs=probe_gbs,
                                fma_peak_gflops=peak_gflops.get(t, 0.0),
                                bf16_peak_gflops=(bf16_peak_gflops or {}).get(t, 0.0), load_s=load_s,
+                               amx_bf16_peak_gflops=(tile_peak_gflops or {}).get(t, {}).get(peaks.TILE_BF16, 0.0),
+                               amx_int8_peak_gflops=(tile_peak_gflops or {}).get(t, {}).get(peaks.TILE_INT8, 0.0),
                                peak_rss_mb=peak_rss_mb())
                 if stream is not None:
                     st = stream.stats()
@@ -247,7 +252,8 @@ def run(eng, *, model_name: str, n_prompt: int, n_gen: int, reps: int, threads: 
                     r.pct_bandwidth = 100.0 * r.gbs / probe_gbs if probe_gbs else 0.0
                 else:
                     r.gflops = prefill_flops(eng, n, d) / (r.avg_ns / 1e9) / 1e9
-                    measured = {peaks.FMA: r.fma_peak_gflops, **({dot: r.bf16_peak_gflops} if dot else {})}
+                    measured = {peaks.FMA: r.fma_peak_gflops, **({dot: r.bf16_peak_gflops} if dot else {}),
+                                peaks.TILE_BF16: r.amx_bf16_peak_gflops, peaks.TILE_INT8: r.amx_int8_peak_gflops}
                     r.peak, r.peak_gflops, r.no_peak = peaks.ceiling(formats, measured, most=n)
                     r.pct_peak = peaks.percent(r.gflops, r.peak_gflops)
                     r.ttft_ms = r.avg_ns / 1e6

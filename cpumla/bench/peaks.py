@@ -8,7 +8,8 @@ whose first word is that level):
 - f32 and f16 weights: fp32 FMAs everywhere, bounded by the fp32 FMA peak;
 - bf16 and e4m3 weights: bf16 dot products where the level serving them is the one the bf16 probe runs
   on (bounded by that probe's peak), fp32 FMAs elsewhere;
-- anything the amx level serves (from 16 tokens on): AMX tile multiplies, which no probe bounds;
+- anything the amx level serves (from 16 tokens on): AMX tile multiplies, bounded by the tile probe's
+  peak (cpumla_tile_probe): bf16 tiles for bf16 and e4m3 weights, int8 tiles for the integer formats;
 - integer formats (q8, q4, e2m1 and GGUF's block types): int8 dot products (vpdpbusd, vpmaddubsw,
   sdot), which no probe bounds either; but e2m1 from as many tokens as a level names ("fp32 FMAs from 12
   tokens"): fp32 FMAs.
@@ -19,6 +20,7 @@ part has none."""
 from __future__ import annotations
 
 import re
+import time
 
 from cpumla import native
 
@@ -26,6 +28,8 @@ FMA = "fp32 FMA"
 FLOAT_FORMATS = ("f32", "f16")
 BF16_FORMATS = ("bf16", "e4m3")          # their products multiply bf16-rounded activations
 TILES = "AMX tiles"
+TILE_BF16 = "AMX bf16 tile"
+TILE_INT8 = "AMX int8 tile"
 INTEGER = "int8 dot products"
 
 
@@ -49,7 +53,9 @@ def bound(fmt: str, impl: str, fewest: int | None = None, most: int | None = Non
         level = below[1]
     fmt = fmt.split("-")[0]                        # e4m3-e8m0: e4m3 with E8M0 block scales
     if level == "amx":
-        return None, TILES
+        if fmt in FLOAT_FORMATS:
+            return None, TILES              # the tiles take no f32 / f16 weights: nothing known bounds it
+        return (TILE_BF16 if fmt in BF16_FORMATS else TILE_INT8), TILES
     if fmt in FLOAT_FORMATS:
         return FMA, "fp32 FMAs"
     if fmt in BF16_FORMATS:
@@ -87,3 +93,23 @@ def ceiling(formats, peaks: dict[str, float], most: int | None = None) -> tuple[
 
 def percent(gflops: float, peak_gflops: float) -> float | None:
     return 100.0 * gflops / peak_gflops if peak_gflops > 0 else None
+
+
+def tile_peaks(seconds: float = 0.2) -> dict[str, float]:
+    """GFLOP/s (int8: G operations/s) of the AMX tiles' bf16 and int8 products on every thread, by name;
+    empty where the level running has no tiles."""
+    native.ensure_init()
+    out = {}
+    for name, kind in ((TILE_BF16, 0), (TILE_INT8, 1)):
+        iters = 1 << 10
+        while True:
+            t0 = time.perf_counter()
+            ops = native.lib.cpumla_tile_probe(kind, iters)
+            dt = time.perf_counter() - t0
+            if ops == 0:
+                return {}
+            if dt > seconds or iters > 1 << 30:
+                out[name] = ops / dt / 1e9
+                break
+            iters *= 2
+    return out

@@ -12,6 +12,7 @@ import typer
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from cpumla import native
+from cpumla.bench.peaks import tile_peaks as tile_peaks_of
 from cpumla.cli import render
 from cpumla.cli.options import MEMORY_HELP, QUANT_HELP, check_quant, check_threads, dummy_dtypes_help, parse_size
 from cpumla.cli.overrides import parse_hf_overrides
@@ -101,12 +102,13 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
                   console=render.err, transient=True) as prog:
         # the machine's limits first, so the probe's buffer is gone before the model is in memory
         task = prog.add_task("measuring FMA peak", total=None)
-        peaks, bf16_peaks = {}, {}
+        peaks, bf16_peaks, tile_peaks = {}, {}, {}
         for t in thr:
             native.set_threads(t)
             prog.update(task, description=f"measuring FMA peaks, {t} threads")
             peaks[t] = mb.fma_peak_gflops()
             bf16_peaks[t] = mb.fma_peak_gflops(kind="bf16")
+            tile_peaks[t] = tile_peaks_of()
         prog.update(task, description=f"loading {render.escape(model)}")
         t0 = time.perf_counter()
         eng = load(model, dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed,
@@ -118,13 +120,14 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
         results = []
         for r in mb.run(eng, model_name=model, n_prompt=n_prompt, n_gen=n_gen, reps=reps, threads=thr, depths=dep,
                         load_s=load_s, probe=probe, peak_gflops=peaks, bf16_peak_gflops=bf16_peaks, seed=seed,
+                        tile_peak_gflops=tile_peaks,
                         progress=lambda label, done, total: prog.update(task, description=render.escape(label), completed=done,
                                                                          total=total)):
             results.append(r)
-    _print(results, output, eng, peaks, bf16_peaks)
+    _print(results, output, eng, peaks, bf16_peaks, tile_peaks)
 
 
-def _print(results, output, eng, peaks, bf16_peaks):
+def _print(results, output, eng, peaks, bf16_peaks, tile_peaks):
     from cpumla.bench import model as mb
 
     dicts = [mb.as_dict(r) for r in results]
@@ -156,6 +159,7 @@ def _print(results, output, eng, peaks, bf16_peaks):
 
     dot = dot_name()                       # None: the bf16 probe is the fp32 FMA loop on this level
     render.print_line("peaks: " + ", ".join(f"fp32 FMA {v:.0f}" + (f" / {dot} {bf16_peaks[t]:.0f}" if dot else "")
+                                             + "".join(f" / {name} {g:.0f}" for name, g in tile_peaks[t].items())
                                              + f" GFLOP/s at {t} threads" for t, v in peaks.items())
                       + "; read bandwidth probed before and after each test")
     rows = []

@@ -35,7 +35,7 @@ def test_bench_model_json():
     assert pp["n_prompt"] == 16 and pp["n_gen"] == 0 and pp["gflops"] > 0 and pp["ttft_ms"] > 0
     if pp["peak"] is not None:          # the share is of the peak named, one of the two measured
         assert pp["pct_peak"] == pytest.approx(100 * pp["gflops"] / pp["peak_gflops"])
-        assert pp["peak_gflops"] in (pp["fma_peak_gflops"], pp["bf16_peak_gflops"])
+        assert pp["peak_gflops"] in (pp["fma_peak_gflops"], pp["bf16_peak_gflops"], pp["amx_bf16_peak_gflops"])
     else:
         assert pp["pct_peak"] is None and pp["no_peak"]
     assert tg["peak"] is None and tg["pct_peak"] is None
@@ -70,18 +70,22 @@ def _at_level(isa: str, *args: str):
 def test_prefill_is_a_share_of_a_peak_that_bounds_it(isa, tokens):
     """Prefill's share is only of a peak bounding every product it runs: fp32 FMAs where bf16 weights are
     multiplied by FMAs (avx2, avx512f); the higher of the FMA and bf16 dot peaks where they are dot
-    products (avx512, and amx below its tiles' 16 tokens); none where AMX tiles run (amx from 16 tokens),
-    which no probe bounds."""
+    products (avx512, and amx below its tiles' 16 tokens); the tiles' bf16 peak where AMX tiles run (amx from
+    16 tokens), the highest of those measured."""
     p = _at_level(isa, "-p", str(tokens), "-n", "0", "-o", "json")
     assert p.returncode == 0, p.stderr
     pp = json.loads(p.stdout)[0]
     fma, dot = pp["fma_peak_gflops"], pp["bf16_peak_gflops"]
     if isa == "amx" and tokens >= 16:
-        assert pp["peak"] is None and pp["pct_peak"] is None and pp["no_peak"] == "AMX tiles"
+        tile = pp["amx_bf16_peak_gflops"]
+        assert pp["peak"] == "AMX bf16 tile" and pp["peak_gflops"] == tile > max(fma, dot)
+        assert pp["pct_peak"] == pytest.approx(100 * pp["gflops"] / tile)
         p = _at_level(isa, "-p", str(tokens), "-n", "0")
         line = next(ln for ln in p.stdout.splitlines() if ln.startswith(f"pp{tokens} "))
-        assert "% of" not in line and "no measured peak bounds its AMX tiles" in line, line
+        assert "% of the AMX bf16 tile peak" in line, line
+        assert "AMX bf16 tile" in p.stdout.split("peaks:")[1].splitlines()[0]
         return
+    assert (pp["amx_bf16_peak_gflops"] > 0) == (isa == "amx")          # the tile probe runs on the tiles' level only
     if isa in ("avx2", "avx512f"):
         assert pp["peak"] == "fp32 FMA" and pp["peak_gflops"] == fma
     else:

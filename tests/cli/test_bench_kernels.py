@@ -31,7 +31,7 @@ def test_bench_kernels_json():
         if r["peak"]:
             assert r["pct_peak"] == pytest.approx(100 * r["gflops"] / r["peak_gflops"]) and r["peak_gflops"] > 0
         else:
-            assert r["pct_peak"] is None and r["no_peak"] in ("AMX tiles", "int8 dot products")
+            assert r["pct_peak"] is None and r["no_peak"] == "int8 dot products"
     assert {r["shape"] for r in gemm} >= {"512x2048 @ 2048x2048", "48x2048 @ 1408x2048"}
 
 
@@ -39,7 +39,8 @@ def test_bench_kernels_json():
 def test_gemm_shares_only_of_a_peak_that_bounds_it(isa):
     """Each GEMM's share is of the probe of the arithmetic it runs at that level, or none: fp32 FMAs
     (f32 everywhere; bf16 and FP8 where the level has no bf16 dot products; FP4 from the tokens its level
-    names), bf16 dot products (avx512), none for AMX tiles and int8 dot products."""
+    names), bf16 dot products (avx512), the tiles' bf16 or int8 peak for AMX tiles (amx), none for int8 dot
+    products."""
     from support.cli import cli_env
 
     if isa not in native.available_isas():
@@ -53,15 +54,17 @@ def test_gemm_shares_only_of_a_peak_that_bounds_it(isa):
     if isa == "avx512":
         want.update(bf16="AVX-512 bf16 dot", e4m3="AVX-512 bf16 dot", e2m1=None)
     if isa == "amx":
-        want.update(bf16=None, e4m3=None, e2m1=None, q8=None, q4=None)
+        want.update(bf16="AMX bf16 tile", e4m3="AMX bf16 tile", e2m1="AMX int8 tile", q8="AMX int8 tile",
+                    q4="AMX int8 tile")
     for (fmt, n), r in gemm.items():
         assert r["peak"] == (want[fmt] or ""), (fmt, n, r["isa"], r["peak"])
         if r["peak"]:
             assert r["pct_peak"] == pytest.approx(100 * r["gflops"] / r["peak_gflops"])
             assert r["peak_gflops"] == r["fma_peak_gflops"] if r["peak"] == "fp32 FMA" else r["peak_gflops"] > 0
+            if r["peak"].startswith("AMX"):       # a tile multiplies 16 x 16 x 32 (bf16) or x 64 (int8)
+                assert r["peak_gflops"] > 4 * r["fma_peak_gflops"]
         else:
-            assert r["pct_peak"] is None
-            assert r["no_peak"] == ("AMX tiles" if isa == "amx" else "int8 dot products")
+            assert r["pct_peak"] is None and r["no_peak"] == "int8 dot products"
     assert len(gemm) == 10
 
 
@@ -74,7 +77,8 @@ def test_peaks_follow_what_serves_the_product(monkeypatch):
     monkeypatch.setattr(peaks.native, "kernel_impl", lambda k: probes[k])
     dot, fma = "AVX-512 bf16 dot", "fp32 FMA"
     amx = "amx (avx512 below 16 tokens)"
-    assert peaks.bound("bf16", amx) == (None, "AMX tiles") and peaks.bound("bf16", amx, 16, 16)[0] is None
+    assert peaks.bound("bf16", amx) == ("AMX bf16 tile", "AMX tiles") and peaks.bound("bf16", amx, 16, 16)[0] == "AMX bf16 tile"
+    assert peaks.bound("q4_k", "amx (avx512vnni below 16 tokens)", 16, 512) == ("AMX int8 tile", "AMX tiles")
     assert peaks.bound("bf16", amx, most=15)[0] == dot and peaks.bound("e4m3-e8m0", "avx512")[0] == dot
     assert peaks.bound("bf16", "avx512f")[0] == fma and peaks.bound("f16", "avx512f")[0] == fma
     assert peaks.bound("f32", "amx") == (None, "AMX tiles")
