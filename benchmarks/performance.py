@@ -185,7 +185,7 @@ def kernels(m: dict, a) -> str:
             "cycling over copies that cannot stay in cache, next to a read probe taken right before and after it; "
             "its rate over weights that stay in cache is what its instructions allow (below the probe, that "
             "format's decode is bound by the core). GEMM: 128 tokens, against the probe that bounds its arithmetic "
-            "(none for AMX tiles and int8 dot products).\n\n" + stamp(m, cmds) + "\n" +
+            "(the tiles' own bf16 or int8 peak for AMX tiles, none for int8 dot products).\n\n" + stamp(m, cmds) + "\n" +
             table(["level", "format", "served by", "GB/s", "of the read probe (GB/s)", "in cache, GB/s"], gemv, right=3) +
             "\n\n" + table(["level", "format", "shape", "served by", "GFLOP/s", "of the peak bounding it (GFLOP/s)"], gemm,
                                  right=4) + "\n")
