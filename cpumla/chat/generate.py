@@ -10,6 +10,10 @@ a re-encoding that could split differently), and only the tokens past the longes
 the cache are prefilled (`Engine.truncate`). A client that sends back the conversation with the answer
 it got therefore prefills only the new turn. This is a cache, never history added to a prompt.
 
+A constraint (a grammar the answer must follow) applies to the answer, not to a thinking model's
+reasoning; so that a constrained answer always has room, the reasoning is closed (</think> written for
+the model) once it has used half of max_tokens.
+
 Reports: emit(kind, payload) with kind "reasoning" | "content" (text), "tool_calls" (list of ToolCall),
 "logprobs" (one entry per generated content token), "error" (a message).
 """
@@ -290,8 +294,11 @@ class _Decode:
             if job.cancelled.is_set():
                 st.finish = "cancelled"
                 return
-            row = self._constrained(logits[-1])
-            tok = self.sampler(row)
+            if self.reasoning and job.constraint is not None and end_think is not None \
+                    and len(self.ids) >= job.max_tokens // 2:
+                tok = end_think     # a constrained answer keeps half of max_tokens: the reasoning ends here
+            else:
+                tok = self.sampler(self._constrained(logits[-1]))
             if tok in g.stop_ids:
                 st.finish = "stop"
                 break

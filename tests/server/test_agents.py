@@ -239,3 +239,28 @@ def test_bad_completion_fields(http):
     for body, param in [({"prompt": "x", "tools": TOOLS}, "tools"), ({"prompt": "x", "logprobs": 6}, "logprobs")]:
         r = http.post("/v1/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_thinking_model_required_to_call_a_tool_calls_one_after_its_reasoning():
+    """R1 always thinks: the call comes after the reasoning, which is closed at half of max_tokens if the
+    model has not closed it."""
+    from cpumla.chat.chat_format import Message
+    from cpumla.chat.generate import Job, Sampling
+    from cpumla.server.model import load_served
+    from cpumla.server.structured import parse_structured
+    from support.server import SHRINK
+
+    served, _ = load_served("deepseek-ai/DeepSeek-R1", dummy_weights=True, hf_overrides=SHRINK, ctx=512)
+    try:
+        st = parse_structured({"tools": TOOLS, "tool_choice": "required"}, chat=True)
+        prompt = served.chat_prompt([Message("user", "Weather in Rome?")], None, st.prompt_tools)
+        assert prompt.thinks
+        job = Job(prompt, Sampling(max_tokens=120, seed=1), 120, split_reasoning=True, **st.job_kw(served))
+        got = {"reasoning": [], "content": [], "tool_calls": []}
+        served.run(job, lambda kind, p: got[kind].extend(p) if kind == "tool_calls" else got[kind].append(p))
+        assert job.stats.finish == "tool_calls" and 0 < job.stats.reasoning_tokens <= 60 + 1   # with its </think>
+        assert "".join(got["reasoning"]) and not "".join(got["content"]).strip()
+        for c in got["tool_calls"]:
+            jsonschema.validate(json.loads(c.arguments), SCHEMAS[c.name])
+    finally:
+        served.engine.close()

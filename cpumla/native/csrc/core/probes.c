@@ -79,32 +79,15 @@ double cpumla_bf16_probe(int64_t iters) {
     return f;
 }
 
-typedef struct {
-    int kind;
-    int64_t iters;
-    double ops[MAX_POOL_THREADS * 8];
-    float sink[MAX_POOL_THREADS * 16];
-} tile_job;
-
-static void tile_task(void *p, int64_t t, int tid) {
-    (void)t;
-    tile_job *j = p;
-    j->ops[tid * 8] += cpumla_k.tile_loop(j->kind, j->iters, &j->sink[tid * 16]);
-}
+static double tile_bf16_loop(int64_t iters, float *sink) { return cpumla_k.tile_loop(0, iters, sink); }
+static double tile_int8_loop(int64_t iters, float *sink) { return cpumla_k.tile_loop(1, iters, sink); }
 
 double cpumla_tile_probe(int32_t kind, int64_t iters) {
     cpumla_enter(NULL);
     cpumla_ensure_init();
-    double s = 0;
-    if (cpumla_k.tile_loop && (kind == 0 || kind == 1) && iters > 0) {
-        static tile_job j;
-        int threads = cpumla_pool_threads();
-        memset(j.ops, 0, sizeof j.ops);
-        j.kind = kind;
-        j.iters = iters;
-        cpumla_pool_run(threads, tile_task, &j);
-        for (int i = 0; i < threads; i++) s += j.ops[i * 8];
-    }
+    double f = 0;
+    if (cpumla_k.tile_loop && (kind == 0 || kind == 1) && iters > 0)
+        f = flops_probe(kind == 0 ? tile_bf16_loop : tile_int8_loop, iters);
     cpumla_leave(0);
-    return s;
+    return f;
 }
