@@ -33,58 +33,6 @@ const char cpumla_flags_amx[] = CPUMLA_FLAGS;
 static void (*prev_gemm)(const cpumla_weight *, const float *, int64_t, int64_t, float *, int64_t,
                          int64_t, int64_t);
 
-/* The packed panel, 32 rows x kpad columns of bf16 (2 KiB per 32 columns), is the thread's
- * CPUMLA_SCRATCH_AMX_PANEL buffer; without it the kernel does nothing (the call then fails). */
-
-/* Pack rows [p0, p0 + mp) (mp <= 32; missing rows are zero) of a BF16 weight, columns [0, kpad)
- * (zero past K): for chunk c, half j, k-pair kk, row n: dword ((c*2 + j)*16 + kk)*16 + n. */
-static void pack_panel(const cpumla_weight *w, int64_t p0, int64_t mp, int64_t kpad, uint16_t *bp) {
-    int64_t K = w->cols;
-    for (int64_t c = 0; c < kpad / 32; c++) {
-        int64_t k0 = c * 32;
-        for (int j = 0; j < 2; j++) {
-            uint32_t *tile = (uint32_t *)bp + (c * 2 + j) * 256;
-            int64_t rows = mp - 16 * j;                       /* valid rows in this half */
-            if (rows <= 0) { memset(tile, 0, 1024); continue; }
-            if (rows > 16) rows = 16;
-            if (k0 + 32 <= K) {
-                /* one masked gather per B row: dword (k0/2 + kk) of 16 weight rows */
-                __mmask16 m = (__mmask16)((1u << rows) - 1u);
-                __m512i off = lanes_times((int32_t)w->row_bytes);
-                const uint8_t *base = weight_row(w, p0 + 16 * j) + k0 * 2;
-                for (int kk = 0; kk < 16; kk++)
-                    _mm512_store_si512(tile + kk * 16,
-                                       _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, off, base + kk * 4, 1));
-            } else {                                          /* the last, partial chunk */
-                uint16_t *t16 = (uint16_t *)tile;
-                memset(tile, 0, 1024);
-                for (int64_t n = 0; n < rows; n++) {
-                    const uint16_t *wr = (const uint16_t *)weight_row(w, p0 + 16 * j + n);
-                    for (int64_t k = k0; k < K; k++) t16[((k - k0) / 2 * 16 + n) * 2 + (k & 1)] = wr[k];
-                }
-            }
-        }
-    }
-}
-
-/* A tiles for tokens [t0, t0 + nt) (nt <= 32; missing tokens zero), columns [k0, k0 + 32) (zero
- * past K), times s (E4M3: the block's scale; BF16: 1, exact): 32 rows of 32 bf16. */
-static void pack_acts(const float *x, int64_t ldx, int64_t nt, int64_t k0, int64_t K, float s, uint16_t *ab) {
-    int64_t left = K - k0;
-    __mmask16 m0 = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u);
-    __mmask16 m1 = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1u);
-    for (int64_t t = 0; t < 32; t++) {
-        __m512i v = _mm512_setzero_si512();
-        if (t < nt) {
-            const float *xr = x + t * ldx + k0;
-            const __m512 sv = _mm512_set1_ps(s);
-            __m512 lo = _mm512_mul_ps(_mm512_maskz_loadu_ps(m0, xr), sv), hi = _mm512_mul_ps(_mm512_maskz_loadu_ps(m1, xr + 16), sv);
-            v = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-        }
-        _mm512_store_si512(ab + t * 32, v);
-    }
-}
-
 /* E4M3 codes [0, K) -> their bf16 bits (exact), zero to kpad: sign | (code << 4) + 120 << 7 for
  * normal codes, a table for the subnormal ones (m * 2^-9), NaN for 0x7f / 0xff (e4m3_to_f32) */
 static void e4m3_bf16_row(const uint8_t *src, int64_t K, uint16_t *dst, int64_t kpad) {
@@ -108,66 +56,145 @@ static int e4m3_tiles(const cpumla_weight *w, int64_t r0) {
            w->block_cols % 32 == 0 && r0 % 32 == 0;
 }
 
-static void gemm_amx(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy,
-                     int64_t r0, int64_t r1) {
-    int64_t K = w->cols, kpad = (K + 31) / 32 * 32;
-    const int e4 = e4m3_tiles(w, r0);
-    if ((w->dtype != CPUMLA_BF16 && !e4) || n < AMX_MIN_TOKENS || K <= 0) { prev_gemm(w, x, ldx, n, y, ldy, r0, r1); return; }
-    /* the packed panel; E4M3: then its rows decoded to bf16 */
-    uint16_t *bp = cpumla_scratch(CPUMLA_SCRATCH_AMX_PANEL, sizeof(uint16_t) * (size_t)(32 * kpad) * (e4 ? 2 : 1));
-    if (!bp) return;
-    uint16_t *db = bp + 32 * kpad;
-    cpumla_weight dec = *w;                     /* E4M3: the decoded panel as a BF16 weight */
-    dec.dtype = CPUMLA_BF16;
-    dec.data = db;
-    dec.row_bytes = 2 * kpad;
+/* ---- BF16 weights as the A operand, straight from memory ----------------------------------------
+ * A BF16 weight row is already a row of an A tile (32 bf16 of one output row per 64 bytes): tiles load
+ * 16 rows at the weight's own stride, nothing is repacked. The tokens are the B operand, packed once a
+ * call: for token block b (16 tokens) and 32-column chunk c, the 1 KiB tile
+ *   xb[((b * kc + c) * 16 + kk) * 16 + t] = dword of bf16(x[16b + t][32c + 2kk]), bf16(x[..][32c + 2kk + 1])
+ * (zero past K and past n). A product tile C[i][t] is (weight row i, token t); its store transposes. A
+ * chunk that runs past K, or rows past r1, load from a zero-padded copy. The sums are those of the
+ * token-as-A form (the same products, the same order within each tdpbf16ps). */
+static void pack_tokens_vnni(const float *x, int64_t ldx, int64_t n, int64_t K, int64_t kc, const float *scale,
+                             uint32_t *xb) {
+    const __m512i rows = lanes_times(64);
+    uint32_t tmp[16 * 16] __attribute__((aligned(64)));
+    for (int64_t b = 0; b * 16 < n; b++) {
+        int64_t nt = n - 16 * b < 16 ? n - 16 * b : 16;
+        for (int64_t c = 0; c < kc; c++) {
+            int64_t k0 = c * 32, left = K - k0;
+            __mmask16 m0 = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u);
+            __mmask16 m1 = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1u);
+            const __m512 sv = _mm512_set1_ps(scale ? scale[c] : 1.0f);
+            for (int64_t t = 0; t < 16; t++) {          /* tmp[t][kk]: token t's 16 pairs */
+                __m512i v = _mm512_setzero_si512();
+                if (t < nt) {
+                    const float *xr = x + (16 * b + t) * ldx + k0;
+                    v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(m1, xr + 16), sv),
+                                                     _mm512_mul_ps(_mm512_maskz_loadu_ps(m0, xr), sv));
+                }
+                _mm512_store_si512(tmp + 16 * t, v);
+            }
+            uint32_t *tile = xb + (b * kc + c) * 256;
+            for (int kk = 0; kk < 16; kk++)             /* tile[kk][t] = tmp[t][kk] */
+                _mm512_store_si512(tile + 16 * kk, _mm512_i32gather_epi32(rows, tmp + kk, 1));
+        }
+    }
+}
 
+/* rows [p0, p0 + mp) of w, columns [k0, k0 + 32), into a zero-padded 16 x 32 bf16 tile image */
+static void pad_rows(const cpumla_weight *w, int64_t p0, int64_t mp, int64_t k0, uint16_t *pad) {
+    int64_t left = w->cols - k0 < 32 ? w->cols - k0 : 32;
+    memset(pad, 0, 16 * 64);
+    for (int64_t i = 0; i < mp && i < 16; i++)
+        memcpy(pad + 32 * i, (const uint16_t *)weight_row(w, p0 + i) + k0, 2 * (size_t)left);
+}
+
+/* One panel of 32 weight rows (A tiles from a0 / a1 at stride rs, chunks from `direct` on from padded
+ * copies of the weight's rows) times every token (xb), into y (the panel's first column). */
+static void tile_panel(const cpumla_weight *w, const uint8_t *a0, const uint8_t *a1, int64_t rs, int64_t direct,
+                       int64_t p0, int64_t mp, const uint32_t *xb, int64_t kc, int64_t nb, int64_t n, float *y,
+                       int64_t ldy, uint16_t (*pad)[16 * 32], float *fb) {
+    for (int64_t b = 0; b < nb; b += 2) {
+        const int two = b + 1 < nb;                     /* a second block of 16 tokens */
+        const uint32_t *x0 = xb + b * kc * 256, *x1 = xb + (b + 1) * kc * 256;
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t c = 0; c < kc; c++) {
+            if (c < direct) {
+                _tile_loadd(4, a0 + c * 64, rs);
+                _tile_loadd(5, a1 + c * 64, rs);
+            } else {
+                pad_rows(w, p0, mp, c * 32, pad[0]);
+                pad_rows(w, p0 + 16, mp - 16, c * 32, pad[1]);
+                _tile_loadd(4, pad[0], 64);
+                _tile_loadd(5, pad[1], 64);
+            }
+            _tile_loadd(6, x0 + c * 256, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) {
+                _tile_loadd(7, x1 + c * 256, 64);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        /* C[i][t] -> y[t][i]: fb[16 i + t] is what amx_store_block takes */
+        int64_t nt0 = n - 16 * b < 16 ? n - 16 * b : 16, nt1 = two ? (n - 16 * (b + 1) < 16 ? n - 16 * (b + 1) : 16) : 0;
+        int64_t m0 = mp < 16 ? mp : 16, m1 = mp - 16;
+        float *yb = y + 16 * b * ldy;
+        _tile_stored(0, fb, 64);
+        amx_store_block(fb, yb, ldy, nt0, m0);
+        if (m1 > 0) { _tile_stored(2, fb, 64); amx_store_block(fb, yb + 16, ldy, nt0, m1); }
+        if (two) {
+            _tile_stored(1, fb, 64);
+            amx_store_block(fb, yb + 16 * ldy, ldy, nt1, m0);
+            if (m1 > 0) { _tile_stored(3, fb, 64); amx_store_block(fb, yb + 16 * ldy + 16, ldy, nt1, m1); }
+        }
+    }
+}
+
+static void gemm_bf16_tiles(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy,
+                            int64_t r0, int64_t r1) {
+    int64_t K = w->cols, kc = (K + 31) / 32, nb = (n + 15) / 16;
+    const int e4 = w->dtype == CPUMLA_E4M3;
+    /* E4M3: the activations scaled per block of 32k rows (a new packing each block row), a panel's rows
+     * decoded to bf16 (db, zero past K) */
+    int64_t group = e4 ? w->block_rows : r1 - r0;
+    size_t xbytes = (size_t)(nb * kc) * 1024, dbytes = e4 ? (size_t)(32 * kc) * 64 : 0;
+    uint8_t *buf = cpumla_scratch(CPUMLA_SCRATCH_AMX_PANEL, xbytes + dbytes + (e4 ? (size_t)kc * 4 : 0));
+    if (!buf) return;
+    uint32_t *xb = (uint32_t *)buf;
+    uint16_t *db = (uint16_t *)(buf + xbytes);
+    float *scale = e4 ? (float *)(buf + xbytes + dbytes) : NULL;
     amx_tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
     for (int i = 0; i < 8; i++) { cfg.rows[i] = 16; cfg.colsb[i] = 64; }
     _tile_loadconfig(&cfg);
-
-    uint16_t ab[32 * 32] __attribute__((aligned(64)));
-    float cb[32 * 32] __attribute__((aligned(64)));
-    for (int64_t p0 = r0; p0 < r1; p0 += 32) {
-        int64_t mp = r1 - p0 < 32 ? r1 - p0 : 32;
-        if (e4) {
-            for (int64_t i = 0; i < mp; i++)
-                e4m3_bf16_row(weight_row(w, p0 + i), K, db + i * kpad, kpad);
-            pack_panel(&dec, 0, mp, kpad, bp);
-        } else {
-            pack_panel(w, p0, mp, kpad, bp);
-        }
-        for (int64_t t0 = 0; t0 < n; t0 += 32) {
-            int64_t nt = n - t0 < 32 ? n - t0 : 32;
-            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-            for (int64_t c = 0; c < kpad / 32; c++) {
-                pack_acts(x + t0 * ldx, ldx, nt, c * 32, K, e4 ? weight_scale(w, p0, c * 32) : 1.0f, ab);
-                _tile_loadd(4, ab, 64);                       /* tokens 0-15 */
-                _tile_loadd(5, ab + 16 * 32, 64);             /* tokens 16-31 */
-                _tile_loadd(6, bp + (c * 2 + 0) * 512, 64);   /* rows 0-15 */
-                _tile_loadd(7, bp + (c * 2 + 1) * 512, 64);   /* rows 16-31 */
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
+    uint16_t pad[2][16 * 32] __attribute__((aligned(64)));
+    float fb[16 * 16] __attribute__((aligned(64)));
+    for (int64_t g0 = r0; g0 < r1; g0 += group) {
+        int64_t g1 = e4 ? (g0 / group + 1) * group : r1;   /* one block row of scales */
+        g1 = g1 < r1 ? g1 : r1;
+        if (e4)
+            for (int64_t c = 0; c < kc; c++) scale[c] = weight_scale(w, g0, c * 32);
+        pack_tokens_vnni(x, ldx, n, K, kc, scale, xb);
+        for (int64_t p0 = g0; p0 < g1; p0 += 32) {
+            int64_t mp = g1 - p0 < 32 ? g1 - p0 : 32;
+            const uint8_t *a0, *a1;
+            int64_t rs, direct;                         /* chunks loaded straight from a0 / a1 */
+            if (e4) {
+                for (int64_t i = 0; i < 32; i++) {
+                    if (i < mp) e4m3_bf16_row(weight_row(w, p0 + i), K, db + i * 32 * kc, 32 * kc);
+                    else memset(db + i * 32 * kc, 0, 64 * (size_t)kc);
+                }
+                a0 = (const uint8_t *)db, a1 = (const uint8_t *)(db + 16 * 32 * kc), rs = 64 * kc, direct = kc;
+            } else {
+                a0 = weight_row(w, p0), a1 = mp > 16 ? weight_row(w, p0 + 16) : a0, rs = w->row_bytes;
+                direct = mp == 32 ? K / 32 : 0;
             }
-            /* cb[t][i]: token t, panel row i */
-            _tile_stored(0, cb, 128);
-            _tile_stored(1, cb + 16, 128);
-            _tile_stored(2, cb + 16 * 32, 128);
-            _tile_stored(3, cb + 16 * 32 + 16, 128);
-            __mmask16 mlo = mp >= 16 ? 0xffff : (__mmask16)((1u << mp) - 1u);
-            __mmask16 mhi = mp >= 32 ? 0xffff : mp <= 16 ? 0 : (__mmask16)((1u << (mp - 16)) - 1u);
-            for (int64_t t = 0; t < nt; t++) {
-                float *yr = y + (t0 + t) * ldy + (p0 - r0);
-                _mm512_mask_storeu_ps(yr, mlo, _mm512_load_ps(cb + t * 32));
-                _mm512_mask_storeu_ps(yr + 16, mhi, _mm512_load_ps(cb + t * 32 + 16));
-            }
+            tile_panel(w, a0, a1, rs, direct, p0, mp, xb, kc, nb, n, y + (p0 - r0), ldy, pad, fb);
         }
     }
     _tile_release();
+}
+
+static void gemm_amx(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy,
+                     int64_t r0, int64_t r1) {
+    if ((w->dtype != CPUMLA_BF16 && !e4m3_tiles(w, r0)) || n < AMX_MIN_TOKENS || w->cols <= 0) {
+        prev_gemm(w, x, ldx, n, y, ldy, r0, r1);
+        return;
+    }
+    gemm_bf16_tiles(w, x, ldx, n, y, ldy, r0, r1);
 }
 
 /* ---- Q8 / Q4 / E2M1: gemm_q on int8 tiles -----------------------------------------------------
