@@ -6,7 +6,6 @@ microseconds (benchmarks/structured.py measures it), and builds its view of the 
 
 from __future__ import annotations
 
-import json
 import threading
 
 import numpy as np
@@ -94,11 +93,3 @@ class Constraint:
     @property
     def accepting(self) -> bool:
         return self.matcher.is_accepting()
-
-
-def json_object_schema() -> dict:
-    return {"type": "object"}
-
-
-def dumps(schema) -> str:
-    return json.dumps(schema, ensure_ascii=False)
