@@ -45,13 +45,12 @@ def server():
     s = Server(V3, "--api-key", KEY, "--served-model-name", "tiny", "--served-model-name", "tiny-alias",
                "--cors", ORIGIN)
     yield s
-    assert s.stop() == 0, "\n".join(s.lines)
-    assert not any("Traceback" in line for line in s.lines), "\n".join(s.lines)
+    s.stop_cleanly()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, timeout=120, max_retries=0)
+    return server.openai_client(KEY)
 
 
 @pytest.fixture(scope="module")
@@ -198,11 +197,11 @@ def test_model_ids_and_aliases(client, http):
 def test_usage_counts_reasoning_tokens():
     s = Server(V31)
     try:
-        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", timeout=120, max_retries=0)
+        c = s.openai_client()
         on = c.chat.completions.create(model=V31, messages=ASK, max_tokens=12, seed=0, reasoning_effort="high")
         off = c.chat.completions.create(model=V31, messages=ASK, max_tokens=12, seed=0, reasoning_effort="none")
     finally:
-        assert s.stop() == 0
+        s.stop_cleanly()
     m = on.choices[0].message
     n = on.usage.completion_tokens_details.reasoning_tokens
     assert 0 < n <= on.usage.completion_tokens and m.reasoning_content

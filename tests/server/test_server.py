@@ -27,14 +27,12 @@ B, E, U, A = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<�
 def server():
     s = Server(V3, "--api-key", KEY, "--max-queue", "1")
     yield s
-    rc = s.stop()
-    assert rc == 0 and s.lines[-1] == "cpumla serve: stopped", "\n".join(s.lines)
-    assert not any("Traceback" in line for line in s.lines), "\n".join(s.lines)
+    s.stop_cleanly()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, timeout=60, max_retries=0)
+    return server.openai_client(KEY, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -262,8 +260,8 @@ def test_client_gone_while_queued_is_skipped(server, http):
 @pytest.fixture(scope="module")
 def thinker():
     s = Server(V31)
-    yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", timeout=60, max_retries=0)
-    assert s.stop() == 0
+    yield s.openai_client(timeout=60)
+    s.stop_cleanly()
 
 
 def test_thinking_split_and_switches(thinker):

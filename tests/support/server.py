@@ -66,3 +66,15 @@ class Server:
             raise
         self._reader.join(5)
         return rc
+
+    def stop_cleanly(self) -> None:
+        """stop(), which must exit 0 with the stopped line last and no traceback in the log."""
+        rc = self.stop()
+        log = "\n".join(self.lines)
+        assert rc == 0 and self.lines[-1] == "cpumla serve: stopped", log
+        assert "Traceback" not in log, log
+
+    def openai_client(self, key: str = "unused", timeout: float = 120):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, timeout=timeout, max_retries=0)
