@@ -79,15 +79,7 @@ def fma_peak_gflops(seconds: float = 0.3, kind: str = "fp32") -> float:
     """Multiply-add throughput of every thread together, from the library's probe: kind "fp32" (FMA)
     or "bf16" (the products of bf16 weights: bf16 dot products where the CPU has them)."""
     native.ensure_init()
-    fn = native.lib.cpumla_bf16_probe if kind == "bf16" else native.lib.cpumla_fma_probe
-    iters = 1 << 16
-    while True:
-        t0 = time.perf_counter()
-        flops = fn(iters)
-        dt = time.perf_counter() - t0
-        if dt > seconds or iters > 1 << 34:
-            return flops / dt / 1e9
-        iters *= 2
+    return peaks.rate(native.lib.cpumla_bf16_probe if kind == "bf16" else native.lib.cpumla_fma_probe, seconds)
 
 
 class AtDepth:

@@ -95,21 +95,24 @@ def percent(gflops: float, peak_gflops: float) -> float | None:
     return 100.0 * gflops / peak_gflops if peak_gflops > 0 else None
 
 
+def rate(probe, seconds: float, iters: int = 1 << 16) -> float:
+    """G operations/s of probe(iters) -> operations, iters doubled until one call lasts `seconds`; 0.0
+    when the probe does nothing."""
+    while True:
+        t0 = time.perf_counter()
+        ops = probe(iters)
+        dt = time.perf_counter() - t0
+        if ops == 0:
+            return 0.0
+        if dt > seconds or iters > 1 << 34:
+            return ops / dt / 1e9
+        iters *= 2
+
+
 def tile_peaks(seconds: float = 0.2) -> dict[str, float]:
     """GFLOP/s (int8: G operations/s) of the AMX tiles' bf16 and int8 products on every thread, by name;
     empty where the level running has no tiles."""
     native.ensure_init()
-    out = {}
-    for name, kind in ((TILE_BF16, 0), (TILE_INT8, 1)):
-        iters = 1 << 10
-        while True:
-            t0 = time.perf_counter()
-            ops = native.lib.cpumla_tile_probe(kind, iters)
-            dt = time.perf_counter() - t0
-            if ops == 0:
-                return {}
-            if dt > seconds or iters > 1 << 30:
-                out[name] = ops / dt / 1e9
-                break
-            iters *= 2
-    return out
+    out = {name: rate(lambda it, k=kind: native.lib.cpumla_tile_probe(k, it), seconds, 1 << 10)
+           for name, kind in ((TILE_BF16, 0), (TILE_INT8, 1))}
+    return out if all(out.values()) else {}
