@@ -50,31 +50,26 @@ class Structured:
         return None
 
     def job_kw(self, served) -> dict:
-        """Job fields for this request on a served model (ServedModel / Generator)."""
+        """Job fields for this request on a served model (ServedModel / Generator); the grammar compiled
+        once here, a FieldError naming what it cannot take."""
         kw: dict = {}
         if self.prompt_tools:
             kw["tools"] = served.fmt.tools
             kw["parallel_tool_calls"] = self.parallel
-        grammar = self.constraint_grammar(served.fmt.tools, served.tok.token_id)
+        tool_call = self.choice in ("required", "function") and self.tools
+        try:
+            grammar = self.constraint_grammar(served.fmt.tools, served.tok.token_id)
+            if grammar is not None:
+                check_grammar(grammar, "the schema is not supported")
+        except CpumlaError as e:
+            raise FieldError(str(e), "tools" if tool_call else "response_format") from None
         if grammar is not None:
             tok, n = served.tok, served.engine.config.vocab_size
             if not hasattr(tok, "to_json"):
                 raise FieldError(f"constrained output is not available with this model's tokenizer ({tok.source})",
-                                 "response_format" if self.schema is not None else "tool_choice")
+                                 "tool_choice" if tool_call else "response_format")
             kw["constraint"] = lambda: Constraint(tok, n, grammar)
         return kw
-
-    def check(self, tool_format) -> None:
-        """Compiles the grammar once without the model; FieldError naming what it cannot take."""
-        if self.schema is None and self.choice not in ("required", "function"):
-            return
-        param = "response_format" if self.schema is not None and self.choice not in ("required", "function") else "tools"
-        try:
-            grammar = self.constraint_grammar(tool_format, lambda s: None)
-            if grammar is not None:
-                check_grammar(grammar, "the schema is not supported")
-        except CpumlaError as e:
-            raise FieldError(str(e), param) from None
 
 
 def parse_structured(body: dict, chat: bool) -> Structured:
