@@ -79,6 +79,17 @@ def detect_family(model_type: str, name: str = "", chat_template: str | None = N
     return "deepseek-v3"
 
 
+def format_for(model_type: str, name: str, tok) -> "ChatFormat":
+    """The chat format of a model (config.json's model_type, its repo id or directory name) with tokenizer
+    `tok`: its own chat_template when it has one (the bundled tokenizers' are not the model's), else the
+    family's built-in format; Moonlight's tiktoken tokenizer means Moonlight's format."""
+    from cpumla.chat.tiktoken_tokenizer import TiktokenTokenizer
+
+    own = None if tok.bundled else tok.chat_template
+    family = "moonlight" if isinstance(tok, TiktokenTokenizer) else detect_family(model_type, name, own)
+    return ChatFormat(family, chat_template=own, bos=tok.bos_token or "", eos=tok.eos_token or "")
+
+
 def _system(messages: list[Message]) -> str:
     return "\n\n".join(m.content for m in messages if m.role == "system")
 

@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from cpumla.chat.chat_format import END_THINK, THINK, ChatFormat, Message
+from cpumla.chat.chat_format import END_THINK, THINK, ChatFormat, Message, format_for
 from cpumla.chat.reuse import Pieces, answer_pieces, ids_of, prompt_pieces, sync_cache
 from cpumla.chat.tokenizer import IncrementalDecoder, Tokenizer
 from cpumla.chat.tools import Tool, ToolFormat
@@ -84,6 +84,30 @@ class Job:
         self.cancelled.set()
 
 
+@dataclass
+class Answer:
+    """A whole answer gathered from a job's reports (the module's doc): text as it came, in pieces."""
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+
+    def add(self, kind: str, payload) -> None:
+        """One report other than "error" (and the server's "done")."""
+        if kind in ("tool_calls", "logprobs"):
+            getattr(self, kind).extend(payload)
+        else:
+            getattr(self, kind).append(payload)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.content)
+
+    @property
+    def reasoning_text(self) -> str:
+        return "".join(self.reasoning)
+
+
 class StopStrings:
     """Cuts text at the first stop string; holds back a tail that could be the start of one."""
 
@@ -91,6 +115,7 @@ class StopStrings:
         self.stops = stops
         self.held = ""
         self.hit: str | None = None      # the stop string that ended the text
+        self.rest = ""                   # the text after it
 
     def push(self, text: str) -> tuple[str, bool]:
         """(text safe to send, whether a stop string was hit)."""
@@ -98,7 +123,7 @@ class StopStrings:
         hits = [(i, s) for s in self.stops for i in (buf.find(s),) if i >= 0]
         if hits:
             at, self.hit = min(hits)
-            self.held = ""
+            self.held, self.rest = "", buf[at + len(self.hit):]
             return buf[:at], True
         keep = 0
         for s in self.stops:
@@ -120,27 +145,22 @@ class ToolWatch:
 
     def __init__(self, fmt: ToolFormat, parallel: bool):
         self.fmt, self.parallel = fmt, parallel
-        self.held = ""
+        self.opener = StopStrings([fmt.opener])     # holds back what could be the opener's start
         self.block: list[str] | None = None
 
     def push(self, text: str) -> str:
         if self.block is not None:
             self.block.append(text)
             return ""
-        buf, opener = self.held + text, self.fmt.opener
-        at = buf.find(opener)
-        if at >= 0:
-            self.block, self.held = [buf[at:]], ""
-            return buf[:at]
-        keep = next((k for k in range(min(len(opener) - 1, len(buf)), 0, -1) if opener.startswith(buf[-k:])), 0)
-        self.held = buf[len(buf) - keep:]
-        return buf[:len(buf) - keep]
+        out, hit = self.opener.push(text)
+        if hit:
+            self.block = [self.fmt.opener + self.opener.rest]
+        return out
 
     def finish(self, tail: str = ""):
         """(text to send, calls or None) at the end of the answer."""
         if self.block is None:
-            out, self.held = self.held + tail, ""
-            return out, None
+            return self.opener.flush() + tail, None
         block = "".join(self.block) + tail
         parsed = self.fmt.parse(block)
         if parsed is None:
@@ -174,9 +194,23 @@ class Generator:
         self.think_ids = {tokenizer.token_id(THINK), tokenizer.token_id(END_THINK)} - {None}
         self._known: Pieces = []
 
+    @classmethod
+    def of(cls, engine, tok: Tokenizer, name: str, *more):
+        """A generator on `engine` with tokenizer `tok`: the model's chat format (format_for; name: its
+        repo id or directory) and the config's eos ids as stops, unless the tokenizer is a bundled
+        stand-in. more: the subclass's own arguments."""
+        fmt = format_for(engine.config.model_type, name, tok)
+        return cls(engine, tok, fmt, [] if tok.bundled else engine.config.eos_ids, *more)
+
     @property
     def ctx(self) -> int:
         return self.engine.max_seq_len
+
+    def chat_job(self) -> dict:
+        """The Job fields of every chat answer: reasoning apart where the format thinks, and V2's space
+        after "Assistant:" left out of the answer."""
+        return dict(split_reasoning=self.fmt.think_switch or self.fmt.always_thinks,
+                    strip_first_space=self.fmt.family == "deepseek-v2")
 
     # ---- prompts ----
     def think_for(self, think: bool | None) -> bool:

@@ -103,7 +103,7 @@ def chat(
 def _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, system, sampling, think, interactive,
           quant=None, memory=None):
     from cpumla import native
-    from cpumla.chat.chat_format import ChatFormat, detect_family
+    from cpumla.chat.chat_format import format_for
     from cpumla.chat.conversation import Conversation, Settings
     from cpumla.chat.tokenizer import load_tokenizer
     from cpumla.cli.options import check_ctx
@@ -127,12 +127,8 @@ def _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, sys
                       memory=memory)
     load_s = time.perf_counter() - t0
     notices += ctx_notes
-    name = resolved.repo_id or (resolved.directory.name if resolved.directory else model)
-    own_template = None if tok.bundled else tok.chat_template
-    from cpumla.chat.tiktoken_tokenizer import TiktokenTokenizer
-
-    family = "moonlight" if isinstance(tok, TiktokenTokenizer) else detect_family(cfg.model_type, name, own_template)
-    fmt = ChatFormat(family, chat_template=own_template, bos=tok.bos_token or "", eos=tok.eos_token or "")
+    fmt = format_for(cfg.model_type, resolved.name or model, tok)
+    family = fmt.family
     if fmt.always_thinks:
         if think is False:
             notices.append(f"{family} always thinks; --no-think ignored")

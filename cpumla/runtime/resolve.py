@@ -40,6 +40,11 @@ class Resolved:
     gguf: GGUFCheckpoint | None = None  # a GGUF model, open (its metadata gave the config)
 
     @property
+    def name(self) -> str:
+        """The model's name: its repo id (a preset's included), else its directory's name."""
+        return self.repo_id or (self.directory.name if self.directory else "")
+
+    @property
     def source(self) -> str:
         """Where the config came from, for messages."""
         if self.gguf is not None:

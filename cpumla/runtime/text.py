@@ -10,8 +10,8 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from cpumla.chat.chat_format import Message, detect_family
-from cpumla.chat.generate import Generator, Job, Sampling
+from cpumla.chat.chat_format import Message
+from cpumla.chat.generate import Answer, Generator, Job, Sampling
 from cpumla.chat.tools import Tool, ToolCall
 from cpumla.errors import CpumlaError
 
@@ -47,16 +47,10 @@ class Text:
 
     def generator(self, engine) -> Generator:
         if self._gen is None:
-            from cpumla.chat.chat_format import ChatFormat
             from cpumla.chat.tokenizer import load_tokenizer
 
             tok, _ = load_tokenizer(self.resolved, self.tokenizer, self.dummy)
-            r = self.resolved
-            name = r.repo_id or (r.directory.name if r.directory else self.model)
-            own = None if getattr(tok, "bundled", False) else tok.chat_template
-            fmt = ChatFormat(detect_family(engine.config.model_type, name, own), chat_template=own,
-                             bos=tok.bos_token or "", eos=tok.eos_token or "")
-            self._gen = Generator(engine, tok, fmt, [] if getattr(tok, "bundled", False) else engine.config.eos_ids)
+            self._gen = Generator.of(engine, tok, self.resolved.name or self.model)
         return self._gen
 
 
@@ -95,23 +89,13 @@ def run(gen: Generator, prompt, sampling: Sampling, stream: bool, **job_kw):
     max_tokens = gen.check(prompt, sampling.max_tokens)
     job = Job(prompt, sampling, max_tokens, **job_kw)
     if not stream:
-        parts = {"content": [], "reasoning": [], "tool_calls": []}
-        errors = []
-
-        def emit(kind, payload):
-            if kind == "error":
-                errors.append(payload)
-            elif kind == "tool_calls":
-                parts[kind].extend(payload)
-            elif kind in parts:
-                parts[kind].append(payload)
-
-        gen.run(job, emit)
+        answer, errors = Answer(), []
+        gen.run(job, lambda kind, payload: errors.append(payload) if kind == "error" else answer.add(kind, payload))
         if errors:
             raise CpumlaError(errors[0])
         st = job.stats
-        return Reply("".join(parts["content"]), "".join(parts["reasoning"]), parts["tool_calls"], st.finish,
-                     st.prompt_tokens, st.cached_tokens, st.completion_tokens)
+        return Reply(answer.text, answer.reasoning_text, answer.tool_calls, st.finish, st.prompt_tokens,
+                     st.cached_tokens, st.completion_tokens)
     return _stream(gen, job)
 
 
@@ -146,8 +130,7 @@ def chat(engine, messages, stream: bool, think, tools, max_tokens, stop, kw):
                  for t in tools or ()]
     fmt = gen.fmt
     return run(gen, gen.chat_prompt(msgs, think, tool_list or None), _sampling(max_tokens, stop, kw), stream,
-               split_reasoning=fmt.think_switch or fmt.always_thinks, strip_first_space=fmt.family == "deepseek-v2",
-               tools=fmt.tools if tool_list else None)
+               tools=fmt.tools if tool_list else None, **gen.chat_job())
 
 
 def complete(engine, text: str, stream: bool, max_tokens, stop, kw):

@@ -162,15 +162,15 @@ def _tool_use(c: ToolCall) -> dict:
     return {"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments or "{}")}
 
 
-def message(mid: str, model: str, parts: dict, job) -> dict:
+def message(mid: str, model: str, answer, job) -> dict:
+    """The whole message of a job (answer: chat.generate.Answer)."""
     st = job.stats
     blocks = []
-    if parts["reasoning"]:
-        blocks.append({"type": "thinking", "thinking": "".join(parts["reasoning"]), "signature": ""})
-    text = "".join(parts["content"])
-    if text or not parts["tool_calls"]:
-        blocks.append({"type": "text", "text": text})
-    blocks += [_tool_use(c) for c in parts["tool_calls"]]
+    if answer.reasoning:
+        blocks.append({"type": "thinking", "thinking": answer.reasoning_text, "signature": ""})
+    if answer.text or not answer.tool_calls:
+        blocks.append({"type": "text", "text": answer.text})
+    blocks += [_tool_use(c) for c in answer.tool_calls]
     reason, seq = _stop(st)
     return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": blocks,
             "stop_reason": reason, "stop_sequence": seq, "usage": usage(st)}

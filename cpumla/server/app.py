@@ -18,6 +18,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from cpumla.chat.generate import Answer
 from cpumla.server import anthropic as A
 from cpumla.server import protocol as P
 from cpumla.server.model import Job, ServedModel
@@ -88,8 +89,6 @@ def create_app(served: ServedModel, *, api_key: str | None = None, max_queue: in
     runner = Runner(served, max_queue, seed)
     if runner_ref is not None:
         runner_ref.append(runner)
-    fmt = served.fmt
-    can_think = fmt.think_switch or fmt.always_thinks
 
     def text_of(i: int) -> str:
         return served.tok.decode([i])
@@ -109,9 +108,9 @@ def create_app(served: ServedModel, *, api_key: str | None = None, max_queue: in
             raise
         return job, events, done, watch
 
-    async def collect(request: Request, job, events, watch) -> dict:
-        """The whole answer of a non-streamed job: content, reasoning, tool_calls, logprobs."""
-        parts = {"content": [], "reasoning": [], "tool_calls": [], "logprobs": []}
+    async def collect(request: Request, job, events, watch) -> Answer:
+        """The whole answer of a non-streamed job."""
+        answer = Answer()
         try:
             while True:
                 ev, payload = await events.get()
@@ -119,41 +118,50 @@ def create_app(served: ServedModel, *, api_key: str | None = None, max_queue: in
                     break
                 if ev == "error":
                     raise P.ApiError(500, payload, "server_error")
-                parts[ev].extend(payload) if ev in ("tool_calls", "logprobs") else parts[ev].append(payload)
+                answer.add(ev, payload)
         finally:
             job.cancel()
             watch.close()
             _stats_note(request, job, False)
-        return parts
+        return answer
 
     def usage_of(job: Job) -> dict:
         st = job.stats
         return P.usage(st.prompt_tokens, st.completion_tokens, st.cached_tokens, st.reasoning_tokens)
 
-    async def generate(request: Request, prepare, sampling, stream, kind, include_usage=False, echo=False, **job_kw):
+    async def respond(request: Request, prepare, sampling, kind, stream, streamed, whole, **job_kw):
+        """Start a job; then its server-sent events, streamed(job, events), or once it has finished the
+        JSON of whole(job, answer). 499 when the client went away."""
         got = await start(request, prepare, sampling, kind, **job_kw)
         if isinstance(got, Response):
             return got
         job, events, done, watch = got
-        rid = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
         if stream:
-            return JobStream(_stream(job, events, rid, kind, include_usage, echo), job, done, watch,
-                             lambda: _stats_note(request, job, True))
-        parts = await collect(request, job, events, watch)
-        st = job.stats
-        if st.finish == "cancelled":
+            return JobStream(streamed(job, events), job, done, watch, lambda: _stats_note(request, job, True))
+        answer = await collect(request, job, events, watch)
+        if job.stats.finish == "cancelled":
             return Response(status_code=499)
-        content = "".join(parts["content"])
-        lps = parts["logprobs"] if job.logprobs is not None else None
-        if kind == "chat":
-            reasoning = "".join(parts["reasoning"]) if (job.prompt.thinks or parts["reasoning"]) else None
-            calls = parts["tool_calls"]
-            return JSONResponse(P.chat_response(
-                rid, served.name, content if content or not calls else None, reasoning, st.finish, usage_of(job),
-                calls, P.chat_logprobs(lps, text_of) if lps is not None else None))
-        head = _echo(job) if echo else ""
-        return JSONResponse(P.completion_response(rid, served.name, head + content, st.finish, usage_of(job),
-                                                  P.completion_logprobs(lps, text_of, len(head)) if lps is not None else None))
+        return JSONResponse(whole(job, answer))
+
+    async def generate(request: Request, prepare, sampling, stream, kind, include_usage=False, echo=False, **job_kw):
+        """OpenAI's chat and completions."""
+        rid = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
+
+        def whole(job, answer: Answer) -> dict:
+            st, content = job.stats, answer.text
+            lps = answer.logprobs if job.logprobs is not None else None
+            if kind == "chat":
+                reasoning = answer.reasoning_text if (job.prompt.thinks or answer.reasoning) else None
+                calls = answer.tool_calls
+                return P.chat_response(rid, served.name, content if content or not calls else None, reasoning,
+                                       st.finish, usage_of(job), calls,
+                                       P.chat_logprobs(lps, text_of) if lps is not None else None)
+            head = _echo(job) if echo else ""
+            return P.completion_response(rid, served.name, head + content, st.finish, usage_of(job),
+                                         P.completion_logprobs(lps, text_of, len(head)) if lps is not None else None)
+
+        return await respond(request, prepare, sampling, kind, stream,
+                             lambda job, events: _stream(job, events, rid, kind, include_usage, echo), whole, **job_kw)
 
     async def _stream(job, events, rid, kind, include_usage, echo):
         name, lp_on = served.name, job.logprobs is not None
@@ -207,7 +215,6 @@ def create_app(served: ServedModel, *, api_key: str | None = None, max_queue: in
     def _checked(structured) -> dict:
         """The job fields of a request's tools and response_format; a 400 for what cannot be done."""
         try:
-            structured.check(fmt.tools)
             return structured.job_kw(served)
         except FieldError as e:
             raise P.bad(str(e), e.param) from None
@@ -217,8 +224,7 @@ def create_app(served: ServedModel, *, api_key: str | None = None, max_queue: in
         P.check_model(body, served.names)
         req = P.parse_chat(body)
         tools = req.structured.prompt_tools
-        job_kw = dict(split_reasoning=can_think, strip_first_space=fmt.family == "deepseek-v2", logprobs=req.logprobs,
-                      **_checked(req.structured))
+        job_kw = dict(logprobs=req.logprobs, **served.chat_job(), **_checked(req.structured))
         return await generate(request, lambda: served.chat_prompt(req.messages, req.think, tools), req.sampling,
                               req.stream, "chat", include_usage=req.include_usage, **job_kw)
 
@@ -237,19 +243,11 @@ def create_app(served: ServedModel, *, api_key: str | None = None, max_queue: in
         req = A.parse(body)
         job_kw = _checked(req.structured)
         tools = req.structured.prompt_tools
-        got = await start(request, lambda: served.chat_prompt(req.messages, req.think, tools), req.sampling, "chat",
-                          split_reasoning=can_think, strip_first_space=fmt.family == "deepseek-v2", **job_kw)
-        if isinstance(got, Response):
-            return got
-        job, events, done, watch = got
         mid = A.new_id()
-        if req.stream:
-            return JobStream(A.stream(job, events, mid, served.name), job, done, watch,
-                             lambda: _stats_note(request, job, True))
-        parts = await collect(request, job, events, watch)
-        if job.stats.finish == "cancelled":
-            return Response(status_code=499)
-        return JSONResponse(A.message(mid, served.name, parts, job))
+        return await respond(request, lambda: served.chat_prompt(req.messages, req.think, tools), req.sampling, "chat",
+                             req.stream, lambda job, events: A.stream(job, events, mid, served.name),
+                             lambda job, answer: A.message(mid, served.name, answer, job),
+                             **served.chat_job(), **job_kw)
 
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": started, "owned_by": "cpumla", "max_model_len": served.ctx}

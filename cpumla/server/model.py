@@ -4,7 +4,7 @@ into responses) and the names it answers to."""
 
 from __future__ import annotations
 
-from cpumla.chat.chat_format import ChatFormat, detect_family
+from cpumla.chat.chat_format import ChatFormat
 from cpumla.chat.generate import Generator, Job, Prompt, Sampling, Stats
 from cpumla.chat.tokenizer import Tokenizer
 
@@ -12,7 +12,7 @@ __all__ = ["Job", "Prompt", "Sampling", "ServedModel", "Stats", "load_served"]
 
 
 class ServedModel(Generator):
-    def __init__(self, name: str, engine, tokenizer: Tokenizer, fmt: ChatFormat, stop_ids, aliases=()):
+    def __init__(self, engine, tokenizer: Tokenizer, fmt: ChatFormat, stop_ids, name: str, aliases=()):
         super().__init__(engine, tokenizer, fmt, stop_ids)
         self.name = aliases[0] if aliases else name
         self.names = tuple(aliases) if aliases else (name,)
@@ -41,8 +41,4 @@ def load_served(model: str, *, dummy_weights: bool = False, hf_overrides=None, d
     engine = load(model, dummy_weights=dummy_weights, hf_overrides=overrides, seed=seed, threads=threads,
                          max_seq_len=ctx, dummy_dtype=dummy_dtype, quant=quant, progress=progress,
                          resolved=resolved, memory=memory)
-    name = resolved.repo_id or (resolved.directory.name if resolved.directory else model)
-    own_template = None if tok.bundled else tok.chat_template
-    fmt = ChatFormat(detect_family(cfg.model_type, name, own_template), chat_template=own_template,
-                     bos=tok.bos_token or "", eos=tok.eos_token or "")
-    return ServedModel(model, engine, tok, fmt, [] if tok.bundled else cfg.eos_ids, aliases), notices
+    return ServedModel.of(engine, tok, resolved.name or model, model, aliases), notices
