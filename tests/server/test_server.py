@@ -305,6 +305,8 @@ def test_cli_errors_are_one_line(server):
     for args, words in [([V3, "--dummy-weights", "--port", port], f"cannot listen on 127.0.0.1:{port}"),
                         ([V3, "--dummy-weights", "--hf-overrides", "{bad"], "--hf-overrides is not valid JSON"),
                         ([V3, "--port", "0"], "is a preset"),
+                        ([V3, "--dummy-weights", "--cors", "localhost:3000"], "--cors localhost:3000: an origin is"),
+                        ([V3, "--dummy-weights", "--served-model-name", " "], "--served-model-name is empty"),
                         ([V3, "--dummy-weights", "--port", "70000"], "--port must be")]:
         p = subprocess.run([sys.executable, "-m", "cpumla", "serve", *args], capture_output=True, text=True, env=env,
                            timeout=60)
