@@ -24,13 +24,14 @@ from cpumla.checkpoint import tensors as W
 from cpumla.checkpoint.formats import check_quant_config
 from cpumla.errors import CpumlaError
 from cpumla.models import deepseek_v2_tensors as tables
+from cpumla.models import mtp
 from cpumla.models.checks import MAX_SIZE, is_int, needer, validate_quantization, validate_rope_scaling
 from cpumla.models.native_model import PREFILL_CHUNK, ConfigBase, NativeModel
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 # the family's tensor table and sizes (deepseek_v2_tensors.py), as the runtime calls them on this module
-tensors, weight_groups, memory_bytes = tables.tensors, tables.weight_groups, tables.memory_bytes
+tensors, weight_groups, memory_bytes, is_mtp = tables.tensors, tables.weight_groups, tables.memory_bytes, tables.is_mtp
 
 
 @dataclass
@@ -118,6 +119,9 @@ class Config(ConfigBase):
             if method in ("group_limited", "noaux_tc") and (self.n_group or 1) > 1:
                 g = self.n_group
                 need(self.n_routed_experts % g == 0, f"n_routed_experts {self.n_routed_experts} is not divisible by n_group {g}")
+                if method == "noaux_tc":          # a group's score is the sum of its top two experts
+                    need(self.n_routed_experts // g >= 2, f"n_group {g} leaves fewer than two of the "
+                         f"{self.n_routed_experts} routed experts a group")
                 need(self.topk_group and 1 <= self.topk_group <= g, "'topk_group' must be between 1 and n_group")
         check_quant_config(self.quantization_config, source)
 
@@ -300,6 +304,7 @@ class Model(NativeModel):
     cache_bytes_per_token, probe_arrays, close."""
 
     STATE = ("cpumla_dsv2_new", "cpumla_dsv2_free", "cpumla_dsv2_forward")
+    HAS_MTP = True           # reads the checkpoint's MTP layer (runtime/speculative.py drafts with it)
 
     def __init__(self, cfg: Config, src, ctx: int, max_tokens: int):
         self.config = cfg
@@ -312,12 +317,39 @@ class Model(NativeModel):
             head = "model.embed_tokens.weight"
         self.lm_head = W.linear(src, head, (V, D), cfg.block)
         self.layers = [self.build_layer(src, i) for i in range(cfg.num_hidden_layers)]
+        self.mtp = mtp.build(cfg, src, build_layer) if self.HAS_MTP else None
         self.ctx = ctx
         self._c = self.describe()
         self.start_state(self._c, ctx, max_tokens)
 
     def build_layer(self, src, i: int) -> Layer:
         return build_layer(self.config, src, i)
+
+    # ---- speculative decoding (runtime/speculative.py) ----
+    def forward_hidden(self, ids: np.ndarray, pos0: int, out: np.ndarray, last_only: bool, hidden: np.ndarray) -> None:
+        """forward() that also writes the final normed hidden state of every token into hidden [n, D]."""
+        self._native_call(native.lib.cpumla_dsv2_forward_hidden, ids, pos0, out, last_only, hidden)
+
+    def mtp_forward(self, ids: np.ndarray, pos0: int, hidden: np.ndarray, out: np.ndarray | None, last_only: bool,
+                    hidden_out: np.ndarray | None = None) -> None:
+        """The MTP layer at positions pos0.. over (hidden[t], ids[t]) pairs: the logits of the token after
+        each ids[t] into out (None: the cache entries only), its h' rows into hidden_out
+        (cpumla_dsv2_mtp_forward)."""
+        if self.mtp is None:
+            raise CpumlaError("this checkpoint has no MTP layer")
+        ffi = native.ffi
+        if self._state is None:
+            raise CpumlaError("this model has been closed")
+        rc = native.lib.cpumla_dsv2_mtp_forward(
+            self._state, ffi.from_buffer("int64_t[]", ids), ids.size, pos0, ffi.from_buffer("float[]", hidden),
+            ffi.NULL if out is None else ffi.from_buffer("float[]", out, require_writable=True), int(last_only),
+            ffi.NULL if hidden_out is None else ffi.from_buffer("float[]", hidden_out, require_writable=True))
+        if rc != 0:
+            raise CpumlaError(native.last_error())
+
+    def mtp_bytes(self) -> float:
+        """Bytes one MTP draft step reads (models/mtp.py)."""
+        return mtp.draft_bytes(self)
 
     # ---- what the model is made of ----
     @property
@@ -326,8 +358,10 @@ class Model(NativeModel):
         return self.layers[0].kv_a.dtype
 
     def routed_tables(self) -> list[native.Experts]:
-        """The routed expert tables, one per MoE layer (what an ExpertStream may keep on disk)."""
-        return [L.experts for L in self.layers if L.experts is not None]
+        """The routed expert tables, one per MoE layer, the MTP layer's last (what an ExpertStream may
+        keep on disk)."""
+        layers = self.layers + ([self.mtp.layer] if self.mtp is not None else [])
+        return [L.experts for L in layers if L.experts is not None]
 
     def probe_arrays(self) -> list[np.ndarray]:
         """The model's largest resident arrays, for a read-bandwidth probe over the memory decode reads."""
@@ -335,7 +369,7 @@ class Model(NativeModel):
 
     def cache_bytes_per_token(self) -> int:
         cfg = self.config
-        return 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers
+        return 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * (cfg.num_hidden_layers + (self.mtp is not None))
 
     def layer_weights(self, L: Layer) -> list:
         """The attention-side weights of a layer read once per token (the router included)."""
@@ -405,18 +439,7 @@ class Model(NativeModel):
         ffi, cfg = native.ffi, self.config
         layers = ffi.new("cpumla_dsv2_layer[]", len(self.layers))
         for i, L in enumerate(self.layers):
-            c = layers[i]
-            for name in ("input_ln", "post_ln", "q_a_ln", "kv_a_ln"):
-                v = getattr(L, name)
-                if v is not None:
-                    native.set_vec(getattr(c, name), v)
-            for name in ("q", "q_a", "q_b", "kv_a", "kv_b", "o_proj", "gate"):
-                w = getattr(L, name)
-                setattr(c, name, w.c if w is not None else ffi.NULL)
-            c.router = L.router.c if L.router is not None else ffi.NULL
-            c.experts = L.experts.c if L.experts is not None else ffi.NULL
-            mlp = L.mlp if L.mlp is not None else L.shared
-            c.mlp = mlp.c if mlp is not None else ffi.NULL
+            self.describe_layer(layers[i], L)
         m.n_layers, m.hidden, m.n_heads = cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads
         m.q_lora_rank, m.kv_lora_rank = cfg.q_lora_rank or 0, cfg.kv_lora_rank
         m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -428,6 +451,24 @@ class Model(NativeModel):
         native.set_vec(m.norm, self.norm)
         m.layers = layers
         self._layers_c = layers
+        if self.mtp is not None:
+            self._mtp_c = m.mtp = mtp.describe(self.mtp, self.describe_layer)
+
+    @staticmethod
+    def describe_layer(c, L: Layer) -> None:
+        """Fills a cpumla_dsv2_layer (c) from L."""
+        ffi = native.ffi
+        for name in ("input_ln", "post_ln", "q_a_ln", "kv_a_ln"):
+            v = getattr(L, name)
+            if v is not None:
+                native.set_vec(getattr(c, name), v)
+        for name in ("q", "q_a", "q_b", "kv_a", "kv_b", "o_proj", "gate"):
+            w = getattr(L, name)
+            setattr(c, name, w.c if w is not None else ffi.NULL)
+        c.router = L.router.c if L.router is not None else ffi.NULL
+        c.experts = L.experts.c if L.experts is not None else ffi.NULL
+        mlp = L.mlp if L.mlp is not None else L.shared
+        c.mlp = mlp.c if mlp is not None else ffi.NULL
 
     def describe(self):
         m = native.ffi.new("cpumla_dsv2_model *")

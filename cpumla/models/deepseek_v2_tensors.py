@@ -65,13 +65,35 @@ def mlp_names(cfg: Config, layer: int) -> dict[str, list[tuple[str, str, str]]]:
     return out
 
 
+def has_mtp(cfg: Config) -> bool:
+    """Whether the config names an MTP layer this family reads (V3 / R1 / V3.1: model.layers.{L}.*)."""
+    return cfg.model_type == "deepseek_v3" and bool(cfg.num_nextn_predict_layers)
+
+
+def mtp_names(cfg: Config) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The MTP layer's own tensors beside its decoder layer's (checkpoint_name_map of layer L): {role:
+    (name, shape)}. Its copies of the embedding and the head (`embed_tokens`, `shared_head.head`) equal
+    the main model's and are not read."""
+    D, p = cfg.hidden_size, f"model.layers.{cfg.num_hidden_layers}."
+    return {"enorm": (p + "enorm.weight", (D,)), "hnorm": (p + "hnorm.weight", (D,)),
+            "eh_proj": (p + "eh_proj.weight", (D, 2 * D)), "head_norm": (p + "shared_head.norm.weight", (D,))}
+
+
+def is_mtp(cfg: Config, name: str) -> bool:
+    return has_mtp(cfg) and name.startswith(f"model.layers.{cfg.num_hidden_layers}.")
+
+
 def tensors(cfg: Config) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Every tensor the model reads: name -> (shape, kind). Kinds guide dummy weights: "linear" (FP8
-    in an FP8 checkpoint), "plain" (a matrix never quantised: the router), "embed", "norm", "bias"."""
+    """Every tensor the model reads: name -> (shape, kind), the MTP layer's included (is_mtp: read when
+    the checkpoint has them). Kinds guide dummy weights: "linear" (FP8 in an FP8 checkpoint), "plain" (a
+    matrix never quantised: the router), "embed", "norm", "bias"."""
     D, V = cfg.hidden_size, cfg.vocab_size
     out = {"model.embed_tokens.weight": ((V, D), "embed"), "model.norm.weight": ((D,), "norm"),
            "lm_head.weight": ((V, D), "plain")}
-    for layer in range(cfg.num_hidden_layers):
+    if has_mtp(cfg):
+        for role, (name, shape) in mtp_names(cfg).items():
+            out[name] = (shape, "linear" if role == "eh_proj" else "norm")
+    for layer in range(cfg.num_hidden_layers + (1 if has_mtp(cfg) else 0)):
         for role, (name, shape) in checkpoint_name_map(cfg, layer).items():
             out[name] = (shape, role_kind(role))
         shapes = mlp_shapes(cfg, layer)
@@ -96,7 +118,8 @@ def weight_groups(cfg: Config, extra=None) -> list[tuple[str, tuple[int, ...], s
     D, V = cfg.hidden_size, cfg.vocab_size
     out = [("model.embed_tokens.weight", (V, D), "embed", 1), ("model.norm.weight", (D,), "norm", 1),
            ("lm_head.weight", (V, D), "plain", 1)]
-    for layer, count in cfg.layer_groups():
+    out += [(name, shape, kind, 1) for name, shape, kind in _mtp_own(cfg)]
+    for layer, count in _layer_groups(cfg):
         out += [(name, shape, role_kind(role), count) for role, (name, shape) in checkpoint_name_map(cfg, layer).items()]
         out += [(name, shape, kind, count) for _, (name, shape), kind in (extra(layer) if extra else [])]
         p = f"model.layers.{layer}.mlp."
@@ -105,6 +128,23 @@ def weight_groups(cfg: Config, extra=None) -> list[tuple[str, tuple[int, ...], s
             out += [(prefix + "gate_proj.weight", (inter, D), "linear", 2 * n * count),
                     (prefix + "down_proj.weight", (D, inter), "linear", n * count)]
     return out
+
+
+def _mtp_own(cfg: Config) -> list[tuple[str, tuple[int, ...], str]]:
+    """The MTP layer's tensors besides its decoder layer's (none without one)."""
+    if not has_mtp(cfg):
+        return []
+    return [(name, shape, "linear" if role == "eh_proj" else "norm") for role, (name, shape) in mtp_names(cfg).items()]
+
+
+def _layer_groups(cfg: Config) -> list[tuple[int, int]]:
+    """cfg.layer_groups(), plus the MTP layer's decoder layer (its index, counted once)."""
+    return cfg.layer_groups() + ([(cfg.num_hidden_layers, 1)] if has_mtp(cfg) else [])
+
+
+def cached_layers(cfg: Config) -> int:
+    """Layers with a latent cache: every decoder layer, the MTP layer's included."""
+    return cfg.num_hidden_layers + (1 if has_mtp(cfg) else 0)
 
 
 def layer_shapes(cfg: Config, layer: int) -> list[tuple[tuple[int, ...], str, int]]:
@@ -135,11 +175,12 @@ def memory_bytes(cfg: Config, ctx: int, dtype: str, chunk: int = 512, shapes=lay
     weights of `dtype` store them (a checkpoint's are its files, mapped), "cache" (the latent cache of
     ctx tokens per layer, fp32) and "scratch" (the state's buffers for a prefill chunk, the kernels'
     attention and expert scratch and one chunk of logits; approximate from above)."""
-    D, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    D, V = cfg.hidden_size, cfg.vocab_size
     H, R, P = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     weights = tensor_bytes((V, D), "embed", dtype) + tensor_bytes((D,), "norm", dtype) + \
         tensor_bytes((V, D), "plain", dtype, cfg.block)
-    for layer, count in cfg.layer_groups():
+    weights += sum(tensor_bytes(shape, kind, dtype, cfg.block) for _, shape, kind in _mtp_own(cfg))
+    for layer, count in _layer_groups(cfg):
         weights += count * sum(n * tensor_bytes(shape, kind, dtype, cfg.block) for shape, kind, n in shapes(cfg, layer))
     n = min(chunk, ctx)
     E, K = (cfg.n_routed_experts or 0), (cfg.num_experts_per_tok or 0) + 1
@@ -151,5 +192,5 @@ def memory_bytes(cfg: Config, ctx: int, dtype: str, chunk: int = 512, shapes=lay
     dk, dv = cfg.qk_nope_head_dim + P, cfg.v_head_dim
     attention += 2 * H * n + min(ctx, 4096) * R // 2 + 256 * (R + dk + 2 * dv + 256) + 256 * (dv + 1)
     experts = n * K * (2 * D + 2 * inter)
-    return {"weights": weights, "cache": 4 * (R + P) * ctx * L,
+    return {"weights": weights, "cache": 4 * (R + P) * ctx * cached_layers(cfg),
             "scratch": 4 * (state + attention + experts + n * V)}

@@ -114,6 +114,7 @@ class Indexer:
 
 
 class Model(v2.Model):
+    HAS_MTP = False          # V3.2's MTP layer has an indexer of its own: not read yet
     STATE = ("cpumla_dsv32_new", "cpumla_dsv32_free", "cpumla_dsv32_forward")
 
     def build_layer(self, src, i: int) -> v2.Layer:

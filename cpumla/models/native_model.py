@@ -32,11 +32,17 @@ class NativeModel:
 
     def call_state(self, ids: np.ndarray, pos0: int, out: np.ndarray, last_only: bool) -> None:
         """One native forward: ids (int64, contiguous) at pos0, their logits into out (float32)."""
+        self._native_call(self._forward, ids, pos0, out, last_only)
+
+    def _native_call(self, fn, ids: np.ndarray, pos0: int, out: np.ndarray, last_only: bool, *more) -> None:
+        """fn(state, ids, n, pos0, logits, last_only, *more float buffers)."""
         if self._state is None:
             raise CpumlaError("this model has been closed")
+        ffi = native.ffi
         # from_buffer: a fraction of vptr's cost (numpy's .ctypes), paid once a decode token
-        rc = self._forward(self._state, native.ffi.from_buffer("int64_t[]", ids), ids.size, pos0,
-                           native.ffi.from_buffer("float[]", out, require_writable=True), int(last_only))
+        rc = fn(self._state, ffi.from_buffer("int64_t[]", ids), ids.size, pos0,
+                ffi.from_buffer("float[]", out, require_writable=True), int(last_only),
+                *(ffi.from_buffer("float[]", b, require_writable=True) for b in more))
         if rc != 0:
             raise CpumlaError(native.last_error())
 

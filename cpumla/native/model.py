@@ -89,6 +89,11 @@ class Experts:
             self.c[i].gate, self.c[i].up, self.c[i].down = g.c[0], u.c[0], d.c[0]
         self.n, self.hidden, self.intermediate = len(experts), D, I
 
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's three weights (the first's; a table's experts share shapes and format)."""
+        return sum(as_weight(t).nbytes for t in self._keep[0])
+
     def __call__(self, x: np.ndarray, idx: np.ndarray, w: np.ndarray, out: np.ndarray, limit: float = 0.0):
         """out[t] += sum_j w[t, j] * Expert_{idx[t, j]}(x[t]); x, out [n, D]; idx, w [n, k]."""
         ensure_init()

@@ -142,7 +142,8 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
         src = Checkpoint(resolved.directory)
     elif src is None and not dummy:
         src = resolved.gguf
-    routed = embed = 0
+    routed = embed = mtp_resident = mtp_routed = 0
+    in_mtp = getattr(fam, "is_mtp", lambda cfg, name: False)   # V3's MTP layer: loaded, not decoded with
     experts = getattr(cfg, "n_routed_experts", 0) or 0
     top_k = getattr(cfg, "num_experts_per_tok", 0) or 0
     try:
@@ -150,9 +151,12 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
         per_token = dict.fromkeys(sizes, 0.0)       # of those bytes, what a decode token reads
         for name, shape, kind, count in groups:
             n = math.prod(shape)
-            params += n * count
+            mtp = in_mtp(cfg, name)
+            if mtp and src is not None and not src.has(name):
+                continue                            # a checkpoint without the MTP layer
+            params += 0 if mtp else n * count       # the model's parameters as its card counts them
             # a token reads top_k of the routed experts, one row of the embedding (and of V4's hash table)
-            share = top_k / experts if is_routed(name) and experts else \
+            share = 0.0 if mtp else top_k / experts if is_routed(name) and experts else \
                 1 / shape[0] if kind == "embed" or kind.startswith("ids:") else 1.0
             if src is not None and src.has(name):
                 dtype, got = src.info(name)
@@ -162,9 +166,12 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
                 dtype = _released_dtype(kind, fp8)
                 stored = _bytes(shape, dtype, block, scale_bytes)
             b = {"stored": stored}
+            if mtp:
+                mtp_routed += stored * count if is_routed(name) else 0
+                mtp_resident += 0 if is_routed(name) else stored * count
             if is_routed(name):
                 routed += stored * count
-            elif share != 1.0:
+            elif share != 1.0 and not mtp:
                 embed += stored * count
             if quantizable:
                 b["bf16"] = stored if dtype in ("F32", "I64", "I32") else 2 * n
@@ -177,7 +184,8 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
         if src is not None:     # as stored, tensor by tensor: a file's types may differ by layer (GGUF's mixes)
             exact = budget(fam, cfg, src, ctx, 1)
             sizes["stored"], routed = exact.resident + exact.routed, exact.routed
-            per_token["stored"] = exact.resident - embed * (1 - 1 / cfg.vocab_size) + routed * top_k / max(experts, 1)
+            per_token["stored"] = exact.resident - mtp_resident - embed * (1 - 1 / cfg.vocab_size) + \
+                (routed - mtp_routed) * top_k / max(experts, 1)
     finally:
         if own:
             src.close()
@@ -201,7 +209,7 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
                 stored="as stored" if src is not None else "as released", weights=sizes,
                 cache_per_1k=k1, ctx=ctx, cache=mem["cache"], scratch=mem["scratch"], available=avail,
                 available_from=what, quantized=quantized_as(cfg), notes=notes, routed=routed,
-                routed_per_token=routed * top_k // experts if experts else 0, disk_probe_gbps=probe,
+                routed_per_token=(routed - mtp_routed) * top_k // experts if experts else 0, disk_probe_gbps=probe,
                 token_bytes={f: round(v) for f, v in per_token.items()})
 
 

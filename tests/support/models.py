@@ -74,6 +74,13 @@ def build_from_kwargs(model_type: str, kw: dict, out: Path, dtype=torch.float32,
         cfg, cls = DeepseekV3Config(**kw, num_nextn_predict_layers=0), DeepseekV3ForCausalLM
     torch.manual_seed(seed)
     model = cls(cfg).to(torch.float32).eval()
+    randomize(model, seed)
+    model.to(dtype).save_pretrained(out)
+    return model.to(dtype).to(torch.float32) if dtype != torch.float32 else model
+
+
+def randomize(model, seed: int) -> None:
+    """Gives every parameter and buffer of a tiny model a real value (norms around 1, weights ~ 1/sqrt(in))."""
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():          # give every parameter a real value
@@ -90,8 +97,75 @@ def build_from_kwargs(model_type: str, kw: dict, out: Path, dtype=torch.float32,
         for name, b in model.named_buffers():
             if "e_score_correction_bias" in name:
                 b.copy_(torch.randn(b.shape, generator=g) * 0.3)
-    model.to(dtype).save_pretrained(out)
-    return model.to(dtype).to(torch.float32) if dtype != torch.float32 else model
+
+
+class Mtp:
+    """A V3 MTP layer for tests, computed as the spec says with transformers' classes: enorm, hnorm and
+    eh_proj by hand, the decoder layer, shared_head.norm and the main lm_head as a one-layer
+    DeepseekV3ForCausalLM run on inputs_embeds = eh_proj(...)."""
+
+    def __init__(self, main, seed: int):
+        from transformers import DeepseekV3ForCausalLM
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
+        cfg = main.config.__class__(**{**main.config.to_dict(), "num_hidden_layers": 1, "first_k_dense_replace": 0})
+        torch.manual_seed(seed)
+        self.block = DeepseekV3ForCausalLM(cfg).to(torch.float32).eval()
+        randomize(self.block, seed)
+        D, eps = cfg.hidden_size, cfg.rms_norm_eps
+        g = torch.Generator().manual_seed(seed + 7)
+        with torch.no_grad():
+            self.block.lm_head.weight.copy_(main.lm_head.weight)
+            self.enorm, self.hnorm = DeepseekV3RMSNorm(D, eps), DeepseekV3RMSNorm(D, eps)
+            self.enorm.weight.copy_(0.5 + torch.rand(D, generator=g))
+            self.hnorm.weight.copy_(0.5 + torch.rand(D, generator=g))
+            self.eh_proj = torch.randn(D, 2 * D, generator=g) / (2 * D) ** 0.5
+        self.main = main
+
+    def tensors(self, layer: int) -> dict:
+        """The layer's tensors under the names a V3 checkpoint gives them (model.layers.{layer}.*)."""
+        import tempfile
+
+        from safetensors.torch import load_file
+
+        with tempfile.TemporaryDirectory() as tmp:       # save_pretrained writes the checkpoint's names
+            self.block.save_pretrained(tmp)
+            saved = load_file(Path(tmp) / "model.safetensors")
+        p = f"model.layers.{layer}."
+        out = {p + k.removeprefix("model.layers.0."): v for k, v in saved.items() if k.startswith("model.layers.0.")}
+        out.update({p + "enorm.weight": self.enorm.weight, p + "hnorm.weight": self.hnorm.weight,
+                    p + "eh_proj.weight": self.eh_proj, p + "shared_head.norm.weight": self.block.model.norm.weight,
+                    p + "shared_head.head.weight": self.main.lm_head.weight,
+                    p + "embed_tokens.weight": self.main.model.embed_tokens.weight})
+        return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+    def hidden(self, ids) -> torch.Tensor:
+        """The main model's final normed hidden states [n, D]."""
+        with torch.no_grad():
+            return self.main.model(torch.tensor([ids])).last_hidden_state[0]
+
+    def logits(self, hidden: torch.Tensor, next_ids) -> np.ndarray:
+        """MTP logits [n, vocab] over the pairs (hidden[t], next_ids[t]) at positions 0..n-1."""
+        with torch.no_grad():
+            e = self.main.model.embed_tokens(torch.tensor([next_ids]))[0]
+            u = torch.cat([self.enorm(e), self.hnorm(hidden)], -1) @ self.eh_proj.T
+            return self.block(inputs_embeds=u[None]).logits[0].float().numpy()
+
+
+def build_v3_mtp(out: Path, seed: int = 0):
+    """The tiny V3 of build("v3") with an MTP layer added to its checkpoint (num_nextn_predict_layers 1);
+    returns its Mtp (main model and reference)."""
+    from safetensors.torch import load_file, save_file
+
+    main = build("v3", out, seed=seed)
+    mtp = Mtp(main, seed + 100)
+    sd = load_file(out / "model.safetensors")
+    sd.update(mtp.tensors(main.config.num_hidden_layers))
+    save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (out / "config.json").write_text(json.dumps(cfg))
+    return mtp
 
 
 def quantize_fp8(src_dir: Path, out: Path, block=(128, 128)):

@@ -36,6 +36,16 @@ typedef struct cpumla_dsv2_layer {
  * any depth well above n, and lower in practice, the latent attention being the less efficient. */
 enum { CPUMLA_DSV2_MHA_MIN_TOKENS = 128 };
 
+/* The multi-token-prediction (MTP) layer of V3 / R1 / V3.1 (`model.layers.{n_layers}.*`): from the main
+ * model's final normed hidden state h_i at position i and the embedding e of token i+1,
+ *   u = eh_proj([enorm(e) ; hnorm(h_i)]),  h' = a decoder layer (its own latent cache) over u,
+ *   logits of token i+2 = lm_head(norm(h')). */
+typedef struct cpumla_dsv2_mtp {
+    cpumla_vec enorm, hnorm, norm;  /* [D] each (norm: shared_head.norm) */
+    const cpumla_weight *eh_proj;   /* [D, 2D] */
+    cpumla_dsv2_layer layer;
+} cpumla_dsv2_mtp;
+
 typedef struct cpumla_dsv2_model {
     int64_t n_layers, hidden, n_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
         v_head_dim, vocab;
@@ -47,6 +57,7 @@ typedef struct cpumla_dsv2_model {
     const cpumla_weight *lm_head;  /* [V, D] */
     cpumla_vec norm;               /* [D] */
     const cpumla_dsv2_layer *layers;
+    const cpumla_dsv2_mtp *mtp;    /* the MTP layer, or NULL */
 } cpumla_dsv2_model;
 
 typedef struct cpumla_dsv2_state cpumla_dsv2_state;
@@ -64,6 +75,17 @@ void cpumla_dsv2_free(cpumla_dsv2_state *s);
  * token id, context full, routing error, out of memory). */
 int cpumla_dsv2_forward(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int64_t pos0, float *logits,
                         int32_t last_only);
+/* cpumla_dsv2_forward that also writes the final normed hidden state of each of the n tokens into
+ * hidden [n, D] (what the MTP layer takes), when hidden is not NULL. */
+int cpumla_dsv2_forward_hidden(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int64_t pos0, float *logits,
+                               int32_t last_only, float *hidden);
+/* The MTP layer over n positions pos0 .. pos0+n-1 of its own latent cache: row t pairs hidden[t] (a
+ * normed hidden state of the main model at that position, or an MTP output h' when drafts are chained)
+ * with the token ids[t] that follows it; logits [n, vocab] (last_only: [1, vocab]) of the token after
+ * ids[t] (none when logits is NULL: the cache entries alone); h' rows into hidden_out [n, D] when it is
+ * not NULL. -1 when the model has no MTP layer. */
+int cpumla_dsv2_mtp_forward(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int64_t pos0, const float *hidden,
+                            float *logits, int32_t last_only, float *hidden_out);
 /* Whether the forward attends a chunk of n tokens un-absorbed (without sparse index lists): n > 1 and
  * n >= m->mha_min_tokens, or the default when that is 0 or below. 1 or 0. */
 int cpumla_dsv2_unabsorbed(const cpumla_dsv2_model *m, int64_t n);

@@ -13,13 +13,21 @@
 
 #define TRY(call) do { if ((call) != 0) return -1; } while (0)
 
+const cpumla_dsv2_layer *dsv2_layer(const cpumla_dsv2_model *m, int64_t l) {
+    return l < m->n_layers ? &m->layers[l] : &m->mtp->layer;
+}
+
+int64_t dsv2_cached_layers(const cpumla_dsv2_model *m) { return m->n_layers + (m->mtp ? 1 : 0); }
+
 static int64_t max_experts(const cpumla_dsv2_model *m, int want_k) {
     int64_t v = 0;
-    for (int64_t l = 0; l < m->n_layers; l++)
-        if (m->layers[l].router) {
-            int64_t x = want_k ? m->layers[l].router->top_k : m->layers[l].router->n_experts;
+    for (int64_t l = 0; l < dsv2_cached_layers(m); l++) {
+        const cpumla_router *r = dsv2_layer(m, l)->router;
+        if (r) {
+            int64_t x = want_k ? r->top_k : r->n_experts;
             v = x > v ? x : v;
         }
+    }
     return v > 0 ? v : 1;
 }
 
@@ -36,14 +44,15 @@ int dsv2_state_init(cpumla_dsv2_state *s, const cpumla_dsv2_model *m, int64_t ct
     int64_t qk = m->qk_nope_head_dim + P, QL = m->q_lora_rank > 0 ? m->q_lora_rank : 0;
     int64_t E = max_experts(m, 0), K = max_experts(m, 1);
     int64_t sizes[] = {n * D, n * D, n * D, n * QL, n * H * qk, n * (R + P), n * H * (R + P), n * H * R,
-                       n * H * m->v_head_dim, n * E, n * K, n};
+                       n * H * m->v_head_dim, n * E, n * K, n, m->mtp ? 2 * n * D : 0};
     float **slots[] = {&s->h, &s->x, &s->t, &s->qa, &s->q, &s->latent, &s->q_abs, &s->o_lat, &s->o, &s->gate,
-                       &s->w, &s->ones};
+                       &s->w, &s->ones, &s->cat};
     size_t floats = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) floats += (size_t)((sizes[i] + 15) & ~15);
     size_t bytes = floats * 4 + (size_t)(n * K + n) * 4 + (size_t)n * 16 + 256;
     s->block = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
-    s->cache = calloc((size_t)m->n_layers, sizeof(float *));
+    s->n_cached = dsv2_cached_layers(m);
+    s->cache = calloc((size_t)s->n_cached, sizeof(float *));
     s->scratch = cpumla_ctx_new();
     if (!s->block || !s->cache || !s->scratch) goto oom;
     float *p = s->block;
@@ -57,7 +66,7 @@ int dsv2_state_init(cpumla_dsv2_state *s, const cpumla_dsv2_model *m, int64_t ct
     s->kv_len = s->pos + n;
     for (int64_t t = 0; t < n; t++) { s->zeros[t] = 0; s->ones[t] = 1.0f; }
     size_t row = (size_t)(R + P) * sizeof(float);
-    for (int64_t l = 0; l < m->n_layers; l++) {
+    for (int64_t l = 0; l < s->n_cached; l++) {
         /* rows are written before they are read: no need to clear (untouched pages stay unmapped) */
         s->cache[l] = cpumla_cache_alloc((size_t)ctx * row);
         if (!s->cache[l]) goto oom;
@@ -71,7 +80,7 @@ oom:
 
 void dsv2_state_release(cpumla_dsv2_state *s) {
     if (s->cache)
-        for (int64_t l = 0; l < s->m->n_layers; l++) free(s->cache[l]);
+        for (int64_t l = 0; l < s->n_cached; l++) free(s->cache[l]);
     free(s->cache);
     free(s->block);
     cpumla_ctx_free(s->scratch);
@@ -114,7 +123,7 @@ int dsv2_begin(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int64_t pos0
 
 int dsv2_attn_in(cpumla_dsv2_state *s, int64_t l, int64_t n) {
     const cpumla_dsv2_model *m = s->m;
-    const cpumla_dsv2_layer *L = &m->layers[l];
+    const cpumla_dsv2_layer *L = dsv2_layer(m, l);
     int64_t D = m->hidden, H = m->n_heads, R = m->kv_lora_rank, P = m->qk_rope_head_dim;
     int64_t dn = m->qk_nope_head_dim, qk = dn + P;
     float eps = m->rms_norm_eps;
@@ -150,7 +159,7 @@ static int attn_proj(cpumla_dsv2_state *s, const cpumla_dsv2_layer *L, int64_t n
 int dsv2_attn_out(cpumla_dsv2_state *s, int64_t l, int64_t n, int64_t pos0, const int32_t *kv_idx, int64_t ld_idx,
                   const int64_t *kv_count) {
     const cpumla_dsv2_model *m = s->m;
-    const cpumla_dsv2_layer *L = &m->layers[l];
+    const cpumla_dsv2_layer *L = dsv2_layer(m, l);
     int64_t H = m->n_heads, R = m->kv_lora_rank, P = m->qk_rope_head_dim;
     int64_t dn = m->qk_nope_head_dim, dv = m->v_head_dim, qk = dn + P;
     if (!kv_idx && cpumla_dsv2_unabsorbed(m, n)) {
@@ -183,7 +192,7 @@ int dsv2_attn_out(cpumla_dsv2_state *s, int64_t l, int64_t n, int64_t pos0, cons
 
 int dsv2_ffn(cpumla_dsv2_state *s, int64_t l, int64_t n) {
     const cpumla_dsv2_model *m = s->m;
-    const cpumla_dsv2_layer *L = &m->layers[l];
+    const cpumla_dsv2_layer *L = dsv2_layer(m, l);
     int64_t D = m->hidden;
     cpumla_rmsnorm(s->h, D, s->x, D, n, D, L->post_ln.data, L->post_ln.dtype, m->rms_norm_eps);
     if (L->gate) {
@@ -225,14 +234,41 @@ void cpumla_dsv2_free(cpumla_dsv2_state *s) {
 }
 
 static int forward(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int64_t pos0, float *logits,
-                   int32_t last_only) {
+                   int32_t last_only, float *hidden) {
+    const cpumla_dsv2_model *m = s->m;
     TRY(dsv2_begin(s, ids, n, pos0));
-    for (int64_t l = 0; l < s->m->n_layers; l++) {
+    for (int64_t l = 0; l < m->n_layers; l++) {
         TRY(dsv2_attn_in(s, l, n));
         TRY(dsv2_attn_out(s, l, n, pos0, NULL, 0, NULL));
         TRY(dsv2_ffn(s, l, n));
     }
+    if (hidden)
+        cpumla_rmsnorm(s->h, m->hidden, hidden, m->hidden, n, m->hidden, m->norm.data, m->norm.dtype, m->rms_norm_eps);
     return dsv2_end(s, n, logits, last_only);
+}
+
+static int mtp_forward(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int64_t pos0, const float *hidden,
+                       float *logits, int32_t last_only, float *hidden_out) {
+    const cpumla_dsv2_model *m = s->m;
+    const cpumla_dsv2_mtp *mtp = m->mtp;
+    if (!mtp) {
+        cpumla_set_error("this model has no MTP layer");
+        return -1;
+    }
+    int64_t D = m->hidden, L = m->n_layers;
+    float eps = m->rms_norm_eps;
+    TRY(dsv2_begin(s, ids, n, pos0));      /* the embeddings e into s->h */
+    cpumla_rmsnorm(s->h, D, s->cat, 2 * D, n, D, mtp->enorm.data, mtp->enorm.dtype, eps);
+    cpumla_rmsnorm(hidden, D, s->cat + D, 2 * D, n, D, mtp->hnorm.data, mtp->hnorm.dtype, eps);
+    TRY(cpumla_gemm(mtp->eh_proj, s->cat, 2 * D, n, s->h, D));
+    TRY(dsv2_attn_in(s, L, n));
+    TRY(dsv2_attn_out(s, L, n, pos0, NULL, 0, NULL));
+    TRY(dsv2_ffn(s, L, n));
+    if (hidden_out) memcpy(hidden_out, s->h, sizeof(float) * (size_t)(n * D));
+    if (!logits) return 0;
+    int64_t first = last_only ? n - 1 : 0, rows = n - first;
+    cpumla_rmsnorm(s->h + first * D, D, s->x, D, rows, D, mtp->norm.data, mtp->norm.dtype, eps);
+    return cpumla_gemm(m->lm_head, s->x, D, rows, logits, m->vocab);
 }
 
 /* Under the library lock, with the model's own scratch: a failed scratch request anywhere inside makes
@@ -241,5 +277,19 @@ int cpumla_dsv2_forward(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int
                         int32_t last_only) {
     cpumla_enter(s->scratch);
     cpumla_ensure_init();
-    return cpumla_leave(forward(s, ids, n, pos0, logits, last_only));
+    return cpumla_leave(forward(s, ids, n, pos0, logits, last_only, NULL));
+}
+
+int cpumla_dsv2_forward_hidden(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int64_t pos0, float *logits,
+                               int32_t last_only, float *hidden) {
+    cpumla_enter(s->scratch);
+    cpumla_ensure_init();
+    return cpumla_leave(forward(s, ids, n, pos0, logits, last_only, hidden));
+}
+
+int cpumla_dsv2_mtp_forward(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int64_t pos0, const float *hidden,
+                            float *logits, int32_t last_only, float *hidden_out) {
+    cpumla_enter(s->scratch);
+    cpumla_ensure_init();
+    return cpumla_leave(mtp_forward(s, ids, n, pos0, hidden, logits, last_only, hidden_out));
 }

@@ -13,7 +13,8 @@ struct cpumla_dsv2_state {
     const cpumla_dsv2_model *m;
     int64_t ctx, max_tokens;
     cpumla_ctx *scratch;  /* the kernels' scratch (attention parts, MoE lists, operand conversions) */
-    float **cache;   /* [n_layers] latent caches [ctx, R+P] = rows of [c_kv | RoPE(k_pe)] */
+    int64_t n_cached;  /* latent caches: n_layers, plus one for the MTP layer */
+    float **cache;   /* [n_cached] latent caches [ctx, R+P] = rows of [c_kv | RoPE(k_pe)] */
     void *block;     /* the one allocation behind every scratch pointer below */
     float *h;        /* [n, D] residual stream */
     float *x;        /* [n, D] normed input of a sub-block */
@@ -27,11 +28,17 @@ struct cpumla_dsv2_state {
     float *gate;     /* [n, E] router logits */
     float *w;        /* [n, K] routing weights */
     float *ones;     /* [n] */
+    float *cat;      /* [n, 2D] the MTP layer's [enorm(e) ; hnorm(h)] (with an MTP layer only) */
     int32_t *idx;    /* [n, K] */
     int32_t *zeros;  /* [n] */
     int64_t *pos;    /* [n] positions */
     int64_t *kv_len; /* [n] = pos + 1 */
 };
+
+/* Layer l of m: the MTP layer for l = n_layers. */
+CPUMLA_INTERNAL const cpumla_dsv2_layer *dsv2_layer(const cpumla_dsv2_model *m, int64_t l);
+/* n_layers, plus one with an MTP layer. */
+CPUMLA_INTERNAL int64_t dsv2_cached_layers(const cpumla_dsv2_model *m);
 
 /* Caches and scratch for m; 0, or -1 (error set; whatever was allocated is released). */
 CPUMLA_INTERNAL int dsv2_state_init(cpumla_dsv2_state *s, const cpumla_dsv2_model *m, int64_t ctx,
