@@ -80,6 +80,9 @@ class TurnStats:
     gen_tokens: int = 0
     gen_s: float = 0.0
     stop: str = ""              # "eos" | "stop" (a stop string) | "max_tokens" | "interrupted" | "context"
+    drafted: int = 0            # draft tokens verified (speculative decoding), and of them kept
+    kept: int = 0
+    forwards: int = 0           # decode forwards
 
     @property
     def prompt_tps(self) -> float:
@@ -265,6 +268,7 @@ class Conversation:
         dec = IncrementalDecoder(self.tok)
         stops = StopText(self.settings.stop)
         t1 = time.perf_counter()
+        step = eng.stepper()
         try:
             while True:
                 if self._stop_requested:
@@ -290,14 +294,16 @@ class Conversation:
                 if len(gen) >= self.settings.max_tokens:
                     st.stop = "max_tokens"
                     break
-                if eng.pos >= eng.max_seq_len:
+                if step.at >= eng.max_seq_len:
                     st.stop = "context"
                     break
                 if self._stop_requested:
                     st.stop = "interrupted"
                     break
-                logits = eng.forward([tok], last_only=True)
+                logits = step(tok)[None]
         finally:
+            step.close()         # drafts verified ahead and not kept leave the cache
+            st.drafted, st.kept, st.forwards = step.verified, step.accepted, step.forwards
             # runs on normal end, on an interrupt and on an exception alike: history and the known
             # tokenization always describe what was generated, so the next turn stays consistent
             st.gen_tokens, st.gen_s = len(gen), time.perf_counter() - t1

@@ -322,6 +322,10 @@ class _Decode:
         return self.constraint.apply(logits)
 
     def run(self, logits) -> None:
+        with self.g.engine.stepper() as self.step:     # drafts verified ahead are dropped at the end
+            self._run(logits)
+
+    def _run(self, logits) -> None:
         job, st, eng, g = self.job, self.job.stats, self.g.engine, self.g
         end_think = g.tok.token_id(END_THINK)
         while True:
@@ -355,13 +359,13 @@ class _Decode:
             if self.constraint is not None and self.constraint.done:
                 st.finish = "stop"
                 break
-            if len(self.ids) >= job.max_tokens or eng.pos >= eng.max_seq_len:
+            if len(self.ids) >= job.max_tokens or self.step.at >= eng.max_seq_len:
                 st.finish = "length"
                 break
             if job.cancelled.is_set():
                 st.finish = "cancelled"
                 return
-            logits = eng.forward([tok], last_only=True)
+            logits = self.step(tok)[None]
         if self.out(self.dec.flush()):
             st.finish = "stop"
         self._end()

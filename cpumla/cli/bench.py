@@ -14,7 +14,16 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from cpumla import native
 from cpumla.bench.peaks import tile_peaks as tile_peaks_of
 from cpumla.cli import render
-from cpumla.cli.options import MEMORY_HELP, QUANT_HELP, check_quant, check_threads, dummy_dtypes_help, parse_size
+from cpumla.cli.options import (
+    DRAFT_TOKENS_HELP,
+    MEMORY_HELP,
+    QUANT_HELP,
+    check_draft,
+    check_quant,
+    check_threads,
+    dummy_dtypes_help,
+    parse_size,
+)
 from cpumla.cli.overrides import parse_hf_overrides
 from cpumla.errors import CpumlaError
 
@@ -47,6 +56,10 @@ def bench(
     seed: int = typer.Option(0, "--seed", help="Dummy weights' seed, and the random tokens'."),
     quant: str = typer.Option(None, "--quant", help=QUANT_HELP),
     memory: str = typer.Option(None, "--memory", metavar="SIZE", help=MEMORY_HELP),
+    draft: str = typer.Option(None, "--draft", metavar="mtp|ngram|none",
+                              help="mtp or ngram: also time verifying 2 .. K+1 tokens against 1, and decode with "
+                              "every draft kept (the pp / tg tests never draft)."),
+    draft_tokens: int = typer.Option(1, "--draft-tokens", help=DRAFT_TOKENS_HELP),
     formats: str = typer.Option(",".join(("f32", "bf16", "f16", "e4m3", "e4m3-e8m0", "e2m1", "q8", "q4")), "--formats",
                                 help="--kernels: comma-separated GEMV weight formats (GGUF's too: q8_0, q4_k, q2_k, iq2_xxs, mxfp4, ...)."),
     report: bool = typer.Option(False, "--report", metavar="", help="--kernels: also `cpumla info --json`, every "
@@ -61,6 +74,7 @@ def bench(
                                   "MiB (keep it well above the last-level cache)."),
 ) -> None:
     check_quant(quant)
+    check_draft(draft, draft_tokens)
     budget = parse_size(memory)
     if output not in OUTPUTS:
         raise CpumlaError(f"unknown output format '{output}' (choose from: {', '.join(OUTPUTS)})")
@@ -81,11 +95,11 @@ def bench(
     if model is None:
         raise CpumlaError("name a model (or a preset with --dummy-weights), or pass --kernels")
     _model(model, dummy_weights, parse_hf_overrides(hf_overrides), dummy_dtype, n_prompt, n_gen, reps, threads,
-           depths, output, seed, quant, budget)
+           depths, output, seed, quant, budget, (draft, draft_tokens))
 
 
 def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, reps, threads, depths, output, seed,
-           quant=None, memory=None):
+           quant=None, memory=None, draft=(None, 1)):
     from cpumla.bench import model as mb
     from cpumla.runtime.loader import load
 
@@ -93,7 +107,7 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
     thr = _ints(threads, "--threads") if threads else [native.get_threads()]
     check_threads(thr)        # the one rule of every command (bench.model warns about counts above the cores)
     dep = _ints(depths, "--n-depth")
-    need = max(dep) + max(n_prompt, n_gen, 0) + 1
+    need = max(dep) + max(n_prompt, n_gen, 0, 34 * (draft[1] + 1)) + 1
     from cpumla.runtime.resolve import load_config
     cfg, resolved = load_config(model, hf_overrides)
     for w in mb.check_args(cfg.max_position_embeddings, n_prompt, n_gen, reps, thr, dep):
@@ -113,6 +127,7 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
         t0 = time.perf_counter()
         eng = load(model, dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed,
                           max_seq_len=need, dummy_dtype=dummy_dtype, quant=quant, resolved=resolved, memory=memory,
+                          draft=draft[0] or "none", draft_tokens=draft[1],
                           progress=lambda done, total: prog.update(task, description=f"quantizing to {quant}",
                                                                    completed=done, total=total))
         load_s = time.perf_counter() - t0
@@ -124,13 +139,24 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
                         progress=lambda label, done, total: prog.update(task, description=render.escape(label), completed=done,
                                                                          total=total)):
             results.append(r)
-    _print(results, output, eng, peaks, bf16_peaks, tile_peaks)
+        spec = []
+        if eng.drafter is not None:
+            import numpy as np
+
+            from cpumla.bench import speculative as sb
+
+            prog.update(task, description=f"speculative decoding ({eng.draft}, K={eng.draft_tokens})", total=None)
+            spec = list(sb.run(eng, mb.AtDepth(eng, max(dep), np.random.default_rng([seed, 2])), thr, dep, reps,
+                               eng.draft_tokens, np.random.default_rng([seed, 3])))
+    _print(results, output, eng, peaks, bf16_peaks, tile_peaks, spec)
 
 
-def _print(results, output, eng, peaks, bf16_peaks, tile_peaks):
+def _print(results, output, eng, peaks, bf16_peaks, tile_peaks, spec=()):
     from cpumla.bench import model as mb
+    from cpumla.bench import speculative as sb
 
-    dicts = [mb.as_dict(r) for r in results]
+    dicts = [mb.as_dict(r) for r in results] + [{"model_type": eng.config.model_type, "draft": eng.draft,
+                                                 **sb.as_dict(r)} for r in spec]
     if output == "json":
         render.print_json(dicts)
         return
@@ -181,6 +207,11 @@ def _print(results, output, eng, peaks, bf16_peaks, tile_peaks):
                           f"({st.slots * st.slot_bytes / 2**30:.1f} GiB), {eng.stream.policy}, "
                           f"{'direct I/O' if st.direct else 'buffered reads'}")
     render.table(None, ["test", "threads", "t/s", "vs the machine"], rows, right={1, 2})
+    if spec:
+        render.print_line(f"speculative decoding, {eng.draft} drafts: a forward of n tokens against one (bytes: "
+                          "dense weights once, the union of the routed experts), and decode with every draft kept")
+        render.table(None, ["test", "threads", "depth", "time", "measured", "by the bytes"],
+                     sb.rows(spec, eng.draft), right={1, 2, 3})
 
 
 def _kernels(output, threads, formats, rows, cols, seconds, stream_mb, codes="random", report=False):

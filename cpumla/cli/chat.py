@@ -14,7 +14,7 @@ import time
 import typer
 
 from cpumla.cli import render
-from cpumla.cli.options import MEMORY_HELP, QUANT_HELP
+from cpumla.cli.options import DRAFT_HELP, DRAFT_TOKENS_HELP, MEMORY_HELP, QUANT_HELP
 from cpumla.errors import CpumlaError
 
 PROGRESS_AFTER_S = 1.0    # a prefill running longer than this shows its progress on stderr
@@ -64,12 +64,15 @@ def chat(
     threads: int = typer.Option(None, "--threads", "-t", help="Threads (default: one per core)."),
     quant: str = typer.Option(None, "--quant", help=QUANT_HELP),
     memory: str = typer.Option(None, "--memory", metavar="SIZE", help=MEMORY_HELP),
+    draft: str = typer.Option(None, "--draft", metavar="mtp|ngram|none", help=DRAFT_HELP),
+    draft_tokens: int = typer.Option(1, "--draft-tokens", help=DRAFT_TOKENS_HELP),
 ) -> None:
     from cpumla.chat.stops import parse_stop
-    from cpumla.cli.options import check_quant, check_threads, parse_size
+    from cpumla.cli.options import check_draft, check_quant, check_threads, parse_size
     from cpumla.sampling import check
 
     check_quant(quant)
+    check_draft(draft, draft_tokens)
     budget = parse_size(memory)
     interactive = prompt is None and sys.stdin.isatty()
     warnings = check_threads(threads)
@@ -87,7 +90,7 @@ def chat(
         if not prompt.strip():
             raise CpumlaError("empty prompt (pass -p TEXT or pipe a prompt on stdin)")
     conv, info, notices = _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, system,
-                                sampling, think, interactive, quant, budget)
+                                sampling, think, interactive, quant, budget, (draft, draft_tokens))
     for n in warnings + notices:
         render.err.print(f"note: {n}", style="yellow", markup=False, highlight=False, soft_wrap=True)
     render.err.print(f"ready: {info['model']} loaded in {info['load_s']:.1f} s", style="dim", markup=False,
@@ -101,7 +104,7 @@ def chat(
 
 # ---- setup ----
 def _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, system, sampling, think, interactive,
-          quant=None, memory=None):
+          quant=None, memory=None, draft=(None, 1)):
     from cpumla import native
     from cpumla.chat.chat_format import format_for
     from cpumla.chat.conversation import Conversation, Settings
@@ -124,7 +127,7 @@ def _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, sys
     with render.loading(f"loading {model}", quant, show=interactive or quant is not None) as progress:
         engine = load(model, dummy_weights=dummy_weights, hf_overrides=overrides, seed=seed or 0,
                              threads=threads, max_seq_len=ctx, quant=quant, progress=progress, resolved=resolved,
-                      memory=memory)
+                      memory=memory, draft=draft[0], draft_tokens=draft[1])
     load_s = time.perf_counter() - t0
     notices += ctx_notes
     fmt = format_for(cfg.model_type, resolved.name or model, tok)
@@ -334,6 +337,9 @@ def _command(conv, text: str):
                          f"{len(conv.history)} messages in history · {conv.dropped_turns} turns dropped", markup=False,
                          highlight=False)
         render.out.print(f"last turn: {_stats_line(st)}", markup=False, highlight=False)
+        if e.drafter is not None:
+            render.out.print(f"drafts ({e.draft}, up to {e.draft_tokens} a forward): {st.kept} of {st.drafted} kept, "
+                             f"{st.gen_tokens} tokens in {st.forwards} decode forwards", markup=False, highlight=False)
         if e.stream is not None:
             s = e.stream.stats()
             render.out.print(f"routed experts: {s.slots} slots, {100 * s.hit_rate:.0f}% of {s.lookups} lookups in "

@@ -59,6 +59,16 @@ def dummy_dtypes_help() -> str:
 QUANT_HELP = "Quantize the linear layers as they load: q8 (8.5 bits a weight) or q4 (4.5)."
 
 
+def check_draft(draft, tokens) -> None:
+    """--draft and --draft-tokens, before a model loads."""
+    from cpumla.runtime.speculative import DRAFTS, MAX_DRAFT_TOKENS
+
+    if draft is not None and draft not in DRAFTS:
+        raise CpumlaError(f"--draft must be one of {', '.join(DRAFTS)}, not '{draft}'")
+    if not 1 <= tokens <= MAX_DRAFT_TOKENS:
+        raise CpumlaError(f"--draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}, not {tokens}")
+
+
 def check_quant(quant) -> None:
     """--quant: None, q8 or q4."""
     from cpumla.checkpoint.formats import QUANTS
@@ -69,6 +79,9 @@ def check_quant(quant) -> None:
 
 MEMORY_HELP = ("Memory budget, e.g. 16G (K, M, G, T: powers of 1024; default: what this process may use). A "
                "checkpoint larger than it keeps its routed experts on disk and reads those each token uses.")
+DRAFT_HELP = ("Speculative decoding: mtp (the checkpoint's multi-token-prediction layer drafts; the default "
+              "where it has one), ngram (prompt lookup: the continuation of an earlier occurrence), none.")
+DRAFT_TOKENS_HELP = "Draft tokens verified in one forward (1 to 8)."
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -110,6 +123,7 @@ RULES = {
     "max_queue": _at_least(0), "max_tokens": _at_least(1), "seconds": _positive_real, "n_prompt": _at_least(0),
     "n_gen": _at_least(0), "reps": _at_least(1), "rows": _at_least(1), "cols": _at_least(1),
     "stream_mb": _at_least(1), "prompt_tokens": _at_least(1), "decode_tokens": _at_least(1),
+    "draft_tokens": _at_least(1),
 }
 # the sampling options: the sampler's one rule (cpumla.sampling), for `chat` and the server alike
 SAMPLER_OPTIONS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",

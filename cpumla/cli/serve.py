@@ -10,7 +10,7 @@ import sys
 import typer
 
 from cpumla.cli import render
-from cpumla.cli.options import MEMORY_HELP, QUANT_HELP
+from cpumla.cli.options import DRAFT_HELP, DRAFT_TOKENS_HELP, MEMORY_HELP, QUANT_HELP
 from cpumla.errors import CpumlaError
 
 
@@ -36,16 +36,19 @@ def serve(
                                                      "first is reported). Default: MODEL as given."),
     cors: list[str] = typer.Option(None, "--cors", metavar="ORIGIN",
                                    help="Let browsers at ORIGIN call the API (repeatable; '*' for any)."),
+    draft: str = typer.Option(None, "--draft", metavar="mtp|ngram|none", help=DRAFT_HELP),
+    draft_tokens: int = typer.Option(1, "--draft-tokens", help=DRAFT_TOKENS_HELP),
 ) -> None:
     import uvicorn
 
-    from cpumla.cli.options import check_quant, parse_size
+    from cpumla.cli.options import check_draft, check_quant, parse_size
 
     from cpumla.cli.overrides import parse_hf_overrides
     from cpumla.server.app import create_app
     from cpumla.server.model import load_served
 
     check_quant(quant)
+    check_draft(draft, draft_tokens)
     budget = parse_size(memory)       # the numeric options: cli/options.py's RULES, before this runs
     if api_key is not None and not api_key.strip():
         raise CpumlaError("--api-key is empty")
@@ -61,7 +64,7 @@ def serve(
         served, notices = load_served(model, dummy_weights=dummy_weights, hf_overrides=overrides,
                                       dummy_dtype=dummy_dtype, seed=seed or 0, threads=threads, ctx=ctx_size,
                                       tokenizer=tokenizer, quant=quant, progress=progress, memory=budget,
-                                      aliases=aliases)
+                                      aliases=aliases, draft=(draft, draft_tokens))
     for n in notices:
         render.err.print(f"note: {n}", style="yellow", markup=False, highlight=False, soft_wrap=True)
     if api_key is None and not _loopback(host):

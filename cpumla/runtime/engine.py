@@ -11,6 +11,7 @@ import numpy as np
 from cpumla import native
 from cpumla.errors import CpumlaError
 from cpumla.models import PREFILL_CHUNK
+from cpumla.runtime import speculative
 from cpumla.runtime.memory import available_memory, gib
 from cpumla.sampling import Sampler
 
@@ -71,6 +72,8 @@ class Engine:
         self.tokens: list[int] = []
         self._epoch = 0                  # counts the changes of the cache: a generator notices others'
         self.text = None                 # runtime.text.Text: the tokenizer and chat format, set by the loader
+        self.drafter = None              # speculative decoding's drafter (set_draft), None: plain decode
+        self.draft_tokens = 1
 
     # ---- public ----
     @property
@@ -91,11 +94,52 @@ class Engine:
         FP8 weights) or to int8 per block of 32 (q8 / q4 weights, kernels.h)."""
         return self.matmul_format in ("bf16", "e4m3", "q8", "q4")
 
+    @property
+    def epoch(self) -> int:
+        """Counts the changes of the cache (forward, truncate, reset): a loop notices others' by it."""
+        return self._epoch
+
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the checkpoint's MTP layer is loaded (drafts with --draft mtp)."""
+        return getattr(self.model, "mtp", None) is not None
+
+    @property
+    def draft(self) -> str:
+        """The drafter in use: "mtp", "ngram" or "none"."""
+        return {speculative.MtpDrafter: "mtp", speculative.NgramDrafter: "ngram"}.get(type(self.drafter), "none")
+
+    def set_draft(self, mode: str | None = None, tokens: int = 1, p_min: float | None = None) -> None:
+        """Speculative decoding for this engine's decode loops (stepper()): mode "mtp" (the checkpoint's
+        MTP layer), "ngram" (prompt lookup), "none", or None: mtp where the checkpoint has the layer,
+        else none. tokens: drafts verified per forward (K); p_min: an MTP draft below this probability is
+        not proposed (None: where a draft pays by the bytes it reads, runtime/speculative.py). The cache
+        is emptied (the MTP layer's entries start with it)."""
+        speculative.check_draft(mode, tokens, p_min)
+        if mode is None:
+            mode = "mtp" if self.has_mtp else "none"
+        if mode == "mtp" and not self.has_mtp:
+            raise CpumlaError(f"--draft mtp: this checkpoint ({self.config.model_type}) has no MTP layer cpumla reads; "
+                              "use --draft ngram or none")
+        with self._lock:
+            self.drafter = None if mode == "none" else speculative.MtpDrafter(self, p_min) if mode == "mtp" \
+                else speculative.NgramDrafter(self)
+            self.draft_tokens = int(tokens)
+            self.pos, self.tokens = 0, []         # the MTP entries start with the cache
+            self._epoch += 1
+
+    def stepper(self) -> speculative.Stepper:
+        """A decode loop's next-logits function, step(tok) -> row, drafting as set_draft says; close it
+        (or use it in a with block) when the loop ends."""
+        return speculative.Stepper(self, self.drafter, self.draft_tokens)
+
     def reset(self) -> None:
         with self._lock:
             self.pos = 0
             self.tokens = []
             self._epoch += 1
+            if self.drafter is not None and hasattr(self.drafter, "truncated"):
+                self.drafter.truncated(0)
 
     def truncate(self, n: int) -> None:
         """Forget everything after the first n cached tokens (multi-turn reuse, regenerate)."""
@@ -103,6 +147,8 @@ class Engine:
             self.pos = min(self.pos, max(0, n))
             del self.tokens[self.pos:]
             self._epoch += 1
+            if self.drafter is not None and hasattr(self.drafter, "truncated"):
+                self.drafter.truncated(self.pos)
 
     def close(self) -> None:
         """Frees the model's native state now; the engine cannot run afterwards."""
@@ -138,12 +184,18 @@ class Engine:
                     raise CpumlaError(f"the logits of {n} tokens need {gib(need)} but {gib(avail)} is available "
                                       f"({what}); pass last_only=True or fewer tokens")
             logits = np.empty((rows, self.config.vocab_size), np.float32)
+            mtp = self.drafter if isinstance(self.drafter, speculative.MtpDrafter) else None
             # long prompts go in chunks, so the forward's scratch stays bounded
             for c0 in range(0, n, PREFILL_CHUNK):
                 c1 = min(n, c0 + PREFILL_CHUNK)
                 out = logits if last_only else logits[c0:]
                 # on an error pos is unchanged: rows of earlier chunks are simply not counted
-                self.model.forward(ids[c0:c1], self.pos + c0, out, last_only)
+                if mtp is None:
+                    self.model.forward(ids[c0:c1], self.pos + c0, out, last_only)
+                    continue
+                hidden = np.empty((c1 - c0, self.config.hidden_size), np.float32)
+                self.model.forward_hidden(ids[c0:c1], self.pos + c0, out, last_only, hidden)
+                mtp.after_forward(self.pos + c0, hidden, lambda a, b, c1=c1: (self.tokens + ids[:c1].tolist())[a:b])
             self.pos += n
             self._epoch += 1
             if one:
@@ -192,15 +244,16 @@ class Engine:
 
     def _generate(self, prompt_ids, max_new_tokens: int, sampler, stops):
         sampler.start(prompt_ids)
-        logits = self.forward(prompt_ids, last_only=True)
+        row = self.forward(prompt_ids, last_only=True)[-1]
         mine = self._epoch
-        for _ in range(max_new_tokens):
-            tok = sampler(logits[-1])
-            yield tok
-            if tok in stops or self.pos >= self.max_seq_len:
-                return
-            if self._epoch != mine:
-                raise CpumlaError("the engine's cache was changed (reset, truncate or another forward) while "
-                                  "this generation ran: it stops here")
-            logits = self.forward([tok], last_only=True)
-            mine = self._epoch
+        with self.stepper() as step:
+            for _ in range(max_new_tokens):
+                tok = sampler(row)
+                yield tok
+                if tok in stops or step.at >= self.max_seq_len:
+                    return
+                if self._epoch != mine:
+                    raise CpumlaError("the engine's cache was changed (reset, truncate or another forward) while "
+                                      "this generation ran: it stops here")
+                row = step(tok)
+                mine = self._epoch

@@ -19,7 +19,7 @@ from cpumla.checkpoint.formats import quantized_as
 from cpumla.checkpoint.quant import Quantizer
 from cpumla.errors import CpumlaError
 from cpumla.models import PREFILL_CHUNK, family
-from cpumla.runtime import streaming
+from cpumla.runtime import speculative, streaming
 from cpumla.runtime.engine import Engine, context_length
 from cpumla.runtime.memory import check_memory
 from cpumla.runtime.plan import check_fits, plan
@@ -30,7 +30,8 @@ from cpumla.runtime.text import Text
 def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: int = 0, threads: int | None = None,
          max_seq_len: int | None = None, dummy_dtype: str = "bf16", quant: str | None = None, progress=None,
          resolved=None, memory: int | None = None, expert_slots: int | None = None, expert_policy: str = "lru",
-         tokenizer: str | None = None):
+         tokenizer: str | None = None, draft: str | None = None, draft_tokens: int = 1,
+         draft_p_min: float | None = None):
     """An Engine for `model` (a local directory, a GGUF file or a folder holding one, a Hugging Face repo
     id in the local cache, or a known repo id whose config cpumla bundles). dummy_weights: deterministic random weights from `seed` in
     the checkpoint's in-memory formats (dummy_dtype "bf16", or "fp8" as V3 ships). quant "q8" / "q4":
@@ -41,13 +42,16 @@ def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: in
     its routed experts on disk and reads those a token uses into slots (runtime/streaming.py).
     expert_slots: that many slots, whatever the budget (streaming even when all would fit); expert_policy:
     which slot an expert replaces, "lru" or "lfu". tokenizer: the text API's (Engine.chat / complete), as
-    `cpumla chat --tokenizer` takes it (default: the model's own). Raises CpumlaError, also when the model
+    `cpumla chat --tokenizer` takes it (default: the model's own). draft, draft_tokens, draft_p_min:
+    speculative decoding (Engine.set_draft; default: the checkpoint's MTP layer where it has one, one
+    draft token). Raises CpumlaError, also when the model
     cannot fit in memory (checked before anything is allocated)."""
     if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 1):
         raise CpumlaError(f"memory must be a positive number of bytes, got {memory!r}")
     if expert_slots is not None and (isinstance(expert_slots, bool) or not isinstance(expert_slots, int)
                                      or expert_slots < 1):
         raise CpumlaError(f"expert_slots must be a positive integer, got {expert_slots!r}")
+    speculative.check_draft(draft, draft_tokens, draft_p_min)
     if threads is not None:        # quantizing runs on the pool: size it first
         native.ensure_init()
         native.set_threads(threads)
@@ -72,6 +76,11 @@ def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: in
         engine = _load(model, hf_overrides, cfg, resolved, fam, ctx, where, quantizer, ckpt, dummy_weights,
                        dummy_dtype, seed, threads, (memory, expert_slots, expert_policy))
         engine.text = Text(model, resolved, dummy_weights, tokenizer)
+        try:
+            engine.set_draft(draft, draft_tokens, draft_p_min)
+        except CpumlaError:
+            engine.close()
+            raise
         return engine
     except BaseException:
         if ckpt is not None:

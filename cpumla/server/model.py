@@ -21,9 +21,10 @@ class ServedModel(Generator):
 def load_served(model: str, *, dummy_weights: bool = False, hf_overrides=None, dummy_dtype: str = "bf16",
                 seed: int = 0, threads: int | None = None, ctx: int | None = None,
                 tokenizer: str | None = None, quant: str | None = None,
-                progress=None, memory: int | None = None, aliases=()) -> tuple[ServedModel, list[str]]:
+                progress=None, memory: int | None = None, aliases=(), draft=(None, 1)) -> tuple[ServedModel, list[str]]:
     """(ServedModel, notices): the engine, tokenizer and chat format as `cpumla chat` sets them up
-    (a dummy model's vocabulary grows to fit the tokenizer). Raises CpumlaError."""
+    (a dummy model's vocabulary grows to fit the tokenizer); draft: (mode, tokens) of speculative
+    decoding (Engine.set_draft). Raises CpumlaError."""
     from cpumla.chat.tokenizer import load_tokenizer
     from cpumla.runtime.loader import load
     from cpumla.runtime.resolve import load_config
@@ -40,5 +41,5 @@ def load_served(model: str, *, dummy_weights: bool = False, hf_overrides=None, d
             notices.append(f"the tokenizer has {tok.vocab_size} ids, the model {cfg.vocab_size}")
     engine = load(model, dummy_weights=dummy_weights, hf_overrides=overrides, seed=seed, threads=threads,
                          max_seq_len=ctx, dummy_dtype=dummy_dtype, quant=quant, progress=progress,
-                         resolved=resolved, memory=memory)
+                         resolved=resolved, memory=memory, draft=draft[0], draft_tokens=draft[1])
     return ServedModel.of(engine, tok, resolved.name or model, model, aliases), notices
