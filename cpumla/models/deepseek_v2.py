@@ -289,14 +289,6 @@ def build_layer(cfg: Config, src, layer: int) -> Layer:
     )
 
 
-def _table_bytes(t: native.Experts | None) -> tuple[int, int]:
-    """(bytes of one expert, number of experts) of an expert table."""
-    if t is None:
-        return 0, 0
-    g, u, d = t._keep[0]
-    return g.nbytes + u.nbytes + d.nbytes, t.n
-
-
 class Model(NativeModel):
     """One model of this family: weights read in place, described once to the native forward, and the
     native state (latent caches and scratch) that lives and dies with it. The runtime's interface:
@@ -379,19 +371,22 @@ class Model(NativeModel):
         """Cache rows one query at cache depth `depth` attends to."""
         return depth + 1
 
+    def layer_read_bytes(self, L: Layer) -> int:
+        """Weight bytes one token reads in layer L: its attention weights and router, its dense MLP or
+        shared experts, top_k of its routed experts."""
+        total = sum(w.nbytes for w in self.layer_weights(L) if w is not None)
+        total += sum(t.expert_bytes * t.n for t in (L.mlp, L.shared) if t is not None)
+        if L.experts is not None:
+            total += L.experts.expert_bytes * self.config.num_experts_per_tok
+        return total
+
     def decode_bytes(self, depth: int) -> float:
         """Bytes one decode token reads at cache depth `depth`: every attention and dense weight, the
         top_k routed experts plus shared experts and router of MoE layers, one embedding row, the lm_head,
         and the cache rows it attends to."""
         cfg = self.config
         total = self.lm_head.nbytes + self.embed.nbytes / cfg.vocab_size
-        for L in self.layers:
-            total += sum(w.nbytes for w in self.layer_weights(L) if w is not None)
-            for t in (L.mlp, L.shared):
-                b, n = _table_bytes(t)
-                total += b * n
-            if L.experts is not None:
-                total += _table_bytes(L.experts)[0] * cfg.num_experts_per_tok
+        total += sum(self.layer_read_bytes(L) for L in self.layers)
         row = 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         return total + cfg.num_hidden_layers * row * self.attended(depth)
 

@@ -49,15 +49,5 @@ def describe(t: Mtp, describe_layer):
 
 def draft_bytes(model) -> float:
     """Bytes one draft step reads: eh_proj, the layer (top_k routed experts), the lm_head."""
-    t, cfg = model.mtp, model.config
-    if t is None:
-        return 0.0
-    L = t.layer
-    total = t.eh_proj.nbytes + model.lm_head.nbytes
-    total += sum(w.nbytes for w in model.layer_weights(L) if w is not None)
-    for tab in (L.mlp, L.shared):
-        if tab is not None:
-            total += tab.expert_bytes * tab.n
-    if L.experts is not None:
-        total += L.experts.expert_bytes * cfg.num_experts_per_tok
-    return total
+    t = model.mtp
+    return 0.0 if t is None else t.eh_proj.nbytes + model.lm_head.nbytes + model.layer_read_bytes(t.layer)

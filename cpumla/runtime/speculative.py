@@ -102,7 +102,6 @@ class MtpDrafter:
         # the rows, preallocated: one verify forward's (K+1) on top of the rows kept between drafts
         self._buf = np.empty((PREFILL_CHUNK + MAX_DRAFT_TOKENS + 1, self.D), np.float32)
         self._n = 0
-        self.proposed = self.skipped = 0
 
     @property
     def rows(self) -> np.ndarray:
@@ -152,10 +151,8 @@ class MtpDrafter:
         while True:
             d, p = top_prob(logits[0])
             if p < self.p_min:
-                self.skipped += 1
                 break
             out.append(d)
-            self.proposed += 1
             if len(out) >= k:
                 break
             # chain: the layer's output as the hidden input, at the next position (an entry that the
@@ -172,7 +169,6 @@ class NgramDrafter:
 
     def __init__(self, eng, sizes=(4, 3, 2)):
         self.eng, self.sizes = eng, sizes
-        self.proposed = self.skipped = 0
 
     def draft(self, tok: int, k: int) -> list[int]:
         seq = self.eng.tokens + [tok]
@@ -188,9 +184,7 @@ class NgramDrafter:
                 start = int(hits[-1]) + n
                 out = seq[start:start + k]
                 if out:
-                    self.proposed += len(out)
                     return out
-        self.skipped += 1
         return []
 
 
@@ -244,7 +238,3 @@ class Stepper:
 
     def __exit__(self, *exc):
         self.close()
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.verified if self.verified else 0.0
