@@ -18,6 +18,8 @@ from cpumla.cli.options import (
     DRAFT_TOKENS_HELP,
     MEMORY_HELP,
     QUANT_HELP,
+    TP_HELP,
+    apply_tp,
     check_draft,
     check_quant,
     check_threads,
@@ -72,9 +74,11 @@ def bench(
     seconds: float = typer.Option(1.0, "--seconds", help="--kernels: minimum time per measurement."),
     stream_mb: int = typer.Option(512, "--stream-mb", help="--kernels: copies of each weight add up to this many "
                                   "MiB (keep it well above the last-level cache)."),
+    tp: int = typer.Option(None, "--tp", metavar="N", help=TP_HELP),
 ) -> None:
     check_quant(quant)
     check_draft(draft, draft_tokens)
+    apply_tp(tp)
     budget = parse_size(memory)
     if output not in OUTPUTS:
         raise CpumlaError(f"unknown output format '{output}' (choose from: {', '.join(OUTPUTS)})")
@@ -103,8 +107,16 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
     from cpumla.bench import model as mb
     from cpumla.runtime.loader import load
 
+    import os
+
+    from cpumla.runtime import tp as tp_mod
+
     native.init()
-    thr = _ints(threads, "--threads") if threads else [native.get_threads()]
+    world = int(os.environ.get("WORLD_SIZE") or tp_mod.default_tp(None) or 1)   # the ranks: torchrun's, or --tp
+    thr = _ints(threads, "--threads") if threads else [native.get_threads() if world == 1 else
+                                                       tp_mod.threads_per_rank(world)]
+    if world > 1 and len(thr) != 1:
+        raise CpumlaError("--tp takes one --threads count (each rank's)")
     check_threads(thr)        # the one rule of every command (bench.model warns about counts above the cores)
     dep = _ints(depths, "--n-depth")
     need = max(dep) + max(n_prompt, n_gen, 0, 34 * (draft[1] + 1)) + 1
@@ -127,7 +139,7 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
         t0 = time.perf_counter()
         eng = load(model, dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed,
                           max_seq_len=need, dummy_dtype=dummy_dtype, quant=quant, resolved=resolved, memory=memory,
-                          draft=draft[0] or "none", draft_tokens=draft[1],
+                          draft=draft[0] or "none", draft_tokens=draft[1], threads=thr[0] if world > 1 else None,
                           progress=lambda done, total: prog.update(task, description=f"quantizing to {quant}",
                                                                    completed=done, total=total))
         load_s = time.perf_counter() - t0
@@ -148,15 +160,27 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
             prog.update(task, description=f"speculative decoding ({eng.draft}, K={eng.draft_tokens})", total=None)
             spec = list(sb.run(eng, mb.AtDepth(eng, max(dep), np.random.default_rng([seed, 2])), thr, dep, reps,
                                eng.draft_tokens, np.random.default_rng([seed, 3])))
-    _print(results, output, eng, peaks, bf16_peaks, tile_peaks, spec)
+        tp = None
+        if eng.ranks is not None:
+            import numpy as np
+
+            from cpumla.bench import tp as tpb
+
+            prog.update(task, description=f"tensor parallel: {eng.ranks.world} ranks' exchanges", total=None)
+            tp = tpb.run(eng, mb.AtDepth(eng, 0, np.random.default_rng([seed, 4])), thr[0],
+                         rng=np.random.default_rng([seed, 5]))
+    _print(results, output, eng, peaks, bf16_peaks, tile_peaks, spec, tp)
 
 
-def _print(results, output, eng, peaks, bf16_peaks, tile_peaks, spec=()):
+def _print(results, output, eng, peaks, bf16_peaks, tile_peaks, spec=(), tp=None):
     from cpumla.bench import model as mb
     from cpumla.bench import speculative as sb
+    from cpumla.bench import tp as tpb
 
     dicts = [mb.as_dict(r) for r in results] + [{"model_type": eng.config.model_type, "draft": eng.draft,
                                                  **sb.as_dict(r)} for r in spec]
+    if tp is not None:
+        dicts.append({"model_type": eng.config.model_type, **tpb.as_dict(tp)})
     if output == "json":
         render.print_json(dicts)
         return
@@ -207,6 +231,8 @@ def _print(results, output, eng, peaks, bf16_peaks, tile_peaks, spec=()):
                           f"({st.slots * st.slot_bytes / 2**30:.1f} GiB), {eng.stream.policy}, "
                           f"{'direct I/O' if st.direct else 'buffered reads'}")
     render.table(None, ["test", "threads", "t/s", "vs the machine"], rows, right={1, 2})
+    if tp is not None:
+        render.print_line(tpb.line(tp))
     if spec:
         render.print_line(f"speculative decoding, {eng.draft} drafts: a forward of n tokens against one (bytes: "
                           "dense weights once, the union of the routed experts), and decode with every draft kept")

@@ -14,7 +14,7 @@ import time
 import typer
 
 from cpumla.cli import render
-from cpumla.cli.options import DRAFT_HELP, DRAFT_TOKENS_HELP, MEMORY_HELP, QUANT_HELP
+from cpumla.cli.options import DRAFT_HELP, DRAFT_TOKENS_HELP, MEMORY_HELP, QUANT_HELP, TP_HELP
 from cpumla.errors import CpumlaError
 
 PROGRESS_AFTER_S = 1.0    # a prefill running longer than this shows its progress on stderr
@@ -66,13 +66,15 @@ def chat(
     memory: str = typer.Option(None, "--memory", metavar="SIZE", help=MEMORY_HELP),
     draft: str = typer.Option(None, "--draft", metavar="mtp|ngram|none", help=DRAFT_HELP),
     draft_tokens: int = typer.Option(1, "--draft-tokens", help=DRAFT_TOKENS_HELP),
+    tp: int = typer.Option(None, "--tp", metavar="N", help=TP_HELP),
 ) -> None:
     from cpumla.chat.stops import parse_stop
-    from cpumla.cli.options import check_draft, check_quant, check_threads, parse_size
+    from cpumla.cli.options import apply_tp, check_draft, check_quant, check_threads, parse_size
     from cpumla.sampling import check
 
     check_quant(quant)
     check_draft(draft, draft_tokens)
+    apply_tp(tp)
     budget = parse_size(memory)
     interactive = prompt is None and sys.stdin.isatty()
     warnings = check_threads(threads)

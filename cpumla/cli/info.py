@@ -14,6 +14,7 @@ import typer
 
 from cpumla import __version__, native
 from cpumla.checkpoint.formats import QUANTS
+from cpumla.errors import CpumlaError
 from cpumla.cli import render
 
 
@@ -57,7 +58,11 @@ def info(
     threads: int = typer.Option(None, "--threads", "-t", help="Threads (default: one per core)."),
     ctx: int = typer.Option(None, "--ctx", help="With MODEL: the context to plan the cache for."),
     hf_overrides: str = typer.Option(None, "--hf-overrides", help="With MODEL: JSON merged into its config."),
+    tp: int = typer.Option(None, "--tp", metavar="N", help="With MODEL: what each of N tensor-parallel ranks holds "
+                           "and reads a decode token."),
 ) -> None:
+    if tp is not None and model is None:
+        raise CpumlaError("--tp goes with a MODEL: what each rank of it holds")
     if model is not None:
         if threads is not None:
             from cpumla.cli.options import check_threads
@@ -66,8 +71,8 @@ def info(
                 render.err.print(f"note: {w}", style="yellow", markup=False, highlight=False)
             native.set_threads(threads)            # the read probe's threads, as decode would run
         if is_gguf(model):
-            return gguf_plan(model, ctx, hf_overrides, json_out)
-        return model_plan(model, ctx, hf_overrides, json_out)
+            return gguf_plan(model, ctx, hf_overrides, json_out, tp)
+        return model_plan(model, ctx, hf_overrides, json_out, tp)
     d = collect(threads)
     for w in d["warnings"]:
         render.err.print(f"note: {w}", style="yellow", markup=False, highlight=False)
@@ -109,7 +114,7 @@ def is_gguf(model: str) -> bool:
     return is_ref(model)
 
 
-def gguf_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: bool) -> None:
+def gguf_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: bool, tp: int | None = None) -> None:
     from cpumla.checkpoint.gguf_info import IndexOnly, groups
     from cpumla.cli.options import check_ctx
     from cpumla.cli.overrides import parse_hf_overrides
@@ -131,7 +136,8 @@ def gguf_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: b
     gbs = read_gbs()
     if json_out:
         render.print_json({**p.to_dict(), "decode_here": decode_here(p, gbs),
-                           "gguf": {"files": files, "groups": by_group, "total": total}})
+                           "gguf": {"files": files, "groups": by_group, "total": total},
+                           **({"per_rank": p.per_rank(tp)} if tp else {})})
         return
     gib = lambda b: f"{b / 2**30:.2f}"   # noqa: E731
     rows = [[name, v["tensors"], ", ".join(f"{t}: {c['tensors']}" for t, c in v["types"].items()),
@@ -142,9 +148,10 @@ def gguf_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: b
     render.table("tensors by group", ["group", "tensors", "types", "bytes", "GiB"], rows, right={1, 3, 4})
     render.out.print()
     show_plan(p, gbs)
+    show_ranks(p, tp)
 
 
-def model_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: bool) -> None:
+def model_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: bool, tp: int | None = None) -> None:
     from cpumla.cli.options import check_ctx
     from cpumla.cli.overrides import parse_hf_overrides
     from cpumla.runtime.plan import plan
@@ -154,9 +161,26 @@ def model_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: 
     p = plan(model, parse_hf_overrides(hf_overrides), ctx)
     gbs = read_gbs()
     if json_out:
-        render.print_json({**p.to_dict(), "decode_here": decode_here(p, gbs)})
+        render.print_json({**p.to_dict(), "decode_here": decode_here(p, gbs),
+                           **({"per_rank": p.per_rank(tp)} if tp else {})})
         return
     show_plan(p, gbs)
+    show_ranks(p, tp)
+
+
+def show_ranks(p, tp: int | None) -> None:
+    """--tp N: each rank's weights and decode-token bytes, per format (caches and scratch: as above)."""
+    if not tp:
+        return
+    r = p.per_rank(tp)
+    label = {"stored": p.stored, "bf16": "bf16", "q8": "--quant q8", "q4": "--quant q4"}
+    render.out.print()
+    render.table(f"each of {tp} tensor-parallel ranks (heads, experts' intermediate dimension and vocabulary split "
+                 f"{tp} ways; the rest whole on every rank; caches and scratch as above, on every rank)",
+                 ["format", "weights a rank", "of the whole", "read a decode token", "of the whole"],
+                 [[label[f], f"{w / 2**30:.2f} GiB", f"{100 * w / max(p.weights[f], 1):.0f}%",
+                   f"{megabytes(r['token_bytes'][f])} MB", f"{100 * r['token_bytes'][f] / max(p.token_bytes[f], 1):.0f}%"]
+                  for f, w in r["weights"].items()], right={1, 2, 3, 4})
 
 
 PROBE_BYTES = 512 << 20

@@ -85,6 +85,21 @@ DRAFT_TOKENS_HELP = "Draft tokens verified in one forward (1 to 8)."
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
+TP_HELP = ("Tensor-parallel ranks: start N processes on this machine, each holding 1/N of the heads, experts' "
+           "intermediate dimension and vocabulary (one NUMA node or an equal slice of the cores each; --threads "
+           "is per rank). Under torchrun leave it out: the launch's ranks are used.")
+
+
+def apply_tp(tp) -> None:
+    """--tp N: the loads of this command start N ranks (cpumla.load's tp, through CPUMLA_TP)."""
+    if tp is None:
+        return
+    _ranks(tp, "--tp")
+    import os
+
+    os.environ["CPUMLA_TP"] = str(tp)
+
+
 def parse_size(text, flag: str = "--memory") -> int | None:
     """A byte count as the user writes it: 16G, 1.5T, 512MiB, 24GB, 800000000 (K/M/G/T: powers of 1024)."""
     if text is None:
@@ -118,12 +133,17 @@ def _threads(v, flag: str) -> None:
         check_threads(v, flag)
 
 
+def _ranks(v, flag: str) -> None:
+    if not 1 <= v <= 64:
+        raise CpumlaError(f"{flag} must be from 1 to 64 ranks, not {v}")
+
+
 RULES = {
     "threads": _threads, "seed": check_seed, "ctx": _at_least(1), "ctx_size": _at_least(2), "port": _port,
     "max_queue": _at_least(0), "max_tokens": _at_least(1), "seconds": _positive_real, "n_prompt": _at_least(0),
     "n_gen": _at_least(0), "reps": _at_least(1), "rows": _at_least(1), "cols": _at_least(1),
     "stream_mb": _at_least(1), "prompt_tokens": _at_least(1), "decode_tokens": _at_least(1),
-    "draft_tokens": _at_least(1),
+    "draft_tokens": _at_least(1), "tp": _ranks,
 }
 # the sampling options: the sampler's one rule (cpumla.sampling), for `chat` and the server alike
 SAMPLER_OPTIONS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",

@@ -10,7 +10,7 @@ import sys
 import typer
 
 from cpumla.cli import render
-from cpumla.cli.options import DRAFT_HELP, DRAFT_TOKENS_HELP, MEMORY_HELP, QUANT_HELP
+from cpumla.cli.options import DRAFT_HELP, DRAFT_TOKENS_HELP, MEMORY_HELP, QUANT_HELP, TP_HELP
 from cpumla.errors import CpumlaError
 
 
@@ -38,10 +38,11 @@ def serve(
                                    help="Let browsers at ORIGIN call the API (repeatable; '*' for any)."),
     draft: str = typer.Option(None, "--draft", metavar="mtp|ngram|none", help=DRAFT_HELP),
     draft_tokens: int = typer.Option(1, "--draft-tokens", help=DRAFT_TOKENS_HELP),
+    tp: int = typer.Option(None, "--tp", metavar="N", help=TP_HELP),
 ) -> None:
     import uvicorn
 
-    from cpumla.cli.options import check_draft, check_quant, parse_size
+    from cpumla.cli.options import apply_tp, check_draft, check_quant, parse_size
 
     from cpumla.cli.overrides import parse_hf_overrides
     from cpumla.server.app import create_app
@@ -49,6 +50,7 @@ def serve(
 
     check_quant(quant)
     check_draft(draft, draft_tokens)
+    apply_tp(tp)
     budget = parse_size(memory)       # the numeric options: cli/options.py's RULES, before this runs
     if api_key is not None and not api_key.strip():
         raise CpumlaError("--api-key is empty")

@@ -11,7 +11,16 @@ import numpy as np
 import typer
 
 from cpumla.cli import render
-from cpumla.cli.options import MEMORY_HELP, QUANT_HELP, check_quant, check_threads, dummy_dtypes_help, parse_size
+from cpumla.cli.options import (
+    MEMORY_HELP,
+    QUANT_HELP,
+    TP_HELP,
+    apply_tp,
+    check_quant,
+    check_threads,
+    dummy_dtypes_help,
+    parse_size,
+)
 from cpumla.cli.overrides import parse_hf_overrides
 from cpumla.errors import CpumlaError
 from cpumla.models import family
@@ -205,8 +214,10 @@ def smoke(
                                       "the full forward."),
     quant: str = typer.Option(None, "--quant", help=QUANT_HELP),
     memory: str = typer.Option(None, "--memory", metavar="SIZE", help=MEMORY_HELP),
+    tp: int = typer.Option(None, "--tp", metavar="N", help=TP_HELP),
 ) -> None:
     check_quant(quant)
+    apply_tp(tp)
     budget = parse_size(memory)
     if model is None and not dummy_weights:
         raise CpumlaError("without --model, smoke runs the bundled configs and needs --dummy-weights")

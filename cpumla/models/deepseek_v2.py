@@ -25,6 +25,7 @@ from cpumla.checkpoint.formats import check_quant_config
 from cpumla.errors import CpumlaError
 from cpumla.models import deepseek_v2_tensors as tables
 from cpumla.models import mtp
+from cpumla.models import shard as shards
 from cpumla.models.checks import MAX_SIZE, is_int, needer, validate_quantization, validate_rope_scaling
 from cpumla.models.native_model import PREFILL_CHUNK, ConfigBase, NativeModel
 
@@ -297,9 +298,12 @@ class Model(NativeModel):
 
     STATE = ("cpumla_dsv2_new", "cpumla_dsv2_free", "cpumla_dsv2_forward")
     HAS_MTP = True           # reads the checkpoint's MTP layer (runtime/speculative.py drafts with it)
+    TENSOR_PARALLEL = True   # runs as a rank of tensor parallel (models/shard.py)
 
-    def __init__(self, cfg: Config, src, ctx: int, max_tokens: int):
+    def __init__(self, cfg: Config, src, ctx: int, max_tokens: int, shard: shards.Shard | None = None):
         self.config = cfg
+        self.shard = shard           # this rank's part of the model under tensor parallel, else None
+        self._comm = None
         D, V = cfg.hidden_size, cfg.vocab_size
         self._embed_w = W.embedding(src, "model.embed_tokens.weight", (V, D))
         self.embed = self._embed_w.data
@@ -308,14 +312,25 @@ class Model(NativeModel):
         if not src.has(head) and cfg.tie_word_embeddings:
             head = "model.embed_tokens.weight"
         self.lm_head = W.linear(src, head, (V, D), cfg.block)
+        self.head_row0 = 0
+        if shard is not None:
+            self.head_row0, self.lm_head = shards.vocab_rows(self.lm_head, shard, head)
         self.layers = [self.build_layer(src, i) for i in range(cfg.num_hidden_layers)]
-        self.mtp = mtp.build(cfg, src, build_layer) if self.HAS_MTP else None
+        self.mtp = mtp.build(cfg, src, lambda _cfg, s, i: self.build_layer(s, i)) if self.HAS_MTP else None
         self.ctx = ctx
         self._c = self.describe()
         self.start_state(self._c, ctx, max_tokens)
 
     def build_layer(self, src, i: int) -> Layer:
-        return build_layer(self.config, src, i)
+        L = build_layer(self.config, src, i)
+        return L if self.shard is None else shards.layer(L, self.config, i, self.shard)
+
+    def attach(self, comm) -> None:
+        """Runs the forward as rank comm.rank of comm.world (its partial sums all-reduced, its logits
+        gathered on rank 0 through comm.c, a cpumla_comm the comm keeps alive)."""
+        desc = getattr(self._c, "base", self._c)
+        desc.comm = comm.c
+        self._comm = comm
 
     # ---- speculative decoding (runtime/speculative.py) ----
     def forward_hidden(self, ids: np.ndarray, pos0: int, out: np.ndarray, last_only: bool, hidden: np.ndarray) -> None:
@@ -435,7 +450,9 @@ class Model(NativeModel):
         layers = ffi.new("cpumla_dsv2_layer[]", len(self.layers))
         for i, L in enumerate(self.layers):
             self.describe_layer(layers[i], L)
-        m.n_layers, m.hidden, m.n_heads = cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads
+        world = self.shard.world if self.shard is not None else 1
+        m.n_layers, m.hidden, m.n_heads = cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads // world
+        m.head_row0 = self.head_row0
         m.q_lora_rank, m.kv_lora_rank = cfg.q_lora_rank or 0, cfg.kv_lora_rank
         m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         m.vocab = cfg.vocab_size

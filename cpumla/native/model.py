@@ -90,6 +90,11 @@ class Experts:
         self.n, self.hidden, self.intermediate = len(experts), D, I
 
     @property
+    def trios(self) -> list:
+        """The (gate, up, down) Weights of each expert."""
+        return list(self._keep)
+
+    @property
     def expert_bytes(self) -> int:
         """Bytes of one expert's three weights (the first's; a table's experts share shapes and format)."""
         return sum(as_weight(t).nbytes for t in self._keep[0])

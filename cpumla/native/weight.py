@@ -95,6 +95,36 @@ class Weight:
             self.block = tuple(block)
         self.c = c
 
+    def part(self, axis: int, a: int, b: int, name: str = "a weight") -> "Weight":
+        """Rows (axis 0) or columns (axis 1) [a, b) of this weight, without a copy: the slice a rank of
+        tensor parallel holds. CpumlaError, naming `name`, when the slice cuts through a block of the
+        format (FP8's 128x128, q8 / q4's and FP4's 1x32, a GGUF block)."""
+        size = self.rows if axis == 0 else self.cols
+        gguf = self.dtype in GGUF_FORMATS
+        unit = (self.block or (1, 1))[axis] if not gguf else (1, GGUF_FORMATS[self.dtype][0])[axis]
+        if not 0 <= a < b <= size:
+            raise CpumlaError(f"{name}: no {'rows' if axis == 0 else 'columns'} {a}..{b} in {self.rows}x{self.cols}")
+        if a % unit or (b % unit and b != size):
+            what = f"{self.block[0]}x{self.block[1]}" if self.block else f"{unit}-wide"
+            raise CpumlaError(f"{name}: {'rows' if axis == 0 else 'columns'} {a}..{b} of {size} cut through its "
+                              f"{what} {self.dtype} blocks")
+        scale = self.scale
+        if axis == 0:
+            data = self.data[a:b]
+            if scale is not None:
+                scale = scale[a // unit:-(-b // unit)]
+        else:
+            if gguf:
+                cols, per = GGUF_FORMATS[self.dtype]
+                data = self.data[:, a // cols * per:-(-b // cols) * per]
+            elif self.dtype in ("e2m1", "q4"):
+                data = self.data[:, a // 2:-(-b // 2)]
+            else:
+                data = self.data[:, a:b]
+            if scale is not None:
+                scale = scale[:, a // unit:-(-b // unit)]
+        return Weight(data, self.dtype, scale=scale, block=self.block)
+
     @property
     def nbytes(self) -> int:
         n = self.data.shape[0] * self.data.shape[1] * self.data.itemsize

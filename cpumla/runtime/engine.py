@@ -56,14 +56,16 @@ class Engine:
     """One conversation's model state. forward() appends to the cache. Calls on one engine are
     serialised by a lock; engines of different models in one process are independent."""
 
-    def __init__(self, family, cfg, src, max_seq_len: int | None = None, threads: int | None = None):
+    def __init__(self, family, cfg, src, max_seq_len: int | None = None, threads: int | None = None, shard=None):
         native.ensure_init()
         if threads is not None:
             native.set_threads(threads)
         ctx = context_length(cfg, max_seq_len)
         self.config = cfg
         self.max_seq_len = ctx
-        self.model = family.Model(cfg, src, ctx, min(PREFILL_CHUNK, ctx))
+        kw = {"shard": shard} if shard is not None else {}     # a tensor-parallel rank's part (runtime/tp.py)
+        self.model = family.Model(cfg, src, ctx, min(PREFILL_CHUNK, ctx), **kw)
+        self.ranks = None                # runtime.tp.Ranks on rank 0 of tensor parallel
         self._src = src                  # a checkpoint's mappings stay open while the engine lives
         self.stream = None               # its routed experts' ExpertStream when they are read from disk
         self._lock = threading.Lock()

@@ -17,6 +17,7 @@ from cpumla.checkpoint.quant import quant_plan
 from cpumla.checkpoint.safetensors import Checkpoint
 from cpumla.errors import CpumlaError
 from cpumla.models import PREFILL_CHUNK, family
+from cpumla.models import shard as shards
 from cpumla.runtime.engine import context_length
 from cpumla.runtime.memory import available_memory, gib
 from cpumla.native.stream import disk_probe
@@ -78,6 +79,16 @@ class Plan:
     routed_per_token: int = 0             # of those, what one token reads (top_k a MoE layer, on average)
     disk_probe_gbps: float | None = None  # direct reads of the checkpoint's largest file, when it does not fit
     token_bytes: dict[str, int] = field(default_factory=dict)   # format -> weight bytes a decode token reads
+    split: dict[str, int] = field(default_factory=dict)   # format -> bytes of the tensors tensor parallel splits
+    split_token: dict[str, int] = field(default_factory=dict)   # ... and of those, what a decode token reads
+
+    def per_rank(self, tp: int) -> dict:
+        """What each of tp tensor-parallel ranks holds and reads a decode token, per format: the split
+        tensors' 1/tp, every replicated one whole (models/shard.py). Caches and scratch: as one process."""
+        return {"tp": tp,
+                "weights": {f: round(w - self.split.get(f, 0) * (1 - 1 / tp)) for f, w in self.weights.items()},
+                "token_bytes": {f: round(b - self.split_token.get(f, 0) * (1 - 1 / tp))
+                                for f, b in self.token_bytes.items()}}
 
     def streamed(self) -> dict | None:
         """When the stored weights do not fit but the resident part does: what reading the routed experts
@@ -119,7 +130,7 @@ class Plan:
                 "available_from": self.available_from, "quantized": self.quantized,
                 "fits": {f: self.fits(f) for f in self.weights}, "notes": self.notes, "routed": self.routed,
                 "routed_per_token": self.routed_per_token, "token_bytes": self.token_bytes,
-                "streamed": self.streamed()}
+                "streamed": self.streamed(), "split": self.split}
 
 
 def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=None, dummy: bool = False) -> Plan:
@@ -149,6 +160,7 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
     try:
         params, sizes = 0, {"stored": 0, **({"bf16": 0, **{f: 0 for f in QUANTS}} if quantizable else {})}
         per_token = dict.fromkeys(sizes, 0.0)       # of those bytes, what a decode token reads
+        split, split_token = dict.fromkeys(sizes, 0), dict.fromkeys(sizes, 0.0)
         for name, shape, kind, count in groups:
             n = math.prod(shape)
             mtp = in_mtp(cfg, name)
@@ -181,6 +193,9 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
             for fmt, v in b.items():
                 sizes[fmt] += v * count
                 per_token[fmt] += v * count * share
+                if shards.is_split(name):
+                    split[fmt] += v * count
+                    split_token[fmt] += v * count * share
         if src is not None:     # as stored, tensor by tensor: a file's types may differ by layer (GGUF's mixes)
             exact = budget(fam, cfg, src, ctx, 1)
             sizes["stored"], routed = exact.resident + exact.routed, exact.routed
@@ -199,8 +214,8 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
                      else "a GGUF model runs as stored: --quant does not apply" if resolved.gguf is not None
                      else f"--quant is not supported for {cfg.model_type}")
     if sizes.get("bf16") == sizes["stored"]:
-        sizes.pop("bf16")
-        per_token.pop("bf16")
+        for d in (sizes, per_token, split, split_token):
+            d.pop("bf16")
     probe = None
     if routed and sizes["stored"] + mem["cache"] + mem["scratch"] > avail and not dummy:
         probe = disk_probe_gbps(resolved)
@@ -210,7 +225,8 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
                 cache_per_1k=k1, ctx=ctx, cache=mem["cache"], scratch=mem["scratch"], available=avail,
                 available_from=what, quantized=quantized_as(cfg), notes=notes, routed=routed,
                 routed_per_token=(routed - mtp_routed) * top_k // experts if experts else 0, disk_probe_gbps=probe,
-                token_bytes={f: round(v) for f, v in per_token.items()})
+                token_bytes={f: round(v) for f, v in per_token.items()}, split=split,
+                split_token={f: round(v) for f, v in split_token.items()})
 
 
 def disk_probe_gbps(resolved) -> float | None:

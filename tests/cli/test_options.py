@@ -14,7 +14,7 @@ from cpumla.cli.main import app, main
 BAD = {"threads": ["0", "-3", "100000"], "seed": ["-1", str(2**64)], "ctx": ["0"], "ctx_size": ["1"],
        "port": ["-1", "70000"], "max_queue": ["-1"], "max_tokens": ["0"], "seconds": ["nan", "inf", "0", "-1"],
        "n_prompt": ["-1"], "n_gen": ["-1"], "reps": ["0"], "rows": ["0"], "cols": ["0"], "stream_mb": ["0"],
-       "prompt_tokens": ["0"], "decode_tokens": ["0"], "draft_tokens": ["0", "-2"]}
+       "prompt_tokens": ["0"], "decode_tokens": ["0"], "draft_tokens": ["0", "-2"], "tp": ["0", "65"]}
 ARGS = {"chat": ["x"], "serve": ["x"], "quantize": ["x", "y"], "download": ["x"]}   # required arguments
 
 

@@ -347,6 +347,47 @@ void cpumla_stream_reset_stats(cpumla_stream *s);
  * *read_bytes receives the bytes read. */
 double cpumla_disk_probe(const char *path, int64_t bytes, int32_t threads, int64_t *read_bytes);
 
+/* ---- tensor-parallel ranks (tp_shm.c) ------------------------------------------------------------ */
+/* How a sharded model's forward talks to the other ranks (each holds a slice of the heads, of every
+ * expert's intermediate dimension and of the vocabulary). all_reduce sums buf [n] over the ranks in
+ * place, the same bits on every rank. gather: buf [rows, ld] on every rank holds this rank's columns
+ * [col0, col0 + cols); afterwards rank 0's holds every rank's (the others' are left as they were).
+ * Both return 0, or -1 (cpumla_last_error names the rank that failed). */
+typedef struct cpumla_comm {
+    void *ctx;
+    int32_t rank, world;
+    int (*all_reduce)(void *ctx, float *buf, int64_t n);
+    int (*gather)(void *ctx, float *buf, int64_t rows, int64_t ld, int64_t col0, int64_t cols);
+} cpumla_comm;
+
+typedef struct cpumla_comm_stats {
+    int64_t all_reduces, gathers, broadcasts;
+    double seconds;                 /* in all three, waits included */
+} cpumla_comm_stats;
+
+/* The shared-memory communicator of the ranks of one machine: a region of cpumla_shm_bytes(world,
+ * slot_bytes) bytes mapped by every rank (zero-filled before the first rank attaches), each rank a
+ * header line and two slots of slot_bytes for each operation's data. Every operation is a barrier: a
+ * rank publishes its data, waits until every rank has published, reads. A wait spins, then yields,
+ * then sleeps; it fails with one line when a rank has exited (its pid is gone or a zombie), has
+ * failed (cpumla_shm_fail), or has not arrived within timeout_s seconds (idle waits: never). */
+typedef struct cpumla_shm cpumla_shm;
+int64_t cpumla_shm_bytes(int32_t world, int64_t slot_bytes);
+/* NULL for bad sizes or out of memory. Writes this rank's pid into its header line. */
+cpumla_shm *cpumla_shm_new(void *base, int32_t rank, int32_t world, int64_t slot_bytes, double timeout_s);
+void cpumla_shm_free(cpumla_shm *s);
+/* A cpumla_comm over s, for a model's description (valid while s lives). */
+void cpumla_shm_comm(cpumla_shm *s, cpumla_comm *out);
+int cpumla_shm_all_reduce(void *s, float *buf, int64_t n);
+int cpumla_shm_gather(void *s, float *buf, int64_t rows, int64_t ld, int64_t col0, int64_t cols);
+/* bytes of buf from rank 0 to every rank. idle: the wait has no time limit (a rank waiting for the
+ * next command), though a rank that exits or fails still ends it. */
+int cpumla_shm_broadcast(cpumla_shm *s, void *buf, int64_t bytes, int32_t idle);
+/* Marks this rank failed: every rank's next wait ends with an error naming it. */
+void cpumla_shm_fail(cpumla_shm *s);
+void cpumla_shm_get_stats(const cpumla_shm *s, cpumla_comm_stats *out);
+void cpumla_shm_reset_stats(cpumla_shm *s);
+
 /* ---- latent cache and MLA attention ----------------------------------------------------------- */
 /* cache row slots[t] = src row t (width values), for t < n; a slot of -1 is skipped.
  * cache_dtype: CPUMLA_F32, or CPUMLA_BF16 (round to nearest even); another is an error (-1). */

@@ -58,6 +58,14 @@ typedef struct cpumla_dsv2_model {
     cpumla_vec norm;               /* [D] */
     const cpumla_dsv2_layer *layers;
     const cpumla_dsv2_mtp *mtp;    /* the MTP layer, or NULL */
+    /* Tensor parallel (NULL: one process). With comm, this rank's layers hold n_heads of the heads
+     * (q / q_b and kv_b rows, o_proj columns) and a slice of every expert's and dense MLP's
+     * intermediate dimension (gate / up rows, down columns); o_proj's and the MLPs' partial sums are
+     * all-reduced before they join the residual stream, so every rank carries the same hidden state
+     * (and routes alike). lm_head holds vocabulary rows head_row0 .. head_row0 + lm_head->rows - 1;
+     * the logits are gathered on rank 0. */
+    const cpumla_comm *comm;
+    int64_t head_row0;
 } cpumla_dsv2_model;
 
 typedef struct cpumla_dsv2_state cpumla_dsv2_state;

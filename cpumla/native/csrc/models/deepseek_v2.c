@@ -151,7 +151,9 @@ int cpumla_dsv2_unabsorbed(const cpumla_dsv2_model *m, int64_t n) {
 /* h += o_proj(o) */
 static int attn_proj(cpumla_dsv2_state *s, const cpumla_dsv2_layer *L, int64_t n) {
     int64_t D = s->m->hidden;
+    const cpumla_comm *c = s->m->comm;
     TRY(cpumla_gemm(L->o_proj, s->o, s->m->n_heads * s->m->v_head_dim, n, s->t, D));
+    if (c) TRY(c->all_reduce(c->ctx, s->t, n * D));
     for (int64_t i = 0; i < n * D; i++) s->h[i] += s->t[i];
     return 0;
 }
@@ -194,6 +196,12 @@ int dsv2_ffn(cpumla_dsv2_state *s, int64_t l, int64_t n) {
     const cpumla_dsv2_model *m = s->m;
     const cpumla_dsv2_layer *L = dsv2_layer(m, l);
     int64_t D = m->hidden;
+    const cpumla_comm *c = m->comm;
+    float *acc = s->h;      /* tensor parallel: this rank's partial sums into t, all-reduced, then added */
+    if (c) {
+        acc = s->t;
+        memset(acc, 0, sizeof(float) * (size_t)(n * D));
+    }
     cpumla_rmsnorm(s->h, D, s->x, D, n, D, L->post_ln.data, L->post_ln.dtype, m->rms_norm_eps);
     if (L->gate) {
         const cpumla_router *r = L->router;
@@ -204,9 +212,23 @@ int dsv2_ffn(cpumla_dsv2_state *s, int64_t l, int64_t n) {
         const cpumla_dsv2_layer *next = l + 1 < m->n_layers ? &m->layers[l + 1] : NULL;
         if (n == 1 && next && next->gate)       /* experts read from disk: the next layer's, ahead */
             TRY(stream_predict(next->experts, next->gate, next->router, s->x, D, NULL));
-        TRY(cpumla_moe(L->experts, r->n_experts, s->x, D, n, s->idx, s->w, r->top_k, s->h, D, 0.0f));
+        TRY(cpumla_moe(L->experts, r->n_experts, s->x, D, n, s->idx, s->w, r->top_k, acc, D, 0.0f));
     }
-    if (L->mlp) TRY(cpumla_moe(L->mlp, 1, s->x, D, n, s->zeros, s->ones, 1, s->h, D, 0.0f));
+    if (L->mlp) TRY(cpumla_moe(L->mlp, 1, s->x, D, n, s->zeros, s->ones, 1, acc, D, 0.0f));
+    if (c) {
+        TRY(c->all_reduce(c->ctx, acc, n * D));
+        for (int64_t i = 0; i < n * D; i++) s->h[i] += acc[i];
+    }
+    return 0;
+}
+
+/* logits [rows, vocab] = lm_head(x): this rank's vocabulary rows, gathered on rank 0 under tensor
+ * parallel */
+static int head(const cpumla_dsv2_model *m, const float *x, int64_t rows, float *logits) {
+    const cpumla_comm *c = m->comm;
+    int64_t D = m->hidden, v0 = c ? m->head_row0 : 0;
+    TRY(cpumla_gemm(m->lm_head, x, D, rows, logits + v0, m->vocab));
+    if (c) TRY(c->gather(c->ctx, logits, rows, m->vocab, v0, m->lm_head->rows));
     return 0;
 }
 
@@ -214,8 +236,7 @@ int dsv2_end(cpumla_dsv2_state *s, int64_t n, float *logits, int32_t last_only) 
     const cpumla_dsv2_model *m = s->m;
     int64_t D = m->hidden, first = last_only ? n - 1 : 0, rows = n - first;
     cpumla_rmsnorm(s->h + first * D, D, s->x, D, rows, D, m->norm.data, m->norm.dtype, m->rms_norm_eps);
-    TRY(cpumla_gemm(m->lm_head, s->x, D, rows, logits, m->vocab));
-    return 0;
+    return head(m, s->x, rows, logits);
 }
 
 /* ---- public ----------------------------------------------------------------------------------- */
@@ -268,7 +289,7 @@ static int mtp_forward(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int6
     if (!logits) return 0;
     int64_t first = last_only ? n - 1 : 0, rows = n - first;
     cpumla_rmsnorm(s->h + first * D, D, s->x, D, rows, D, mtp->norm.data, mtp->norm.dtype, eps);
-    return cpumla_gemm(m->lm_head, s->x, D, rows, logits, m->vocab);
+    return head(m, s->x, rows, logits);
 }
 
 /* Under the library lock, with the model's own scratch: a failed scratch request anywhere inside makes
