@@ -53,10 +53,12 @@ def quantizable(model: str) -> bool:
     return getattr(family(load_config(model)[0].model_type), "QUANTIZABLE", True)
 
 
-def default_overrides(model: str, extra: dict) -> dict:
+def default_overrides(model: str, extra: dict, tp: int | None = None) -> dict:
     """The overrides of one default smoke run: SHRINK (less the keys its config lacks), the model's own
-    entry, then the user's."""
+    entry, then the user's. Under --tp N every expert is N FP8 blocks (128 rows) wide, one a rank."""
     shrink = {k: v for k, v in SHRINK.items() if k not in NOT_IN_CONFIG.get(model, ())}
+    if tp and tp > 1:
+        shrink["moe_intermediate_size"] = 128 * tp
     return {**shrink, **DEFAULT_MODELS[model], **extra}
 
 
@@ -94,6 +96,16 @@ def run(model: str, *, dummy_weights: bool, hf_overrides=None, seed: int = 0, th
     eng = load(model, dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed, threads=threads,
                       max_seq_len=prompt_tokens + decode_tokens + 1, dummy_dtype=dummy_dtype, quant=quant,
                       progress=progress, memory=memory)
+    try:
+        return _check(eng, model, seed, prompt_tokens, decode_tokens,
+                      dict(dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed, threads=threads,
+                           max_seq_len=prompt_tokens + decode_tokens + 1, dummy_dtype=dummy_dtype, quant=quant,
+                           memory=memory))
+    finally:
+        eng.close()          # its caches now, and tensor-parallel ranks before the next model starts its own
+
+
+def _check(eng, model, seed, prompt_tokens, decode_tokens, load_kw) -> SmokeResult:
     cfg = eng.config
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, cfg.vocab_size, size=prompt_tokens).tolist()
@@ -123,10 +135,7 @@ def run(model: str, *, dummy_weights: bool, hf_overrides=None, seed: int = 0, th
         elif err > decode_tolerance(eng):
             bad = [i + 1 for i in np.flatnonzero(per_step > decode_tolerance(eng))]
             eng.close()
-            status = _tie_or_bug(model, cfg, tokens, prompt_tokens, bad, err,
-                                 dict(dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed,
-                                      threads=threads, max_seq_len=prompt_tokens + decode_tokens + 1,
-                                      dummy_dtype=dummy_dtype, quant=quant, memory=memory))
+            status = _tie_or_bug(model, cfg, tokens, prompt_tokens, bad, err, load_kw)
     return SmokeResult(model, cfg.model_type, cfg.num_hidden_layers, cfg.n_routed_experts or 0,
                        prompt_tokens / t_prefill, len(steps) / t_decode if steps else 0.0, err, status)
 
@@ -225,7 +234,7 @@ def smoke(
         render.err.print(f"note: {w}", style="yellow", markup=False, highlight=False)
     extra = parse_hf_overrides(hf_overrides)      # each key is checked against each config on load
     if model is None:
-        runs = [(m, default_overrides(m, extra)) for m in DEFAULT_MODELS]
+        runs = [(m, default_overrides(m, extra, tp)) for m in DEFAULT_MODELS]
         if quant is not None:            # families --quant does not cover yet are left out, saying so
             kept = [r for r in runs if quantizable(r[0])]
             for m in sorted({r[0] for r in runs} - {r[0] for r in kept}):

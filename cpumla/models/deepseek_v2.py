@@ -325,12 +325,8 @@ class Model(NativeModel):
         L = build_layer(self.config, src, i)
         return L if self.shard is None else shards.layer(L, self.config, i, self.shard)
 
-    def attach(self, comm) -> None:
-        """Runs the forward as rank comm.rank of comm.world (its partial sums all-reduced, its logits
-        gathered on rank 0 through comm.c, a cpumla_comm the comm keeps alive)."""
-        desc = getattr(self._c, "base", self._c)
-        desc.comm = comm.c
-        self._comm = comm
+    def comm_desc(self):
+        return self._c
 
     # ---- speculative decoding (runtime/speculative.py) ----
     def forward_hidden(self, ids: np.ndarray, pos0: int, out: np.ndarray, last_only: bool, hidden: np.ndarray) -> None:

@@ -127,6 +127,9 @@ class Model(v2.Model):
             weights_proj=W.linear(src, *m["weights_proj"], cfg.block))
         return L
 
+    def comm_desc(self):
+        return self._c.base
+
     def cache_bytes_per_token(self) -> int:
         return super().cache_bytes_per_token() + 4 * self.config.index_head_dim * self.config.num_hidden_layers
 

@@ -45,6 +45,7 @@ from cpumla.models.deepseek_v4_tensors import (  # noqa: F401  (the family's int
     tensors,
     vector,
 )
+from cpumla.models import shard as shards
 from cpumla.models.checks import is_int, is_real, needer, short, validate_rope_scaling
 from cpumla.models.native_model import ConfigBase, NativeModel
 
@@ -215,14 +216,20 @@ class Model(NativeModel):
     compressed caches, compressor rings, scratch). The runtime's interface is deepseek_v2.Model's."""
 
     STATE = ("cpumla_dsv4_new", "cpumla_dsv4_free", "cpumla_dsv4_forward")
+    TENSOR_PARALLEL = True   # runs as a rank of tensor parallel: whole output groups, experts' slices
 
-    def __init__(self, cfg: Config, src, ctx: int, max_tokens: int):
+    def __init__(self, cfg: Config, src, ctx: int, max_tokens: int, shard: shards.Shard | None = None):
         self.config = cfg
+        self.shard = shard
+        self._comm = None
         names = Names(src)
         D, V, N = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
         self._keep: list = []
         self.embed = vector(src, names, "embed.weight", (V, D))
         self.lm_head = linear(src, names, "head.weight", (V, D), cfg.block)
+        self.head_row0 = 0
+        if shard is not None:
+            self.head_row0, self.lm_head = shards.vocab_rows(self.lm_head, shard, "head.weight")
         self.norm = vector(src, names, "norm.weight", (D,))
         ffi = native.ffi
         m = ffi.new("cpumla_dsv4_model *")
@@ -238,9 +245,11 @@ class Model(NativeModel):
         self._layers_c = layers
         m.layers = layers
         m.n_layers, m.hidden, m.vocab, m.hc_mult = cfg.num_hidden_layers, D, V, N
-        m.hc_sinkhorn_iters, m.n_heads, m.head_dim, m.rope_dim = cfg.hc_sinkhorn_iters, cfg.num_attention_heads, \
-            cfg.head_dim, cfg.rope_dim
-        m.q_lora_rank, m.o_groups, m.o_lora_rank = cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
+        world = shard.world if shard is not None else 1
+        m.hc_sinkhorn_iters, m.n_heads, m.head_dim, m.rope_dim = cfg.hc_sinkhorn_iters, \
+            cfg.num_attention_heads // world, cfg.head_dim, cfg.rope_dim
+        m.q_lora_rank, m.o_groups, m.o_lora_rank = cfg.q_lora_rank, cfg.o_groups // world, cfg.o_lora_rank
+        m.head_row0 = self.head_row0
         m.sliding_window, m.index_n_heads, m.index_head_dim = cfg.sliding_window, cfg.index_n_heads, cfg.index_head_dim
         m.index_topk = cfg.index_topk
         m.rms_norm_eps, m.hc_eps, m.swiglu_limit = cfg.rms_norm_eps, cfg.hc_eps, float(cfg.swiglu_limit or 0.0)
@@ -273,7 +282,8 @@ class Model(NativeModel):
         p, a, f = f"layers.{l}.", f"layers.{l}.attn.", f"layers.{l}.ffn."
 
         def lin(name):
-            return linear(src, names, name, t[name][0], cfg.block)
+            w = linear(src, names, name, t[name][0], cfg.block)
+            return w if self.shard is None else self._part(w, name)
 
         L: dict = {}
         c.ratio, c.csa = cfg.ratios[l], int(cfg.csa[l])
@@ -287,6 +297,9 @@ class Model(NativeModel):
         for role in ("q_norm", "kv_norm"):
             self._vec(getattr(c, role), src, names, a + role + ".weight", t[a + role + ".weight"][0])
         sinks = W.as_f32(vector(src, names, a + "attn_sink", t[a + "attn_sink"][0]))
+        if self.shard is not None:
+            h0, h1 = self._heads
+            sinks = np.ascontiguousarray(sinks[h0:h1])
         self._keep.append(sinks)
         native.set_vec(c.sinks, np.ascontiguousarray(sinks))
         freq = cfg.compress_inv_freq if cfg.ratios[l] else cfg.main_inv_freq
@@ -329,6 +342,35 @@ class Model(NativeModel):
         c.shared = shared.c if shared is not None else native.ffi.NULL
         L.update(gate=gate, router=router, experts=experts, shared=shared)
         return L
+
+    def comm_desc(self):
+        return self._m
+
+    @property
+    def _heads(self) -> tuple[int, int]:
+        """This rank's heads [h0, h1): those of its whole output groups."""
+        cfg = self.config
+        g0, g1 = self.shard.part(cfg.o_groups, "output groups (o_groups)")
+        per = cfg.num_attention_heads // cfg.o_groups
+        return g0 * per, g1 * per
+
+    def _part(self, w, name: str):
+        """This rank's slice of the tensor `name` (official name; models/shard.py says what is split)."""
+        cfg, shard = self.config, self.shard
+        try:
+            if ".attn.wq_b." in name:
+                h0, h1 = self._heads
+                return w.part(0, h0 * cfg.head_dim, h1 * cfg.head_dim, name)
+            if ".attn.wo_a." in name or ".attn.wo_b." in name:       # a group's OL rows / columns
+                g0, g1 = shard.part(cfg.o_groups, "output groups (o_groups)")
+                return w.part(0 if ".wo_a." in name else 1, g0 * cfg.o_lora_rank, g1 * cfg.o_lora_rank, name)
+            if ".experts." in name or ".shared_experts." in name:
+                a, b = shard.part(w.cols if name.endswith("w2.weight") else w.rows,
+                                  f"the intermediate size of {name.rsplit('.', 2)[0]}")
+                return w.part(1 if name.endswith("w2.weight") else 0, a, b, name)
+        except CpumlaError as e:
+            raise shard.error(e) from None
+        return w
 
     def _comp(self, c, src, names, prefix, t, lin):
         wkv, wgate = lin(prefix + "wkv.weight"), lin(prefix + "wgate.weight")

@@ -50,6 +50,20 @@ class NativeModel:
         """Appends ids at pos0 and writes their logits into out."""
         self.call_state(ids, pos0, out, last_only)
 
+    # ---- tensor parallel (runtime/tp.py): a family that runs as a rank sets TENSOR_PARALLEL, takes a
+    # models.shard.Shard and builds its slice, and names the struct with the comm field (comm_desc) ----
+    TENSOR_PARALLEL = False
+
+    def comm_desc(self):
+        """The native description holding `comm` and `head_row0`."""
+        raise NotImplementedError
+
+    def attach(self, comm) -> None:
+        """Runs the forward as rank comm.rank of comm.world: its partial sums all-reduced, its logits
+        gathered on rank 0, through comm.c (a cpumla_comm the comm keeps alive)."""
+        self.comm_desc().comm = comm.c
+        self._comm = comm
+
     def close(self) -> None:
         """Frees the native state (caches and scratch) now rather than at garbage collection."""
         if getattr(self, "_state", None) is not None:

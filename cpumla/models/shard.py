@@ -1,8 +1,8 @@
-"""What one tensor-parallel rank holds of a DeepSeek-V2 / V3 / V3.2 layer: its slice of the attention
+"""What one tensor-parallel rank holds of a DeepSeek-V2 / V3 / V3.2 layer (V4's: deepseek_v4.Model._part): its slice of the attention
 heads (q / q_b and kv_b rows, o_proj columns), of every routed and shared expert's and the dense MLP's
 intermediate dimension (gate / up rows, down columns) and of the vocabulary (lm_head rows). The small
-projections (q_a, kv_a), the norms, the router and V3.2's indexer are held whole by every rank. Slices
-are views of the checkpoint's tensors (native.Weight.part): a rank reads only its rows and columns.
+projections (q_a, kv_a), the norms, the router and V3.2's indexer are held whole by every rank. A rank
+reads only its rows and columns (native.Weight.part: rows a view of the checkpoint, columns a copy).
 A count that does not split into equal parts, or a slice that would cut a block of the format (FP8's
 128x128, q8 / q4's 1x32, a GGUF block), is refused with one line naming the tensor."""
 
@@ -27,6 +27,11 @@ class Shard:
             raise CpumlaError(f"--tp {self.world}: {what} ({total}) do not split into {self.world} equal parts")
         per = total // self.world
         return self.rank * per, (self.rank + 1) * per
+
+    def error(self, e: CpumlaError) -> CpumlaError:
+        """e (a slice refused by native.Weight.part, or one of part()'s own) as a --tp error."""
+        text = str(e)
+        return CpumlaError(text if text.startswith("--tp ") else f"--tp {self.world}: {text}")
 
     def span(self, total: int, unit: int, what: str) -> tuple[int, int]:
         """This rank's [a, b) of `total` rows in parts of whole `unit`s (the last part may be short)."""
@@ -60,7 +65,7 @@ def layer(L, cfg, index: int, shard: Shard):
     try:
         return _layer(L, cfg, index, shard)
     except CpumlaError as e:
-        raise CpumlaError(f"--tp {shard.world}: {e}") from None
+        raise shard.error(e) from None
 
 
 def _layer(L, cfg, index: int, shard: Shard):
@@ -82,8 +87,9 @@ def _layer(L, cfg, index: int, shard: Shard):
 
 # the tensors a rank holds a slice of, by name (runtime/plan.py sizes a rank with it); the rest are whole
 SPLIT = (".q_proj.", ".q_b_proj.", ".kv_b_proj.", ".o_proj.", ".mlp.experts.", ".mlp.shared_experts.",
-         ".mlp.gate_proj.", ".mlp.up_proj.", ".mlp.down_proj.")
+         ".mlp.gate_proj.", ".mlp.up_proj.", ".mlp.down_proj.",                        # V2 / V3 / V3.2
+         ".attn.wq_b.", ".attn.wo_a.", ".attn.wo_b.", ".ffn.experts.", ".ffn.shared_experts.")   # V4
 
 
 def is_split(name: str) -> bool:
-    return name.startswith("lm_head.") or any(s in name for s in SPLIT)
+    return name.startswith(("lm_head.", "head.")) or any(s in name for s in SPLIT)

@@ -79,8 +79,7 @@ def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: in
     ranks = None
     if tp not in (None, 1) or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         if not getattr(fam.Model, "TENSOR_PARALLEL", False):
-            raise CpumlaError(f"tensor-parallel ranks do not run {cfg.model_type} yet (deepseek_v2, deepseek_v3 "
-                              "and deepseek_v32 do)")
+            raise CpumlaError(f"tensor-parallel ranks do not run {cfg.model_type} yet")
         ranks = tp_mod.start(tp, load_args)
         if ranks is not None and threads is None:
             threads = tp_mod.threads_per_rank(1)           # this rank's CPUs (start() pinned it)

@@ -24,6 +24,7 @@ import atexit
 import hashlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -120,6 +121,9 @@ class Ranks:
         try:
             dist.all_gather_object(out, obj)
         except Exception as e:   # noqa: BLE001 (a peer gone)
+            for r, p in enumerate(self.children, 1):
+                if p.poll() is not None:
+                    raise CpumlaError(f"tensor-parallel rank {r} exited during the start ({exit_text(p.returncode)})") from None
             raise CpumlaError(f"tensor parallel: a rank left during the start: {str(e).splitlines()[0]}") from None
         return out
 
@@ -182,6 +186,13 @@ class Ranks:
             pass
 
 
+def exit_text(code: int) -> str:
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+        return f"killed by {name}" + (": out of memory?" if code == -signal.SIGKILL else "")
+    return f"exit code {code}"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -228,7 +239,7 @@ def _init_group(rank: int, world: int, addr: str, port: str, children: list) -> 
         t.join(0.05)
         for r, p in enumerate(children, 1):
             if p.poll() is not None:
-                raise CpumlaError(f"tensor-parallel rank {r} exited at its start (exit code {p.returncode})")
+                raise CpumlaError(f"tensor-parallel rank {r} exited at its start ({exit_text(p.returncode)})")
     if err:
         raise CpumlaError(f"tensor parallel: the ranks did not meet at {addr}:{port}: {err[0]}")
 
@@ -237,6 +248,11 @@ def start(tp: int | None, load_args: dict) -> Ranks | None:
     """This process's Ranks (None: one process). Under torchrun (WORLD_SIZE > 1) it joins; with tp > 1
     it starts ranks 1 .. tp-1 with load_args and becomes rank 0."""
     check_tp(tp)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise CpumlaError("this process already runs a tensor-parallel model: close it (Engine.close) before "
+                          "loading another (under torchrun: one model a launch)")
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world > 1:
         if tp not in (None, 1, world):

@@ -75,6 +75,14 @@ typedef struct cpumla_dsv4_model {
     cpumla_vec norm;                   /* [D] */
     cpumla_dsv4_hc hc_head;            /* fn [N, N*D], base [N], scale [1] */
     const cpumla_dsv4_layer *layers;
+    /* Tensor parallel (NULL: one process). With comm, this rank's layers hold n_heads of the heads in
+     * o_groups whole output groups (wq_b and wo_a rows, wo_b columns, sinks) and a slice of every
+     * expert's intermediate dimension; the shared KV head, compressors, indexer, mHC and routers are
+     * whole on every rank. The attention's and the MoE's partial outputs are all-reduced before mHC
+     * takes them, so every rank carries the same streams. lm_head holds vocabulary rows head_row0 ..
+     * head_row0 + lm_head->rows - 1; the logits are gathered on rank 0. */
+    const cpumla_comm *comm;
+    int64_t head_row0;
 } cpumla_dsv4_model;
 
 typedef struct cpumla_dsv4_state cpumla_dsv4_state;
