@@ -103,11 +103,10 @@ def placement(world: int) -> list[tuple[int | None, list[int]]]:
 class Ranks:
     """This process's place among the ranks: rank, world, shard, and once connected, comm."""
 
-    def __init__(self, rank: int, world: int, children: list, spawned: bool):
+    def __init__(self, rank: int, world: int, children: list):
         self.rank, self.world = rank, world
         self.shard = Shard(rank, world)
         self.children = children          # rank 0 of --tp: the processes it started
-        self.spawned = spawned            # a rank started by --tp (its errors are rank 0's to report)
         self.comm = None
         self.local = True
         self.agreed = False                # agree() ran: every rank knows how the start went
@@ -261,7 +260,7 @@ def start(tp: int | None, load_args: dict) -> Ranks | None:
         cpus = os.environ.get("CPUMLA_TP_CPUS")
         if cpus and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
-        ranks = Ranks(rank, world, [], spawned=LOAD_ENV in os.environ)
+        ranks = Ranks(rank, world, [])
         _init_group(rank, world, os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500"), [])
         return ranks
     if not tp or tp == 1:
@@ -269,7 +268,7 @@ def start(tp: int | None, load_args: dict) -> Ranks | None:
     where = placement(tp)
     port = _free_port()
     children = _spawn(tp, load_args, port, where)
-    ranks = Ranks(0, tp, children, spawned=False)
+    ranks = Ranks(0, tp, children)
     try:
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, where[0][1])
@@ -315,11 +314,16 @@ class Leader:
     Anything else is the model's own."""
 
     def __init__(self, model, ranks: Ranks):
-        self._model, self.ranks = model, ranks
-        self._h = np.zeros(HEADER, np.int64)
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "ranks", ranks)
+        object.__setattr__(self, "_h", np.zeros(HEADER, np.int64))
 
     def __getattr__(self, name):
         return getattr(self._model, name)
+
+    def __setattr__(self, name, value):
+        raise CpumlaError(f"tensor-parallel ranks each run a model of their own: {name} cannot be set on rank 0's "
+                          "alone once they run")
 
     def _send(self, op: int, ids: np.ndarray, pos0: int, last_only: bool, has_out=True, has_hidden=False,
               hidden=None) -> None:

@@ -173,9 +173,10 @@ def test_a_rank_that_dies_or_hangs_ends_every_rank_with_one_line(dirs, monkeypat
         os.kill(victim.pid, signal.SIGCONT)
     with pytest.raises(CpumlaError):                 # the ranks are gone: nothing more runs
         eng.forward([6])
+    kids = list(eng.ranks.children)
     eng.close()
-    codes = [p.wait(timeout=20) for p in eng.ranks.children] if eng.ranks.children else []
-    assert all(c != 0 for c in codes)
+    codes = [p.wait(timeout=20) for p in kids]
+    assert len(codes) == 3 and all(c != 0 for c in codes), codes       # every rank ended as failed
     assert not our_children()
 
 
