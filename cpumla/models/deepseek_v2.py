@@ -299,6 +299,8 @@ class Model(NativeModel):
     STATE = ("cpumla_dsv2_new", "cpumla_dsv2_free", "cpumla_dsv2_forward")
     HAS_MTP = True           # reads the checkpoint's MTP layer (runtime/speculative.py drafts with it)
     TENSOR_PARALLEL = True   # runs as a rank of tensor parallel (models/shard.py)
+    # the native forward that also returns the final hidden states, and the MTP layer's
+    HIDDEN_FN, MTP_FN = "cpumla_dsv2_forward_hidden", "cpumla_dsv2_mtp_forward"
 
     def __init__(self, cfg: Config, src, ctx: int, max_tokens: int, shard: shards.Shard | None = None):
         self.config = cfg
@@ -331,19 +333,19 @@ class Model(NativeModel):
     # ---- speculative decoding (runtime/speculative.py) ----
     def forward_hidden(self, ids: np.ndarray, pos0: int, out: np.ndarray, last_only: bool, hidden: np.ndarray) -> None:
         """forward() that also writes the final normed hidden state of every token into hidden [n, D]."""
-        self._native_call(native.lib.cpumla_dsv2_forward_hidden, ids, pos0, out, last_only, hidden)
+        self._native_call(getattr(native.lib, self.HIDDEN_FN), ids, pos0, out, last_only, hidden)
 
     def mtp_forward(self, ids: np.ndarray, pos0: int, hidden: np.ndarray, out: np.ndarray | None, last_only: bool,
                     hidden_out: np.ndarray | None = None) -> None:
         """The MTP layer at positions pos0.. over (hidden[t], ids[t]) pairs: the logits of the token after
         each ids[t] into out (None: the cache entries only), its h' rows into hidden_out
-        (cpumla_dsv2_mtp_forward)."""
+        (cpumla_dsv2_mtp_forward, V3.2's cpumla_dsv32_mtp_forward)."""
         if self.mtp is None:
             raise CpumlaError("this checkpoint has no MTP layer")
         ffi = native.ffi
         if self._state is None:
             raise CpumlaError("this model has been closed")
-        rc = native.lib.cpumla_dsv2_mtp_forward(
+        rc = getattr(native.lib, self.MTP_FN)(
             self._state, ffi.from_buffer("int64_t[]", ids), ids.size, pos0, ffi.from_buffer("float[]", hidden),
             ffi.NULL if out is None else ffi.from_buffer("float[]", out, require_writable=True), int(last_only),
             ffi.NULL if hidden_out is None else ffi.from_buffer("float[]", hidden_out, require_writable=True))

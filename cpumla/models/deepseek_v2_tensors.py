@@ -66,8 +66,9 @@ def mlp_names(cfg: Config, layer: int) -> dict[str, list[tuple[str, str, str]]]:
 
 
 def has_mtp(cfg: Config) -> bool:
-    """Whether the config names an MTP layer this family reads (V3 / R1 / V3.1: model.layers.{L}.*)."""
-    return cfg.model_type == "deepseek_v3" and bool(cfg.num_nextn_predict_layers)
+    """Whether the config names an MTP layer this family reads (V3 / R1 / V3.1 and V3.2:
+    model.layers.{L}.*)."""
+    return cfg.model_type in ("deepseek_v3", "deepseek_v32") and bool(cfg.num_nextn_predict_layers)
 
 
 def mtp_names(cfg: Config) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -52,8 +52,9 @@ class Config(v2.Config):
                  "'mlp_layer_types' must list 'dense' or 'sparse' for every layer")
 
     def is_moe_layer(self, layer: int) -> bool:
-        if self.mlp_layer_types is not None:
-            return self.has_moe and self.mlp_layer_types[layer] == "sparse"
+        if self.mlp_layer_types is not None:       # the MTP layer (index num_hidden_layers) is a MoE layer
+            t = self.mlp_layer_types
+            return self.has_moe and (t[layer] == "sparse" if layer < min(len(t), self.num_hidden_layers) else True)
         return super().is_moe_layer(layer)
 
     def layer_groups(self) -> list[tuple[int, int]]:
@@ -76,7 +77,7 @@ def indexer_names(cfg: Config, layer: int) -> dict[str, tuple[str, tuple[int, ..
 
 def tensors(cfg: Config) -> dict[str, tuple[tuple[int, ...], str]]:
     out = tables.tensors(cfg)
-    for layer in range(cfg.num_hidden_layers):
+    for layer in range(tables.cached_layers(cfg)):         # the MTP layer's indexer included
         for role, (name, shape) in indexer_names(cfg, layer).items():
             out[name] = (shape, INDEXER_KINDS[role])
     return out
@@ -99,7 +100,7 @@ def memory_bytes(cfg: Config, ctx: int, dtype: str, chunk: int = 512) -> dict[st
     (index queries and keys of a chunk, one query chunk's scores, the selected rows)."""
     b = tables.memory_bytes(cfg, ctx, dtype, chunk, shapes=layer_shapes)
     n, IH, ID = min(chunk, ctx), cfg.index_n_heads, cfg.index_head_dim
-    b["cache"] += 4 * ID * ctx * cfg.num_hidden_layers
+    b["cache"] += 4 * ID * ctx * tables.cached_layers(cfg)
     b["scratch"] += 4 * (n * IH * ID + n * ID + n * IH + max(IH * ctx, 8 << 20) + 2 * ctx + n * cfg.index_topk + 3 * n)
     return b
 
@@ -114,8 +115,8 @@ class Indexer:
 
 
 class Model(v2.Model):
-    HAS_MTP = False          # V3.2's MTP layer has an indexer of its own: not read yet
     STATE = ("cpumla_dsv32_new", "cpumla_dsv32_free", "cpumla_dsv32_forward")
+    HIDDEN_FN, MTP_FN = "cpumla_dsv32_forward_hidden", "cpumla_dsv32_mtp_forward"   # its MTP layer: V3.2's
 
     def build_layer(self, src, i: int) -> v2.Layer:
         L = super().build_layer(src, i)
@@ -131,7 +132,8 @@ class Model(v2.Model):
         return self._c.base
 
     def cache_bytes_per_token(self) -> int:
-        return super().cache_bytes_per_token() + 4 * self.config.index_head_dim * self.config.num_hidden_layers
+        cached = self.config.num_hidden_layers + (self.mtp is not None)
+        return super().cache_bytes_per_token() + 4 * self.config.index_head_dim * cached
 
     def layer_weights(self, L) -> list:
         X = L.indexer
@@ -159,8 +161,9 @@ class Model(v2.Model):
         ffi, cfg = native.ffi, self.config
         m = ffi.new("cpumla_dsv32_model *")
         self.describe_base(m.base)
-        idx = ffi.new("cpumla_dsv32_indexer[]", len(self.layers))
-        for i, L in enumerate(self.layers):
+        layers = self.layers + ([self.mtp.layer] if self.mtp is not None else [])
+        idx = ffi.new("cpumla_dsv32_indexer[]", len(layers))
+        for i, L in enumerate(layers):
             X, c = L.indexer, idx[i]
             c.wq_b, c.wk, c.weights_proj = X.wq_b.c, X.wk.c, X.weights_proj.c
             native.set_vec(c.k_norm, X.k_norm)

@@ -1,4 +1,4 @@
-"""The multi-token-prediction (MTP) layer of V3 / R1 / V3.1 (`model.layers.{num_hidden_layers}.*`), read
+"""The multi-token-prediction (MTP) layer of V3 / R1 / V3.1 / V3.2 (`model.layers.{num_hidden_layers}.*`), read
 from the checkpoint when it has one: its norms, eh_proj and a full decoder layer, described to the native
 forward as deepseek_v2.h's cpumla_dsv2_mtp. runtime/speculative.py drafts with it."""
 

@@ -1,6 +1,7 @@
-"""What one tensor-parallel rank holds of a DeepSeek-V2 / V3 / V3.2 layer (V4's: deepseek_v4.Model._part): its slice of the attention
-heads (q / q_b and kv_b rows, o_proj columns), of every routed and shared expert's and the dense MLP's
-intermediate dimension (gate / up rows, down columns) and of the vocabulary (lm_head rows). The small
+"""What one tensor-parallel rank holds of a DeepSeek-V2 / V3 / V3.2 layer (V4's: deepseek_v4.Model._part):
+its slice of the attention heads (q / q_b and kv_b rows, o_proj columns), of every routed and shared
+expert's and the dense MLP's intermediate dimension (gate / up rows, down columns) and of the vocabulary
+(lm_head rows). The small
 projections (q_a, kv_a), the norms, the router and V3.2's indexer are held whole by every rank. A rank
 reads only its rows and columns (native.Weight.part: rows a view of the checkpoint, columns a copy).
 A count that does not split into equal parts, or a slice that would cut a block of the format (FP8's

@@ -123,13 +123,13 @@ def _join(engine, ranks, cfg, resolved, load_args) -> None:
 
 def _fail(ranks, e: BaseException) -> None:
     """A rank's load failed: the others hear of it at the agreement (unless it failed there: then it is
-    everyone's already); rank 0 reaps what it started."""
+    everyone's already); every rank leaves the process group (gloo's threads would abort the exit), rank
+    0 reaps what it started."""
     try:
         if isinstance(e, CpumlaError) and ranks.comm is None and not ranks.agreed:
             ranks.agree(("error", str(e)))
     finally:
-        if ranks.rank == 0:
-            ranks.close()
+        ranks.close()
 
 
 def _load(model, hf_overrides, cfg, resolved, fam, ctx, where, quantizer, ckpt, dummy_weights, dummy_dtype, seed,

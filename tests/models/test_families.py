@@ -127,7 +127,9 @@ def test_v32_bench_costs_follow_the_selection():
     index_key = 4 * cfg.index_head_dim * cfg.num_hidden_layers
     assert m.decode_bytes(3) - m.decode_bytes(2) == pytest.approx(latent + index_key)
     assert m.decode_bytes(1000) - m.decode_bytes(999) == pytest.approx(index_key)
-    assert m.cache_bytes_per_token() == latent + index_key
+    per_layer = (latent + index_key) // cfg.num_hidden_layers
+    assert m.mtp is not None                                # the preset names one: its caches count too
+    assert m.cache_bytes_per_token() == per_layer * (cfg.num_hidden_layers + 1)
 
 
 @pytest.mark.parametrize("ov, word", [

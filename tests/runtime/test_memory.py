@@ -39,7 +39,7 @@ def test_weight_bytes_are_what_dummy_weights_hold(model, extra, dtype):
     b = fam.memory_bytes(cfg, 1000, dtype)
     assert b["weights"] == want
     per_token = 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + 4 * getattr(cfg, "index_head_dim", 0)
-    mtp = 1 if cfg.model_type == "deepseek_v3" and cfg.num_nextn_predict_layers else 0     # V3's MTP layer
+    mtp = 1 if cfg.num_nextn_predict_layers else 0          # V3's and V3.2's MTP layer
     assert b["cache"] == 1000 * per_token * (cfg.num_hidden_layers + mtp)
 
 

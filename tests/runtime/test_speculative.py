@@ -17,10 +17,11 @@ from support import models
 from support.models import IDS, check_fp32
 
 
-@pytest.fixture(scope="module")
-def v3_mtp(tmp_path_factory):
-    d = tmp_path_factory.mktemp("v3-mtp")
-    return d, models.build_v3_mtp(d)
+@pytest.fixture(scope="module", params=["v3", "v32"])
+def v3_mtp(request, tmp_path_factory):
+    """V3 and V3.2 (whose MTP layer has an indexer of its own) with their MTP layers."""
+    d = tmp_path_factory.mktemp(f"{request.param}-mtp")
+    return d, models.build_v3_mtp(d, v32=request.param == "v32")
 
 
 @pytest.fixture(scope="module")

@@ -100,17 +100,24 @@ def randomize(model, seed: int) -> None:
 
 
 class Mtp:
-    """A V3 MTP layer for tests, computed as the spec says with transformers' classes: enorm, hnorm and
-    eh_proj by hand, the decoder layer, shared_head.norm and the main lm_head as a one-layer
-    DeepseekV3ForCausalLM run on inputs_embeds = eh_proj(...)."""
+    """A V3 (or V3.2) MTP layer for tests, computed as the spec says with transformers' classes: enorm,
+    hnorm and eh_proj by hand, the decoder layer (V3.2's with its indexer), shared_head.norm and the main
+    lm_head as a one-layer DeepseekV3ForCausalLM (DeepseekV32ForCausalLM) run on inputs_embeds =
+    eh_proj(...)."""
 
     def __init__(self, main, seed: int):
-        from transformers import DeepseekV3ForCausalLM
+        from transformers import DeepseekV3ForCausalLM, DeepseekV32ForCausalLM
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
 
-        cfg = main.config.__class__(**{**main.config.to_dict(), "num_hidden_layers": 1, "first_k_dense_replace": 0})
+        one = {"num_hidden_layers": 1, "first_k_dense_replace": 0}
+        for key in ("mlp_layer_types", "layer_types"):          # V3.2's lists, one entry a layer
+            types = getattr(main.config, key, None)
+            if types is not None:
+                one[key] = ["sparse"] if key == "mlp_layer_types" else types[:1]
+        cfg = main.config.__class__(**{**main.config.to_dict(), **one})
         torch.manual_seed(seed)
-        self.block = DeepseekV3ForCausalLM(cfg).to(torch.float32).eval()
+        cls = DeepseekV32ForCausalLM if main.config.model_type == "deepseek_v32" else DeepseekV3ForCausalLM
+        self.block = cls(cfg).to(torch.float32).eval()
         randomize(self.block, seed)
         D, eps = cfg.hidden_size, cfg.rms_norm_eps
         g = torch.Generator().manual_seed(seed + 7)
@@ -152,12 +159,12 @@ class Mtp:
             return self.block(inputs_embeds=u[None]).logits[0].float().numpy()
 
 
-def build_v3_mtp(out: Path, seed: int = 0):
-    """The tiny V3 of build("v3") with an MTP layer added to its checkpoint (num_nextn_predict_layers 1);
-    returns its Mtp (main model and reference)."""
+def build_v3_mtp(out: Path, seed: int = 0, v32: bool = False):
+    """The tiny V3 of build("v3") (v32: V3.2 of build_v32) with an MTP layer added to its checkpoint
+    (num_nextn_predict_layers 1); returns its Mtp (main model and reference)."""
     from safetensors.torch import load_file, save_file
 
-    main = build("v3", out, seed=seed)
+    main = build_v32(out) if v32 else build("v3", out, seed=seed)
     mtp = Mtp(main, seed + 100)
     sd = load_file(out / "model.safetensors")
     sd.update(mtp.tensors(main.config.num_hidden_layers))

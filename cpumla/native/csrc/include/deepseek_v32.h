@@ -24,7 +24,7 @@ typedef struct cpumla_dsv32_indexer {
 
 typedef struct cpumla_dsv32_model {
     cpumla_dsv2_model base;                /* MLA + MoE as V3; q LoRA required */
-    const cpumla_dsv32_indexer *indexers;  /* [n_layers] */
+    const cpumla_dsv32_indexer *indexers;  /* [n_layers], then the MTP layer's when base.mtp is set */
     int64_t index_n_heads, index_head_dim, index_topk;
     float index_norm_eps;                  /* the LayerNorm's eps (1e-6) */
 } cpumla_dsv32_model;
@@ -39,6 +39,12 @@ void cpumla_dsv32_free(cpumla_dsv32_state *s);
 /* As cpumla_dsv2_forward, with each query's attention restricted to the indexer's selection. */
 int cpumla_dsv32_forward(cpumla_dsv32_state *s, const int64_t *ids, int64_t n, int64_t pos0, float *logits,
                          int32_t last_only);
+/* As cpumla_dsv2_forward_hidden and cpumla_dsv2_mtp_forward: V3.2's MTP layer is a V3.2 decoder layer,
+ * its indexer and index-key cache its own. */
+int cpumla_dsv32_forward_hidden(cpumla_dsv32_state *s, const int64_t *ids, int64_t n, int64_t pos0, float *logits,
+                                int32_t last_only, float *hidden);
+int cpumla_dsv32_mtp_forward(cpumla_dsv32_state *s, const int64_t *ids, int64_t n, int64_t pos0, const float *hidden,
+                             float *logits, int32_t last_only, float *hidden_out);
 
 #ifdef __cplusplus
 }

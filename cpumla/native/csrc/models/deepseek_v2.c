@@ -263,33 +263,50 @@ static int forward(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int64_t 
         TRY(dsv2_attn_out(s, l, n, pos0, NULL, 0, NULL));
         TRY(dsv2_ffn(s, l, n));
     }
-    if (hidden)
-        cpumla_rmsnorm(s->h, m->hidden, hidden, m->hidden, n, m->hidden, m->norm.data, m->norm.dtype, m->rms_norm_eps);
+    TRY(dsv2_final_hidden(s, n, hidden));
     return dsv2_end(s, n, logits, last_only);
 }
 
-static int mtp_forward(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int64_t pos0, const float *hidden,
-                       float *logits, int32_t last_only, float *hidden_out) {
+int dsv2_mtp_in(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int64_t pos0, const float *hidden) {
     const cpumla_dsv2_model *m = s->m;
     const cpumla_dsv2_mtp *mtp = m->mtp;
     if (!mtp) {
         cpumla_set_error("this model has no MTP layer");
         return -1;
     }
-    int64_t D = m->hidden, L = m->n_layers;
+    int64_t D = m->hidden;
     float eps = m->rms_norm_eps;
     TRY(dsv2_begin(s, ids, n, pos0));      /* the embeddings e into s->h */
     cpumla_rmsnorm(s->h, D, s->cat, 2 * D, n, D, mtp->enorm.data, mtp->enorm.dtype, eps);
     cpumla_rmsnorm(hidden, D, s->cat + D, 2 * D, n, D, mtp->hnorm.data, mtp->hnorm.dtype, eps);
-    TRY(cpumla_gemm(mtp->eh_proj, s->cat, 2 * D, n, s->h, D));
-    TRY(dsv2_attn_in(s, L, n));
-    TRY(dsv2_attn_out(s, L, n, pos0, NULL, 0, NULL));
-    TRY(dsv2_ffn(s, L, n));
+    return cpumla_gemm(mtp->eh_proj, s->cat, 2 * D, n, s->h, D);
+}
+
+int dsv2_mtp_out(cpumla_dsv2_state *s, int64_t n, float *logits, int32_t last_only, float *hidden_out) {
+    const cpumla_dsv2_model *m = s->m;
+    int64_t D = m->hidden;
     if (hidden_out) memcpy(hidden_out, s->h, sizeof(float) * (size_t)(n * D));
     if (!logits) return 0;
     int64_t first = last_only ? n - 1 : 0, rows = n - first;
-    cpumla_rmsnorm(s->h + first * D, D, s->x, D, rows, D, mtp->norm.data, mtp->norm.dtype, eps);
+    cpumla_rmsnorm(s->h + first * D, D, s->x, D, rows, D, m->mtp->norm.data, m->mtp->norm.dtype, m->rms_norm_eps);
     return head(m, s->x, rows, logits);
+}
+
+int dsv2_final_hidden(cpumla_dsv2_state *s, int64_t n, float *hidden) {
+    const cpumla_dsv2_model *m = s->m;
+    if (hidden)
+        cpumla_rmsnorm(s->h, m->hidden, hidden, m->hidden, n, m->hidden, m->norm.data, m->norm.dtype, m->rms_norm_eps);
+    return 0;
+}
+
+static int mtp_forward(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int64_t pos0, const float *hidden,
+                       float *logits, int32_t last_only, float *hidden_out) {
+    int64_t L = s->m->n_layers;
+    TRY(dsv2_mtp_in(s, ids, n, pos0, hidden));
+    TRY(dsv2_attn_in(s, L, n));
+    TRY(dsv2_attn_out(s, L, n, pos0, NULL, 0, NULL));
+    TRY(dsv2_ffn(s, L, n));
+    return dsv2_mtp_out(s, n, logits, last_only, hidden_out);
 }
 
 /* Under the library lock, with the model's own scratch: a failed scratch request anywhere inside makes

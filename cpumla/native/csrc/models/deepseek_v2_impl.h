@@ -60,5 +60,12 @@ CPUMLA_INTERNAL int dsv2_attn_out(cpumla_dsv2_state *s, int64_t l, int64_t n, in
 CPUMLA_INTERNAL int dsv2_ffn(cpumla_dsv2_state *s, int64_t l, int64_t n);
 /* Final norm and lm_head. */
 CPUMLA_INTERNAL int dsv2_end(cpumla_dsv2_state *s, int64_t n, float *logits, int32_t last_only);
+/* The final normed hidden states of the n tokens into hidden [n, D] (NULL: nothing), before dsv2_end. */
+CPUMLA_INTERNAL int dsv2_final_hidden(cpumla_dsv2_state *s, int64_t n, float *hidden);
+/* The MTP layer around its decoder layer (index n_layers): dsv2_mtp_in checks there is one, embeds ids
+ * and writes u = eh_proj([enorm(e) ; hnorm(hidden)]) into s->h; dsv2_mtp_out copies h' into hidden_out
+ * and writes the logits (shared_head.norm, lm_head) unless logits is NULL. */
+CPUMLA_INTERNAL int dsv2_mtp_in(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int64_t pos0, const float *hidden);
+CPUMLA_INTERNAL int dsv2_mtp_out(cpumla_dsv2_state *s, int64_t n, float *logits, int32_t last_only, float *hidden_out);
 
 #endif

@@ -17,7 +17,7 @@
 struct cpumla_dsv32_state {
     cpumla_dsv2_state base;
     const cpumla_dsv32_model *m;
-    float **icache;    /* [n_layers] index-key caches [ctx, ID] */
+    float **icache;    /* [layers with a cache] index-key caches [ctx, ID] (the MTP layer's last) */
     void *block;       /* the one allocation behind the scratch below */
     float *qi;         /* [n, IH, ID] index queries */
     float *ki;         /* [n, ID] index keys */
@@ -32,7 +32,7 @@ struct cpumla_dsv32_state {
 
 static void release(cpumla_dsv32_state *s) {
     if (s->icache)
-        for (int64_t l = 0; l < s->m->base.n_layers; l++) free(s->icache[l]);
+        for (int64_t l = 0; l < dsv2_cached_layers(&s->m->base); l++) free(s->icache[l]);
     free(s->icache);
     free(s->block);
     s->icache = NULL;
@@ -58,7 +58,7 @@ cpumla_dsv32_state *cpumla_dsv32_new(const cpumla_dsv32_model *m, int64_t ctx, i
     size_t floats = (size_t)(n * IH * ID + n * ID + n * IH + s->qc * IH * ctx + ctx + 64);
     size_t ints = (size_t)(ctx + n * k + 16);
     s->block = aligned_alloc(64, ((floats + ints) * 4 + (size_t)n * 8 + 256 + 63) & ~(size_t)63);
-    s->icache = calloc((size_t)m->base.n_layers, sizeof(float *));
+    s->icache = calloc((size_t)dsv2_cached_layers(&m->base), sizeof(float *));
     if (!s->block || !s->icache) goto oom;
     s->qi = s->block;
     s->ki = s->qi + n * IH * ID;
@@ -68,7 +68,7 @@ cpumla_dsv32_state *cpumla_dsv32_new(const cpumla_dsv32_model *m, int64_t ctx, i
     s->order = (int32_t *)(s->isc + ctx + 16);
     s->sel = s->order + ctx;
     s->sel_len = (int64_t *)(((uintptr_t)(s->sel + n * k) + 7) & ~(uintptr_t)7);
-    for (int64_t l = 0; l < m->base.n_layers; l++) {
+    for (int64_t l = 0; l < dsv2_cached_layers(&m->base); l++) {
         s->icache[l] = cpumla_cache_alloc((size_t)(ctx * ID) * 4);
         if (!s->icache[l]) goto oom;
     }
@@ -188,22 +188,48 @@ static int indexer(cpumla_dsv32_state *s, int64_t l, int64_t n, int64_t pos0) {
     return 0;
 }
 
+/* layer l (the MTP layer's: n_layers) over s->base.h */
+static int layer(cpumla_dsv32_state *s, int64_t l, int64_t n, int64_t pos0) {
+    cpumla_dsv2_state *b = &s->base;
+    TRY(dsv2_attn_in(b, l, n));
+    TRY(indexer(s, l, n, pos0));
+    TRY(dsv2_attn_out(b, l, n, pos0, s->sel, s->m->index_topk, s->sel_len));
+    return dsv2_ffn(b, l, n);
+}
+
 static int forward(cpumla_dsv32_state *s, const int64_t *ids, int64_t n, int64_t pos0, float *logits,
-                   int32_t last_only) {
+                   int32_t last_only, float *hidden) {
     cpumla_dsv2_state *b = &s->base;
     TRY(dsv2_begin(b, ids, n, pos0));
-    for (int64_t l = 0; l < s->m->base.n_layers; l++) {
-        TRY(dsv2_attn_in(b, l, n));
-        TRY(indexer(s, l, n, pos0));
-        TRY(dsv2_attn_out(b, l, n, pos0, s->sel, s->m->index_topk, s->sel_len));
-        TRY(dsv2_ffn(b, l, n));
-    }
+    for (int64_t l = 0; l < s->m->base.n_layers; l++) TRY(layer(s, l, n, pos0));
+    TRY(dsv2_final_hidden(b, n, hidden));
     return dsv2_end(b, n, logits, last_only);
+}
+
+static int mtp_forward(cpumla_dsv32_state *s, const int64_t *ids, int64_t n, int64_t pos0, const float *hidden,
+                       float *logits, int32_t last_only, float *hidden_out) {
+    TRY(dsv2_mtp_in(&s->base, ids, n, pos0, hidden));
+    TRY(layer(s, s->m->base.n_layers, n, pos0));
+    return dsv2_mtp_out(&s->base, n, logits, last_only, hidden_out);
 }
 
 int cpumla_dsv32_forward(cpumla_dsv32_state *s, const int64_t *ids, int64_t n, int64_t pos0, float *logits,
                          int32_t last_only) {
     cpumla_enter(s->base.scratch);
     cpumla_ensure_init();
-    return cpumla_leave(forward(s, ids, n, pos0, logits, last_only));
+    return cpumla_leave(forward(s, ids, n, pos0, logits, last_only, NULL));
+}
+
+int cpumla_dsv32_forward_hidden(cpumla_dsv32_state *s, const int64_t *ids, int64_t n, int64_t pos0, float *logits,
+                                int32_t last_only, float *hidden) {
+    cpumla_enter(s->base.scratch);
+    cpumla_ensure_init();
+    return cpumla_leave(forward(s, ids, n, pos0, logits, last_only, hidden));
+}
+
+int cpumla_dsv32_mtp_forward(cpumla_dsv32_state *s, const int64_t *ids, int64_t n, int64_t pos0, const float *hidden,
+                             float *logits, int32_t last_only, float *hidden_out) {
+    cpumla_enter(s->base.scratch);
+    cpumla_ensure_init();
+    return cpumla_leave(mtp_forward(s, ids, n, pos0, hidden, logits, last_only, hidden_out));
 }
