@@ -111,6 +111,8 @@ class Ranks:
         self.local = True
         self.agreed = False                # agree() ran: every rank knows how the start went
         self._commands = None
+        self.restore = None                # rank 0 of --tp: what close() gives back to this process
+                                           # (its CPUs and the library's threads before the ranks)
 
     # ---- agreement ----
     def gather(self, obj) -> list:
@@ -176,6 +178,14 @@ class Ranks:
                 p.kill()
                 p.wait()
         self.children = []
+        if self.restore is not None:
+            cpus, threads = self.restore
+            self.restore = None
+            if cpus is not None:
+                os.sched_setaffinity(0, cpus)
+            from cpumla import native
+
+            native.set_threads(threads)
         try:
             import torch.distributed as dist
 
@@ -208,7 +218,10 @@ def _spawn(world: int, load_args: dict, port: int, where) -> list:
         cmd = [sys.executable, "-m", "cpumla.runtime.tp_rank"]
         if node is not None and _which("numactl"):
             cmd = ["numactl", f"--cpunodebind={node}", f"--membind={node}", *cmd]
-        children.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
+        # a session of its own: the terminal's Ctrl-C is rank 0's to handle (chat stops an answer and
+        # goes on); the ranks stop when rank 0 says so or exits
+        children.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                         start_new_session=True))
     return children
 
 
@@ -269,6 +282,10 @@ def start(tp: int | None, load_args: dict) -> Ranks | None:
     port = _free_port()
     children = _spawn(tp, load_args, port, where)
     ranks = Ranks(0, tp, children)
+    from cpumla import native
+
+    native.ensure_init()
+    ranks.restore = (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None, native.get_threads())
     try:
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, where[0][1])

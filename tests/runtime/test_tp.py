@@ -203,10 +203,16 @@ def test_ranks_of_another_model_refuse_with_one_line_each(dirs):
 
 
 def leader(path, code: str) -> subprocess.Popen:
-    """A rank 0 of --tp 2 in a process of its own: prints its child's pid, then runs code."""
+    """A rank 0 of --tp 2 in a process group of its own (as a terminal's foreground job): prints its
+    child's pid, then runs code."""
     src = (f"import cpumla, sys, time\neng = cpumla.load({str(path)!r}, tp=2, draft='none')\n"
            f"eng.forward([1, 2, 3])\nprint(eng.ranks.children[0].pid, flush=True)\n{code}\n")
-    return subprocess.Popen([sys.executable, "-c", src], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def terminal():
+        os.setsid()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)    # even where this test runs with it ignored
+    return subprocess.Popen([sys.executable, "-c", src], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=terminal)
 
 
 def gone(pid: int, within: float) -> bool:
@@ -228,6 +234,19 @@ def test_rank_0_killed_or_interrupted_stops_every_rank(dirs, sig):
     child = int(p.stdout.readline())
     p.send_signal(sig)
     p.wait(timeout=30)
+    assert gone(child, 10)
+
+
+def test_ctrl_c_at_the_terminal_is_rank_0s_to_handle(dirs):
+    """Ctrl-C reaches the terminal's foreground process group: rank 0 (chat stops the answer and goes on),
+    not the ranks it started, which go on serving it."""
+    p = leader(dirs["v3"], "try:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    pass\n"
+                           "print(eng.forward([4]).shape, flush=True)\neng.close()")
+    child = int(p.stdout.readline())
+    time.sleep(0.5)
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0 and out.strip() == "(1, 160)", err
     assert gone(child, 10)
 
 
