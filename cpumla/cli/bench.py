@@ -105,14 +105,13 @@ def bench(
 def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, reps, threads, depths, output, seed,
            quant=None, memory=None, draft=(None, 1)):
     from cpumla.bench import model as mb
+    from cpumla.runtime import tp as tp_mod
     from cpumla.runtime.loader import load
 
-    import os
-
-    from cpumla.runtime import tp as tp_mod
-
     native.init()
-    world = int(os.environ.get("WORLD_SIZE") or tp_mod.default_tp(None) or 1)   # the ranks: torchrun's, or --tp
+    world = tp_mod.launch_world()                   # the ranks: torchrun's, or --tp's
+    if world == 1:
+        world = tp_mod.default_tp(None) or 1
     thr = _ints(threads, "--threads") if threads else [native.get_threads() if world == 1 else
                                                        tp_mod.threads_per_rank(world)]
     if world > 1 and len(thr) != 1:

@@ -47,8 +47,7 @@ class Shard:
 
 def vocab_rows(w: native.Weight, shard: Shard, name: str) -> tuple[int, native.Weight]:
     """(first row, the rows) of the head `w` [V, D] this rank computes."""
-    a, b = shard.span(w.rows, (w.block or (1, 1))[0] if w.dtype not in native.GGUF_FORMATS else 1,
-                      f"the vocabulary of {name}")
+    a, b = shard.span(w.rows, w.block_unit(0), f"the vocabulary of {name}")
     return a, w.part(0, a, b, name)
 
 

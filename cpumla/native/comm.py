@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 from cpumla.errors import CpumlaError
-from cpumla.native.library import ffi, last_error, lib
+from cpumla.native.library import check, ffi, last_error, lib
 
 SLOT_BYTES = 4 << 20      # an operation's data per rank per piece (larger data goes in pieces)
 
@@ -56,22 +56,18 @@ class ShmComm:
             os.close(fd)
         return path
 
-    def _check(self, rc: int) -> None:
-        if rc != 0:
-            raise CpumlaError(last_error())
-
     def broadcast(self, buf: np.ndarray, command: bool = False) -> None:
         """buf's bytes from rank 0 into every rank's buf (same size on every rank). command: rank 0's
         next command, which the others wait for without a time limit."""
-        self._check(lib.cpumla_shm_broadcast(self._s, _bytes_of(buf), buf.nbytes, int(command and self.rank != 0)))
+        check(lib.cpumla_shm_broadcast(self._s, _bytes_of(buf), buf.nbytes, int(command and self.rank != 0)))
 
     def all_reduce(self, buf: np.ndarray) -> None:
         """buf (float32) summed over the ranks, in place."""
-        self._check(lib.cpumla_shm_all_reduce(self._s, ffi.from_buffer("float[]", buf, require_writable=True), buf.size))
+        check(lib.cpumla_shm_all_reduce(self._s, ffi.from_buffer("float[]", buf, require_writable=True), buf.size))
 
     def gather(self, buf: np.ndarray, col0: int, cols: int) -> None:
         """buf [rows, ld] float32 holds this rank's columns col0 .. col0+cols; rank 0's gets every rank's."""
-        self._check(lib.cpumla_shm_gather(self._s, ffi.from_buffer("float[]", buf, require_writable=True), buf.shape[0],
+        check(lib.cpumla_shm_gather(self._s, ffi.from_buffer("float[]", buf, require_writable=True), buf.shape[0],
                                           buf.shape[1], col0, cols))
 
     def stats(self) -> dict:
@@ -104,7 +100,7 @@ class GlooComm:
 
         self._dist, self._torch, self._time, self._commands, self._ops = dist, torch, time, commands, ops
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self._stats = dict.fromkeys(("all_reduces", "gathers", "broadcasts"), 0) | {"seconds": 0.0}
+        self.reset_stats()
         self.error = None
         self._cb_reduce = ffi.callback("int(void *, float *, int64_t)", self._c_all_reduce)
         self._cb_gather = ffi.callback("int(void *, float *, int64_t, int64_t, int64_t, int64_t)", self._c_gather)

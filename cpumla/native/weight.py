@@ -95,6 +95,12 @@ class Weight:
             self.block = tuple(block)
         self.c = c
 
+    def block_unit(self, axis: int) -> int:
+        """The rows (axis 0) or columns (axis 1) of one block of the format: what a slice keeps whole."""
+        if self.dtype in GGUF_FORMATS:
+            return (1, GGUF_FORMATS[self.dtype][0])[axis]
+        return (self.block or (1, 1))[axis]
+
     def part(self, axis: int, a: int, b: int, name: str = "a weight") -> "Weight":
         """Rows (axis 0) or columns (axis 1) [a, b) of this weight: the slice a rank of tensor parallel
         holds. Rows are a view; columns a contiguous copy (64-byte aligned), read once here: the GEMVs
@@ -104,7 +110,7 @@ class Weight:
         q8 / q4's and FP4's 1x32, a GGUF block)."""
         size = self.rows if axis == 0 else self.cols
         gguf = self.dtype in GGUF_FORMATS
-        unit = (self.block or (1, 1))[axis] if not gguf else (1, GGUF_FORMATS[self.dtype][0])[axis]
+        unit = self.block_unit(axis)
         if not 0 <= a < b <= size:
             raise CpumlaError(f"{name}: no {'rows' if axis == 0 else 'columns'} {a}..{b} in {self.rows}x{self.cols}")
         if a % unit or (b % unit and b != size):

@@ -63,8 +63,8 @@ class Engine:
         ctx = context_length(cfg, max_seq_len)
         self.config = cfg
         self.max_seq_len = ctx
-        kw = {"shard": shard} if shard is not None else {}     # a tensor-parallel rank's part (runtime/tp.py)
-        self.model = family.Model(cfg, src, ctx, min(PREFILL_CHUNK, ctx), **kw)
+        # shard: a tensor-parallel rank's part (runtime/tp.py), None in one process
+        self.model = family.Model(cfg, src, ctx, min(PREFILL_CHUNK, ctx), shard=shard)
         self.ranks = None                # runtime.tp.Ranks on rank 0 of tensor parallel
         self._src = src                  # a checkpoint's mappings stay open while the engine lives
         self.stream = None               # its routed experts' ExpertStream when they are read from disk

@@ -13,8 +13,6 @@ budget leaves (runtime/streaming.py).
 
 from __future__ import annotations
 
-import os
-
 from cpumla import native
 from cpumla.checkpoint.dummy import DUMMY_DTYPES, DummySource
 from cpumla.checkpoint.formats import quantized_as
@@ -77,7 +75,7 @@ def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: in
         if not getattr(fam, "QUANTIZABLE", True):
             raise CpumlaError(f"--quant is not supported for {cfg.model_type} yet")
     ranks = None
-    if tp not in (None, 1) or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+    if tp not in (None, 1) or tp_mod.launch_world() > 1:
         if not getattr(fam.Model, "TENSOR_PARALLEL", False):
             raise CpumlaError(f"tensor-parallel ranks do not run {cfg.model_type} yet")
         ranks = tp_mod.start(tp, load_args)

@@ -24,6 +24,7 @@ import atexit
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -59,6 +60,18 @@ def timeout() -> float:
 def check_tp(tp) -> None:
     if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= 64):
         raise CpumlaError(f"tp must be a number of ranks from 1 to 64, got {tp!r}")
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name) or default)
+    except ValueError:
+        raise CpumlaError(f"{name} must be an integer, got {os.environ[name]!r}") from None
+
+
+def launch_world() -> int:
+    """The ranks of the torchrun launch this process belongs to (WORLD_SIZE), 1 outside one."""
+    return _env_int("WORLD_SIZE", 1)
 
 
 def default_tp(tp):
@@ -216,19 +229,13 @@ def _spawn(world: int, load_args: dict, port: int, where) -> list:
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CPUMLA_TP_CPUS=",".join(map(str, cpus)),
                    **{LOAD_ENV: json.dumps(load_args)})
         cmd = [sys.executable, "-m", "cpumla.runtime.tp_rank"]
-        if node is not None and _which("numactl"):
+        if node is not None and shutil.which("numactl"):
             cmd = ["numactl", f"--cpunodebind={node}", f"--membind={node}", *cmd]
         # a session of its own: the terminal's Ctrl-C is rank 0's to handle (chat stops an answer and
         # goes on); the ranks stop when rank 0 says so or exits
         children.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                          start_new_session=True))
     return children
-
-
-def _which(name: str) -> bool:
-    import shutil
-
-    return shutil.which(name) is not None
 
 
 def _init_group(rank: int, world: int, addr: str, port: str, children: list) -> None:
@@ -265,11 +272,13 @@ def start(tp: int | None, load_args: dict) -> Ranks | None:
     if dist.is_initialized():
         raise CpumlaError("this process already runs a tensor-parallel model: close it (Engine.close) before "
                           "loading another (under torchrun: one model a launch)")
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    world = launch_world()
     if world > 1:
         if tp not in (None, 1, world):
             raise CpumlaError(f"--tp {tp} against the {world} ranks of this launch: leave --tp out under torchrun")
-        rank = int(os.environ.get("RANK", "0"))
+        rank = _env_int("RANK", 0)
+        if not 0 <= rank < world:
+            raise CpumlaError(f"RANK {rank} is not one of the {world} ranks of this launch (WORLD_SIZE)")
         cpus = os.environ.get("CPUMLA_TP_CPUS")
         if cpus and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])

@@ -202,6 +202,18 @@ def test_ranks_of_another_model_refuse_with_one_line_each(dirs):
         assert len(lines) == 1 and "tensor-parallel rank 1 runs another model" in lines[0], err
 
 
+@pytest.mark.parametrize("env, line", [
+    ({"WORLD_SIZE": "x"}, "error: WORLD_SIZE must be an integer, got 'x'"),
+    ({"WORLD_SIZE": "2", "RANK": "y"}, "error: RANK must be an integer, got 'y'"),
+    ({"WORLD_SIZE": "2", "RANK": "5"}, "error: RANK 5 is not one of the 2 ranks of this launch (WORLD_SIZE)"),
+    ({"CPUMLA_TP": "two"}, "error: CPUMLA_TP must be a number of ranks, got 'two'"),
+    ({"CPUMLA_TP": "99"}, "error: tp must be a number of ranks from 1 to 64, got 99"),
+])
+def test_a_bad_launch_environment_is_one_line(dirs, env, line):
+    r = cli("smoke", "-m", str(dirs["v3"]), env=env, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == line, (r.returncode, r.stderr)
+
+
 def leader(path, code: str) -> subprocess.Popen:
     """A rank 0 of --tp 2 in a process group of its own (as a terminal's foreground job): prints its
     child's pid, then runs code."""

@@ -256,4 +256,17 @@ static inline float swiglu1(float g, float u, float limit) {
     return silu(g) * u;
 }
 
+/* Tensor parallel (cpumla_comm, NULL alone): a sub-block's partial sums [n] summed over the ranks; and
+ * logits [rows, vocab] = head(x) where this rank's head holds vocabulary rows row0 .. row0 + head->rows
+ * - 1, gathered on rank 0. 0 or -1. */
+static inline int tp_all_reduce(const cpumla_comm *c, float *buf, int64_t n) {
+    return c ? c->all_reduce(c->ctx, buf, n) : 0;
+}
+static inline int tp_head(const cpumla_comm *c, const cpumla_weight *head, int64_t row0, const float *x, int64_t ldx,
+                          int64_t rows, float *logits, int64_t vocab) {
+    int64_t v0 = c ? row0 : 0;
+    if (cpumla_gemm(head, x, ldx, rows, logits + v0, vocab) != 0) return -1;
+    return c ? c->gather(c->ctx, logits, rows, vocab, v0, head->rows) : 0;
+}
+
 #endif

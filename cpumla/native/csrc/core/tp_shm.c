@@ -124,6 +124,23 @@ static int fail_with(cpumla_shm *s, int32_t culprit, int why) {
     return -1;
 }
 
+/* Fails this rank with the cause in rank q's failed word f (q's own failure when f names no rank). */
+static int fail_as(cpumla_shm *s, int32_t q, int64_t f) {
+    int32_t culprit = (int32_t)((f - 1) / 4);
+    int why = (int)((f - 1) % 4);
+    if (culprit < 0 || culprit >= s->world) culprit = q, why = WHY_OWN;
+    return fail_with(s, culprit, why);
+}
+
+/* -1 (this rank failed with its cause) when another rank has failed, else 0. */
+static int others_failed(cpumla_shm *s) {
+    for (int32_t q = 0; q < s->world; q++) {
+        int64_t f = q == s->rank ? 0 : atomic_load(&s->lines[q].failed);
+        if (f) return fail_as(s, q, f);
+    }
+    return 0;
+}
+
 /* Until every rank has published operation s->k; -1 (error set, this rank marked failed) when one
  * has exited, failed or (unless idle) stayed away past the timeout. */
 static int wait_all(cpumla_shm *s, int idle) {
@@ -142,17 +159,9 @@ static int wait_all(cpumla_shm *s, int idle) {
             if (t0 == 0) t0 = t;
             if (t - last_check > 0.02) {
                 last_check = t;
-                for (int32_t q = 0; q < s->world; q++) {
-                    if (q == s->rank) continue;
-                    int64_t f = atomic_load(&s->lines[q].failed);
-                    if (f) {
-                        int32_t culprit = (int32_t)((f - 1) / 4);
-                        int why = (int)((f - 1) % 4);
-                        if (culprit < 0 || culprit >= s->world) culprit = q, why = WHY_OWN;
-                        return fail_with(s, culprit, why);
-                    }
-                    if (exited(atomic_load(&s->lines[q].pid))) return fail_with(s, q, WHY_EXITED);
-                }
+                if (others_failed(s) != 0) return -1;
+                for (int32_t q = 0; q < s->world; q++)
+                    if (q != s->rank && exited(atomic_load(&s->lines[q].pid))) return fail_with(s, q, WHY_EXITED);
                 if (!idle && t - t0 > s->timeout) return fail_with(s, r, WHY_SILENT);
             }
             /* a few ms of yields, then sleeps that grow with the wait (an idle rank costs ~nothing) */
@@ -166,22 +175,10 @@ static int wait_all(cpumla_shm *s, int idle) {
 
 static int publish_wait(cpumla_shm *s, int idle) {
     int64_t f = atomic_load(&s->lines[s->rank].failed);
-    if (f) {                     /* after a failure nothing more is exchanged */
-        int32_t culprit = (int32_t)((f - 1) / 4);
-        return fail_with(s, culprit >= 0 && culprit < s->world ? culprit : s->rank, (int)((f - 1) % 4));
-    }
+    if (f) return fail_as(s, s->rank, f);          /* after a failure nothing more is exchanged */
     atomic_store_explicit(&s->lines[s->rank].seq, s->k, memory_order_release);
     if (wait_all(s, idle) != 0) return -1;
-    for (int32_t q = 0; q < s->world; q++) {       /* a rank that arrived, then gave up on another */
-        int64_t g = atomic_load(&s->lines[q].failed);
-        if (g && q != s->rank) {
-            int32_t culprit = (int32_t)((g - 1) / 4);
-            int why = (int)((g - 1) % 4);
-            if (culprit < 0 || culprit >= s->world) culprit = q, why = WHY_OWN;
-            return fail_with(s, culprit, why);
-        }
-    }
-    return 0;
+    return others_failed(s);                       /* a rank that arrived, then gave up on another */
 }
 
 int cpumla_shm_all_reduce(void *p, float *buf, int64_t n) {

@@ -151,9 +151,8 @@ int cpumla_dsv2_unabsorbed(const cpumla_dsv2_model *m, int64_t n) {
 /* h += o_proj(o) */
 static int attn_proj(cpumla_dsv2_state *s, const cpumla_dsv2_layer *L, int64_t n) {
     int64_t D = s->m->hidden;
-    const cpumla_comm *c = s->m->comm;
     TRY(cpumla_gemm(L->o_proj, s->o, s->m->n_heads * s->m->v_head_dim, n, s->t, D));
-    if (c) TRY(c->all_reduce(c->ctx, s->t, n * D));
+    TRY(tp_all_reduce(s->m->comm, s->t, n * D));
     for (int64_t i = 0; i < n * D; i++) s->h[i] += s->t[i];
     return 0;
 }
@@ -216,20 +215,16 @@ int dsv2_ffn(cpumla_dsv2_state *s, int64_t l, int64_t n) {
     }
     if (L->mlp) TRY(cpumla_moe(L->mlp, 1, s->x, D, n, s->zeros, s->ones, 1, acc, D, 0.0f));
     if (c) {
-        TRY(c->all_reduce(c->ctx, acc, n * D));
+        TRY(tp_all_reduce(c, acc, n * D));
         for (int64_t i = 0; i < n * D; i++) s->h[i] += acc[i];
     }
     return 0;
 }
 
-/* logits [rows, vocab] = lm_head(x): this rank's vocabulary rows, gathered on rank 0 under tensor
- * parallel */
+/* logits [rows, vocab] = lm_head(x) (this rank's vocabulary rows, gathered on rank 0 under tensor
+ * parallel) */
 static int head(const cpumla_dsv2_model *m, const float *x, int64_t rows, float *logits) {
-    const cpumla_comm *c = m->comm;
-    int64_t D = m->hidden, v0 = c ? m->head_row0 : 0;
-    TRY(cpumla_gemm(m->lm_head, x, D, rows, logits + v0, m->vocab));
-    if (c) TRY(c->gather(c->ctx, logits, rows, m->vocab, v0, m->lm_head->rows));
-    return 0;
+    return tp_head(m->comm, m->lm_head, m->head_row0, x, m->hidden, rows, logits, m->vocab);
 }
 
 int dsv2_end(cpumla_dsv2_state *s, int64_t n, float *logits, int32_t last_only) {

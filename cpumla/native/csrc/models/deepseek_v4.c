@@ -238,11 +238,6 @@ static int ffn(cpumla_dsv4_state *s, int64_t l, int64_t n, const int64_t *ids) {
     return 0;
 }
 
-/* Tensor parallel: a sub-block's partial output summed over the ranks (nothing to do alone). */
-static int reduce(const cpumla_dsv4_model *m, float *o, int64_t count) {
-    return m->comm ? m->comm->all_reduce(m->comm->ctx, o, count) : 0;
-}
-
 static int forward(cpumla_dsv4_state *s, const int64_t *ids, int64_t n, int64_t pos0, float *logits,
                    int32_t last_only) {
     const cpumla_dsv4_model *m = s->m;
@@ -285,12 +280,12 @@ static int forward(cpumla_dsv4_state *s, const int64_t *ids, int64_t n, int64_t 
         DSV4_TRY(hc_pre(s, &L->hc_attn, n));
         cpumla_rmsnorm(s->y, D, s->x, D, n, D, L->attn_norm.data, L->attn_norm.dtype, m->rms_norm_eps);
         DSV4_TRY(dsv4_attention(s, l, n, pos0));
-        DSV4_TRY(reduce(m, s->o, n * D));
+        DSV4_TRY(tp_all_reduce(m->comm, s->o, n * D));
         hc_post(s, n);
         DSV4_TRY(hc_pre(s, &L->hc_ffn, n));
         cpumla_rmsnorm(s->y, D, s->x, D, n, D, L->ffn_norm.data, L->ffn_norm.dtype, m->rms_norm_eps);
         DSV4_TRY(ffn(s, l, n, ids));
-        DSV4_TRY(reduce(m, s->o, n * D));
+        DSV4_TRY(tp_all_reduce(m->comm, s->o, n * D));
         hc_post(s, n);
     }
     /* HyperHead: y = sum_i pre_i X_i with pre = sigmoid(scale * hc_fn(norm(X)) + base) + eps */
@@ -307,10 +302,7 @@ static int forward(cpumla_dsv4_state *s, const int64_t *ids, int64_t n, int64_t 
         hc_mix(pre, Xf + t * ND, N, D, s->y + t * D);
     }
     cpumla_rmsnorm(s->y, D, s->x, D, rows, D, m->norm.data, m->norm.dtype, m->rms_norm_eps);
-    const cpumla_comm *c = m->comm;
-    int64_t v0 = c ? m->head_row0 : 0;
-    DSV4_TRY(cpumla_gemm(m->lm_head, s->x, D, rows, logits + v0, m->vocab));
-    if (c) DSV4_TRY(c->gather(c->ctx, logits, rows, m->vocab, v0, m->lm_head->rows));
+    DSV4_TRY(tp_head(m->comm, m->lm_head, m->head_row0, s->x, D, rows, logits, m->vocab));
     s->len = pos0 + n;
     return 0;
 }
