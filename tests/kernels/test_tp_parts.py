@@ -71,6 +71,10 @@ def test_a_part_computes_what_its_rows_and_columns_of_the_whole_do(fmt):
             ref = native.gemv(w, masked)
             np.testing.assert_allclose(native.gemv(p, x[a:b]), ref, rtol=0, atol=1e-5 * np.abs(ref).max())
         assert p.nbytes < w.nbytes
+        # rows stay a view of the weight; columns are a contiguous copy of their own, 64-byte aligned
+        assert np.shares_memory(p.data, w.data) == (axis == 0)
+        if axis == 1:
+            assert p.data.flags.c_contiguous and p.data.ctypes.data % 64 == 0
 
 
 @pytest.mark.parametrize("fmt, axis, a, b, what", [

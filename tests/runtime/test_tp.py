@@ -127,6 +127,26 @@ def test_a_gguf_file_runs_on_ranks(dirs, tmp_path):
     assert np.abs(run(path, tp=2) - one).max() <= 1e-5 * np.abs(one).max()
 
 
+def test_rank_0_gets_its_cpus_and_threads_back_and_refuses_settings(dirs):
+    from cpumla import native
+
+    native.ensure_init()
+    cpus, threads = os.sched_getaffinity(0), native.get_threads()
+    eng = cpumla.load(str(dirs["v3"]), tp=2, draft="none")
+    assert len(os.sched_getaffinity(0)) == max(1, len(cpus) // 2) and native.get_threads() == len(os.sched_getaffinity(0))
+    with pytest.raises(CpumlaError, match="each run a model of their own"):
+        eng.model.mha_min_tokens = 3                   # would change rank 0's model alone
+    eng.close()
+    assert os.sched_getaffinity(0) == cpus and native.get_threads() == threads
+
+
+def test_smoke_widens_its_experts_for_the_ranks():
+    from cpumla.cli.smoke import default_overrides
+
+    assert default_overrides("deepseek-ai/DeepSeek-V4-Flash", {}, 4)["moe_intermediate_size"] == 512
+    assert default_overrides("deepseek-ai/DeepSeek-V4-Flash", {})["moe_intermediate_size"] == 128
+
+
 def test_gloo_between_ranks_computes_the_same(dirs, monkeypatch):
     monkeypatch.setenv("CPUMLA_TP_COMM", "gloo")        # what ranks on several machines talk over
     one = run(dirs["v3"])
