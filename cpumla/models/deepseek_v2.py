@@ -330,28 +330,7 @@ class Model(NativeModel):
     def comm_desc(self):
         return self._c
 
-    # ---- speculative decoding (runtime/speculative.py) ----
-    def forward_hidden(self, ids: np.ndarray, pos0: int, out: np.ndarray, last_only: bool, hidden: np.ndarray) -> None:
-        """forward() that also writes the final normed hidden state of every token into hidden [n, D]."""
-        self._native_call(getattr(native.lib, self.HIDDEN_FN), ids, pos0, out, last_only, hidden)
-
-    def mtp_forward(self, ids: np.ndarray, pos0: int, hidden: np.ndarray, out: np.ndarray | None, last_only: bool,
-                    hidden_out: np.ndarray | None = None) -> None:
-        """The MTP layer at positions pos0.. over (hidden[t], ids[t]) pairs: the logits of the token after
-        each ids[t] into out (None: the cache entries only), its h' rows into hidden_out
-        (cpumla_dsv2_mtp_forward, V3.2's cpumla_dsv32_mtp_forward)."""
-        if self.mtp is None:
-            raise CpumlaError("this checkpoint has no MTP layer")
-        ffi = native.ffi
-        if self._state is None:
-            raise CpumlaError("this model has been closed")
-        rc = getattr(native.lib, self.MTP_FN)(
-            self._state, ffi.from_buffer("int64_t[]", ids), ids.size, pos0, ffi.from_buffer("float[]", hidden),
-            ffi.NULL if out is None else ffi.from_buffer("float[]", out, require_writable=True), int(last_only),
-            ffi.NULL if hidden_out is None else ffi.from_buffer("float[]", hidden_out, require_writable=True))
-        if rc != 0:
-            raise CpumlaError(native.last_error())
-
+    # ---- speculative decoding (runtime/speculative.py): NativeModel.forward_hidden / mtp_forward ----
     def mtp_bytes(self) -> float:
         """Bytes one MTP draft step reads (models/mtp.py)."""
         return mtp.draft_bytes(self)

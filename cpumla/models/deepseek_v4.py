@@ -9,13 +9,12 @@ Checkpoints: the official release names (`layers.N.attn.wq_a.weight`, no `model.
 e4m3 linears (E8M0 `.scale` per 128x128 block), FP4 e2m1 routed experts (two per byte, stored as I8,
 E8M0 `.scale` per 1x32; the -Base releases ship them as FP8 e4m3 like the other linears, `expert_dtype`
 fp8), bf16 compressor / indexer projections, fp32 mHC / sink / `ape` / bias tensors and an I64
-`tid2eid`; `mtp.*` is never read. A checkpoint written by transformers' save_pretrained uses
-the same names under `model.` (except `head.weight`), `model.embed_tokens`, `model.hc_head.hc_*` and
-`attn.norm` for the attention's `attn.kv_norm`; both spellings are accepted, tensor by tensor.
+`tid2eid`; the MTP layer `mtp.0.*` when the checkpoint has it (deepseek_v4_mtp.py). A checkpoint written
+by transformers' save_pretrained uses the same names under `model.` (except `head.weight`),
+`model.embed_tokens`, `model.hc_head.hc_*` and `attn.norm` for the attention's `attn.kv_norm`; both
+spellings are accepted, tensor by tensor.
 
-Config: both the official keys (`compress_ratios` per layer with 0 / 4 / 128, `num_hash_layers`,
-`qk_rope_head_dim`, `rope_scaling`) and transformers' (`layer_types`, `compress_rates`,
-`mlp_layer_types`, `partial_rotary_factor`, nested `rope_parameters`). Sliding-window layers use RoPE at
+Config (deepseek_v4_config.py): the official keys and transformers'. Sliding-window layers use RoPE at
 `rope_theta` without scaling; compressed layers use `compress_rope_theta` with YaRN (cos/sin unscaled).
 
 State across calls: the window ring and the compressor input rings keep about one prefill chunk more
@@ -27,17 +26,17 @@ position 0 (cpumla_dsv4_resumable says which).
 from __future__ import annotations
 
 import math
-import types
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from cpumla import native
 from cpumla.checkpoint import tensors as W
 from cpumla.errors import CpumlaError
-from cpumla.models import deepseek_v2 as v2
 from cpumla.models.deepseek_v4_tensors import (  # noqa: F401  (the family's interface)
     Names,
+    has_mtp,
+    is_mtp,
+    layer_prefix,
     layer_tensors,
     linear,
     memory_bytes,
@@ -45,170 +44,15 @@ from cpumla.models.deepseek_v4_tensors import (  # noqa: F401  (the family's int
     tensors,
     vector,
 )
+from cpumla.models import deepseek_v4_mtp as v4_mtp
 from cpumla.models import shard as shards
-from cpumla.models.checks import is_int, is_real, needer, short, validate_rope_scaling
-from cpumla.models.native_model import ConfigBase, NativeModel
-
-MODEL_TYPES = ("deepseek_v4",)
-QUANTIZABLE = False      # --quant / `cpumla quantize`: not for V4 yet (its experts ship as FP4 already)
-LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
-DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
-
-
-@dataclass
-class Config(ConfigBase):
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    moe_intermediate_size: int
-    n_routed_experts: int
-    num_experts_per_tok: int
-    head_dim: int = 512
-    qk_rope_head_dim: int | None = None
-    partial_rotary_factor: float | None = None
-    q_lora_rank: int = 1024
-    o_groups: int = 8
-    o_lora_rank: int = 1024
-    n_shared_experts: int = 1
-    scoring_func: str = "sqrtsoftplus"
-    norm_topk_prob: bool = True
-    routed_scaling_factor: float = 1.5
-    swiglu_limit: float = 10.0
-    num_hash_layers: int | None = None
-    mlp_layer_types: list | None = None
-    compress_ratios: list | None = None
-    layer_types: list | None = None
-    compress_rates: dict | None = None
-    hc_mult: int = 4
-    hc_sinkhorn_iters: int = 20
-    hc_eps: float = 1e-6
-    sliding_window: int = 128
-    index_n_heads: int = 64
-    index_head_dim: int = 128
-    index_topk: int = 512
-    rope_theta: float = 10000.0
-    compress_rope_theta: float = 160000.0
-    rope_scaling: dict | None = None
-    rope_parameters: dict | None = None
-    max_position_embeddings: int = 1048576
-    rms_norm_eps: float = 1e-6
-    bos_token_id: int | None = None
-    eos_token_id: int | list | None = None
-    tie_word_embeddings: bool = False
-    quantization_config: dict | None = None
-    expert_dtype: str | None = None
-    num_nextn_predict_layers: int = 0
-    extra: dict = field(default_factory=dict, repr=False)
-
-    MODEL_TYPES = MODEL_TYPES
-
-    # the fields' tables (models/checks.py's validate_fields)
-    SIZES = {**{k: (1, False) for k in (
-        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "moe_intermediate_size",
-        "n_routed_experts", "num_experts_per_tok", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "hc_mult",
-        "hc_sinkhorn_iters", "sliding_window", "index_n_heads", "index_head_dim", "index_topk",
-        "max_position_embeddings")},
-        "n_shared_experts": (0, False), "qk_rope_head_dim": (2, True), "num_hash_layers": (0, True),
-        "num_nextn_predict_layers": (0, True)}
-    REALS = {"routed_scaling_factor": (0.0, False, False), "rope_theta": (0.0, False, False),
-             "compress_rope_theta": (0.0, False, False), "rms_norm_eps": (0.0, True, False),
-             "hc_eps": (0.0, True, False), "swiglu_limit": (0.0, True, True),
-             "partial_rotary_factor": (0.0, False, True)}
-    BOOLS = ("norm_topk_prob", "tie_word_embeddings")
-    STRINGS = {"scoring_func": False, "expert_dtype": True}
-
-    def derive(self, source: str) -> None:
-        """The rules across fields, and the per-layer schedule and the two RoPEs."""
-        need = needer(source)
-        n = self.num_hidden_layers
-        need(self.num_experts_per_tok <= self.n_routed_experts, "'num_experts_per_tok' must not exceed n_routed_experts")
-        need(self.num_attention_heads % self.o_groups == 0,
-             f"'o_groups' {self.o_groups} does not divide num_attention_heads {self.num_attention_heads}")
-        need(self.scoring_func == "sqrtsoftplus", f"'scoring_func' {self.scoring_func!r} is not supported (sqrtsoftplus)")
-        if self.qk_rope_head_dim is not None:
-            self.rope_dim = self.qk_rope_head_dim
-        elif self.partial_rotary_factor is not None:
-            self.rope_dim = int(self.head_dim * self.partial_rotary_factor)
-        else:
-            self.rope_dim = self.head_dim * 64 // 512
-        need(isinstance(self.rope_dim, int) and 2 <= self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0,
-             f"the rope dims ({self.rope_dim!r}) must be even and within head_dim {self.head_dim}")
-        need(self.index_head_dim >= self.rope_dim, f"'index_head_dim' {self.index_head_dim} is below the rope dims {self.rope_dim}")
-        rates = dict(DEFAULT_RATES)
-        if self.compress_rates is not None:
-            need(isinstance(self.compress_rates, dict), "'compress_rates' must be an object")
-            rates.update(self.compress_rates)
-        for k, v in rates.items():
-            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"'compress_rates' {k!r} must be a positive integer, got {v!r}")
-        if self.layer_types is not None:
-            lt = self.layer_types
-            need(isinstance(lt, list) and len(lt) >= n and all(t in LAYER_TYPES.values() for t in lt[:n]),
-                 f"'layer_types' must name one of {', '.join(LAYER_TYPES.values())} for each of the {n} layers")
-            lt = lt[:n]
-        elif self.compress_ratios is not None:
-            cr = self.compress_ratios
-            need(isinstance(cr, list) and len(cr) >= n, f"'compress_ratios' must list a ratio for each of the {n} layers")
-            bad = [r for r in cr[:n] if r not in LAYER_TYPES or isinstance(r, bool)]
-            need(not bad, f"'compress_ratios' value {bad[0] if bad else None!r} is not 0, 4 or 128")
-            lt = [LAYER_TYPES[r] for r in cr[:n]]
-        else:                      # transformers' default: the Pro pattern
-            lt = (["heavily_compressed_attention"] * min(n, 2) +
-                  ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))])
-        self.layer_kinds = lt
-        self.ratios = [0 if t == "sliding_attention" else rates[t] for t in lt]
-        self.csa = [t == "compressed_sparse_attention" for t in lt]
-        if self.mlp_layer_types is not None:
-            mt = self.mlp_layer_types
-            need(isinstance(mt, list) and len(mt) >= n and all(t in ("hash_moe", "moe") for t in mt[:n]),
-                 f"'mlp_layer_types' must be 'hash_moe' or 'moe' for each of the {n} layers")
-            self.hash = [t == "hash_moe" for t in mt[:n]]
-        else:
-            nh = 3 if self.num_hash_layers is None else self.num_hash_layers
-            self.hash = [i < nh for i in range(n)]
-        qc = self.quantization_config
-        need(not qc or qc.get("quant_method") in (None, "fp8"), f"quantization '{(qc or {}).get('quant_method')}' is not supported")
-        self.block = tuple((qc or {}).get("weight_block_size") or (128, 128))
-        # the routed experts' release format: fp4 (V4-Flash / -Pro) or fp8 (the -Base releases); transformers
-        # moves the key into quantization_config
-        ed = self.expert_dtype if self.expert_dtype is not None else (qc or {}).get("expert_dtype", "fp4")
-        need(ed in ("fp4", "fp8"), f"'expert_dtype' {ed!r} is not fp4 or fp8")
-        self.expert_kind = "e2m1" if ed == "fp4" else "e4m3"
-        self.main_inv_freq, self.main_scale = self._rope(self.rope_theta, None, source)
-        rp = self.rope_parameters if isinstance(self.rope_parameters, dict) else {}
-        comp = rp.get("compress") if isinstance(rp.get("compress"), dict) else None
-        if comp is None:
-            comp = self.rope_scaling if isinstance(self.rope_scaling, dict) else (
-                {k: v for k, v in rp.items() if k not in ("main", "compress")} or None)
-        theta = (comp or {}).get("rope_theta", self.compress_rope_theta)
-        self.compress_inv_freq, self.compress_scale = self._rope(theta, comp, source)
-
-    def _rope(self, theta, scaling, source):
-        need = needer(source)
-        need(is_real(theta) and math.isfinite(theta) and theta > 0, f"the compressed layers' 'rope_theta' must be a "
-             f"finite number > 0, got {short(theta)}")
-        validate_rope_scaling(types.SimpleNamespace(rope_scaling=scaling, rope_theta=theta), need)
-        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-        shim = types.SimpleNamespace(qk_rope_head_dim=self.rope_dim, rope_theta=float(theta),
-                                     rope_scaling=scaling if kind == "yarn" else None,
-                                     max_position_embeddings=self.max_position_embeddings)
-        try:
-            inv_freq, _ = v2.rope_frequencies(shim)
-        except (KeyError, TypeError, ValueError) as e:
-            raise CpumlaError(f"{source}: bad rope scaling {scaling!r} ({e})") from None
-        # V4 never scales cos/sin by YaRN's mscale (transformers pins attention_factor to 1)
-        return np.ascontiguousarray(inv_freq, np.float32), float((scaling or {}).get("attention_factor", 1.0)) \
-            if kind == "yarn" else 1.0
-
-
-def fit_overrides(cfg: dict, overrides: dict) -> dict:
-    """Shrinking the experts keeps top-k within them (as the V2/V3 family does)."""
-    E, k = cfg.get("n_routed_experts"), cfg.get("num_experts_per_tok")
-    if "n_routed_experts" in overrides and "num_experts_per_tok" not in overrides and is_int(E) and is_int(k) and E > 0:
-        cfg["num_experts_per_tok"] = min(k, E)
-    return cfg
-
+from cpumla.models.deepseek_v4_config import (  # noqa: F401  (the family's interface)
+    MODEL_TYPES,
+    QUANTIZABLE,
+    Config,
+    fit_overrides,
+)
+from cpumla.models.native_model import NativeModel
 
 # ---- the model ---------------------------------------------------------------------------------------
 class Model(NativeModel):
@@ -216,6 +60,7 @@ class Model(NativeModel):
     compressed caches, compressor rings, scratch). The runtime's interface is deepseek_v2.Model's."""
 
     STATE = ("cpumla_dsv4_new", "cpumla_dsv4_free", "cpumla_dsv4_forward")
+    HIDDEN_FN, MTP_FN = "cpumla_dsv4_forward_hidden", "cpumla_dsv4_mtp_forward"   # its MTP layer (`mtp.0.*`)
     TENSOR_PARALLEL = True   # runs as a rank of tensor parallel: whole output groups, experts' slices
 
     def __init__(self, cfg: Config, src, ctx: int, max_tokens: int, shard: shards.Shard | None = None):
@@ -224,7 +69,7 @@ class Model(NativeModel):
         self._comm = None
         names = Names(src)
         D, V, N = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
-        self._keep: list = []
+        self.keep: list = []
         self.embed = vector(src, names, "embed.weight", (V, D))
         self.lm_head = linear(src, names, "head.weight", (V, D), cfg.block)
         self.head_row0 = 0
@@ -241,9 +86,11 @@ class Model(NativeModel):
         self.layers = []
         layers = ffi.new("cpumla_dsv4_layer[]", cfg.num_hidden_layers)
         for i in range(cfg.num_hidden_layers):
-            self.layers.append(self._layer(layers[i], src, names, i))
+            self.layers.append(self.build_layer(layers[i], src, names, i))
         self._layers_c = layers
         m.layers = layers
+        self.mtp = v4_mtp.build(self, src, names)
+        m.mtp = self.mtp.c if self.mtp is not None else ffi.NULL
         m.n_layers, m.hidden, m.vocab, m.hc_mult = cfg.num_hidden_layers, D, V, N
         world = shard.world if shard is not None else 1
         m.hc_sinkhorn_iters, m.n_heads, m.head_dim, m.rope_dim = cfg.hc_sinkhorn_iters, \
@@ -263,7 +110,7 @@ class Model(NativeModel):
         N, D = cfg.hc_mult, cfg.hidden_size
         w = linear(src, names, fn, (rows, N * D), cfg.block)
         b, s = vector(src, names, base, (rows,)), vector(src, names, scale, (n_scale,))
-        self._keep += [w, b, s]
+        self.keep += [w, b, s]
         c.fn = w.c
         native.set_vec(c.base, b)
         native.set_vec(c.scale, s)
@@ -271,22 +118,24 @@ class Model(NativeModel):
 
     def _vec(self, c, src, names, name, shape):
         v = vector(src, names, name, shape)
-        self._keep.append(v)
+        self.keep.append(v)
         native.set_vec(c, v)
         return v
 
-    def _layer(self, c, src, names, l: int) -> dict:
+    def build_layer(self, c, src, names, l: int) -> dict:
         cfg = self.config
         t = layer_tensors(cfg, l)
         N = cfg.hc_mult
-        p, a, f = f"layers.{l}.", f"layers.{l}.attn.", f"layers.{l}.ffn."
+        p = layer_prefix(cfg, l)
+        a, f = p + "attn.", p + "ffn."
+        ratio, csa, hashed = cfg.layer_kind(l)
 
         def lin(name):
             w = linear(src, names, name, t[name][0], cfg.block)
             return w if self.shard is None else self._part(w, name)
 
         L: dict = {}
-        c.ratio, c.csa = cfg.ratios[l], int(cfg.csa[l])
+        c.ratio, c.csa = ratio, int(csa)
         L["hc"] = [self._hc(c.hc_attn, src, names, p + "hc_attn_fn", p + "hc_attn_base", p + "hc_attn_scale", (2 + N) * N, 3),
                    self._hc(c.hc_ffn, src, names, p + "hc_ffn_fn", p + "hc_ffn_base", p + "hc_ffn_scale", (2 + N) * N, 3)]
         self._vec(c.attn_norm, src, names, p + "attn_norm.weight", t[p + "attn_norm.weight"][0])
@@ -300,22 +149,22 @@ class Model(NativeModel):
         if self.shard is not None:
             h0, h1 = self._heads
             sinks = np.ascontiguousarray(sinks[h0:h1])
-        self._keep.append(sinks)
+        self.keep.append(sinks)
         native.set_vec(c.sinks, np.ascontiguousarray(sinks))
-        freq = cfg.compress_inv_freq if cfg.ratios[l] else cfg.main_inv_freq
-        self._keep.append(freq)
-        c.inv_freq, c.rope_scale = native.fptr(freq), cfg.compress_scale if cfg.ratios[l] else cfg.main_scale
+        freq = cfg.compress_inv_freq if ratio else cfg.main_inv_freq
+        self.keep.append(freq)
+        c.inv_freq, c.rope_scale = native.fptr(freq), cfg.compress_scale if ratio else cfg.main_scale
         L["attn"] = [L[r] for r in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")]
-        if cfg.ratios[l]:
+        if ratio:
             L["attn"] += self._comp(c.comp, src, names, a + "compressor.", t, lin)
-        if cfg.csa[l]:
+        if csa:
             L["attn"] += self._comp(c.icomp, src, names, a + "indexer.compressor.", t, lin)
             iq, ip = lin(a + "indexer.wq_b.weight"), lin(a + "indexer.weights_proj.weight")
             c.index_wq_b, c.index_proj = iq.c, ip.c
             L["attn"] += [iq, ip]
         gate = lin(f + "gate.weight")
         E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
-        if cfg.hash[l]:
+        if hashed:
             name = names(f + "gate.tid2eid")
             dtype, shape = src.info(name)
             if dtype not in ("I64", "I32") or tuple(shape) != (cfg.vocab_size, K):
@@ -383,6 +232,18 @@ class Model(NativeModel):
     def forward(self, ids: np.ndarray, pos0: int, out: np.ndarray, last_only: bool) -> None:
         """Appends ids at pos0 and writes their logits into out. A pos0 the state cannot continue from
         (a truncate deeper than its rings) first replays the kept token ids before pos0."""
+        self._resume(pos0)
+        self.call_state(ids, pos0, out, last_only)
+        self._hist[pos0:pos0 + ids.size] = ids
+
+    def forward_hidden(self, ids: np.ndarray, pos0: int, out: np.ndarray, last_only: bool, hidden: np.ndarray) -> None:
+        """forward() that also writes every token's residual streams after the last layer into hidden
+        [n, N*D] (what the MTP layer takes)."""
+        self._resume(pos0)
+        super().forward_hidden(ids, pos0, out, last_only, hidden)
+        self._hist[pos0:pos0 + ids.size] = ids
+
+    def _resume(self, pos0: int) -> None:
         if self._state is None:
             raise CpumlaError("this model has been closed")
         if not native.lib.cpumla_dsv4_resumable(self._state, pos0):
@@ -390,8 +251,15 @@ class Model(NativeModel):
             for c0 in range(0, pos0, self.max_tokens):
                 part = np.ascontiguousarray(self._hist[c0:min(pos0, c0 + self.max_tokens)])
                 self.call_state(part, c0, scratch, True)
-        self.call_state(ids, pos0, out, last_only)
-        self._hist[pos0:pos0 + ids.size] = ids
+
+    @property
+    def mtp_width(self) -> int:
+        """Floats of one position's hidden input to the MTP layer: its N residual streams."""
+        return self.config.hc_mult * self.config.hidden_size
+
+    def mtp_bytes(self) -> float:
+        """Bytes one MTP draft step reads (models/deepseek_v4_mtp.py)."""
+        return v4_mtp.draft_bytes(self)
 
     # ---- what the model is made of (cpumla bench) ----
     @property
@@ -400,8 +268,9 @@ class Model(NativeModel):
         return self.layers[0]["wq_a"].dtype
 
     def routed_tables(self) -> list[native.Experts]:
-        """The routed expert tables, one per layer (what an ExpertStream may keep on disk)."""
-        return [L["experts"] for L in self.layers]
+        """The routed expert tables, one per layer, the MTP layer's last (what an ExpertStream may keep
+        on disk)."""
+        return [L["experts"] for L in self.layers + ([self.mtp.layer] if self.mtp is not None else [])]
 
     def probe_arrays(self) -> list[np.ndarray]:
         return [self.lm_head.data, self.embed]
@@ -430,18 +299,21 @@ class Model(NativeModel):
         indexer, mHC included), the router, top_k routed and the shared experts of every layer, one
         embedding row, the head, the window rows, the compressed rows attended and every visible index key."""
         cfg = self.config
-        total = self.lm_head.nbytes + self.embed.nbytes / cfg.vocab_size + sum(w.nbytes for w in self._keep
+        total = self.lm_head.nbytes + self.embed.nbytes / cfg.vocab_size + sum(w.nbytes for w in self.keep
                                                                                if isinstance(w, native.Weight))
         hd, ID = cfg.head_dim, cfg.index_head_dim
         for l, L in enumerate(self.layers):
-            total += sum(w.nbytes for w in L["attn"]) + L["gate"].nbytes
-            g, u, d = L["experts"]._keep[0]
-            total += (g.nbytes + u.nbytes + d.nbytes) * cfg.num_experts_per_tok
-            if L["shared"] is not None:
-                total += sum(w.nbytes for w in L["shared"]._keep[0])
+            total += self.layer_read_bytes(L)
             rows, keys = self._cache_rows(l, depth)
             total += 4.0 * hd * (min(depth + 1, cfg.sliding_window) + rows) + 4.0 * ID * keys
         return total
+
+    def layer_read_bytes(self, L: dict) -> float:
+        """Weight bytes one token reads in layer L besides its mHC: the attention side, the router, top_k
+        routed experts and the shared expert."""
+        total = sum(w.nbytes for w in L["attn"]) + L["gate"].nbytes
+        total += L["experts"].expert_bytes * self.config.num_experts_per_tok
+        return total + (L["shared"].expert_bytes if L["shared"] is not None else 0)
 
     def prefill_flops(self, n: int, depth: int) -> float:
         """2 x multiply-adds of a prefill of n tokens after `depth`: every weight product per token
@@ -449,7 +321,7 @@ class Model(NativeModel):
         attended compressed rows (2*hd per head and row), index scores over the visible keys."""
         cfg = self.config
         macs = self.lm_head.rows * self.lm_head.cols / n
-        macs += sum(w.rows * w.cols for w in self._keep if isinstance(w, native.Weight))
+        macs += sum(w.rows * w.cols for w in self.keep if isinstance(w, native.Weight))
         H, hd, IH, ID = cfg.num_attention_heads, cfg.head_dim, cfg.index_n_heads, cfg.index_head_dim
         attn = 0.0
         for l, L in enumerate(self.layers):

@@ -14,8 +14,10 @@ from cpumla.checkpoint import tensors as W
 from cpumla.checkpoint.formats import FORMAT_OF
 from cpumla.errors import CpumlaError
 
+MTP = "mtp.0."        # the MTP layer's tensors: mtp.0.* (its decoder layer's named as a layer's are)
+
 if TYPE_CHECKING:
-    from cpumla.models.deepseek_v4 import Config
+    from cpumla.models.deepseek_v4_config import Config
 
 
 def dummy_bytes(shape, kind: str, dtype: str, block=(128, 128)) -> int:
@@ -42,9 +44,12 @@ def memory_bytes(cfg: Config, ctx: int, dtype: str, chunk: int = 512) -> dict[st
     weights = dummy_bytes((V, D), "embed", dtype) + dummy_bytes((V, D), "plain", dtype) + \
         dummy_bytes((D,), "norm", dtype) + 4 * (N * N * D + N + 1)
     groups: dict[tuple, tuple[int, int]] = {}
-    for l, key in enumerate(zip(cfg.ratios, cfg.csa, cfg.hash)):
+    for l in range(cfg.num_hidden_layers + has_mtp(cfg)):          # the MTP layer's included
+        key = cfg.layer_kind(l)
         first, count = groups.get(key, (l, 0))
         groups[key] = (first, count + 1)
+    if has_mtp(cfg):
+        weights += sum(dummy_bytes(shape, kind, dtype, cfg.block) for shape, kind in mtp_tensors(cfg).values())
     cache = 0
     for (r, csa, _), (l, count) in groups.items():
         weights += count * sum(dummy_bytes(shape, kind, dtype, cfg.block) for shape, kind in layer_tensors(cfg, l).values())
@@ -72,11 +77,39 @@ def hf_name(name: str) -> str:
     return "model." + name.replace(".attn.kv_norm.", ".attn.norm.")
 
 
+def has_mtp(cfg: Config) -> bool:
+    """Whether the config names an MTP layer cpumla reads (`mtp.0.*`: a sliding-window layer, as in
+    the releases)."""
+    return bool(cfg.num_nextn_predict_layers) and cfg.mtp_ratio == 0
+
+
+def is_mtp(cfg: Config, name: str) -> bool:
+    return has_mtp(cfg) and name.startswith(MTP)
+
+
+def layer_prefix(cfg: Config, l: int) -> str:
+    """`layers.{l}.`, or the MTP layer's `mtp.0.` for l = num_hidden_layers."""
+    return f"layers.{l}." if l < cfg.num_hidden_layers else MTP
+
+
+def mtp_tensors(cfg: Config) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The MTP layer's own tensors beside its decoder layer's (layer_tensors(cfg, num_hidden_layers)).
+    It has no embedding or head of its own: the main model's serve it."""
+    D, N = cfg.hidden_size, cfg.hc_mult
+    return {MTP + "e_proj.weight": ((D, D), "e4m3"), MTP + "h_proj.weight": ((D, D), "e4m3"),
+            MTP + "enorm.weight": ((D,), "norm"), MTP + "hnorm.weight": ((D,), "norm"),
+            MTP + "norm.weight": ((D,), "norm"), MTP + "hc_head_fn": ((N, N * D), "f32"),
+            MTP + "hc_head_base": ((N,), "f32"), MTP + "hc_head_scale": ((1,), "f32")}
+
+
 def layer_tensors(cfg: Config, l: int) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The official names of layer l's tensors: name -> (shape [out, in], kind for dummy weights)."""
+    """The official names of layer l's tensors (l = num_hidden_layers: the MTP layer's decoder layer):
+    name -> (shape [out, in], kind for dummy weights)."""
     D, H, hd, QL, N = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank, cfg.hc_mult
     G, OL, E, I = cfg.o_groups, cfg.o_lora_rank, cfg.n_routed_experts, cfg.moe_intermediate_size
-    p, a = f"layers.{l}.", f"layers.{l}.attn."
+    p = layer_prefix(cfg, l)
+    a = p + "attn."
+    r, csa, hashed = cfg.layer_kind(l)
     NM = (2 + N) * N
     out = {p + "attn_norm.weight": ((D,), "norm"), p + "ffn_norm.weight": ((D,), "norm")}
     for sub in ("attn", "ffn"):
@@ -87,13 +120,12 @@ def layer_tensors(cfg: Config, l: int) -> dict[str, tuple[tuple[int, ...], str]]
                 a + "wq_b.weight": ((H * hd, QL), "e4m3"), a + "wkv.weight": ((hd, D), "e4m3"),
                 a + "kv_norm.weight": ((hd,), "norm"), a + "wo_a.weight": ((G * OL, H * hd // G), "e4m3"),
                 a + "wo_b.weight": ((D, G * OL), "e4m3"), a + "attn_sink": ((H,), "f32")})
-    r = cfg.ratios[l]
     if r:
-        coff = 2 if cfg.csa[l] else 1
+        coff = 2 if csa else 1
         c = a + "compressor."
         out.update({c + "wkv.weight": ((coff * hd, D), "plain"), c + "wgate.weight": ((coff * hd, D), "plain"),
                     c + "ape": ((r, coff * hd), "f32"), c + "norm.weight": ((hd,), "norm")})
-    if cfg.csa[l]:
+    if csa:
         IH, ID = cfg.index_n_heads, cfg.index_head_dim
         x = a + "indexer."
         out.update({x + "wq_b.weight": ((IH * ID, QL), "e4m3"), x + "weights_proj.weight": ((IH, D), "plain"),
@@ -102,7 +134,7 @@ def layer_tensors(cfg: Config, l: int) -> dict[str, tuple[tuple[int, ...], str]]
                     x + "compressor.ape": ((r, 2 * ID), "f32"), x + "compressor.norm.weight": ((ID,), "norm")})
     f = p + "ffn."
     out[f + "gate.weight"] = ((E, D), "plain")
-    if cfg.hash[l]:
+    if hashed:
         out[f + "gate.tid2eid"] = ((cfg.vocab_size, cfg.num_experts_per_tok), f"ids:{E}")
     else:
         out[f + "gate.bias"] = ((E,), "bias")
@@ -124,8 +156,10 @@ def tensors(cfg: Config) -> dict[str, tuple[tuple[int, ...], str]]:
     D, V, N = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
     out = {"embed.weight": ((V, D), "embed"), "head.weight": ((V, D), "plain"), "norm.weight": ((D,), "norm"),
            "hc_head_fn": ((N, N * D), "f32"), "hc_head_base": ((N,), "f32"), "hc_head_scale": ((1,), "f32")}
-    for layer in range(cfg.num_hidden_layers):
+    for layer in range(cfg.num_hidden_layers + has_mtp(cfg)):
         out.update(layer_tensors(cfg, layer))
+    if has_mtp(cfg):
+        out.update(mtp_tensors(cfg))
     return out
 
 

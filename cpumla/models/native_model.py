@@ -50,6 +50,37 @@ class NativeModel:
         """Appends ids at pos0 and writes their logits into out."""
         self.call_state(ids, pos0, out, last_only)
 
+    # ---- speculative decoding (runtime/speculative.py): a family with an MTP layer (`self.mtp`) names
+    # the native forward that also returns what that layer takes (HIDDEN_FN) and the layer's (MTP_FN) ----
+    HIDDEN_FN = MTP_FN = ""
+    mtp = None
+
+    @property
+    def mtp_width(self) -> int:
+        """Floats of one position's hidden input to the MTP layer."""
+        return self.config.hidden_size
+
+    def forward_hidden(self, ids: np.ndarray, pos0: int, out: np.ndarray, last_only: bool, hidden: np.ndarray) -> None:
+        """forward() that also writes what the MTP layer takes of every token into hidden [n, mtp_width]."""
+        self._native_call(getattr(native.lib, self.HIDDEN_FN), ids, pos0, out, last_only, hidden)
+
+    def mtp_forward(self, ids: np.ndarray, pos0: int, hidden: np.ndarray, out: np.ndarray | None, last_only: bool,
+                    hidden_out: np.ndarray | None = None) -> None:
+        """The MTP layer at positions pos0.. over (hidden[t], ids[t]) pairs: the logits of the token after
+        each ids[t] into out (None: the cache entries only), its output rows (what a chained draft takes
+        as hidden) into hidden_out."""
+        if self.mtp is None:
+            raise CpumlaError("this checkpoint has no MTP layer")
+        ffi = native.ffi
+        if self._state is None:
+            raise CpumlaError("this model has been closed")
+        rc = getattr(native.lib, self.MTP_FN)(
+            self._state, ffi.from_buffer("int64_t[]", ids), ids.size, pos0, ffi.from_buffer("float[]", hidden),
+            ffi.NULL if out is None else ffi.from_buffer("float[]", out, require_writable=True), int(last_only),
+            ffi.NULL if hidden_out is None else ffi.from_buffer("float[]", hidden_out, require_writable=True))
+        if rc != 0:
+            raise CpumlaError(native.last_error())
+
     # ---- tensor parallel (runtime/tp.py): a family that runs as a rank sets TENSOR_PARALLEL, takes a
     # models.shard.Shard and builds its slice, and names the struct with the comm field (comm_desc) ----
     TENSOR_PARALLEL = False

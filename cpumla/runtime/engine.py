@@ -195,7 +195,7 @@ class Engine:
                 if mtp is None:
                     self.model.forward(ids[c0:c1], self.pos + c0, out, last_only)
                     continue
-                hidden = np.empty((c1 - c0, self.config.hidden_size), np.float32)
+                hidden = np.empty((c1 - c0, self.model.mtp_width), np.float32)
                 self.model.forward_hidden(ids[c0:c1], self.pos + c0, out, last_only, hidden)
                 mtp.after_forward(self.pos + c0, hidden, lambda a, b, c1=c1: (self.tokens + ids[:c1].tolist())[a:b])
             self.pos += n

@@ -13,8 +13,9 @@ is the correction). The drafts only decide how many positions one forward comput
 back what was verified but not consumed, so the cache holds exactly the tokens handed to the stepper.
 
 Drafters:
-- MtpDrafter: the checkpoint's multi-token-prediction layer (V3 / R1 / V3.1). Its latent cache holds
-  one entry per position i: (the main model's normed hidden state h_i, token i+1). The main forward
+- MtpDrafter: the checkpoint's multi-token-prediction layer (V3 / R1 / V3.1 / V3.2 / V4). Its cache
+  holds one entry per position i: (the main model's hidden state h_i, token i+1; V4: the residual
+  streams before the HyperHead). The main forward
   hands it every hidden row; entries are written lazily, when a draft is asked for, over the positions
   accepted since (so rejected positions never cost an MTP pass); a long prefill writes them chunk by
   chunk. Chained drafts (K > 1) feed the layer's own output back as the hidden input. A draft whose
@@ -97,7 +98,7 @@ class MtpDrafter:
         self.eng = eng
         self.p_min = default_p_min(eng) if p_min is None else float(p_min)
         self.model = eng.model
-        self.D = eng.config.hidden_size
+        self.D = eng.model.mtp_width          # what the layer takes of a position (V4: its N streams)
         self.done = 0
         # the rows, preallocated: one verify forward's (K+1) on top of the rows kept between drafts
         self._buf = np.empty((PREFILL_CHUNK + MAX_DRAFT_TOKENS + 1, self.D), np.float32)

@@ -413,7 +413,8 @@ def follow(engine, ranks: Ranks) -> None:
     comm, model, cfg = ranks.comm, engine.model, engine.config
     h = np.zeros(HEADER, np.int64)
     out = np.empty((1, cfg.vocab_size), np.float32)
-    hid = np.empty((1, cfg.hidden_size), np.float32)
+    width = model.mtp_width
+    hid = np.empty((1, width), np.float32)
     code = 0
     try:
         while True:
@@ -433,14 +434,14 @@ def follow(engine, ranks: Ranks) -> None:
             if out.shape[0] < rows:
                 out = np.empty((rows, cfg.vocab_size), np.float32)
             if hid.shape[0] < n:
-                hid = np.empty((n, cfg.hidden_size), np.float32)
+                hid = np.empty((n, width), np.float32)
             o = out[:rows]
             if op == FORWARD:
                 model.forward(ids, pos0, o, bool(last_only))
             elif op == HIDDEN:
                 model.forward_hidden(ids, pos0, o, bool(last_only), hid[:n])
             elif op == MTP:
-                hidden = np.empty((n, cfg.hidden_size), np.float32)
+                hidden = np.empty((n, width), np.float32)
                 comm.broadcast(hidden)
                 model.mtp_forward(ids, pos0, hidden, o if has_out else None, bool(last_only),
                                   hid[:n] if has_hidden else None)

@@ -113,13 +113,14 @@ def test_v4_cache_grows_with_compressed_entries():
 
 
 def test_v4_base_ships_fp8_experts():
-    """The -Base presets differ from V4-Flash / -Pro in the routed experts' format only: FP8 with a
-    128x128 E8M0 grid (1 byte a weight + a scale per block) instead of FP4 with one per 32 (0.5 + 1/32)."""
+    """The -Base presets differ from V4-Flash / -Pro in the routed experts' format only (the MTP layer's
+    included): FP8 with a 128x128 E8M0 grid (1 byte a weight + a scale per block) instead of FP4 with one
+    per 32 (0.5 + 1/32)."""
     for repo in ("deepseek-ai/DeepSeek-V4-Flash", "deepseek-ai/DeepSeek-V4-Pro"):
         fp4, fp8 = plan(repo), plan(repo + "-Base")
         cfg, _ = resolve.load_config(repo)
         D, I = cfg.hidden_size, cfg.moe_intermediate_size
-        n = 3 * cfg.n_routed_experts * cfg.num_hidden_layers
+        n = 3 * cfg.n_routed_experts * (cfg.num_hidden_layers + 1)       # the MTP layer's experts too
         per = (D * I + -(-D // 128) * -(-I // 128)) - (D * I // 2 + D * I // 32)
         assert fp8.params == fp4.params and fp8.weights["stored"] - fp4.weights["stored"] == n * per
 

@@ -17,10 +17,13 @@ from support import models
 from support.models import IDS, check_fp32
 
 
-@pytest.fixture(scope="module", params=["v3", "v32"])
+@pytest.fixture(scope="module", params=["v3", "v32", "v4"])
 def v3_mtp(request, tmp_path_factory):
-    """V3 and V3.2 (whose MTP layer has an indexer of its own) with their MTP layers."""
+    """V3, V3.2 (whose MTP layer has an indexer of its own) and V4 (whose takes the residual streams)
+    with their MTP layers."""
     d = tmp_path_factory.mktemp(f"{request.param}-mtp")
+    if request.param == "v4":
+        return d, models.build_v4_mtp(d)
     return d, models.build_v3_mtp(d, v32=request.param == "v32")
 
 
@@ -57,7 +60,7 @@ def test_mtp_layer_matches_the_spec(v3_mtp):
     d, ref = v3_mtp
     eng = cpumla.load(str(d))
     assert eng.has_mtp and eng.draft == "mtp"          # on by default where the checkpoint has the layer
-    m, D, V = eng.model, eng.config.hidden_size, eng.config.vocab_size
+    m, D, V = eng.model, eng.model.mtp_width, eng.config.vocab_size
     ids = np.asarray(IDS, np.int64)
     nxt = np.asarray(IDS[1:] + [9], np.int64)
     h, logits = np.empty((len(ids), D), np.float32), np.empty((len(ids), V), np.float32)
@@ -97,6 +100,38 @@ def test_mtp_long_prefill_is_written_in_chunks(v3_mtp):
     assert eng.drafter.done == 699 and len(eng.drafter.rows) == 1
     want = ref.logits(ref.hidden(prompt), prompt[1:] + [5])[-1]
     assert eng.drafter.draft(5, 1) == [int(np.argmax(want))]
+
+
+def test_v4_mtp_output_streams_and_restart(tmp_path):
+    """V4's MTP layer hands on its output streams (what a chained draft takes) as the spec computes
+    them; after a rollback deeper than its window ring holds, its window starts again where the
+    entries start: its draft is the reference's over the pairs from there on (attention sees relative
+    positions only)."""
+    ref = models.build_v4_mtp(tmp_path)
+    eng = cpumla.load(str(tmp_path), max_seq_len=1024)
+    m, V, W = eng.model, eng.config.vocab_size, eng.config.sliding_window
+    ids = np.asarray(IDS, np.int64)
+    nxt = np.asarray(IDS[1:] + [9], np.int64)
+    h, logits = np.empty((len(ids), m.mtp_width), np.float32), np.empty((len(ids), V), np.float32)
+    m.forward_hidden(ids, 0, logits, False, h)
+    want, streams = ref.run(ref.hidden(IDS), nxt.tolist())
+    got, h_out = np.empty_like(logits), np.empty_like(h)
+    m.mtp_forward(nxt, 0, h, got, False, h_out)
+    check_fp32(h_out, streams)
+    check_fp32(got, want)
+    seq = (IDS * 60)[:700]
+    for a, b in ((0, 512), (512, 700)):          # entries 0 .. 699: the ring holds the last ones alone
+        h = np.empty((b - a, m.mtp_width), np.float32)
+        m.forward_hidden(np.asarray(seq[a:b], np.int64), a, logits[:1], True, h)
+        m.mtp_forward(np.asarray(seq[a + 1:b + 1], np.int64), a, h, None, True)
+    tail = [int(x) for x in np.random.default_rng(0).integers(0, V, 3 * W)]
+    full = seq[:100] + tail
+    h = np.empty((len(tail), m.mtp_width), np.float32)
+    m.forward_hidden(np.asarray(tail, np.int64), 100, logits[:1], True, h)      # back at 100
+    nxt = np.asarray(full[101:] + [5], np.int64)
+    got = np.empty((len(tail), V), np.float32)
+    m.mtp_forward(nxt, 100, h, got, False)
+    check_fp32(got, ref.logits(ref.hidden(full)[100:], nxt.tolist()))
 
 
 @pytest.mark.parametrize("mode,k", [("mtp", 1), ("mtp", 2), ("mtp", 3), ("ngram", 2)])

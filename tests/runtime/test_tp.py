@@ -1,5 +1,5 @@
 """Tensor-parallel ranks (runtime/tp.py) against one process: 2 and 4 local ranks of every family
-(V2-Lite, V3 and its MTP layer, V3.2, V4; a GGUF file), fp32 logits within 1e-5 of max |logit| in
+(V2-Lite, V3 and V4 and their MTP layers, V3.2; a GGUF file), fp32 logits within 1e-5 of max |logit| in
 prefill and decode, over shared memory and over gloo; bf16 / FP8 / q4 ranks as close to the fp32
 reference as one process of the same format; and the faults: a rank killed, hung, started with
 another model, an N that splits a block, rank 0 killed or interrupted. Each ends every rank with one
@@ -96,16 +96,17 @@ def test_ranks_compute_what_one_process_does(dirs, variant, world):
     assert not our_children()
 
 
-def test_the_mtp_layer_and_drafting_under_ranks(dirs, tmp_path):
-    models.build_v3_mtp(tmp_path)                    # saved with its MTP layer
+@pytest.mark.parametrize("family", ["v3", "v4"])
+def test_the_mtp_layer_and_drafting_under_ranks(dirs, tmp_path, family):
+    (models.build_v4_mtp if family == "v4" else models.build_v3_mtp)(tmp_path)   # saved with its MTP layer
     res = []
     for tp in (None, 2):
         eng = cpumla.load(str(tmp_path), tp=tp, draft="none")
-        m, n = eng.model, len(IDS)
+        m, n, w = eng.model, len(IDS), eng.model.mtp_width
         ids = np.asarray(IDS, np.int64)
-        out, hid = np.empty((n, eng.config.vocab_size), np.float32), np.empty((n, eng.config.hidden_size), np.float32)
+        out, hid = np.empty((n, eng.config.vocab_size), np.float32), np.empty((n, w), np.float32)
         m.forward_hidden(ids, 0, out, False, hid)
-        mo, ho = np.empty((n - 1, eng.config.vocab_size), np.float32), np.empty((n - 1, eng.config.hidden_size), np.float32)
+        mo, ho = np.empty((n - 1, eng.config.vocab_size), np.float32), np.empty((n - 1, w), np.float32)
         m.mtp_forward(ids[1:], 0, hid[:-1], mo, False, ho)
         eng.set_draft("mtp", 2, 0.0)                   # every draft proposed, verified by the ranks
         eng.reset()

@@ -245,7 +245,15 @@ def build_v4(out: Path | None, seed: int = 0, **overrides):
     cfg = DeepseekV4Config(**kw)
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(cfg).to(torch.float32).eval()
-    g = torch.Generator().manual_seed(seed + 1)
+    randomize_v4(model, torch.Generator().manual_seed(seed + 1))
+    if out is not None:
+        model.save_pretrained(out)
+    return model
+
+
+def randomize_v4(model, g) -> None:
+    """Every parameter and buffer of a transformers V4 model given a real value."""
+    cfg = model.config
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
     with torch.no_grad():
         for name, p in list(model.named_parameters()) + list(model.named_buffers()):
@@ -265,9 +273,102 @@ def build_v4(out: Path | None, seed: int = 0, **overrides):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
             elif p.dtype.is_floating_point:
                 p.copy_(torch.randn(p.shape, generator=g) / max(1, p.shape[-1]) ** 0.5)
-    if out is not None:
-        model.save_pretrained(out)
-    return model
+
+
+class MtpV4:
+    """V4's MTP layer for tests, computed as the spec says with transformers' classes: enorm, hnorm,
+    e_proj and h_proj by hand over the main model's streams before its HyperHead, then the decoder
+    layer, the layer's own HyperHead, its norm and the main head as a one-layer DeepseekV4ForCausalLM
+    whose layer takes those streams (a hook swaps them in for the embedding it would stack)."""
+
+    def __init__(self, main, seed: int):
+        from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm
+
+        kw = {k: v for k, v in main.config.to_dict().items() if k not in ("compress_ratios", "num_hash_layers")}
+        kw.update(num_hidden_layers=1, layer_types=["sliding_attention"], mlp_layer_types=["moe"])
+        torch.manual_seed(seed)
+        self.block = DeepseekV4ForCausalLM(DeepseekV4Config(**kw)).to(torch.float32).eval()
+        randomize_v4(self.block, torch.Generator().manual_seed(seed))
+        D, eps = main.config.hidden_size, main.config.rms_norm_eps
+        g = torch.Generator().manual_seed(seed + 7)
+        with torch.no_grad():
+            self.block.lm_head.weight.copy_(main.lm_head.weight)
+            self.enorm, self.hnorm = DeepseekV4RMSNorm(D, eps), DeepseekV4RMSNorm(D, eps)
+            self.enorm.weight.copy_(0.5 + torch.rand(D, generator=g))
+            self.hnorm.weight.copy_(0.5 + torch.rand(D, generator=g))
+            self.e_proj = torch.randn(D, D, generator=g) / D ** 0.5
+            self.h_proj = torch.randn(D, D, generator=g) / D ** 0.5
+        self.main = main
+
+    def tensors(self) -> dict:
+        """The layer's tensors under their official names (mtp.0.*)."""
+        import tempfile
+
+        from safetensors.torch import load_file
+
+        with tempfile.TemporaryDirectory() as tmp:       # save_pretrained writes the checkpoint's names
+            self.block.save_pretrained(tmp)
+            saved = load_file(Path(tmp) / "model.safetensors")
+        p = "model.layers.0."
+        out = {("mtp.0." + k[len(p):]).replace(".attn.norm.", ".attn.kv_norm."): v for k, v in saved.items()
+               if k.startswith(p)}
+        out.update({"mtp.0.hc_head_" + k[len("model.hc_head.hc_"):]: v for k, v in saved.items()
+                    if k.startswith("model.hc_head.hc_")})
+        out.update({"mtp.0.enorm.weight": self.enorm.weight, "mtp.0.hnorm.weight": self.hnorm.weight,
+                    "mtp.0.e_proj.weight": self.e_proj, "mtp.0.h_proj.weight": self.h_proj,
+                    "mtp.0.norm.weight": self.block.model.norm.weight})
+        return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+    @staticmethod
+    def streams(model, run) -> torch.Tensor:
+        """The streams [n, N, D] that reach model's HyperHead while run() runs."""
+        got = []
+        hook = model.model.hc_head.register_forward_pre_hook(lambda mod, args: got.append(args[0][0].clone()))
+        try:
+            with torch.no_grad():
+                run()
+        finally:
+            hook.remove()
+        return got[-1]
+
+    def hidden(self, ids) -> torch.Tensor:
+        """The main model's streams after its last layer, [n, N*D]."""
+        return self.streams(self.main, lambda: self.main(torch.tensor([ids]))).flatten(1)
+
+    def logits(self, hidden: torch.Tensor, next_ids) -> np.ndarray:
+        """MTP logits [n, vocab] over the pairs (hidden[t] [N*D], next_ids[t]) at positions 0..n-1."""
+        return self.run(hidden, next_ids)[0]
+
+    def run(self, hidden: torch.Tensor, next_ids) -> tuple[np.ndarray, np.ndarray]:
+        """(MTP logits [n, vocab], its output streams [n, N*D]) over the pairs (hidden[t], next_ids[t])."""
+        D = self.main.config.hidden_size
+        with torch.no_grad():
+            e = self.main.model.embed_tokens(torch.tensor([next_ids]))[0]
+            x = self.hnorm(hidden.reshape(len(next_ids), -1, D)) @ self.h_proj.T + (self.enorm(e) @ self.e_proj.T)[:, None]
+        swap = self.block.model.layers[0].register_forward_pre_hook(lambda mod, args: (x[None],) + args[1:])
+        out = []
+        try:
+            s = self.streams(self.block, lambda: out.append(self.block(inputs_embeds=torch.zeros(1, len(next_ids), D))))
+        finally:
+            swap.remove()
+        return out[0].logits[0].float().numpy(), s.flatten(1).numpy()
+
+
+def build_v4_mtp(out: Path, seed: int = 0):
+    """The tiny V4 of build_v4 with an MTP layer added to its checkpoint (num_nextn_predict_layers 1);
+    returns its MtpV4 (main model and reference)."""
+    from safetensors.torch import load_file, save_file
+
+    main = build_v4(out, seed=seed)
+    mtp = MtpV4(main, seed + 100)
+    sd = load_file(out / "model.safetensors")
+    sd.update(mtp.tensors())
+    save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (out / "config.json").write_text(json.dumps(cfg))
+    return mtp
 
 
 E2M1 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6])
@@ -297,7 +398,9 @@ def quantize_v4(saved: Path, out: Path, cfg_extra: dict | None = None):
     kinds = v4.tensors(v4.Config.from_dict(cfg_json))
     new, deq = {}, {}
     for name, (shape, kind) in kinds.items():
-        hf = hf_name(name)
+        hf = hf_name(name) if hf_name(name) in sd else name       # an MTP layer is saved by official names
+        if hf not in sd and name.startswith("mtp."):
+            continue                                              # the config names one the model lacks
         t = sd[hf]
         if kind == "e4m3":
             r, c = t.shape

@@ -66,6 +66,19 @@ typedef struct cpumla_dsv4_layer {
     const cpumla_expert *shared;       /* a table of one */
 } cpumla_dsv4_layer;
 
+/* The multi-token-prediction (MTP) layer (`mtp.0.*`): from the main model's residual streams H_i [N, D]
+ * at position i (before its HyperHead) and the embedding e of token i+1,
+ *   X = h_proj(hnorm(H_i)) + e_proj(enorm(e))   (hnorm on each stream; the e term added to every one),
+ *   X' = a V4 layer over X (its own window ring: sliding window only, ratio 0; biased routing),
+ *   logits of token i+2 = lm_head(norm(HyperHead_mtp(X'))); X' is what a chained draft takes as H. */
+typedef struct cpumla_dsv4_mtp {
+    cpumla_vec enorm, hnorm, norm;     /* [D] each */
+    const cpumla_weight *e_proj;       /* [D, D] */
+    const cpumla_weight *h_proj;       /* [D, D] */
+    cpumla_dsv4_hc hc_head;            /* fn [N, N*D], base [N], scale [1] */
+    cpumla_dsv4_layer layer;
+} cpumla_dsv4_mtp;
+
 typedef struct cpumla_dsv4_model {
     int64_t n_layers, hidden, vocab, hc_mult, hc_sinkhorn_iters, n_heads, head_dim, rope_dim, q_lora_rank,
         o_groups, o_lora_rank, sliding_window, index_n_heads, index_head_dim, index_topk;
@@ -83,6 +96,7 @@ typedef struct cpumla_dsv4_model {
      * head_row0 + lm_head->rows - 1; the logits are gathered on rank 0. */
     const cpumla_comm *comm;
     int64_t head_row0;
+    const cpumla_dsv4_mtp *mtp;        /* the MTP layer, or NULL */
 } cpumla_dsv4_model;
 
 typedef struct cpumla_dsv4_state cpumla_dsv4_state;
@@ -104,6 +118,19 @@ int cpumla_dsv4_resumable(const cpumla_dsv4_state *s, int64_t pos0);
  * layers. Returns 0, or -1 (cpumla_last_error). */
 int cpumla_dsv4_forward(cpumla_dsv4_state *s, const int64_t *ids, int64_t n, int64_t pos0, float *logits,
                         int32_t last_only);
+/* cpumla_dsv4_forward that also writes each token's residual streams after the last layer (before the
+ * HyperHead) into hidden [n, N*D] (what the MTP layer takes), when hidden is not NULL. */
+int cpumla_dsv4_forward_hidden(cpumla_dsv4_state *s, const int64_t *ids, int64_t n, int64_t pos0, float *logits,
+                               int32_t last_only, float *hidden);
+/* The MTP layer over positions pos0 .. pos0+n-1 of its own window ring: row t pairs hidden[t] [N*D] (the
+ * main model's streams at that position, or an MTP output X' when drafts are chained) with the token
+ * ids[t] that follows it; logits [n, vocab] (last_only: [1, vocab]) of the token after ids[t] (none
+ * when logits is NULL: the ring entries alone); X' rows into hidden_out [n, N*D] when it is not NULL.
+ * Its entries run on from any position its ring still holds the window of (a rollback of up to about
+ * max_tokens); at any other pos0 the window starts again at pos0 (the entries before it are gone).
+ * -1 when the model has no MTP layer. */
+int cpumla_dsv4_mtp_forward(cpumla_dsv4_state *s, const int64_t *ids, int64_t n, int64_t pos0, const float *hidden,
+                            float *logits, int32_t last_only, float *hidden_out);
 
 #ifdef __cplusplus
 }

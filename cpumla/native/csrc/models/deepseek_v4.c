@@ -11,10 +11,16 @@
 
 #define SCORE_FLOATS (8 << 20)   /* index scores of one query block: at most 32 MB */
 
+const cpumla_dsv4_layer *dsv4_layer(const cpumla_dsv4_model *m, int64_t l) {
+    return l < m->n_layers ? &m->layers[l] : &m->mtp->layer;
+}
+
+int64_t dsv4_cached_layers(const cpumla_dsv4_model *m) { return m->n_layers + (m->mtp ? 1 : 0); }
+
 static int64_t max_router(const cpumla_dsv4_model *m, int want_k) {
     int64_t v = 1;
-    for (int64_t l = 0; l < m->n_layers; l++) {
-        const cpumla_router *r = m->layers[l].router;
+    for (int64_t l = 0; l < dsv4_cached_layers(m); l++) {
+        const cpumla_router *r = dsv4_layer(m, l)->router;
         int64_t x = want_k ? r->top_k : r->n_experts;
         v = x > v ? x : v;
     }
@@ -25,7 +31,7 @@ static void release(cpumla_dsv4_state *s) {
     float **lists[] = {s->kv, s->cring, s->ikeys, s->iring};
     for (size_t i = 0; i < 4; i++) {
         if (lists[i])
-            for (int64_t l = 0; l < s->m->n_layers; l++) free(lists[i][l]);
+            for (int64_t l = 0; l < dsv4_cached_layers(s->m); l++) free(lists[i][l]);
         free(lists[i]);
     }
     free(s->block);
@@ -42,8 +48,10 @@ static int check_model(const cpumla_dsv4_model *m) {
         m->o_groups < 1 || m->n_heads * m->head_dim % m->o_groups || m->o_lora_rank < 1 || m->sliding_window < 1 ||
         m->hc_sinkhorn_iters < 1)
         return -1;
-    for (int64_t l = 0; l < m->n_layers; l++) {
-        const cpumla_dsv4_layer *L = &m->layers[l];
+    if (m->mtp && (m->mtp->layer.ratio != 0 || !m->mtp->e_proj || !m->mtp->h_proj || !m->mtp->hc_head.fn))
+        return -1;
+    for (int64_t l = 0; l < dsv4_cached_layers(m); l++) {
+        const cpumla_dsv4_layer *L = dsv4_layer(m, l);
         if (L->ratio < 0 || !L->router || !L->experts || !L->gate) return -1;
         if (L->csa && (L->ratio < 1 || m->index_topk < 1 || m->index_n_heads < 1 ||
                        m->index_head_dim < m->rope_dim || !L->index_wq_b || !L->index_proj))
@@ -55,7 +63,7 @@ static int check_model(const cpumla_dsv4_model *m) {
 cpumla_dsv4_state *cpumla_dsv4_new(const cpumla_dsv4_model *m, int64_t ctx, int64_t max_tokens) {
     cpumla_ensure_init();
     if (check_model(m) != 0) {
-        cpumla_set_error("bad V4 model description (sizes, rope dims, groups, routers or indexer)");
+        cpumla_set_error("bad V4 model description (sizes, rope dims, groups, routers, indexer or MTP layer)");
         return NULL;
     }
     if (ctx < 1 || max_tokens < 1) {
@@ -70,11 +78,11 @@ cpumla_dsv4_state *cpumla_dsv4_new(const cpumla_dsv4_model *m, int64_t ctx, int6
     int64_t n = max_tokens, D = m->hidden, N = m->hc_mult, H = m->n_heads, hd = m->head_dim;
     int64_t IH = m->index_n_heads > 0 ? m->index_n_heads : 1, ID = m->index_head_dim > 0 ? m->index_head_dim : 1;
     int64_t KI = m->index_topk > 0 ? m->index_topk : 1, E = max_router(m, 0), K = max_router(m, 1);
-    int64_t L = m->n_layers, W = m->sliding_window, cwmax = hd > ID ? hd : ID;
+    int64_t L = dsv4_cached_layers(m), W = m->sliding_window, cwmax = hd > ID ? hd : ID;
     s->wr = W + n;
     int64_t most = 0;
     for (int64_t l = 0; l < L; l++) {
-        const cpumla_dsv4_layer *Ly = &m->layers[l];
+        const cpumla_dsv4_layer *Ly = dsv4_layer(m, l);
         if (Ly->ratio <= 0) continue;
         int64_t ne = ctx / Ly->ratio;
         s->max_entries = ne > s->max_entries ? ne : s->max_entries;
@@ -113,7 +121,7 @@ cpumla_dsv4_state *cpumla_dsv4_new(const cpumla_dsv4_model *m, int64_t ctx, int6
     for (size_t i = 0; i < sizeof lsz / sizeof lsz[0]; i++) { *lslot[i] = (int64_t *)p; p += ((lsz[i] + 15) & ~15) * 8; }
     for (int64_t t = 0; t < n; t++) { s->ones[t] = 1.0f; s->zeros[t] = 0; }
     for (int64_t l = 0; l < L; l++) {
-        const cpumla_dsv4_layer *Ly = &m->layers[l];
+        const cpumla_dsv4_layer *Ly = dsv4_layer(m, l);
         int64_t r = Ly->ratio, ne = r > 0 ? ctx / r : 0, coff = Ly->csa ? 2 : 1;
         if (!(s->kv[l] = layer_alloc(s->wr + ne, hd))) goto oom;
         if (r > 0 && !(s->cring[l] = layer_alloc(dsv4_ring_rows(s, Ly), 2 * coff * hd))) goto oom;
@@ -141,7 +149,7 @@ int cpumla_dsv4_resumable(const cpumla_dsv4_state *s, int64_t pos0) {
     int64_t first = pos0 - m->sliding_window + 1;        /* the window of the query at pos0 */
     if ((first > 0 ? first : 0) < s->top - s->wr) return 0;
     for (int64_t l = 0; l < m->n_layers; l++) {
-        const cpumla_dsv4_layer *L = &m->layers[l];
+        const cpumla_dsv4_layer *L = dsv4_layer(m, l);
         if (L->ratio <= 0) continue;
         /* the open window's inputs, and with overlap the previous window's */
         first = (pos0 / L->ratio - (L->csa ? 1 : 0)) * L->ratio;
@@ -223,7 +231,7 @@ static void hc_post(cpumla_dsv4_state *s, int64_t n) {
 /* s->o = MoE of s->x: routed experts (hash or biased sqrt-softplus top-k) plus the shared expert. */
 static int ffn(cpumla_dsv4_state *s, int64_t l, int64_t n, const int64_t *ids) {
     const cpumla_dsv4_model *m = s->m;
-    const cpumla_dsv4_layer *L = &m->layers[l];
+    const cpumla_dsv4_layer *L = dsv4_layer(m, l);
     const cpumla_router *r = L->router;
     int64_t D = m->hidden;
     memset(s->o, 0, sizeof(float) * (size_t)(n * D));
@@ -238,8 +246,8 @@ static int ffn(cpumla_dsv4_state *s, int64_t l, int64_t n, const int64_t *ids) {
     return 0;
 }
 
-static int forward(cpumla_dsv4_state *s, const int64_t *ids, int64_t n, int64_t pos0, float *logits,
-                   int32_t last_only) {
+/* The token checks of a forward of n ids at pos0 (the main model's and the MTP layer's). */
+static int check_call(const cpumla_dsv4_state *s, const int64_t *ids, int64_t n, int64_t pos0) {
     const cpumla_dsv4_model *m = s->m;
     char msg[200];
     if (n <= 0 || n > s->max_tokens) {
@@ -253,12 +261,6 @@ static int forward(cpumla_dsv4_state *s, const int64_t *ids, int64_t n, int64_t 
         cpumla_set_error(msg);
         return -1;
     }
-    if (!cpumla_dsv4_resumable(s, pos0)) {
-        snprintf(msg, sizeof msg, "the V4 state holds %lld tokens and cannot continue at position %lld",
-                 (long long)s->len, (long long)pos0);
-        cpumla_set_error(msg);
-        return -1;
-    }
     for (int64_t t = 0; t < n; t++)
         if (ids[t] < 0 || ids[t] >= m->vocab) {
             snprintf(msg, sizeof msg, "token id %lld is outside the vocabulary of %lld", (long long)ids[t],
@@ -266,6 +268,60 @@ static int forward(cpumla_dsv4_state *s, const int64_t *ids, int64_t n, int64_t 
             cpumla_set_error(msg);
             return -1;
         }
+    return 0;
+}
+
+/* Layer l (the MTP layer's: n_layers) over the streams s->X of the n tokens at s->pos. */
+static int layer_forward(cpumla_dsv4_state *s, int64_t l, int64_t n, int64_t pos0, const int64_t *ids) {
+    const cpumla_dsv4_model *m = s->m;
+    const cpumla_dsv4_layer *L = dsv4_layer(m, l);
+    int64_t D = m->hidden;
+    DSV4_TRY(hc_pre(s, &L->hc_attn, n));
+    cpumla_rmsnorm(s->y, D, s->x, D, n, D, L->attn_norm.data, L->attn_norm.dtype, m->rms_norm_eps);
+    DSV4_TRY(dsv4_attention(s, l, n, pos0));
+    DSV4_TRY(tp_all_reduce(m->comm, s->o, n * D));
+    hc_post(s, n);
+    DSV4_TRY(hc_pre(s, &L->hc_ffn, n));
+    cpumla_rmsnorm(s->y, D, s->x, D, n, D, L->ffn_norm.data, L->ffn_norm.dtype, m->rms_norm_eps);
+    DSV4_TRY(ffn(s, l, n, ids));
+    DSV4_TRY(tp_all_reduce(m->comm, s->o, n * D));
+    hc_post(s, n);
+    return 0;
+}
+
+/* The logits of the streams s->X (last_only: of the last token): a HyperHead, y = sum_i pre_i X_i with
+ * pre = sigmoid(scale * hc_fn(norm(X)) + base) + eps, then the final norm and the head. */
+static int hyper_head(cpumla_dsv4_state *s, const cpumla_dsv4_hc *hc, const cpumla_vec *norm, int64_t n,
+                      float *logits, int32_t last_only) {
+    const cpumla_dsv4_model *m = s->m;
+    int64_t D = m->hidden, N = m->hc_mult;
+    int64_t first = last_only ? n - 1 : 0, rows = n - first, ND = N * D;
+    const float *Xf = s->X + first * ND;
+    cpumla_rmsnorm(Xf, ND, s->Xn, ND, rows, ND, NULL, CPUMLA_F32, m->rms_norm_eps);
+    DSV4_TRY(cpumla_gemm_f32act(hc->fn, s->Xn, ND, rows, s->mix, N));
+    float scale = vec_at(hc->scale.data, hc->scale.dtype, 0);
+    for (int64_t t = 0; t < rows; t++) {
+        float pre[N];
+        for (int64_t i = 0; i < N; i++)
+            pre[i] = 1.0f / (1.0f + expf(-(s->mix[t * N + i] * scale + vec_at(hc->base.data, hc->base.dtype, i))))
+                     + m->hc_eps;
+        hc_mix(pre, Xf + t * ND, N, D, s->y + t * D);
+    }
+    cpumla_rmsnorm(s->y, D, s->x, D, rows, D, norm->data, norm->dtype, m->rms_norm_eps);
+    return tp_head(m->comm, m->lm_head, m->head_row0, s->x, D, rows, logits, m->vocab);
+}
+
+static int forward(cpumla_dsv4_state *s, const int64_t *ids, int64_t n, int64_t pos0, float *logits,
+                   int32_t last_only, float *hidden) {
+    const cpumla_dsv4_model *m = s->m;
+    DSV4_TRY(check_call(s, ids, n, pos0));
+    if (!cpumla_dsv4_resumable(s, pos0)) {
+        char msg[200];
+        snprintf(msg, sizeof msg, "the V4 state holds %lld tokens and cannot continue at position %lld",
+                 (long long)s->len, (long long)pos0);
+        cpumla_set_error(msg);
+        return -1;
+    }
     if (pos0 == 0) s->top = 0;
     s->len = pos0;                                  /* on failure the state holds what came before */
     s->top = s->top > pos0 + n ? s->top : pos0 + n;
@@ -275,36 +331,47 @@ static int forward(cpumla_dsv4_state *s, const int64_t *ids, int64_t n, int64_t 
         kern_dequant(&cpumla_k, m->embed, ids[t], 0, D, s->X + t * N * D);
         for (int64_t i = 1; i < N; i++) memcpy(s->X + (t * N + i) * D, s->X + t * N * D, sizeof(float) * (size_t)D);
     }
-    for (int64_t l = 0; l < m->n_layers; l++) {
-        const cpumla_dsv4_layer *L = &m->layers[l];
-        DSV4_TRY(hc_pre(s, &L->hc_attn, n));
-        cpumla_rmsnorm(s->y, D, s->x, D, n, D, L->attn_norm.data, L->attn_norm.dtype, m->rms_norm_eps);
-        DSV4_TRY(dsv4_attention(s, l, n, pos0));
-        DSV4_TRY(tp_all_reduce(m->comm, s->o, n * D));
-        hc_post(s, n);
-        DSV4_TRY(hc_pre(s, &L->hc_ffn, n));
-        cpumla_rmsnorm(s->y, D, s->x, D, n, D, L->ffn_norm.data, L->ffn_norm.dtype, m->rms_norm_eps);
-        DSV4_TRY(ffn(s, l, n, ids));
-        DSV4_TRY(tp_all_reduce(m->comm, s->o, n * D));
-        hc_post(s, n);
-    }
-    /* HyperHead: y = sum_i pre_i X_i with pre = sigmoid(scale * hc_fn(norm(X)) + base) + eps */
-    int64_t first = last_only ? n - 1 : 0, rows = n - first, ND = N * D;
-    const float *Xf = s->X + first * ND;
-    cpumla_rmsnorm(Xf, ND, s->Xn, ND, rows, ND, NULL, CPUMLA_F32, m->rms_norm_eps);
-    DSV4_TRY(cpumla_gemm_f32act(m->hc_head.fn, s->Xn, ND, rows, s->mix, N));
-    float scale = vec_at(m->hc_head.scale.data, m->hc_head.scale.dtype, 0);
-    for (int64_t t = 0; t < rows; t++) {
-        float pre[N];
-        for (int64_t i = 0; i < N; i++)
-            pre[i] = 1.0f / (1.0f + expf(-(s->mix[t * N + i] * scale +
-                                           vec_at(m->hc_head.base.data, m->hc_head.base.dtype, i)))) + m->hc_eps;
-        hc_mix(pre, Xf + t * ND, N, D, s->y + t * D);
-    }
-    cpumla_rmsnorm(s->y, D, s->x, D, rows, D, m->norm.data, m->norm.dtype, m->rms_norm_eps);
-    DSV4_TRY(tp_head(m->comm, m->lm_head, m->head_row0, s->x, D, rows, logits, m->vocab));
+    for (int64_t l = 0; l < m->n_layers; l++) DSV4_TRY(layer_forward(s, l, n, pos0, ids));
+    if (hidden) memcpy(hidden, s->X, sizeof(float) * (size_t)(n * N * D));
+    DSV4_TRY(hyper_head(s, &m->hc_head, &m->norm, n, logits, last_only));
     s->len = pos0 + n;
     return 0;
+}
+
+/* The MTP layer: X = h_proj(hnorm(H)) + e_proj(enorm(e)), its layer, its HyperHead. */
+static int mtp_forward(cpumla_dsv4_state *s, const int64_t *ids, int64_t n, int64_t pos0, const float *hidden,
+                       float *logits, int32_t last_only, float *hidden_out) {
+    const cpumla_dsv4_model *m = s->m;
+    const cpumla_dsv4_mtp *mtp = m->mtp;
+    if (!mtp) {
+        cpumla_set_error("this model has no MTP layer");
+        return -1;
+    }
+    DSV4_TRY(check_call(s, ids, n, pos0));
+    int64_t D = m->hidden, N = m->hc_mult, W = m->sliding_window;
+    float eps = m->rms_norm_eps;
+    /* runs on where the ring holds the window's entries since the window last started, else starts it
+     * again at pos0 */
+    int64_t first = pos0 - W + 1 > s->mtp_from ? pos0 - W + 1 : s->mtp_from;
+    if (pos0 < s->mtp_from || pos0 > s->mtp_top || first < s->mtp_top - s->wr) s->mtp_from = s->mtp_top = pos0;
+    for (int64_t t = 0; t < n; t++) {
+        s->pos[t] = pos0 + t;
+        kern_dequant(&cpumla_k, m->embed, ids[t], 0, D, s->y + t * D);
+    }
+    cpumla_rmsnorm(s->y, D, s->x, D, n, D, mtp->enorm.data, mtp->enorm.dtype, eps);
+    DSV4_TRY(cpumla_gemm(mtp->e_proj, s->x, D, n, s->o, D));
+    cpumla_rmsnorm(hidden, D, s->Xn, D, n * N, D, mtp->hnorm.data, mtp->hnorm.dtype, eps);
+    DSV4_TRY(cpumla_gemm(mtp->h_proj, s->Xn, D, n * N, s->X, D));
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t i = 0; i < N; i++) {
+            float *x = s->X + (t * N + i) * D;
+            const float *e = s->o + t * D;
+            for (int64_t d = 0; d < D; d++) x[d] += e[d];
+        }
+    DSV4_TRY(layer_forward(s, m->n_layers, n, pos0, ids));
+    s->mtp_top = s->mtp_top > pos0 + n ? s->mtp_top : pos0 + n;
+    if (hidden_out) memcpy(hidden_out, s->X, sizeof(float) * (size_t)(n * N * D));
+    return logits ? hyper_head(s, &mtp->hc_head, &mtp->norm, n, logits, last_only) : 0;
 }
 
 /* Under the library lock, with the model's own scratch. */
@@ -312,5 +379,19 @@ int cpumla_dsv4_forward(cpumla_dsv4_state *s, const int64_t *ids, int64_t n, int
                         int32_t last_only) {
     cpumla_enter(s->scratch);
     cpumla_ensure_init();
-    return cpumla_leave(forward(s, ids, n, pos0, logits, last_only));
+    return cpumla_leave(forward(s, ids, n, pos0, logits, last_only, NULL));
+}
+
+int cpumla_dsv4_forward_hidden(cpumla_dsv4_state *s, const int64_t *ids, int64_t n, int64_t pos0, float *logits,
+                               int32_t last_only, float *hidden) {
+    cpumla_enter(s->scratch);
+    cpumla_ensure_init();
+    return cpumla_leave(forward(s, ids, n, pos0, logits, last_only, hidden));
+}
+
+int cpumla_dsv4_mtp_forward(cpumla_dsv4_state *s, const int64_t *ids, int64_t n, int64_t pos0, const float *hidden,
+                            float *logits, int32_t last_only, float *hidden_out) {
+    cpumla_enter(s->scratch);
+    cpumla_ensure_init();
+    return cpumla_leave(mtp_forward(s, ids, n, pos0, hidden, logits, last_only, hidden_out));
 }

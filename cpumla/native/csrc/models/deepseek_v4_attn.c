@@ -68,7 +68,7 @@ static int compress(cpumla_dsv4_state *s, const cpumla_dsv4_layer *L, const cpum
  * index_topk best by sum_h w_h relu(qI_h . kI). Index keys of the chunk are emitted first. */
 static int indexer(cpumla_dsv4_state *s, int64_t l, int64_t n, int64_t pos0) {
     const cpumla_dsv4_model *m = s->m;
-    const cpumla_dsv4_layer *L = &m->layers[l];
+    const cpumla_dsv4_layer *L = dsv4_layer(m, l);
     int64_t D = m->hidden, QL = m->q_lora_rank, P = m->rope_dim, IH = m->index_n_heads, ID = m->index_head_dim;
     int64_t K = m->index_topk, r = L->ratio;
     DSV4_TRY(compress(s, L, &L->icomp, s->iring[l], ID, s->ikeys[l], ID, n, pos0));
@@ -111,7 +111,7 @@ static int indexer(cpumla_dsv4_state *s, int64_t l, int64_t n, int64_t pos0) {
 
 int dsv4_attention(cpumla_dsv4_state *s, int64_t l, int64_t n, int64_t pos0) {
     const cpumla_dsv4_model *m = s->m;
-    const cpumla_dsv4_layer *L = &m->layers[l];
+    const cpumla_dsv4_layer *L = dsv4_layer(m, l);
     int64_t D = m->hidden, H = m->n_heads, hd = m->head_dim, P = m->rope_dim, QL = m->q_lora_rank;
     int64_t G = m->o_groups, OL = m->o_lora_rank, W = m->sliding_window, wr = s->wr, r = L->ratio;
     float eps = m->rms_norm_eps;
@@ -132,11 +132,13 @@ int dsv4_attention(cpumla_dsv4_state *s, int64_t l, int64_t n, int64_t pos0) {
         DSV4_TRY(compress(s, L, &L->comp, s->cring[l], hd, kv + wr * hd, hd, n, pos0));
         if (L->csa) DSV4_TRY(indexer(s, l, n, pos0));
     }
-    /* each query's rows: its window in the ring, then the compressed entries it attends to */
+    /* each query's rows: its window in the ring (the MTP layer's from where its entries start), then
+     * the compressed entries it attends to */
+    int64_t from = l == m->n_layers ? s->mtp_from : 0;
     for (int64_t t = 0; t < n; t++) {
         int64_t p = pos0 + t, cnt = 0;
         int32_t *idx = s->kv_idx + t * s->ld_idx;
-        for (int64_t q = p - W + 1 > 0 ? p - W + 1 : 0; q <= p; q++) idx[cnt++] = (int32_t)(q % wr);
+        for (int64_t q = p - W + 1 > from ? p - W + 1 : from; q <= p; q++) idx[cnt++] = (int32_t)(q % wr);
         if (r > 0 && L->csa) {
             const int32_t *sel = s->sel + t * m->index_topk;
             for (int64_t j = 0; j < s->sel_len[t]; j++) idx[cnt++] = (int32_t)(wr + sel[j]);

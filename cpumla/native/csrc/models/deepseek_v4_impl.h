@@ -13,11 +13,13 @@ struct cpumla_dsv4_state {
     int64_t ctx, max_tokens;
     int64_t len;        /* positions the state holds */
     int64_t top;        /* one past the highest position written since the last start from 0 */
+    int64_t mtp_from;   /* the MTP layer's ring: the first position its window may read ... */
+    int64_t mtp_top;    /* ... and one past the highest it has written since */
     int64_t wr;         /* window ring rows: W + max_tokens (position p lives in row p % wr) */
     int64_t ld_idx;     /* attention index list stride: W + the most compressed rows one query reads */
     int64_t max_entries, qc;
     cpumla_ctx *scratch;
-    float **kv;         /* [L] [wr + ctx/r, hd]: the window ring, then the compressed entries */
+    float **kv;         /* [L (+ the MTP layer)] [wr + ctx/r, hd]: the window ring, then the compressed entries */
     float **cring;      /* [L] [ring_rows(l), 2*coff*hd]: compressor inputs [a | z + ape] of position p */
     float **ikeys;      /* [L] CSA: [ctx/r, ID] index keys */
     float **iring;      /* [L] CSA: [ring_rows(l), 4*ID] the indexer compressor's inputs */
@@ -54,6 +56,11 @@ struct cpumla_dsv4_state {
     int64_t *pos;       /* [n] */
     int64_t *slots;     /* [n] */
 };
+
+/* Layer l of m: the MTP layer's for l = n_layers. */
+CPUMLA_INTERNAL const cpumla_dsv4_layer *dsv4_layer(const cpumla_dsv4_model *m, int64_t l);
+/* n_layers, plus one with an MTP layer: the layers with caches. */
+CPUMLA_INTERNAL int64_t dsv4_cached_layers(const cpumla_dsv4_model *m);
 
 /* Rows of layer l's compressor input rings: coff*r + max_tokens (coff = 2 with overlap). */
 CPUMLA_INTERNAL int64_t dsv4_ring_rows(const cpumla_dsv4_state *s, const cpumla_dsv4_layer *L);
