@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "performance.md"
 README = ROOT / "README.md"
 REF = ["deepseek-ai/DeepSeek-V2-Lite", "--dummy-weights", "--hf-overrides", '{"num_hidden_layers": 4}']
-SECTIONS = ("decode", "depth", "kernels", "formats", "peers")
+SECTIONS = ("decode", "depth", "long", "kernels", "formats", "peers")
 
 
 SHOWN: dict[str, str] = {}     # paths of this machine -> what the page shows for them
@@ -162,6 +162,35 @@ def depth(m: dict, a) -> str:
             "absorbed MLA decode slows little with depth; V3.2's indexer attends to at most `index_topk` "
             "(2048) cached tokens, so its decode stays near its depth-0 speed where V3's falls.\n\n" + stamp(m, cmds)
             + "\n" + table(["model", "depth", "decode tok/s", "of depth 0", "of the read probe"], rows) + "\n")
+
+
+# one MoE layer of V3 and V3.2, a CSA and an HCA layer of V4-Flash: (name, repo, overrides, layers of the
+# full model the measured layers stand for, measured layers)
+LONG = [("V3 / R1", "deepseek-ai/DeepSeek-V3", '{"num_hidden_layers": 1, "first_k_dense_replace": 0, "n_routed_experts": 32}', 61, 1),
+        ("V3.2", "deepseek-ai/DeepSeek-V3.2", '{"num_hidden_layers": 1, "first_k_dense_replace": 0, "n_routed_experts": 32}', 61, 1),
+        ("V4-Flash", "deepseek-ai/DeepSeek-V4-Flash",
+         '{"num_hidden_layers": 2, "n_routed_experts": 32, "compress_ratios": [4, 128, 0], "num_hash_layers": 0}', 41, 2)]
+
+
+def long(m: dict, a) -> str:
+    cmds, rows = [], []
+    for prompt in (4096, 16384):
+        for name, repo, over, layers, measured in LONG:
+            cmd = ["cpumla", "bench", repo, "--dummy-weights", "--hf-overrides", over, "-p", str(prompt), "-n", "0", "-r", "1"]
+            cmds.append(cmd)
+            pp = next(r for r in bench(cmd) if r["n_prompt"])
+            per = pp["ttft_ms"] / 1e3 / measured
+            rows.append([name, prompt, f"{per:.1f}", f"{per * layers / 60:.0f} min ({layers} layers)"])
+    return ("## Long prompts
+
+Time to the first token of a long prompt, per layer of each model's real widths "
+            "(one MoE layer of V3 and of V3.2; a CSA and an HCA layer of V4-Flash), and what that makes for the "
+            "full model's layers of that kind. V3 attends to every earlier token (quadratic in the prompt); "
+            "V3.2's indexer picks 2048 of them and V4-Flash attends to a window and compressed entries, "
+            "near linear. V3.2's sparse attention runs absorbed, though (576 + 512 products a key and head, "
+            "against 192 + 128 for V3's un-absorbed prefill), so on a CPU it is no faster than V3 up to about "
+            "16k tokens; past that its cost grows linearly and V3's quadratically.\n\n" + stamp(m, cmds) + "\n" +
+            table(["model", "prompt tokens", "TTFT s a layer", "the full model's layers"], rows, right=2) + "\n")
 
 
 def kernels(m: dict, a) -> str:

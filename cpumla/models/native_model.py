@@ -67,8 +67,9 @@ class NativeModel:
     def mtp_forward(self, ids: np.ndarray, pos0: int, hidden: np.ndarray, out: np.ndarray | None, last_only: bool,
                     hidden_out: np.ndarray | None = None) -> None:
         """The MTP layer at positions pos0.. over (hidden[t], ids[t]) pairs: the logits of the token after
-        each ids[t] into out (None: the cache entries only), its output rows (what a chained draft takes
-        as hidden) into hidden_out."""
+        each ids[t] into out, its output rows (what a chained draft takes as hidden) into hidden_out,
+        each when not None; last_only: of the last position alone (one row each; the others write their
+        cache entries and nothing more); with neither, the cache entries only."""
         if self.mtp is None:
             raise CpumlaError("this checkpoint has no MTP layer")
         ffi = native.ffi

@@ -145,7 +145,7 @@ class MtpDrafter:
             return []             # the hidden rows do not cover the cache (never expected): no draft
         ids = np.asarray(eng.tokens[self.done + 1:pos] + [tok], np.int64)
         logits = np.empty((1, eng.config.vocab_size), np.float32)
-        h_out = np.empty((len(ids), self.D), np.float32)
+        h_out = np.empty((1, self.D), np.float32)          # last_only: the last position's alone
         self.model.mtp_forward(ids, self.done, self.rows, logits, True, h_out)
         self.done, self._n = pos, 0
         out: list[int] = []
@@ -158,8 +158,7 @@ class MtpDrafter:
                 break
             # chain: the layer's output as the hidden input, at the next position (an entry that the
             # next catch-up overwrites with the real one)
-            h = h_out[-1:].copy()
-            h_out = np.empty((1, self.D), np.float32)
+            h, h_out = h_out, np.empty((1, self.D), np.float32)
             self.model.mtp_forward(np.asarray([d], np.int64), pos + len(out) - 1, h, logits, True, h_out)
         return out
 

@@ -68,9 +68,14 @@ def test_mtp_layer_matches_the_spec(v3_mtp):
     h_ref = ref.hidden(IDS)
     check_fp32(h, h_ref.numpy())
     want = ref.logits(h_ref, nxt.tolist())
-    got = np.empty((len(ids), V), np.float32)
-    m.mtp_forward(nxt, 0, h, got, False)
+    got, h_all = np.empty((len(ids), V), np.float32), np.empty((len(ids), D), np.float32)
+    m.mtp_forward(nxt, 0, h, got, False, h_all)
     check_fp32(got, want)
+    # the last position's alone (a draft: the others only write their entries) is the full pass's last
+    one, h_one = np.empty((1, V), np.float32), np.empty((1, D), np.float32)
+    m.mtp_forward(nxt, 0, h, one, True, h_one)
+    check_fp32(one, want[-1:])
+    check_fp32(h_one, h_all[-1:])
     # the same entries written in pieces (a prefill, then one position at a time) give the same logits
     parts = [np.empty((1, V), np.float32) for _ in range(len(ids) - 5)]
     m.mtp_forward(nxt[:5], 0, h[:5], None, True)

@@ -89,9 +89,11 @@ int cpumla_dsv2_forward_hidden(cpumla_dsv2_state *s, const int64_t *ids, int64_t
                                int32_t last_only, float *hidden);
 /* The MTP layer over n positions pos0 .. pos0+n-1 of its own latent cache: row t pairs hidden[t] (a
  * normed hidden state of the main model at that position, or an MTP output h' when drafts are chained)
- * with the token ids[t] that follows it; logits [n, vocab] (last_only: [1, vocab]) of the token after
- * ids[t] (none when logits is NULL: the cache entries alone); h' rows into hidden_out [n, D] when it is
- * not NULL. -1 when the model has no MTP layer. */
+ * with the token ids[t] that follows it; logits [n, vocab] of the token after ids[t] and h' rows into
+ * hidden_out [n, D], each when not NULL. last_only: of the last position alone ([1, vocab], [1, D]):
+ * the others write their cache entries, and attention and MoE run for the last one alone; with
+ * neither logits nor hidden_out, only the cache entries are written. -1 when the model has no MTP
+ * layer. */
 int cpumla_dsv2_mtp_forward(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int64_t pos0, const float *hidden,
                             float *logits, int32_t last_only, float *hidden_out);
 /* Whether the forward attends a chunk of n tokens un-absorbed (without sparse index lists): n > 1 and

@@ -124,8 +124,9 @@ int cpumla_dsv4_forward_hidden(cpumla_dsv4_state *s, const int64_t *ids, int64_t
                                int32_t last_only, float *hidden);
 /* The MTP layer over positions pos0 .. pos0+n-1 of its own window ring: row t pairs hidden[t] [N*D] (the
  * main model's streams at that position, or an MTP output X' when drafts are chained) with the token
- * ids[t] that follows it; logits [n, vocab] (last_only: [1, vocab]) of the token after ids[t] (none
- * when logits is NULL: the ring entries alone); X' rows into hidden_out [n, N*D] when it is not NULL.
+ * ids[t] that follows it; logits [n, vocab] of the token after ids[t] and X' rows into hidden_out
+ * [n, N*D], each when not NULL. last_only: of the last position alone ([1, vocab], [1, N*D]), the MoE
+ * run for it alone; with neither, only the ring entries are written (no MoE).
  * Its entries run on from any position its ring still holds the window of (a rollback of up to about
  * max_tokens); at any other pos0 the window starts again at pos0 (the entries before it are gone).
  * -1 when the model has no MTP layer. */

@@ -294,11 +294,26 @@ int dsv2_final_hidden(cpumla_dsv2_state *s, int64_t n, float *hidden) {
     return 0;
 }
 
+void dsv2_keep_last(cpumla_dsv2_state *s, int64_t n) {
+    const cpumla_dsv2_model *m = s->m;
+    int64_t D = m->hidden, qw = m->n_heads * (m->qk_nope_head_dim + m->qk_rope_head_dim);
+    memmove(s->h, s->h + (n - 1) * D, sizeof(float) * (size_t)D);
+    memmove(s->q, s->q + (n - 1) * qw, sizeof(float) * (size_t)qw);
+    s->pos[0] = s->pos[n - 1];
+    s->kv_len[0] = s->kv_len[n - 1];
+}
+
 static int mtp_forward(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int64_t pos0, const float *hidden,
                        float *logits, int32_t last_only, float *hidden_out) {
     int64_t L = s->m->n_layers;
     TRY(dsv2_mtp_in(s, ids, n, pos0, hidden));
     TRY(dsv2_attn_in(s, L, n));
+    if (!logits && !hidden_out) return 0;          /* the cache entries alone */
+    if (last_only && n > 1) {                      /* the last position alone goes on */
+        dsv2_keep_last(s, n);
+        pos0 += n - 1;
+        n = 1;
+    }
     TRY(dsv2_attn_out(s, L, n, pos0, NULL, 0, NULL));
     TRY(dsv2_ffn(s, L, n));
     return dsv2_mtp_out(s, n, logits, last_only, hidden_out);

@@ -66,6 +66,10 @@ CPUMLA_INTERNAL int dsv2_final_hidden(cpumla_dsv2_state *s, int64_t n, float *hi
  * and writes u = eh_proj([enorm(e) ; hnorm(hidden)]) into s->h; dsv2_mtp_out copies h' into hidden_out
  * and writes the logits (shared_head.norm, lm_head) unless logits is NULL. */
 CPUMLA_INTERNAL int dsv2_mtp_in(cpumla_dsv2_state *s, const int64_t *ids, int64_t n, int64_t pos0, const float *hidden);
+/* After dsv2_attn_in of n tokens: the last one's residual row, queries, position and causal length moved
+ * to row 0, so the rest of the layer runs on it alone (an MTP pass that wants the last position's
+ * output only: the others' cache entries are written, their MoE is not run). */
+CPUMLA_INTERNAL void dsv2_keep_last(cpumla_dsv2_state *s, int64_t n);
 CPUMLA_INTERNAL int dsv2_mtp_out(cpumla_dsv2_state *s, int64_t n, float *logits, int32_t last_only, float *hidden_out);
 
 #endif

@@ -132,8 +132,9 @@ static void select_topk(const float *v, int64_t n, int64_t k, int32_t *work, int
 }
 
 /* The indexer of layer l for the n tokens of this call: their index keys into the cache, then for each
- * query its selection (sel, sel_len). Reads base.x (the attention's normed input) and base.qa. */
-static int indexer(cpumla_dsv32_state *s, int64_t l, int64_t n, int64_t pos0) {
+ * query from q_first on its selection (sel, sel_len). Reads base.x (the attention's normed input) and
+ * base.qa. */
+static int indexer(cpumla_dsv32_state *s, int64_t l, int64_t n, int64_t pos0, int64_t q_first) {
     const cpumla_dsv32_model *m = s->m;
     const cpumla_dsv32_indexer *X = &m->indexers[l];
     cpumla_dsv2_state *b = &s->base;
@@ -149,7 +150,7 @@ static int indexer(cpumla_dsv32_state *s, int64_t l, int64_t n, int64_t pos0) {
     float wscale = (float)(1.0 / sqrt((double)IH) / sqrt((double)ID));
     for (int64_t i = 0; i < n * IH; i++) s->iw[i] *= wscale;
 
-    for (int64_t q0 = 0; q0 < n; q0 += s->qc) {
+    for (int64_t q0 = q_first; q0 < n; q0 += s->qc) {
         int64_t q1 = q0 + s->qc < n ? q0 + s->qc : n;
         int64_t T = pos0 + q1;                    /* rows the last query of the chunk sees */
         int64_t dense = 1;                        /* does every query of the chunk see all of its rows? */
@@ -188,11 +189,11 @@ static int indexer(cpumla_dsv32_state *s, int64_t l, int64_t n, int64_t pos0) {
     return 0;
 }
 
-/* layer l (the MTP layer's: n_layers) over s->base.h */
+/* layer l over s->base.h */
 static int layer(cpumla_dsv32_state *s, int64_t l, int64_t n, int64_t pos0) {
     cpumla_dsv2_state *b = &s->base;
     TRY(dsv2_attn_in(b, l, n));
-    TRY(indexer(s, l, n, pos0));
+    TRY(indexer(s, l, n, pos0, 0));
     TRY(dsv2_attn_out(b, l, n, pos0, s->sel, s->m->index_topk, s->sel_len));
     return dsv2_ffn(b, l, n);
 }
@@ -208,9 +209,25 @@ static int forward(cpumla_dsv32_state *s, const int64_t *ids, int64_t n, int64_t
 
 static int mtp_forward(cpumla_dsv32_state *s, const int64_t *ids, int64_t n, int64_t pos0, const float *hidden,
                        float *logits, int32_t last_only, float *hidden_out) {
-    TRY(dsv2_mtp_in(&s->base, ids, n, pos0, hidden));
-    TRY(layer(s, s->m->base.n_layers, n, pos0));
-    return dsv2_mtp_out(&s->base, n, logits, last_only, hidden_out);
+    cpumla_dsv2_state *b = &s->base;
+    int64_t L = s->m->base.n_layers, K = s->m->index_topk;
+    int outputs = logits || hidden_out;
+    TRY(dsv2_mtp_in(b, ids, n, pos0, hidden));
+    TRY(dsv2_attn_in(b, L, n));
+    /* the cache entries of every position; the rest of the layer for those whose output is wanted (as
+     * deepseek_v2.c's MTP pass) */
+    TRY(indexer(s, L, n, pos0, !outputs ? n : last_only ? n - 1 : 0));
+    if (!outputs) return 0;
+    if (last_only && n > 1) {
+        dsv2_keep_last(b, n);
+        memmove(s->sel, s->sel + (n - 1) * K, sizeof(int32_t) * (size_t)K);
+        s->sel_len[0] = s->sel_len[n - 1];
+        pos0 += n - 1;
+        n = 1;
+    }
+    TRY(dsv2_attn_out(b, L, n, pos0, s->sel, K, s->sel_len));
+    TRY(dsv2_ffn(b, L, n));
+    return dsv2_mtp_out(b, n, logits, last_only, hidden_out);
 }
 
 int cpumla_dsv32_forward(cpumla_dsv32_state *s, const int64_t *ids, int64_t n, int64_t pos0, float *logits,

@@ -271,8 +271,9 @@ static int check_call(const cpumla_dsv4_state *s, const int64_t *ids, int64_t n,
     return 0;
 }
 
-/* Layer l (the MTP layer's: n_layers) over the streams s->X of the n tokens at s->pos. */
-static int layer_forward(cpumla_dsv4_state *s, int64_t l, int64_t n, int64_t pos0, const int64_t *ids) {
+/* The attention half of layer l (the MTP layer's: n_layers) over the streams s->X of the n tokens at
+ * s->pos, then its MoE half. */
+static int layer_attn(cpumla_dsv4_state *s, int64_t l, int64_t n, int64_t pos0) {
     const cpumla_dsv4_model *m = s->m;
     const cpumla_dsv4_layer *L = dsv4_layer(m, l);
     int64_t D = m->hidden;
@@ -281,6 +282,13 @@ static int layer_forward(cpumla_dsv4_state *s, int64_t l, int64_t n, int64_t pos
     DSV4_TRY(dsv4_attention(s, l, n, pos0));
     DSV4_TRY(tp_all_reduce(m->comm, s->o, n * D));
     hc_post(s, n);
+    return 0;
+}
+
+static int layer_ffn(cpumla_dsv4_state *s, int64_t l, int64_t n, const int64_t *ids) {
+    const cpumla_dsv4_model *m = s->m;
+    const cpumla_dsv4_layer *L = dsv4_layer(m, l);
+    int64_t D = m->hidden;
     DSV4_TRY(hc_pre(s, &L->hc_ffn, n));
     cpumla_rmsnorm(s->y, D, s->x, D, n, D, L->ffn_norm.data, L->ffn_norm.dtype, m->rms_norm_eps);
     DSV4_TRY(ffn(s, l, n, ids));
@@ -331,7 +339,10 @@ static int forward(cpumla_dsv4_state *s, const int64_t *ids, int64_t n, int64_t 
         kern_dequant(&cpumla_k, m->embed, ids[t], 0, D, s->X + t * N * D);
         for (int64_t i = 1; i < N; i++) memcpy(s->X + (t * N + i) * D, s->X + t * N * D, sizeof(float) * (size_t)D);
     }
-    for (int64_t l = 0; l < m->n_layers; l++) DSV4_TRY(layer_forward(s, l, n, pos0, ids));
+    for (int64_t l = 0; l < m->n_layers; l++) {
+        DSV4_TRY(layer_attn(s, l, n, pos0));
+        DSV4_TRY(layer_ffn(s, l, n, ids));
+    }
     if (hidden) memcpy(hidden, s->X, sizeof(float) * (size_t)(n * N * D));
     DSV4_TRY(hyper_head(s, &m->hc_head, &m->norm, n, logits, last_only));
     s->len = pos0 + n;
@@ -368,8 +379,15 @@ static int mtp_forward(cpumla_dsv4_state *s, const int64_t *ids, int64_t n, int6
             const float *e = s->o + t * D;
             for (int64_t d = 0; d < D; d++) x[d] += e[d];
         }
-    DSV4_TRY(layer_forward(s, m->n_layers, n, pos0, ids));
+    DSV4_TRY(layer_attn(s, m->n_layers, n, pos0));       /* the window entries of every position */
     s->mtp_top = s->mtp_top > pos0 + n ? s->mtp_top : pos0 + n;
+    if (!logits && !hidden_out) return 0;
+    if (last_only && n > 1) {              /* the MoE for the position whose output is wanted alone */
+        memmove(s->X, s->X + (n - 1) * N * D, sizeof(float) * (size_t)(N * D));
+        ids += n - 1;
+        n = 1;
+    }
+    DSV4_TRY(layer_ffn(s, m->n_layers, n, ids));
     if (hidden_out) memcpy(hidden_out, s->X, sizeof(float) * (size_t)(n * N * D));
     return logits ? hyper_head(s, &mtp->hc_head, &mtp->norm, n, logits, last_only) : 0;
 }
