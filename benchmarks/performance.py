@@ -181,9 +181,7 @@ def long(m: dict, a) -> str:
             pp = next(r for r in bench(cmd) if r["n_prompt"])
             per = pp["ttft_ms"] / 1e3 / measured
             rows.append([name, prompt, f"{per:.1f}", f"{per * layers / 60:.0f} min ({layers} layers)"])
-    return ("## Long prompts
-
-Time to the first token of a long prompt, per layer of each model's real widths "
+    return ("## Long prompts\n\nTime to the first token of a long prompt, per layer of each model's real widths "
             "(one MoE layer of V3 and of V3.2; a CSA and an HCA layer of V4-Flash), and what that makes for the "
             "full model's layers of that kind. V3 attends to every earlier token (quadratic in the prompt); "
             "V3.2's indexer picks 2048 of them and V4-Flash attends to a window and compressed entries, "

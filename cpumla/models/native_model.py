@@ -62,7 +62,14 @@ class NativeModel:
 
     def forward_hidden(self, ids: np.ndarray, pos0: int, out: np.ndarray, last_only: bool, hidden: np.ndarray) -> None:
         """forward() that also writes what the MTP layer takes of every token into hidden [n, mtp_width]."""
+        self._rows_fit(hidden, ids.size, "hidden")
         self._native_call(getattr(native.lib, self.HIDDEN_FN), ids, pos0, out, last_only, hidden)
+
+    def _rows_fit(self, a: np.ndarray | None, rows: int, name: str, width: int | None = None) -> None:
+        """A CpumlaError unless a holds rows x width float32 values (width: mtp_width)."""
+        width = self.mtp_width if width is None else width
+        if a is not None and (a.dtype != np.float32 or a.size < rows * width):
+            raise CpumlaError(f"{name} must hold {rows} x {width} float32 values")
 
     def mtp_forward(self, ids: np.ndarray, pos0: int, hidden: np.ndarray, out: np.ndarray | None, last_only: bool,
                     hidden_out: np.ndarray | None = None) -> None:
@@ -72,6 +79,10 @@ class NativeModel:
         cache entries and nothing more); with neither, the cache entries only."""
         if self.mtp is None:
             raise CpumlaError("this checkpoint has no MTP layer")
+        rows = 1 if last_only else ids.size
+        self._rows_fit(hidden, ids.size, "hidden")
+        self._rows_fit(out, rows, "out", self.config.vocab_size)
+        self._rows_fit(hidden_out, rows, "hidden_out")
         ffi = native.ffi
         if self._state is None:
             raise CpumlaError("this model has been closed")

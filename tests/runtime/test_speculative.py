@@ -76,6 +76,8 @@ def test_mtp_layer_matches_the_spec(v3_mtp):
     m.mtp_forward(nxt, 0, h, one, True, h_one)
     check_fp32(one, want[-1:])
     check_fp32(h_one, h_all[-1:])
+    with pytest.raises(CpumlaError, match="hidden_out must hold"):        # a buffer too small for the rows
+        m.mtp_forward(nxt, 0, h, got, False, h_one)
     # the same entries written in pieces (a prefill, then one position at a time) give the same logits
     parts = [np.empty((1, V), np.float32) for _ in range(len(ids) - 5)]
     m.mtp_forward(nxt[:5], 0, h[:5], None, True)

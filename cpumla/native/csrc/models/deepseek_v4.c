@@ -271,30 +271,35 @@ static int check_call(const cpumla_dsv4_state *s, const int64_t *ids, int64_t n,
     return 0;
 }
 
-/* The attention half of layer l (the MTP layer's: n_layers) over the streams s->X of the n tokens at
- * s->pos, then its MoE half. */
-static int layer_attn(cpumla_dsv4_state *s, int64_t l, int64_t n, int64_t pos0) {
+/* An mHC sub-block around F (attention or MoE): sub_in makes its normed input s->x from the streams s->X
+ * of the n tokens, F writes s->o, sub_out joins s->o (all-reduced across ranks) to the streams. */
+static int sub_in(cpumla_dsv4_state *s, const cpumla_dsv4_hc *hc, const cpumla_vec *norm, int64_t n) {
     const cpumla_dsv4_model *m = s->m;
-    const cpumla_dsv4_layer *L = dsv4_layer(m, l);
-    int64_t D = m->hidden;
-    DSV4_TRY(hc_pre(s, &L->hc_attn, n));
-    cpumla_rmsnorm(s->y, D, s->x, D, n, D, L->attn_norm.data, L->attn_norm.dtype, m->rms_norm_eps);
-    DSV4_TRY(dsv4_attention(s, l, n, pos0));
-    DSV4_TRY(tp_all_reduce(m->comm, s->o, n * D));
+    DSV4_TRY(hc_pre(s, hc, n));
+    cpumla_rmsnorm(s->y, m->hidden, s->x, m->hidden, n, m->hidden, norm->data, norm->dtype, m->rms_norm_eps);
+    return 0;
+}
+
+static int sub_out(cpumla_dsv4_state *s, int64_t n) {
+    DSV4_TRY(tp_all_reduce(s->m->comm, s->o, n * s->m->hidden));
     hc_post(s, n);
     return 0;
 }
 
+/* The attention half of layer l (the MTP layer's: n_layers) over the n tokens at s->pos, then its MoE
+ * half. */
+static int layer_attn(cpumla_dsv4_state *s, int64_t l, int64_t n, int64_t pos0) {
+    const cpumla_dsv4_layer *L = dsv4_layer(s->m, l);
+    DSV4_TRY(sub_in(s, &L->hc_attn, &L->attn_norm, n));
+    DSV4_TRY(dsv4_attention(s, l, n, pos0));
+    return sub_out(s, n);
+}
+
 static int layer_ffn(cpumla_dsv4_state *s, int64_t l, int64_t n, const int64_t *ids) {
-    const cpumla_dsv4_model *m = s->m;
-    const cpumla_dsv4_layer *L = dsv4_layer(m, l);
-    int64_t D = m->hidden;
-    DSV4_TRY(hc_pre(s, &L->hc_ffn, n));
-    cpumla_rmsnorm(s->y, D, s->x, D, n, D, L->ffn_norm.data, L->ffn_norm.dtype, m->rms_norm_eps);
+    const cpumla_dsv4_layer *L = dsv4_layer(s->m, l);
+    DSV4_TRY(sub_in(s, &L->hc_ffn, &L->ffn_norm, n));
     DSV4_TRY(ffn(s, l, n, ids));
-    DSV4_TRY(tp_all_reduce(m->comm, s->o, n * D));
-    hc_post(s, n);
-    return 0;
+    return sub_out(s, n);
 }
 
 /* The logits of the streams s->X (last_only: of the last token): a HyperHead, y = sum_i pre_i X_i with
