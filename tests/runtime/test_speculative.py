@@ -141,6 +141,19 @@ def test_v4_mtp_output_streams_and_restart(tmp_path):
     check_fp32(got, ref.logits(ref.hidden(full)[100:], nxt.tolist()))
 
 
+def test_v4_mtp_layer_is_read_as_a_sliding_window_layer():
+    """V4's MTP layer takes the last entry of compress_ratios (a shrunk config keeps the list), and is
+    read only as a sliding-window layer."""
+    from cpumla.models import deepseek_v4 as v4
+
+    base = {**models.V4_BASE, "model_type": "deepseek_v4", "num_nextn_predict_layers": 1}
+    shrunk = v4.Config.from_dict({**base, "num_hidden_layers": 3, "compress_ratios": [0, 4, 128, 4, 128, 0]})
+    assert shrunk.mtp_ratio == 0 and v4.has_mtp(shrunk) and "mtp.0.e_proj.weight" in v4.tensors(shrunk)
+    comp = v4.Config.from_dict({**base, "compress_ratios": [0, 4, 128, 4, 128, 4]})
+    assert comp.mtp_ratio == 4 and not v4.has_mtp(comp)
+    assert not any(name.startswith("mtp.") for name in v4.tensors(comp))
+
+
 @pytest.mark.parametrize("mode,k", [("mtp", 1), ("mtp", 2), ("mtp", 3), ("ngram", 2)])
 def test_greedy_text_is_the_same_with_drafts(v3_mtp, mode, k):
     d, _ = v3_mtp
