@@ -60,6 +60,18 @@ def test_token_counts(isa, fmt, n):
 
 
 @pytest.mark.parametrize("fmt", K_TYPES)
+@pytest.mark.parametrize("rows,n", [(16, 16), (19, 17), (37, 40), (5, 48)])
+def test_token_groups(isa, fmt, rows, n):
+    """The panels of 16 rows and groups of 16 tokens (avx512vnni_gqp.c, amx_gq.c): partial panels and
+    groups, several of each, activations of every scale."""
+    w = native.Weight(k_blocks(fmt, rows, 768, seed=rows + n), fmt)
+    x = np.random.default_rng(n).standard_normal((n, 768)).astype(np.float32)
+    x[::3] *= 1e-3
+    x[1, 256:512] = 0.0
+    check(w, x, isa)
+
+
+@pytest.mark.parametrize("fmt", K_TYPES)
 def test_strided_rows(isa, fmt):
     raw = k_blocks(fmt, 40, 512, seed=3)
     view = raw[3::3]                                   # 13 rows, 3 row strides apart
@@ -82,9 +94,10 @@ def test_extreme_blocks(isa, fmt, fill):
         blocks[0::2, at:at + 2] = big
         blocks[1::2, at:at + 2] = small
     w = native.Weight(raw, fmt)
-    x = np.where(np.arange(512) % 3 == 0, -1.0, 1.0).astype(np.float32)[None].repeat(5, 0)
+    x = np.where(np.arange(512) % 3 == 0, -1.0, 1.0).astype(np.float32)[None].repeat(18, 0)   # 18: the panels too
     x[1] = -x[1]
     x[2, 256:288] = 0.0
     x[3] = np.random.default_rng(0).standard_normal(512).astype(np.float32) * 1e-3
     x[4, ::2] = 0.0
+    x[5:] = np.random.default_rng(1).choice([-1.0, 1.0], (13, 512)).astype(np.float32)
     check(w, x, isa)

@@ -58,7 +58,7 @@ def test_q8_0_gemv_gemm_bit_exact(isa, rows, cols):
     w = native.Weight(raw, "q8_0")
     assert (w.rows, w.cols) == (rows, cols)
     rng = np.random.default_rng(cols)
-    x = rng.standard_normal((5, cols)).astype(np.float32)
+    x = rng.standard_normal((21, cols)).astype(np.float32)          # 21 tokens: the panels (from 16) too
     x[1, :32] = 0.0                                                  # a zero activation block
     x[2, 32:] *= 1e-3
     want = spec(raw, x)

@@ -39,7 +39,8 @@ static const char *slot_names[CPUMLA_SCRATCH_COUNT] = {
     [CPUMLA_SCRATCH_AVX512_E4_XS] = "avx512 e4m3 activations",
     [CPUMLA_SCRATCH_AVX512_E4_PANEL] = "avx512 e4m3 panel", [CPUMLA_SCRATCH_AVX512_GT] = "avx512 gemv_t sums",
     [CPUMLA_SCRATCH_AMX_PANEL] = "amx panel", [CPUMLA_SCRATCH_AMX_QX] = "amx activation tiles", [CPUMLA_SCRATCH_QX] = "quantized activations",
-    [CPUMLA_SCRATCH_QX_JOB] = "a job's quantized activations",
+    [CPUMLA_SCRATCH_QX_JOB] = "a job's quantized activations", [CPUMLA_SCRATCH_GQP_PANEL] = "gguf panel",
+    [CPUMLA_SCRATCH_GQP_QX] = "gguf panel activations",
 };
 
 cpumla_ctx *cpumla_ctx_new(void) {

@@ -252,6 +252,7 @@ void cpumla_fill_gq(cpumla_kernels *k, const char *level) {
         cpumla_fill_avx512vnni_gq(k);
         cpumla_fill_avx512vnni_gqk(k);
         cpumla_fill_avx512vnni_gqi(k);
+        cpumla_fill_avx512vnni_gqp(k);
     }
     else if (!strcmp(level, "amx")) cpumla_fill_amx_gq(k);
 #elif defined(__aarch64__)

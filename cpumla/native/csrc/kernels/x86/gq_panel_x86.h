@@ -1,0 +1,262 @@
+/* gq_panel_x86.h: GGUF weights (gguf_q.h) as panels of 16 rows for the gemms over groups of 16 tokens
+ * that amx_gq.c (int8 tiles) and avx512vnni_gqp.c (vpdpbusd) run. Compiled by each with its own flags.
+ * A panel is unpacked once (the K types by gqk_unpack's SIMD, the others by gqi_unpack's, Q8_0 as
+ * stored) into int8 codes in column order, [16][K] (flip: each code + 128 as an unsigned byte, the
+ * operand vpdpbusd multiplies unsigned), and each chunk's s, m, d, dm as fp32 vectors over the 16 rows;
+ * the tokens' codes are gathered once per call, VNNI order. gqp_take adds a chunk's product to every
+ * (row, token) sum from the chunk's exact int32 sums, in column order, each fp32 operation the spec's.
+ * Include after gqk_unpack_x86.h and gqi_unpack_x86.h. */
+#ifndef CPUMLA_GQ_PANEL_X86_H
+#define CPUMLA_GQ_PANEL_X86_H
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include "core/gguf_q.h"
+#include "core/quant.h"
+#include "kernels/x86/amx_common.h"
+
+/* per chunk of the panel: the 16 rows' scales, mins and factors as fp32 (lane i: row i; the integer
+ * scales and mins are small, so exact) */
+typedef struct {
+    float s0[16], s1[16], m0[16], m1[16];
+    float d[16], dm[16];
+} gqp_chunk;
+
+/* what a panel's chunks need: halves (a chunk's halves differ in scale or min: two sums a chunk) and
+ * unit (every scale is 1: the sum itself is the product's integer) */
+enum { GQP_HALVES = 1, GQP_UNIT = 2 };
+
+#define GQP_ROUNDED(v) __asm__("" : "+v"(v))
+
+/* row i of a K-type panel (Q2_K .. Q6_K) by gqk_unpack (SIMD; the spec's values): codes q = u - off, and
+ * each chunk's scales and mins from the gqk_u lanes (per-16 types: gqk_halves order) */
+static void gqp_k_row(int T, const uint8_t *row, int64_t K, int64_t i, int8_t *o, gqp_chunk *ch, __m256i fl) {
+    const int off = T == GQK_Q6 ? 32 : T == GQK_Q3 ? 4 : 0, per16 = T != GQK_Q4 && T != GQK_Q5;
+    const int64_t bytes = gq_types[CPUMLA_Q2_K + T - CPUMLA_Q8_0].bytes;
+    const __m256i vo = _mm256_set1_epi8((char)off);
+    gqk_u u;
+    int32_t s0[8], s1[8], m0[8], m1[8];
+    for (int64_t j = 0; j < K / 256; j++) {
+        gqk_unpack(T, row + j * bytes, &u);
+        for (int c = 0; c < 8; c++)
+            _mm256_storeu_si256((__m256i *)(o + 256 * j + 32 * c), _mm256_xor_si256(_mm256_sub_epi8(u.q[c], vo), fl));
+        _mm256_storeu_si256((__m256i *)s0, u.s0);
+        _mm256_storeu_si256((__m256i *)m0, u.m0);
+        if (per16) {
+            _mm256_storeu_si256((__m256i *)s1, u.s1);
+            _mm256_storeu_si256((__m256i *)m1, u.m1);
+        }
+        for (int c = 0; c < 8; c++) {
+            gqp_chunk *k = &ch[8 * j + c];
+            if (per16) {            /* s0: half 0 of chunks 0-3 | half 1 of 0-3; s1: the same for 4-7 */
+                const int32_t *a = c < 4 ? s0 : s1, *b = c < 4 ? m0 : m1;
+                k->s0[i] = (float)a[c % 4]; k->s1[i] = (float)a[4 + c % 4];
+                k->m0[i] = (float)b[c % 4]; k->m1[i] = (float)b[4 + c % 4];
+            } else {
+                k->s0[i] = k->s1[i] = (float)s0[c];
+                k->m0[i] = k->m1[i] = (float)m0[c];
+            }
+            k->d[i] = u.d;
+            k->dm[i] = u.dm;
+        }
+    }
+}
+
+/* row i of a panel of the other types by gqi_unpack's SIMD (the spec's values), 256 columns at a time:
+ * each chunk's codes from its operand bytes (less the offset, or given their signs) and its scales,
+ * mins and factors; Q8_0's codes and scales as stored. Returns 0 where gqi's unpackers do not apply
+ * (a sign table other than ggml's: gqi_ksigns_ok), for gq_unpack to serve instead. */
+static int gqp_i_row(int32_t dtype, const uint8_t *row, int64_t K, int64_t i, int8_t *o, gqp_chunk *ch, __m256i fl) {
+    const int64_t nch = K / 32;
+    if (dtype == CPUMLA_Q8_0) {
+        for (int64_t c = 0; c < nch; c++) {
+            const uint8_t *b = row + c * GQ8_0_BYTES;
+            _mm256_storeu_si256((__m256i *)(o + 32 * c), _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), fl));
+            gqp_chunk *k = &ch[c];
+            k->s0[i] = k->s1[i] = 1.0f;
+            k->d[i] = gqi_h16(b);
+        }
+        return 1;
+    }
+    if ((dtype == CPUMLA_IQ2_XXS || dtype == CPUMLA_IQ3_XXS) && !gqi_ksigns_ok()) return 0;
+    gqi_ctx cx = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    if (dtype == CPUMLA_IQ4_NL || dtype == CPUMLA_IQ4_XS) gqi_ctx_tab(&cx, gq_kvalues_iq4nl);
+    if (dtype == CPUMLA_MXFP4) gqi_ctx_tab(&cx, gq_kvalues_mxfp4);
+    /* gqi_x86.h's table of the types: offset, signs, mins, per-16 scales (u.s stays 1 where a type has none) */
+    int off = 0, sg = GQI_SG_NONE, has_min = 0, halves = 0;
+    for (int64_t g = 0; g * 8 < nch; g++) {
+        const int nc = nch - 8 * g < 8 ? (int)(nch - 8 * g) : 8;
+        gqi_grp u;
+        u.s = u.s1 = _mm256_set1_epi32(1);     /* what the types without them read */
+        u.dm = _mm256_setzero_ps();
+        switch (dtype) {
+        case CPUMLA_Q4_0: gqi_un_q4_0(row, g, nc, &u, &cx); off = 8; break;
+        case CPUMLA_Q4_1: gqi_un_q4_1(row, g, nc, &u, &cx); has_min = 1; break;
+        case CPUMLA_Q5_0: gqi_un_q5_0(row, g, nc, &u, &cx); off = 16; break;
+        case CPUMLA_Q5_1: gqi_un_q5_1(row, g, nc, &u, &cx); has_min = 1; break;
+        case CPUMLA_IQ4_NL: gqi_un_iq4_nl(row, g, nc, &u, &cx); off = GQI_TAB_OFF; sg = GQI_TAB_SG; break;
+        case CPUMLA_MXFP4: gqi_un_mxfp4(row, g, nc, &u, &cx); off = GQI_TAB_OFF; sg = GQI_TAB_SG; break;
+        case CPUMLA_IQ4_XS: gqi_un_iq4_xs(row, g, nc, &u, &cx); off = GQI_TAB_OFF; sg = GQI_TAB_SG; break;
+        case CPUMLA_IQ2_XXS: gqi_un_iq2_xxs(row, g, nc, &u, &cx); sg = GQI_SG_MASK; break;
+        case CPUMLA_IQ3_XXS: gqi_un_iq3_xxs(row, g, nc, &u, &cx); sg = GQI_SG_MASK; break;
+        case CPUMLA_IQ1_S: gqi_un_iq1_s(row, g, nc, &u, &cx); off = 9; break;
+        case CPUMLA_IQ1_M: gqi_un_iq1_m(row, g, nc, &u, &cx); sg = GQI_SG_VAL; halves = 1; break;
+        default: return 0;
+        }
+        for (int c = 0; c < nc; c++) {
+            __m256i q = u.w[c];
+            if (sg == GQI_SG_MASK) q = gqi_neg(q, u.m[c]);
+            else if (sg == GQI_SG_VAL) q = u.v[c];
+            else q = _mm256_sub_epi8(q, _mm256_set1_epi8((char)off));
+            _mm256_storeu_si256((__m256i *)(o + 256 * g + 32 * c), _mm256_xor_si256(q, fl));
+        }
+        int32_t s0[8], s1[8];
+        float d[8], dm[8];
+        _mm256_storeu_si256((__m256i *)s0, u.s);
+        _mm256_storeu_si256((__m256i *)s1, halves ? u.s1 : u.s);
+        _mm256_storeu_ps(d, u.d);
+        _mm256_storeu_ps(dm, u.dm);
+        for (int c = 0; c < nc; c++) {
+            gqp_chunk *k = &ch[8 * g + c];
+            k->s0[i] = (float)s0[c];
+            k->s1[i] = (float)s1[c];
+            k->m0[i] = k->m1[i] = (float)has_min;
+            k->d[i] = d[c];
+            k->dm[i] = dm[c];
+        }
+    }
+    return 1;
+}
+
+/* rows [p0, p0 + mp) (missing rows zero) unpacked: codes [16][K], chunks [K / 32]; returns the panel's
+ * GQP_HALVES / GQP_UNIT flags */
+static int gqp_unpack(const cpumla_weight *w, int64_t p0, int64_t mp, int8_t *codes, gqp_chunk *ch, int flip) {
+    const __m256i fl = _mm256_set1_epi8(flip ? (char)0x80 : 0);
+    const int64_t K = w->cols, nc = K / 32;
+    int same = 1, unit = 1;
+    gq_unpacked u;
+    memset(ch, 0, sizeof *ch * (size_t)nc);
+    const int T = w->dtype >= CPUMLA_Q2_K && w->dtype <= CPUMLA_Q6_K ? w->dtype - CPUMLA_Q2_K : -1;
+    for (int64_t i = 0; i < 16; i++) {
+        int8_t *o = codes + i * K;
+        if (i >= mp) { memset(o, flip ? 0x80 : 0, (size_t)K); continue; }
+        const uint8_t *row = (const uint8_t *)w->data + (p0 + i) * w->row_bytes;
+        if (T >= 0) {
+            gqp_k_row(T, row, K, i, o, ch, fl);
+            if (T != GQK_Q4 && T != GQK_Q5) same = 0;
+            unit = 0;
+            continue;
+        }
+        if (gqp_i_row(w->dtype, row, K, i, o, ch, fl)) {
+            for (int64_t c = 0; c < nc; c++) {
+                const gqp_chunk *k = &ch[c];
+                same &= k->s0[i] == k->s1[i] && k->m0[i] == k->m1[i];
+                unit &= k->s0[i] == 1.0f && k->s1[i] == 1.0f;
+            }
+            continue;
+        }
+        for (int64_t c0 = 0; c0 < K; c0 += 256) {
+            const int n = K - c0 >= 256 ? 8 : (int)((K - c0) / 32);
+            gq_unpack(w->dtype, row, c0, n, &u);
+            for (int j = 0; j < 32 * n; j++) o[c0 + j] = (int8_t)(u.q[j] ^ (flip ? 0x80 : 0));
+            for (int c = 0; c < n; c++) {
+                gqp_chunk *k = &ch[c0 / 32 + c];
+                k->s0[i] = (float)u.s[2 * c];
+                k->s1[i] = (float)u.s[2 * c + 1];
+                k->m0[i] = (float)u.m[2 * c];
+                k->m1[i] = (float)u.m[2 * c + 1];
+                k->d[i] = u.d[c];
+                k->dm[i] = u.dm[c];
+                same &= u.s[2 * c] == u.s[2 * c + 1] && u.m[2 * c] == u.m[2 * c + 1];
+                unit &= u.s[2 * c] == 1 && u.s[2 * c + 1] == 1;
+            }
+        }
+    }
+    return (same ? 0 : GQP_HALVES) | (unit ? GQP_UNIT : 0);
+}
+
+/* the tokens' operands, xd and the halves' code sums of every group of 16 tokens (zero past n):
+ * bq[(g nc + c) 128 + kk 16 + t] (dword kk of token t's chunk c: VNNI order), xd[(g nc + c) 16 + t], x0 / x1
+ * likewise as fp32 (exact: |sum| <= 2032), each from its dwords (x0 NULL: no sums, for the types without
+ * mins); xc (NULL: none) -128 times the halves' sums, xc[(g nc + c) 32 + 16 h + t], what a product over
+ * codes flipped to unsigned (q + 128) starts from */
+static void gqp_pack_x(const uint8_t *qx, int64_t n, int64_t K, int32_t *bq, float *xd, float *x0, float *x1,
+                       int32_t *xc) {
+    const int64_t nc = K / 32, ng = (n + 15) / 16, per = QX_BYTES(K);
+    const __m512i idx = lanes_times((int32_t)per), ones = _mm512_set1_epi8(1);
+    for (int64_t g = 0; g < ng; g++) {
+        const int64_t nt = n - 16 * g < 16 ? n - 16 * g : 16;
+        const __mmask16 m = (__mmask16)((1u << nt) - 1u);
+        const uint8_t *base = qx + 16 * g * per;
+        for (int64_t c = 0; c < nc; c++) {
+            int32_t *t = bq + (g * nc + c) * 128;
+            __m512i h[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+            for (int kk = 0; kk < 8; kk++) {
+                const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, base + 32 * c + 4 * kk, 1);
+                _mm512_store_si512(t + 16 * kk, v);
+                h[kk / 4] = _mm512_dpbusd_epi32(h[kk / 4], ones, v);
+            }
+            _mm512_store_ps(xd + (g * nc + c) * 16, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx,
+                                                                             base + qx_kp(K) + 4 * c, 1));
+            if (x0) {
+                _mm512_store_ps(x0 + (g * nc + c) * 16, _mm512_cvtepi32_ps(h[0]));
+                _mm512_store_ps(x1 + (g * nc + c) * 16, _mm512_cvtepi32_ps(h[1]));
+            }
+            if (xc) {
+                _mm512_store_si512(xc + (g * nc + c) * 32, _mm512_mullo_epi32(h[0], _mm512_set1_epi32(-128)));
+                _mm512_store_si512(xc + (g * nc + c) * 32 + 16, _mm512_mullo_epi32(h[1], _mm512_set1_epi32(-128)));
+            }
+        }
+    }
+}
+
+/* acc[i] (row i, a lane per token) += chunk k's product from its tile sums c0 (the chunk, or its first
+ * half) and c1 (the second half), xv the tokens' xd, x0 / x1 their halves' code sums (fp32):
+ *   a = (float)(s0 a0 + s1 a1): halves: s1 * a1 + (s0 * a0) by one FMA, s0 * a0 exact in fp32 (|s q x|
+ *       over a half of 16 stays below 2^24 for every type: at most 128 * 32 * 127 * 16, Q6_K's), so the
+ *       FMA rounds the exact sum once, as (float) of the int32 sum does; else s0 * (float)a0, one
+ *       correctly rounded product of exact operands (and for unit scales, (float)a0 itself)
+ *   p = a * (d * xd) - (float)(m0 x0 + m1 x1) * (dm * xd), the mins' sum formed the same way
+ * each fp32 operation rounded once, as the spec rounds it */
+static inline __attribute__((always_inline)) void gqp_take(const int32_t *c0, const int32_t *c1, const gqp_chunk *k,
+                                                          const float *xd, const float *x0, const float *x1, int flags,
+                                                          int has_min, __m512 acc[16]) {
+    const int halves = flags & GQP_HALVES, unit = flags & GQP_UNIT;
+    const __m512 xv = _mm512_load_ps(xd);
+    __m512 x0v = _mm512_setzero_ps(), x1v = x0v;
+    if (has_min) {
+        x0v = _mm512_load_ps(x0);
+        x1v = _mm512_load_ps(x1);
+        if (!halves) x0v = _mm512_add_ps(x0v, x1v);     /* exact */
+    }
+#pragma GCC unroll 16      /* acc stays in registers */
+    for (int i = 0; i < 16; i++) {
+        __m512 f = _mm512_mul_ps(_mm512_set1_ps(k->d[i]), xv);
+        GQP_ROUNDED(f);
+        __m512 a = _mm512_cvtepi32_ps(_mm512_load_si512(c0 + 16 * i));
+        if (halves) {
+            __m512 e = _mm512_mul_ps(_mm512_set1_ps(k->s0[i]), a);
+            GQP_ROUNDED(e);
+            a = _mm512_fmadd_ps(_mm512_set1_ps(k->s1[i]), _mm512_cvtepi32_ps(_mm512_load_si512(c1 + 16 * i)), e);
+        } else if (!unit) {
+            a = _mm512_mul_ps(_mm512_set1_ps(k->s0[i]), a);
+        }
+        GQP_ROUNDED(a);
+        __m512 p = _mm512_mul_ps(a, f);
+        GQP_ROUNDED(p);
+        if (has_min) {
+            __m512 fm = _mm512_mul_ps(_mm512_set1_ps(k->dm[i]), xv);
+            GQP_ROUNDED(fm);
+            __m512 ms = _mm512_mul_ps(_mm512_set1_ps(k->m0[i]), x0v);
+            GQP_ROUNDED(ms);
+            if (halves) ms = _mm512_fmadd_ps(_mm512_set1_ps(k->m1[i]), x1v, ms);
+            GQP_ROUNDED(ms);
+            __m512 pm = _mm512_mul_ps(ms, fm);
+            GQP_ROUNDED(pm);
+            p = _mm512_sub_ps(p, pm);
+            GQP_ROUNDED(p);
+        }
+        acc[i] = _mm512_add_ps(acc[i], p);
+    }
+}
+#endif
