@@ -21,8 +21,10 @@
 #include "kernels/x86/gqk_unpack_x86.h"
 #include "kernels/x86/gq_panel_x86.h"
 
-/* From how many tokens the panels beat the per-type entries (benchmarks/gguf_gemv.py --tokens N --isa
- * avx512vnni, against the commit before them, AMD EPYC Zen 4, 2 threads, 2048 columns). */
+/* From how many tokens the panels beat the per-type entries: benchmarks/gguf_gemv.py --tokens 8 12 16 24
+ * --cols 2048 against the commit before them, AMD EPYC Zen 4, 2 threads: at 12 tokens Q5_0 and MXFP4 are
+ * still slower on panels, from 16 every type is faster (Q8_0 2.1x, Q4_K 1.4x, Q6_K 1.7x, MXFP4 1.1x),
+ * and at 128 tokens 2.7-5.8x (docs/gguf.md). */
 #define GQP_MIN 16
 
 typedef void (*gq_gemm_fn)(const cpumla_weight *, const void *, int64_t, float *, int64_t, int64_t, int64_t);
