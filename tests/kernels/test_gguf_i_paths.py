@@ -91,6 +91,4 @@ def test_served_by_the_level(isa, fmt):
         want = "avx2" if isa == "avx2" else "avx512vnni"
         assert native.kernel_impl(f"gemv:{fmt}") == want
         gemm = native.kernel_impl(f"gemm:{fmt}")       # amx: its tiles from some tokens on (amx_gq.c), else want
-        if isa != "avx2":                               # avx512vnni_gqp.c's panels from some tokens on
-            want = "avx512vnni (panels from "
-        assert gemm.startswith(want) if isa != "amx" else gemm.startswith(f"amx ({want}"), gemm
+        assert gemm == want if isa != "amx" else gemm.startswith(f"amx ({want} below "), gemm

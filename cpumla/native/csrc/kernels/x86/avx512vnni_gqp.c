@@ -11,7 +11,6 @@
  * product to each (row, token) in column order, as amx_gq.c does: every result is the scalar spec's,
  * bit for bit. This file is compiled without contraction. */
 #include <immintrin.h>
-#include <stdio.h>
 #include <string.h>
 #include "core/common.h"
 #include "core/gguf_q.h"
@@ -113,13 +112,10 @@ static void gemm_gqp_avx512vnni(const cpumla_weight *w, const void *qx, int64_t 
     }
 }
 
+/* the level's gemm_gq of every type (its owner stays "avx512vnni", the level's name) */
 void cpumla_fill_avx512vnni_gqp(cpumla_kernels *k) {
-    static char who[GQ_N][96];
     for (int t = 0; t < GQ_N; t++) {
         if (k->gemm_gq[t] != gemm_gqp_avx512vnni) prev_gqp[t] = k->gemm_gq[t];
         k->gemm_gq[t] = gemm_gqp_avx512vnni;
-        const int f = CPUMLA_Q8_0 + t;
-        snprintf(who[t], sizeof who[t], "avx512vnni (panels from %d tokens)", GQP_MIN);
-        k->who_fmt[K_GEMM][f] = who[t];
     }
 }
