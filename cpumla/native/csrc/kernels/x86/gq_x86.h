@@ -83,9 +83,9 @@ static void GQ_QUANT(const float *x, int64_t K, void *qx) {
     for (int64_t b = nb; b < kp / QK; b++) { d[b] = 0.0f; s[b] = 0; }
 }
 
-/* bytes ahead of a Q8_0 row's current 8 blocks to prefetch: the 4 rows of gq8_rows4 are 4 streams the
- * hardware prefetcher alone keeps too short of memory */
-#define GQ_PF 1024
+/* the 4 rows of gq8_rows4 are 4 streams the hardware prefetcher alone keeps too short of memory: each
+ * step prefetches the same 8 blocks of the next 4 rows (what the next call reads), never past the
+ * weight's last row */
 
 static inline uint16_t gq_le16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
 
@@ -95,6 +95,7 @@ static inline uint16_t gq_le16(const uint8_t *p) { return (uint16_t)(p[0] | p[1]
 static void gq8_rows4(const cpumla_weight *w, int64_t r, const int8_t *xq, const float *xd, float out[4]) {
     const int64_t nb = w->cols / QK, rb = w->row_bytes;
     const uint8_t *row0 = (const uint8_t *)w->data + r * rb;
+    const int npf = r + 8 <= w->rows ? 4 : (int)(w->rows - r - 4 > 0 ? w->rows - r - 4 : 0);   /* next rows there are */
     __m128 acc = _mm_setzero_ps();
     int64_t b = 0;
     for (; b + 8 <= nb; b += 8) {
@@ -102,7 +103,8 @@ static void gq8_rows4(const cpumla_weight *w, int64_t r, const int8_t *xq, const
         __m256 p[4];
         for (int i = 0; i < 4; i++) {
             const uint8_t *blk = row0 + i * rb + b * GQ8_0_BYTES;
-            for (int l = 0; l < 5; l++) _mm_prefetch((const char *)blk + GQ_PF + 64 * l, _MM_HINT_T0);
+            if (i < npf)
+                for (int l = 0; l < 5; l++) _mm_prefetch((const char *)blk + 4 * rb + 64 * l, _MM_HINT_T0);
             __m256i s[8];
             for (int j = 0; j < 8; j++)
                 s[j] = gq_dot8(_mm256_loadu_si256((const __m256i *)(blk + j * GQ8_0_BYTES + 2)),

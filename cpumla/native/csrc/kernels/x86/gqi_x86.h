@@ -53,7 +53,9 @@ GQI_INLINE __m256 gqi_prod(const gqi_grp *u, const int8_t *xq, const float *xd, 
         gqi_grp u[GQI_NR];                                                                                     \
         for (int i = 0; i < GQI_NR; i++) {                                                                     \
             UNPACK(rp[i], g, nc, &u[i], &cx);                                                                  \
-            for (int64_t o = 0; o < gbytes; o += 64) __builtin_prefetch(rp[i] + (g + pfg) * gbytes + o, 0, 3); \
+            if (r + GQI_NR + i < w->rows)  /* the next 4 rows' group g: what the next tile reads */                \
+                for (int64_t o = 0; o < gbytes; o += 64)                                                       \
+                    __builtin_prefetch(rp[i] + GQI_NR * w->row_bytes + g * gbytes + o, 0, 3);                   \
         }                                                                                                      \
         for (int64_t t = 0; t < n; t++) {                                                                      \
             const uint8_t *xt = (const uint8_t *)qx + t * per;                                                 \
@@ -77,7 +79,6 @@ GQI_INLINE __m256 gqi_prod(const gqi_grp *u, const int8_t *xq, const float *xd, 
         if (tab) gqi_ctx_tab(&cx, tab);                                                                        \
         const int64_t K = w->cols, per = QX_BYTES(K), nch = K / 32, nfull = nch / 8, gbytes = GBYTES;          \
         const int ntail = (int)(nch % 8);                                                                      \
-        const int64_t pfg = 1024 / gbytes + 1;                                                                 \
         for (int64_t r = r0; r < r1; r += GQI_NR) {                                                            \
             const int nr = r1 - r < GQI_NR ? (int)(r1 - r) : GQI_NR;                                           \
             const uint8_t *rp[GQI_NR];                                                                         \
