@@ -104,7 +104,7 @@ static void gq8_rows4(const cpumla_weight *w, int64_t r, const int8_t *xq, const
         for (int i = 0; i < 4; i++) {
             const uint8_t *blk = row0 + i * rb + b * GQ8_0_BYTES;
             if (i < npf)
-                for (int l = 0; l < 5; l++) _mm_prefetch((const char *)blk + 4 * rb + 64 * l, _MM_HINT_T0);
+                for (int l = 0; l < 5; l++) _mm_prefetch((const char *)blk + 4 * rb + 64 * l, _MM_HINT_T1);
             __m256i s[8];
             for (int j = 0; j < 8; j++)
                 s[j] = gq_dot8(_mm256_loadu_si256((const __m256i *)(blk + j * GQ8_0_BYTES + 2)),

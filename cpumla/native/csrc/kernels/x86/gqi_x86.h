@@ -55,7 +55,7 @@ GQI_INLINE __m256 gqi_prod(const gqi_grp *u, const int8_t *xq, const float *xd, 
             UNPACK(rp[i], g, nc, &u[i], &cx);                                                                  \
             if (r + GQI_NR + i < w->rows)  /* the next 4 rows' group g: what the next tile reads */                \
                 for (int64_t o = 0; o < gbytes; o += 64)                                                       \
-                    __builtin_prefetch(rp[i] + GQI_NR * w->row_bytes + g * gbytes + o, 0, 3);                   \
+                    __builtin_prefetch(rp[i] + GQI_NR * w->row_bytes + g * gbytes + o, 0, 2);                   \
         }                                                                                                      \
         for (int64_t t = 0; t < n; t++) {                                                                      \
             const uint8_t *xt = (const uint8_t *)qx + t * per;                                                 \
