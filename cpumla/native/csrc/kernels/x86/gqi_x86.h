@@ -53,7 +53,7 @@ GQI_INLINE __m256 gqi_prod(const gqi_grp *u, const int8_t *xq, const float *xd, 
         gqi_grp u[GQI_NR];                                                                                     \
         for (int i = 0; i < GQI_NR; i++) {                                                                     \
             UNPACK(rp[i], g, nc, &u[i], &cx);                                                                  \
-            if (r + GQI_NR + i < w->rows)  /* the next 4 rows' group g: what the next tile reads */                \
+            if (r + GQI_NR + i < w->rows)  /* the next 4 rows' group g into L2 (gq8_rows4 says why) */           \
                 for (int64_t o = 0; o < gbytes; o += 64)                                                       \
                     __builtin_prefetch(rp[i] + GQI_NR * w->row_bytes + g * gbytes + o, 0, 2);                   \
         }                                                                                                      \
