@@ -23,14 +23,14 @@
 /* From how many tokens the panels beat the per-type entries: benchmarks/gguf_gemv.py --tokens 8 12 16 24
  * --cols 2048 against the commit before them, AMD EPYC Zen 4, 2 threads: at 12 tokens Q5_0 and MXFP4 are
  * still slower on panels, from 16 every type is faster (Q8_0 2.1x, Q4_K 1.4x, Q6_K 1.7x, MXFP4 1.1x),
- * and at 128 tokens 2.7-5.8x (docs/gguf.md). */
+ * and at 128 tokens 2.5-5.8x (docs/gguf.md). */
 #define GQP_MIN 16
 
 typedef void (*gq_gemm_fn)(const cpumla_weight *, const void *, int64_t, float *, int64_t, int64_t, int64_t);
 static gq_gemm_fn prev_gqp[GQ_N];
 
 /* one group of 16 tokens against the panel, chunks in column order into acc (row i: acc[i], a lane per
- * token); xg: the group's operands, xc its start values (gqp_pack_x) */
+ * token); bg: the group's operands, xc their start values (gqp_pack_x) */
 static inline __attribute__((always_inline)) void gqp_group(const uint8_t *codes, int64_t K, const gqp_chunk *ch,
                                                             const int32_t *bg, const int32_t *xc, const float *xd,
                                                             const float *x0, const float *x1, int flags,
