@@ -115,7 +115,8 @@ def _skip(f, kind: int, depth: int = 0) -> None:
 class IndexOnly:
     """A GGUFCheckpoint's has / info / tensor_nbytes (what runtime/plan.py asks) from the tensor index
     alone: a split kv_b's type and bytes are those GGUFCheckpoint would rebuild it with (the pair's
-    float type, F32 when either is quantized), without rebuilding it."""
+    float type, F32 when either is quantized), without rebuilding it, plus the pair's own where the
+    absorbed attention reads them in place."""
 
     ITEM = {"F32": 4, "F16": 2, "BF16": 2}
 
@@ -125,10 +126,13 @@ class IndexOnly:
     def has(self, name: str) -> bool:
         return self.g.has(name)
 
+    def not_decoded_nbytes(self) -> int:
+        return self.g.not_decoded_nbytes()
+
     def _kv_b(self, name: str):
         label = self.g.label(name)
-        if not label.endswith(".attn_k_b.weight"):
-            return None
+        if not name.endswith(".kv_b_proj.weight") or not label.endswith(".attn_k_b.weight"):
+            return None         # (k_b_proj, the same tensor read flat, is the file's own)
         from cpumla.checkpoint.gguf_model import FLOAT_TYPES
 
         k = self.g.file.entries[label]
@@ -144,4 +148,4 @@ class IndexOnly:
         kv = self._kv_b(name)
         if kv is None:
             return self.g.tensor_nbytes(name)
-        return self.ITEM[kv[0]] * kv[1][0] * kv[1][1]
+        return self.ITEM[kv[0]] * kv[1][0] * kv[1][1] + self.g.split_kv_b_nbytes(int(name.split(".")[2]))

@@ -26,7 +26,9 @@ back here:
     kv_b_proj is attn_kv_b in older files; newer ones split it per head into attn_k_b [H, R, dn]
     (W_UK transposed) and attn_v_b [H, dv, R]: then kv_b is rebuilt in memory from the two, in their
     float type (F32 when either is quantized, dequantized by the gguf package): the one tensor not
-    read in place, H * (dn + dv) * R values a layer.
+    read in place, H * (dn + dv) * R values a layer, which the un-absorbed attention reads; the
+    absorbed one (decode) reads the two in place, served flat as self_attn.k_b_proj / v_b_proj
+    (cpumla's names) where both are of a block type.
 
 `deepseek32` (DeepSeek-V3.2, DeepseekV32Model: DeepseekV2Model's keys and tensors, model_type
 deepseek_v32) adds the lightning indexer:
@@ -70,6 +72,9 @@ PER_LAYER = {
     "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
 }
+# W_UK and W_UV where a file splits them, per head [H, R, dn] and [H, dv, R], served flat: [H * R, dn] and
+# [H * dv, R] (the names are cpumla's own: the Hugging Face checkpoints have only kv_b_proj)
+SPLIT_KV_B = {"self_attn.k_b_proj.weight": "attn_k_b.weight", "self_attn.v_b_proj.weight": "attn_v_b.weight"}
 INDEXER = {   # deepseek32: V3.2's lightning indexer
     "self_attn.indexer.wq_b.weight": "indexer.attn_q_b.weight", "self_attn.indexer.wk.weight": "indexer.attn_k.weight",
     "self_attn.indexer.k_norm.weight": "indexer.k_norm.weight", "self_attn.indexer.k_norm.bias": "indexer.k_norm.bias",
@@ -161,8 +166,9 @@ class GGUFCheckpoint:
     # ---- names ----
     def _where(self, name: str):
         """(how, GGUF tensor name, expert index or None) for a name the family reads, or None. how: "view"
-        (the file's tensor; an expert a slice of its stacked tensor), "kv_b" (rebuilt from attn_k_b /
-        attn_v_b, named by attn_k_b), "fp4" / "fp4_scale" (an MXFP4 expert as e2m1 codes / E8M0 scales)."""
+        (the file's tensor; an expert a slice of its stacked tensor), "flat" (a per-head tensor as one
+        [heads * rows, cols] view), "kv_b" (rebuilt from attn_k_b / attn_v_b, named by attn_k_b), "fp4" /
+        "fp4_scale" (an MXFP4 expert as e2m1 codes / E8M0 scales)."""
         if self.arch == "deepseek4":
             return V4.where(self.file.entries, name)
         if name in GLOBAL:
@@ -174,6 +180,8 @@ class GGUFCheckpoint:
         e = EXPERT.match(rest)
         if e:
             return "view", f"blk.{layer}.ffn_{e[2]}_exps.weight", int(e[1])
+        if rest in SPLIT_KV_B:
+            return "flat", f"blk.{layer}.{SPLIT_KV_B[rest]}", None
         sub = PER_LAYER.get(rest) or (INDEXER.get(rest) if self.arch == "deepseek32" else None)
         if sub is None:
             return None
@@ -219,6 +227,8 @@ class GGUFCheckpoint:
             return "I8", (e.shape[1], e.shape[2] // 2)
         if how == "fp4_scale":
             return "F8_E8M0", (e.shape[1], e.shape[2] // 32)
+        if how == "flat":
+            return e.type, (int(np.prod(e.shape[:-1])), e.shape[-1])
         return e.type, e.shape if index is None else e.shape[1:]
 
     def tensor(self, name: str) -> np.ndarray:
@@ -235,6 +245,8 @@ class GGUFCheckpoint:
                 self._rebuilt[key] = self._fp4(gname, index)
             return self._rebuilt[key][how == "fp4_scale"]
         a = self._array(gname)
+        if how == "flat":
+            return a.reshape(-1, a.shape[-1])
         return a if index is None else a[index]
 
     def _array(self, gname: str) -> np.ndarray:
@@ -292,10 +304,30 @@ class GGUFCheckpoint:
     def keys(self) -> list[str]:
         return list(self.file.entries)
 
+    def split_kv_b_nbytes(self, layer: int) -> int:
+        """The bytes of layer `layer`'s attn_k_b and attn_v_b where both are of a block type: the absorbed
+        attention reads them in place, next to the rebuilt kv_b (so a kv_b's bytes count both)."""
+        pair = [self.file.entries.get(f"blk.{layer}.attn_{s}_b.weight") for s in "kv"]
+        if any(e is None or e.type in FLOAT_TYPES or e.type in INT_TYPES for e in pair):
+            return 0
+        return sum(e.nbytes for e in pair)
+
+    def not_decoded_nbytes(self) -> int:
+        """Resident bytes a decode token does not read: the kv_b rebuilt in F32 (for the un-absorbed
+        attention) of every decoder layer whose attn_k_b / attn_v_b the absorbed attention reads instead
+        (an MTP block's bytes are not a decode token's anyway)."""
+        total, layers = 0, self.config["num_hidden_layers"]
+        for name, e in self.file.entries.items():
+            m = re.match(r"^blk\.(\d+)\.attn_k_b\.weight$", name)
+            if m and int(m[1]) < layers and self.split_kv_b_nbytes(int(m[1])):
+                v = self.file.entries[f"blk.{m[1]}.attn_v_b.weight"]
+                total += 4 * (int(np.prod(e.shape)) + int(np.prod(v.shape)))
+        return total
+
     def tensor_nbytes(self, name: str) -> int:
         how, gname, index = self._entry(name)
         if how == "kv_b":
-            return self.tensor(name).nbytes
+            return self.tensor(name).nbytes + self.split_kv_b_nbytes(index)
         e = self.file.entries[gname]
         if how == "fp4":                   # an MXFP4 block's 16 code bytes and 1 scale byte, without rebuilding
             return e.nbytes // e.shape[0] * 16 // 17

@@ -246,6 +246,11 @@ class Layer:
     router: native.Router | None
     experts: native.Experts | None
     shared: native.Experts | None
+    # W_UK and W_UV as a GGUF file of block types splits them, read in place by the absorbed attention
+    # (decode): k_b [H*R, dn] (per head W_UK transposed), v_b [H*dv, R]; kv_b is then their rebuilt copy
+    # for the un-absorbed form (prefill)
+    k_b: native.Weight | None = None
+    v_b: native.Weight | None = None
 
 
 def build_router(cfg: Config, bias: np.ndarray | None) -> native.Router:
@@ -275,6 +280,7 @@ def build_layer(cfg: Config, src, layer: int) -> Layer:
                                 W.linear(src, d, (D, inter), cfg.block)) for g, u, d in trios])
 
     names = tables.mlp_names(cfg, layer)
+    k_b, v_b = split_kv_b(cfg, src, layer)
     router = None
     if "gate" in m:
         router = build_router(cfg, W.as_f32(vec("gate_bias")) if "gate_bias" in m else None)
@@ -287,7 +293,18 @@ def build_layer(cfg: Config, src, layer: int) -> Layer:
         experts=table(names["experts"], cfg.moe_intermediate_size) if "experts" in names else None,
         shared=table(names["shared"], cfg.moe_intermediate_size * cfg.n_shared_experts)
         if "shared" in names else None,
+        k_b=k_b, v_b=v_b,
     )
+
+
+def split_kv_b(cfg: Config, src, layer: int) -> tuple:
+    """(k_b, v_b) where the source holds W_UK and W_UV apart in GGUF block types, else (None, None)."""
+    H, R = cfg.num_attention_heads, cfg.kv_lora_rank
+    names = tables.split_kv_b_names(layer)
+    if not all(src.has(n) and src.info(n)[0] in W.GGUF_TYPES for n in names):
+        return None, None
+    return (W.linear(src, names[0], (H * R, cfg.qk_nope_head_dim)),
+            W.linear(src, names[1], (H * cfg.v_head_dim, R)))
 
 
 class Model(NativeModel):
@@ -356,8 +373,10 @@ class Model(NativeModel):
         return 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * (cfg.num_hidden_layers + (self.mtp is not None))
 
     def layer_weights(self, L: Layer) -> list:
-        """The attention-side weights of a layer read once per token (the router included)."""
-        return [L.q, L.q_a, L.q_b, L.kv_a, L.kv_b, L.o_proj, L.gate]
+        """The attention-side weights of a layer a decode token reads (the router included): W_UK and
+        W_UV from k_b and v_b where the file splits them, else from kv_b."""
+        uk_uv = [L.kv_b] if L.k_b is None else [L.k_b, L.v_b]
+        return [L.q, L.q_a, L.q_b, L.kv_a, *uk_uv, L.o_proj, L.gate]
 
     def attended(self, depth: int) -> int:
         """Cache rows one query at cache depth `depth` attends to."""
@@ -404,7 +423,8 @@ class Model(NativeModel):
         H, dn, dv, R = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         P = cfg.qk_rope_head_dim
         for L in self.layers:
-            macs += sum(w.rows * w.cols for w in self.layer_weights(L) if w is not None and w is not L.kv_b)
+            macs += sum(w.rows * w.cols for w in self.layer_weights(L)
+                        if w is not None and all(w is not u for u in (L.kv_b, L.k_b, L.v_b)))
             for t in (L.mlp, L.shared):
                 if t is not None:
                     macs += 3 * t.hidden * t.intermediate * t.n
@@ -451,7 +471,7 @@ class Model(NativeModel):
             v = getattr(L, name)
             if v is not None:
                 native.set_vec(getattr(c, name), v)
-        for name in ("q", "q_a", "q_b", "kv_a", "kv_b", "o_proj", "gate"):
+        for name in ("q", "q_a", "q_b", "kv_a", "kv_b", "k_b", "v_b", "o_proj", "gate"):
             w = getattr(L, name)
             setattr(c, name, w.c if w is not None else ffi.NULL)
         c.router = L.router.c if L.router is not None else ffi.NULL

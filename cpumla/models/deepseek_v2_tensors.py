@@ -40,6 +40,13 @@ def checkpoint_name_map(cfg: Config, layer: int) -> dict[str, tuple[str, tuple[i
     return m
 
 
+def split_kv_b_names(layer: int) -> tuple[str, str]:
+    """W_UK and W_UV of layer `layer` where a GGUF file splits kv_b_proj (checkpoint/gguf_model.py): per
+    head W_UK transposed [H * R, dn] and W_UV [H * dv, R]."""
+    a = f"model.layers.{layer}.self_attn."
+    return a + "k_b_proj.weight", a + "v_b_proj.weight"
+
+
 def mlp_shapes(cfg: Config, layer: int) -> dict[str, tuple[int, int]]:
     """{group: (intermediate size, number of (gate, up, down) trios)} of a layer's MLPs."""
     if not cfg.is_moe_layer(layer):

@@ -73,13 +73,16 @@ def _layer(L, cfg, index: int, shard: Shard):
     h0, h1 = shard.part(cfg.num_attention_heads, "attention heads")
     qk, dv, dn = cfg.qk_head_dim, cfg.v_head_dim, cfg.qk_nope_head_dim
 
-    def rows(role, per):
+    def rows(role, per, name=None):
         w = getattr(L, role)
-        return None if w is None else w.part(0, h0 * per, h1 * per, names[role][0])
+        return None if w is None else w.part(0, h0 * per, h1 * per, name or names[role][0])
+
+    k_name, v_name = tables.split_kv_b_names(index)
 
     mlp = tables.mlp_names(cfg, index)
     return dataclasses.replace(
         L, q=rows("q", qk), q_b=rows("q_b", qk), kv_b=rows("kv_b", dn + dv),
+        k_b=rows("k_b", cfg.kv_lora_rank, k_name), v_b=rows("v_b", dv, v_name),
         o_proj=L.o_proj.part(1, h0 * dv, h1 * dv, names["o_proj"][0]),
         mlp=table(L.mlp, shard, mlp.get("dense", [])), experts=table(L.experts, shard, mlp.get("experts", [])),
         shared=table(L.shared, shard, mlp.get("shared", [])))

@@ -173,3 +173,46 @@ def test_gguf_q8_0(tiny, tmp_path, variant):
         {t.tensor_type for t in gguf.GGUFReader(path).tensors}
     ref = models.reference_logits(gguf_files.reference(models.build(variant, tmp_path / "ref"), held), IDS)
     gguf_files.check_q8_file(cpumla.load(str(path)), ref, IDS)
+
+
+def test_gguf_split_kv_b_read_in_place(tmp_path, monkeypatch):
+    """Where attn_k_b / attn_v_b are of a block type (rows of 32 columns here), the absorbed attention
+    reads them in place from the mapping (W_UK per head transposed, W_UV): a decode token reads them,
+    not the fp32 kv_b rebuilt for the un-absorbed form. Against transformers on the values the file holds
+    as any Q8_0 file (decode equal to the full forward), and near the same file read through kv_b alone."""
+    from cpumla.models import deepseek_v2 as v2
+
+    kw = {**models.BASE, **models.VARIANTS["v2-lite"][1], "qk_nope_head_dim": 32, "v_head_dim": 32, "kv_lora_rank": 64}
+    m = models.build_from_kwargs("deepseek_v2", kw, tmp_path / "hf")
+    path = tmp_path / "q8.gguf"
+    held = gguf_files.write(m, path, "Q8_0")
+    eng = cpumla.load(str(path))
+    H, R, n_layers = kw["num_attention_heads"], kw["kv_lora_rank"], kw["num_hidden_layers"]
+    with GGUFCheckpoint(path) as g:
+        raw = np.array(g.file.raw("blk.1.attn_k_b.weight"))
+        assert g.file.entries["blk.1.attn_k_b.weight"].type == "Q8_0"
+    L = eng.model.layers[1]
+    assert (L.k_b.rows, L.k_b.cols, L.v_b.rows, L.v_b.cols) == (H * R, 32, H * 32, R)
+    # the file's blocks as they are, a read-only view of the mapping (a rebuilt copy would be writeable)
+    assert L.k_b.dtype == "q8_0" and not L.k_b.data.flags.writeable
+    assert np.array_equal(L.k_b.data.reshape(-1), raw.reshape(-1))
+    ref = models.reference_logits(gguf_files.reference(models.build_from_kwargs("deepseek_v2", kw, tmp_path / "r"),
+                                                       held), IDS)
+    gguf_files.check_q8_file(eng, ref, IDS)
+    eng.reset()
+    got = eng.forward(IDS)
+
+    monkeypatch.setattr(v2, "split_kv_b", lambda cfg, src, layer: (None, None))
+    whole = cpumla.load(str(path))
+    assert whole.model.layers[1].k_b is None
+    kv_b = whole.model.layers[1].kv_b
+    assert kv_b.dtype == "f32"
+    # per layer a decode token reads k_b and v_b in place of the fp32 kv_b
+    saved = n_layers * (kv_b.nbytes - L.k_b.nbytes - L.v_b.nbytes)
+    assert whole.model.decode_bytes(0) - eng.model.decode_bytes(0) == pytest.approx(saved)
+    other = whole.forward(IDS)
+    # the two differ by the int8 rounding of the absorbed products' activations (kernels.h): as far
+    # apart as either is from the reference (3-4% of the largest logit here)
+    assert np.abs(got - other).max() < 0.08 * np.abs(other).max()
+    cos = (got * other).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(other, axis=-1)
+    assert (1 - cos).max() < 1e-2

@@ -174,7 +174,8 @@ int dsv2_attn_out(cpumla_dsv2_state *s, int64_t l, int64_t n, int64_t pos0, cons
         return attn_proj(s, L, n);
     }
     /* absorb: q~_h[:R] = q_nope_h @ W_UK[h]; q~_h[R:] = q_pe_h */
-    TRY(cpumla_head_gemv_t(L->kv_b, 0, dn + dv, dn, H, n, s->q, H * qk, qk, s->q_abs, H * (R + P), R + P));
+    if (L->k_b) TRY(cpumla_head_gemv(L->k_b, 0, R, R, H, n, s->q, H * qk, qk, s->q_abs, H * (R + P), R + P));
+    else TRY(cpumla_head_gemv_t(L->kv_b, 0, dn + dv, dn, H, n, s->q, H * qk, qk, s->q_abs, H * (R + P), R + P));
     for (int64_t t = 0; t < n; t++)
         for (int64_t hh = 0; hh < H; hh++)
             memcpy(s->q_abs + (t * H + hh) * (R + P) + R, s->q + t * H * qk + hh * qk + dn, sizeof(float) * (size_t)P);
@@ -187,7 +188,8 @@ int dsv2_attn_out(cpumla_dsv2_state *s, int64_t l, int64_t n, int64_t pos0, cons
     a.out = s->o_lat; a.ldo_t = H * R; a.ldo_h = R;
     TRY(cpumla_mla_attention(&a));
     /* un-absorb: o_h = W_UV[h] o~_h */
-    TRY(cpumla_head_gemv(L->kv_b, dn, dn + dv, dv, H, n, s->o_lat, H * R, R, s->o, H * dv, dv));
+    if (L->v_b) TRY(cpumla_head_gemv(L->v_b, 0, dv, dv, H, n, s->o_lat, H * R, R, s->o, H * dv, dv));
+    else TRY(cpumla_head_gemv(L->kv_b, dn, dn + dv, dv, H, n, s->o_lat, H * R, R, s->o, H * dv, dv));
     return attn_proj(s, L, n);
 }
 
