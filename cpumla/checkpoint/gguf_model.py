@@ -53,6 +53,7 @@ import numpy as np
 from cpumla.checkpoint import gguf_model_v4 as V4
 from cpumla.checkpoint.gguf import GGUFFile
 from cpumla.checkpoint.gguf_meta import Metadata, common, yarn
+from cpumla.checkpoint.tensors import GGUF_TYPES
 from cpumla.errors import CpumlaError
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -305,23 +306,23 @@ class GGUFCheckpoint:
         return list(self.file.entries)
 
     def split_kv_b_nbytes(self, layer: int) -> int:
-        """The bytes of layer `layer`'s attn_k_b and attn_v_b where both are of a block type: the absorbed
-        attention reads them in place, next to the rebuilt kv_b (so a kv_b's bytes count both)."""
+        """The bytes of layer `layer`'s attn_k_b and attn_v_b where both are of a block type cpumla reads
+        (the rule deepseek_v2.split_kv_b loads them by): the absorbed attention reads them in place, next
+        to the rebuilt kv_b (so a kv_b's bytes count both). 0 otherwise."""
         pair = [self.file.entries.get(f"blk.{layer}.attn_{s}_b.weight") for s in "kv"]
-        if any(e is None or e.type in FLOAT_TYPES or e.type in INT_TYPES for e in pair):
+        if any(e is None or e.type not in GGUF_TYPES for e in pair):
             return 0
         return sum(e.nbytes for e in pair)
 
     def not_decoded_nbytes(self) -> int:
         """Resident bytes a decode token does not read: the kv_b rebuilt in F32 (for the un-absorbed
-        attention) of every decoder layer whose attn_k_b / attn_v_b the absorbed attention reads instead
-        (an MTP block's bytes are not a decode token's anyway)."""
-        total, layers = 0, self.config["num_hidden_layers"]
-        for name, e in self.file.entries.items():
-            m = re.match(r"^blk\.(\d+)\.attn_k_b\.weight$", name)
-            if m and int(m[1]) < layers and self.split_kv_b_nbytes(int(m[1])):
-                v = self.file.entries[f"blk.{m[1]}.attn_v_b.weight"]
-                total += 4 * (int(np.prod(e.shape)) + int(np.prod(v.shape)))
+        attention; F32 as the pair is quantized) of every decoder layer whose attn_k_b / attn_v_b the
+        absorbed attention reads instead (an MTP block's bytes are not a decode token's anyway)."""
+        total = 0
+        for layer in range(self.config["num_hidden_layers"]):
+            if self.split_kv_b_nbytes(layer):
+                pair = [self.file.entries[f"blk.{layer}.attn_{s}_b.weight"] for s in "kv"]
+                total += 4 * sum(int(np.prod(e.shape)) for e in pair)
         return total
 
     def tensor_nbytes(self, name: str) -> int:

@@ -180,7 +180,9 @@ def test_gguf_split_kv_b_read_in_place(tmp_path, monkeypatch):
     reads them in place from the mapping (W_UK per head transposed, W_UV): a decode token reads them,
     not the fp32 kv_b rebuilt for the un-absorbed form. Against transformers on the values the file holds
     as any Q8_0 file (decode equal to the full forward), and near the same file read through kv_b alone."""
+    from cpumla.checkpoint.gguf_info import IndexOnly
     from cpumla.models import deepseek_v2 as v2
+    from cpumla.runtime.plan import plan
 
     kw = {**models.BASE, **models.VARIANTS["v2-lite"][1], "qk_nope_head_dim": 32, "v_head_dim": 32, "kv_lora_rank": 64}
     m = models.build_from_kwargs("deepseek_v2", kw, tmp_path / "hf")
@@ -210,6 +212,13 @@ def test_gguf_split_kv_b_read_in_place(tmp_path, monkeypatch):
     # per layer a decode token reads k_b and v_b in place of the fp32 kv_b
     saved = n_layers * (kv_b.nbytes - L.k_b.nbytes - L.v_b.nbytes)
     assert whole.model.decode_bytes(0) - eng.model.decode_bytes(0) == pytest.approx(saved)
+    # the plan (cpumla info) sizes both as resident, and a token's reads as the model counts them
+    with GGUFCheckpoint(path) as g:
+        name = "model.layers.1.self_attn.kv_b_proj.weight"
+        assert g.tensor_nbytes(name) == kv_b.nbytes + L.k_b.nbytes + L.v_b.nbytes
+        assert IndexOnly(g).tensor_nbytes(name) == g.tensor_nbytes(name)
+    # (the copies a token does not read left out: with them the plan would count ~1.9x)
+    assert plan(str(path)).token_bytes["stored"] == pytest.approx(eng.model.decode_bytes(0), rel=0.02)
     other = whole.forward(IDS)
     # the two differ by the int8 rounding of the absorbed products' activations (kernels.h): as far
     # apart as either is from the reference (3-4% of the largest logit here)
