@@ -24,11 +24,10 @@ back here:
     ffn_gate_inp (router), exp_probs_b.bias, ffn_{gate,up,down} (dense), ffn_{gate,up,down}_shexp,
     and the routed experts stacked as ffn_{gate,up,down}_exps [E, out, in] (expert e is a view).
     kv_b_proj is attn_kv_b in older files; newer ones split it per head into attn_k_b [H, R, dn]
-    (W_UK transposed) and attn_v_b [H, dv, R]: then kv_b is rebuilt in memory from the two, in their
-    float type (F32 when either is quantized, dequantized by the gguf package): the one tensor not
-    read in place, H * (dn + dv) * R values a layer, which the un-absorbed attention reads; the
-    absorbed one (decode) reads the two in place, served flat as self_attn.k_b_proj / v_b_proj
-    (cpumla's names) where both are of a block type.
+    (W_UK transposed) and attn_v_b [H, dv, R]: the model reads the two in place, served flat as
+    self_attn.k_b_proj / v_b_proj (cpumla's names; both forms of the attention take them). kv_b_proj
+    is then the pair for the plan (its bytes are the pair's); its data, asked for, is rebuilt in
+    their float type (F32 when either is quantized, dequantized by the gguf package).
 
 `deepseek32` (DeepSeek-V3.2, DeepseekV32Model: DeepseekV2Model's keys and tensors, model_type
 deepseek_v32) adds the lightning indexer:
@@ -53,7 +52,6 @@ import numpy as np
 from cpumla.checkpoint import gguf_model_v4 as V4
 from cpumla.checkpoint.gguf import GGUFFile
 from cpumla.checkpoint.gguf_meta import Metadata, common, yarn
-from cpumla.checkpoint.tensors import GGUF_TYPES
 from cpumla.errors import CpumlaError
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -220,9 +218,11 @@ class GGUFCheckpoint:
         """(type name: F32 / F16 / BF16 / Q8_0 / I32 / another GGUF type, numpy shape) without reading
         data; an MXFP4 expert served as FP4: I8 [rows, cols / 2] and its scales F8_E8M0 [rows, cols / 32]."""
         how, gname, index = self._entry(name)
-        if how == "kv_b":
-            a = self.tensor(name)
-            return {np.dtype("<f4"): "F32", np.dtype("<f2"): "F16"}.get(a.dtype, "BF16"), a.shape
+        if how == "kv_b":               # as tensor() would rebuild it
+            k, v = (self.file.entries[f"blk.{index}.attn_{s}_b.weight"] for s in "kv")
+            c = self.config
+            shape = (c["num_attention_heads"] * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])
+            return (k.type if k.type == v.type and k.type in FLOAT_TYPES else "F32"), shape
         e = self.file.entries[gname]
         if how == "fp4":
             return "I8", (e.shape[1], e.shape[2] // 2)
@@ -233,8 +233,8 @@ class GGUFCheckpoint:
         return e.type, e.shape if index is None else e.shape[1:]
 
     def tensor(self, name: str) -> np.ndarray:
-        """A view of the mapping (an expert: its slice of the stacked tensor); a split kv_b or an MXFP4
-        expert's FP4 codes and scales rebuilt once."""
+        """A view of the mapping (an expert: its slice of the stacked tensor); a split kv_b (never read by
+        the model) or an MXFP4 expert's FP4 codes and scales rebuilt once."""
         how, gname, index = self._entry(name)
         if how == "kv_b":
             if name not in self._rebuilt:
@@ -305,30 +305,11 @@ class GGUFCheckpoint:
     def keys(self) -> list[str]:
         return list(self.file.entries)
 
-    def split_kv_b_nbytes(self, layer: int) -> int:
-        """The bytes of layer `layer`'s attn_k_b and attn_v_b where both are of a block type cpumla reads
-        (the rule deepseek_v2.split_kv_b loads them by): the absorbed attention reads them in place, next
-        to the rebuilt kv_b (so a kv_b's bytes count both). 0 otherwise."""
-        pair = [self.file.entries.get(f"blk.{layer}.attn_{s}_b.weight") for s in "kv"]
-        if any(e is None or e.type not in GGUF_TYPES for e in pair):
-            return 0
-        return sum(e.nbytes for e in pair)
-
-    def not_decoded_nbytes(self) -> int:
-        """Resident bytes a decode token does not read: the kv_b rebuilt in F32 (for the un-absorbed
-        attention; F32 as the pair is quantized) of every decoder layer whose attn_k_b / attn_v_b the
-        absorbed attention reads instead (an MTP block's bytes are not a decode token's anyway)."""
-        total = 0
-        for layer in range(self.config["num_hidden_layers"]):
-            if self.split_kv_b_nbytes(layer):
-                pair = [self.file.entries[f"blk.{layer}.attn_{s}_b.weight"] for s in "kv"]
-                total += 4 * sum(int(np.prod(e.shape)) for e in pair)
-        return total
-
     def tensor_nbytes(self, name: str) -> int:
+        """Bytes a model holds of tensor `name`: a split kv_b's are its pair's (read in place)."""
         how, gname, index = self._entry(name)
         if how == "kv_b":
-            return self.tensor(name).nbytes + self.split_kv_b_nbytes(index)
+            return sum(self.file.entries[f"blk.{index}.attn_{s}_b.weight"].nbytes for s in "kv")
         e = self.file.entries[gname]
         if how == "fp4":                   # an MXFP4 block's 16 code bytes and 1 scale byte, without rebuilding
             return e.nbytes // e.shape[0] * 16 // 17

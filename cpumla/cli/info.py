@@ -115,7 +115,7 @@ def is_gguf(model: str) -> bool:
 
 
 def gguf_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: bool, tp: int | None = None) -> None:
-    from cpumla.checkpoint.gguf_info import IndexOnly, groups
+    from cpumla.checkpoint.gguf_info import groups
     from cpumla.cli.options import check_ctx
     from cpumla.cli.overrides import parse_hf_overrides
     from cpumla.runtime.plan import plan
@@ -128,7 +128,7 @@ def gguf_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: b
     try:
         by_group = groups(g.file.entries)
         files = [str(f) for f in g.file.files]
-        p = plan(model, max_seq_len=ctx, loaded=(cfg, resolved, IndexOnly(g)))
+        p = plan(model, max_seq_len=ctx, loaded=(cfg, resolved, g))
     finally:
         g.close()
     total = {"tensors": sum(v["tensors"] for v in by_group.values()),

@@ -239,16 +239,16 @@ class Layer:
     q_b: native.Weight | None     # [H*(dn+P), q_lora]
     kv_a: native.Weight           # [R+P, D]
     kv_a_ln: np.ndarray           # [R]
-    kv_b: native.Weight           # [H*(dn+dv), R]: per head dn rows of W_UK then dv rows of W_UV
+    kv_b: native.Weight | None    # [H*(dn+dv), R]: per head dn rows of W_UK then dv rows of W_UV (or k_b, v_b)
     o_proj: native.Weight         # [D, H*dv]
     mlp: native.Experts | None    # dense layer: a table of one
     gate: native.Weight | None    # [E, D] router, kept as stored (run on fp32 activations)
     router: native.Router | None
     experts: native.Experts | None
     shared: native.Experts | None
-    # W_UK and W_UV as a GGUF file of block types splits them, read in place by the absorbed attention
-    # (decode): k_b [H*R, dn] (per head W_UK transposed), v_b [H*dv, R]; kv_b is then their rebuilt copy
-    # for the un-absorbed form (prefill)
+    # W_UK and W_UV as a GGUF file splits them, kv_b then None: k_b [H*R, dn] (per head W_UK transposed),
+    # v_b [H*dv, R], read in place by both forms of the attention (the un-absorbed one dequantizes a
+    # head's rows at a time)
     k_b: native.Weight | None = None
     v_b: native.Weight | None = None
 
@@ -287,7 +287,7 @@ def build_layer(cfg: Config, src, layer: int) -> Layer:
     return Layer(
         input_ln=vec("input_ln"), post_ln=vec("post_ln"),
         q=lin("q"), q_a=lin("q_a"), q_a_ln=vec("q_a_ln"), q_b=lin("q_b"),
-        kv_a=lin("kv_a"), kv_a_ln=vec("kv_a_ln"), kv_b=lin("kv_b"), o_proj=lin("o_proj"),
+        kv_a=lin("kv_a"), kv_a_ln=vec("kv_a_ln"), kv_b=lin("kv_b") if k_b is None else None, o_proj=lin("o_proj"),
         mlp=table(names["dense"], cfg.intermediate_size) if "dense" in names else None,
         gate=lin("gate"), router=router,
         experts=table(names["experts"], cfg.moe_intermediate_size) if "experts" in names else None,
@@ -298,10 +298,11 @@ def build_layer(cfg: Config, src, layer: int) -> Layer:
 
 
 def split_kv_b(cfg: Config, src, layer: int) -> tuple:
-    """(k_b, v_b) where the source holds W_UK and W_UV apart in GGUF block types, else (None, None)."""
+    """(k_b, v_b) where the source holds W_UK and W_UV apart (a GGUF file's attn_k_b / attn_v_b, each in
+    its own type), else (None, None)."""
     H, R = cfg.num_attention_heads, cfg.kv_lora_rank
     names = tables.split_kv_b_names(layer)
-    if not all(src.has(n) and src.info(n)[0] in W.GGUF_TYPES for n in names):
+    if not src.has(names[0]):
         return None, None
     return (W.linear(src, names[0], (H * R, cfg.qk_nope_head_dim)),
             W.linear(src, names[1], (H * cfg.v_head_dim, R)))

@@ -253,11 +253,12 @@ def mla_attention(q: np.ndarray, kv: np.ndarray, dk: int, dv: int, scale: float,
     return (out, lse) if want_lse else out
 
 
-def mla_mha(q: np.ndarray, kv: np.ndarray, kv_b: Weight, rank: int, dn: int, dv: int, scale: float,
-            kv_len: np.ndarray | None = None) -> np.ndarray:
+def mla_mha(q: np.ndarray, kv: np.ndarray, kv_b: Weight | None, rank: int, dn: int, dv: int, scale: float,
+            kv_len: np.ndarray | None = None, k_b: Weight | None = None, v_b: Weight | None = None) -> np.ndarray:
     """Un-absorbed MLA attention (cpumla_mla_mha): q [n_q, H, dn + P] against the latent rows kv
     [T, >= rank + P] (float32 or bf16 as uint16; P = q's width - dn), keys and values decompressed with
-    kv_b [H * (dn + dv), rank] -> out [n_q, H, dv]. Query i sees rows [0, kv_len[i]) (all T without)."""
+    kv_b [H * (dn + dv), rank], or (kv_b None) with the pair k_b [H * rank, dn] (W_UK transposed per
+    head) and v_b [H * dv, rank] -> out [n_q, H, dv]. Query i sees rows [0, kv_len[i]) (all T without)."""
     ensure_init()
     checks.array(q, "q", F32, 3)
     checks.array(kv, "kv", CACHE_DTYPES, 2)
@@ -271,7 +272,10 @@ def mla_mha(q: np.ndarray, kv: np.ndarray, kv_b: Weight, rank: int, dn: int, dv:
     a.kv = vptr(kv)
     a.kv_dtype = lib.CPUMLA_BF16 if kv.dtype == np.uint16 else lib.CPUMLA_F32
     a.ld_kv, a.n_kv, a.rank, a.rope_dim = ld(kv), kv.shape[0], rank, q.shape[2] - dn
-    a.kv_b, a.dn, a.dv = as_weight(kv_b).c, dn, dv
+    a.kv_b = as_weight(kv_b).c if kv_b is not None else ffi.NULL
+    a.k_b = as_weight(k_b).c if k_b is not None else ffi.NULL
+    a.v_b = as_weight(v_b).c if v_b is not None else ffi.NULL
+    a.dn, a.dv = dn, dv
     if kv_len is not None:
         checks.array(np.asarray(kv_len), "kv_len", (np.int64, np.int32), 1, (n_q,))
         kv_len = np.ascontiguousarray(kv_len, dtype=np.int64)

@@ -200,7 +200,7 @@ def plan(model: str, hf_overrides=None, max_seq_len: int | None = None, loaded=N
             exact = budget(fam, cfg, src, ctx, 1)
             sizes["stored"], routed = exact.resident + exact.routed, exact.routed
             per_token["stored"] = exact.resident - mtp_resident - embed * (1 - 1 / cfg.vocab_size) + \
-                (routed - mtp_routed) * top_k / max(experts, 1) - getattr(src, "not_decoded_nbytes", lambda: 0)()
+                (routed - mtp_routed) * top_k / max(experts, 1)
     finally:
         if own:
             src.close()

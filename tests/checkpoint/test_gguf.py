@@ -176,11 +176,11 @@ def test_gguf_q8_0(tiny, tmp_path, variant):
 
 
 def test_gguf_split_kv_b_read_in_place(tmp_path, monkeypatch):
-    """Where attn_k_b / attn_v_b are of a block type (rows of 32 columns here), the absorbed attention
-    reads them in place from the mapping (W_UK per head transposed, W_UV): a decode token reads them,
-    not the fp32 kv_b rebuilt for the un-absorbed form. Against transformers on the values the file holds
-    as any Q8_0 file (decode equal to the full forward), and near the same file read through kv_b alone."""
-    from cpumla.checkpoint.gguf_info import IndexOnly
+    """attn_k_b / attn_v_b (of a block type here: rows of 32 columns) are read in place from the mapping
+    by both forms of the attention (W_UK per head transposed, W_UV): no kv_b is rebuilt, the model holds
+    the file's bytes and no more, a decode token reads the pair. Against transformers on the values the
+    file holds as any Q8_0 file (decode equal to the full forward); the un-absorbed prefill equal, bit for
+    bit, to the same file read through a kv_b rebuilt in fp32."""
     from cpumla.models import deepseek_v2 as v2
     from cpumla.runtime.plan import plan
 
@@ -193,6 +193,8 @@ def test_gguf_split_kv_b_read_in_place(tmp_path, monkeypatch):
     with GGUFCheckpoint(path) as g:
         raw = np.array(g.file.raw("blk.1.attn_k_b.weight"))
         assert g.file.entries["blk.1.attn_k_b.weight"].type == "Q8_0"
+        file_bytes = sum(e.nbytes for e in g.file.entries.values())
+    assert all(L.kv_b is None for L in eng.model.layers)
     L = eng.model.layers[1]
     assert (L.k_b.rows, L.k_b.cols, L.v_b.rows, L.v_b.cols) == (H * R, 32, H * 32, R)
     # the file's blocks as they are, a read-only view of the mapping (a rebuilt copy would be writeable)
@@ -203,6 +205,15 @@ def test_gguf_split_kv_b_read_in_place(tmp_path, monkeypatch):
     gguf_files.check_q8_file(eng, ref, IDS)
     eng.reset()
     got = eng.forward(IDS)
+    eng.reset()
+    eng.model.mha_min_tokens = 2                   # the prefill un-absorbed, on k_b / v_b
+    assert eng.model.unabsorbed(len(IDS))
+    got_mha = eng.forward(IDS)
+    # the plan (cpumla info): resident the file's bytes (every tensor read in place, nothing rebuilt), and
+    # a token's reads as the model counts them
+    p = plan(str(path))
+    assert p.weights["stored"] == file_bytes
+    assert p.token_bytes["stored"] == pytest.approx(eng.model.decode_bytes(0), rel=0.02)
 
     monkeypatch.setattr(v2, "split_kv_b", lambda cfg, src, layer: (None, None))
     whole = cpumla.load(str(path))
@@ -212,16 +223,14 @@ def test_gguf_split_kv_b_read_in_place(tmp_path, monkeypatch):
     # per layer a decode token reads k_b and v_b in place of the fp32 kv_b
     saved = n_layers * (kv_b.nbytes - L.k_b.nbytes - L.v_b.nbytes)
     assert whole.model.decode_bytes(0) - eng.model.decode_bytes(0) == pytest.approx(saved)
-    # the plan (cpumla info) sizes both as resident, and a token's reads as the model counts them
     with GGUFCheckpoint(path) as g:
-        name = "model.layers.1.self_attn.kv_b_proj.weight"
-        assert g.tensor_nbytes(name) == kv_b.nbytes + L.k_b.nbytes + L.v_b.nbytes
-        assert IndexOnly(g).tensor_nbytes(name) == g.tensor_nbytes(name)
-    # (the copies a token does not read left out: with them the plan would count ~1.9x)
-    assert plan(str(path)).token_bytes["stored"] == pytest.approx(eng.model.decode_bytes(0), rel=0.02)
+        assert g.tensor_nbytes("model.layers.1.self_attn.kv_b_proj.weight") == L.k_b.nbytes + L.v_b.nbytes
     other = whole.forward(IDS)
     # the two differ by the int8 rounding of the absorbed products' activations (kernels.h): as far
     # apart as either is from the reference (3-4% of the largest logit here)
     assert np.abs(got - other).max() < 0.08 * np.abs(other).max()
     cos = (got * other).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(other, axis=-1)
     assert (1 - cos).max() < 1e-2
+    whole.reset()
+    whole.model.mha_min_tokens = 2
+    np.testing.assert_array_equal(got_mha, whole.forward(IDS))

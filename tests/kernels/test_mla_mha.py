@@ -85,6 +85,54 @@ def test_mla_mha(isa, case, threads):
         native.set_threads(None)
 
 
+def pair_weight(fmt, rows, cols, rng):
+    """A weight [rows, cols] of W_UK / W_UV in a format a GGUF file may split them in."""
+    a = rng.standard_normal((rows, cols)).astype(np.float32) * 0.3
+    if fmt in ("f32", "f16"):
+        return native.Weight(a.astype(np.float16 if fmt == "f16" else np.float32), fmt)
+    if fmt == "bf16":
+        return native.Weight(ref.bf16_bits(a), fmt)
+    gguf = pytest.importorskip("gguf")
+    raw = gguf.quants.quantize(a, gguf.GGMLQuantizationType[fmt.upper()])
+    return native.Weight(raw, fmt)
+
+
+# (k_b format, v_b format, cache, n_q, H, R, P, dn, dv, pos0): the split pair as GGUF files hold it
+SPLIT_CASES = [
+    ("q8_0", "q8_0", "f32", 270, 3, 64, 6, 32, 32, 300),
+    ("q4_0", "q8_0", "bf16", 40, 2, 96, 4, 64, 32, 30),
+    ("f16", "f16", "f32", 20, 3, 40, 4, 16, 24, 9),
+    ("bf16", "f32", "bf16", 9, 1, 32, 2, 8, 8, 4200),
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: "-".join(map(str, c[:3])))
+@pytest.mark.parametrize("threads", [1, 3])
+def test_mla_mha_split_pair(isa, case, threads):
+    """kv_b NULL, W_UK and W_UV apart (k_b [H*R, dn], W_UK transposed per head; v_b [H*dv, R]) in their own
+    formats: the same numbers, bit for bit, as kv_b in F32 holding their dequantized values."""
+    kf, vf, cache, n_q, H, R, P, dn, dv, pos0 = case
+    rng = np.random.default_rng(n_q + R)
+    native.set_threads(threads)
+    try:
+        k_b, v_b = pair_weight(kf, H * R, dn, rng), pair_weight(vf, H * dv, R, rng)
+        uk = native.dequant(k_b).reshape(H, R, dn).transpose(0, 2, 1)        # [H, dn, R]
+        uv = native.dequant(v_b).reshape(H, dv, R)
+        kv_b = native.Weight(np.ascontiguousarray(np.concatenate([uk, uv], 1).reshape(H * (dn + dv), R)), "f32")
+        T = pos0 + n_q
+        kv = (rng.standard_normal((T, R + P + 3)) * 0.5).astype(np.float32)
+        kv_c = ref.bf16_bits(kv) if cache == "bf16" else kv
+        q = rng.standard_normal((n_q, H, dn + P)).astype(np.float32)
+        kv_len = pos0 + np.arange(n_q) + 1
+        sm = 0.6 / np.sqrt(dn + P)
+        want = native.mla_mha(q, kv_c, kv_b, R, dn, dv, sm, kv_len=kv_len)
+        got = native.mla_mha(q, kv_c, None, R, dn, dv, sm, kv_len=kv_len, k_b=k_b, v_b=v_b)
+        assert np.isfinite(want).all() and np.abs(want).max() > 0.01
+        np.testing.assert_array_equal(got, want)
+    finally:
+        native.set_threads(None)
+
+
 def test_mla_mha_bad_arguments():
     rng = np.random.default_rng(0)
     w = native.Weight(rng.standard_normal((2 * 20, 16)).astype(np.float32), "f32")
@@ -96,3 +144,12 @@ def test_mla_mha_bad_arguments():
         native.mla_mha(q, kv[:, :18], w, 16, 8, 12, 1.0)       # rank 16 + rope 4 > 18
     with pytest.raises(CpumlaError, match="rows"):
         native.mla_mha(q, kv, w, 16, 8, 13, 1.0)               # 2 heads x (8 + 13) > 40 rows
+    with pytest.raises(CpumlaError, match="neither kv_b nor"):
+        native.mla_mha(q, kv, None, 16, 8, 12, 1.0, k_b=w)     # no v_b
+    k_b = native.Weight(np.zeros((2 * 16, 8), np.float32), "f32")
+    v_b = native.Weight(np.zeros((2 * 12, 16), np.float32), "f32")
+    native.mla_mha(q, kv, None, 16, 8, 12, 1.0, k_b=k_b, v_b=v_b)
+    with pytest.raises(CpumlaError, match="k_b must have dn columns"):
+        native.mla_mha(q, kv, None, 16, 8, 12, 1.0, k_b=v_b, v_b=v_b)
+    with pytest.raises(CpumlaError, match="v_b must have rank columns"):
+        native.mla_mha(q, kv, None, 16, 8, 13, 1.0, k_b=k_b, v_b=v_b)     # 2 x 13 > 24 rows

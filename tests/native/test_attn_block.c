@@ -175,6 +175,34 @@ static void mha_case_run(const mha_case *c, int bf16) {
     check(ok, "cpumla_mla_mha n_q %lld H %lld R %lld P %lld dn %lld dv %lld n_kv %lld %s cache, %s kv_b, kv_len %d: %s",
           (long long)n_q, (long long)H, (long long)R, (long long)P, (long long)dn, (long long)dv, (long long)n_kv,
           bf16 ? "BF16" : "F32", dtype_name(c->wdtype), c->kv_len_kind, where);
+    if (c->wdtype == CPUMLA_F32) {
+        /* kv_b NULL, the same W_UK / W_UV apart as a GGUF file splits them (k_b [H*R, dn]: W_UK transposed
+         * per head; v_b [H*dv, R]): the same numbers, bit for bit */
+        float *kb = xalloc(sizeof(float) * (size_t)(H * R * dn)), *vb = xalloc(sizeof(float) * (size_t)(H * dv * R));
+        for (int64_t h = 0; h < H; h++) {
+            for (int64_t d = 0; d < dn; d++) {
+                const float *row = (const float *)((const char *)t.w.data + (h * (dn + dv) + d) * t.w.row_bytes);
+                for (int64_t r = 0; r < R; r++) kb[(h * R + r) * dn + d] = row[r];
+            }
+            for (int64_t d = 0; d < dv; d++)
+                memcpy(vb + (h * dv + d) * R, (const char *)t.w.data + (h * (dn + dv) + dn + d) * t.w.row_bytes,
+                       sizeof(float) * (size_t)R);
+        }
+        cpumla_weight kw, vw;
+        memset(&kw, 0, sizeof kw);
+        kw.dtype = CPUMLA_F32;
+        vw = kw;
+        kw.data = kb; kw.rows = H * R; kw.cols = dn; kw.row_bytes = dn * (int64_t)sizeof(float);
+        vw.data = vb; vw.rows = H * dv; vw.cols = R; vw.row_bytes = R * (int64_t)sizeof(float);
+        float *out2 = xalloc(sizeof(float) * (size_t)(n_q * ldo_t));
+        for (int64_t i = 0; i < n_q * ldo_t; i++) out2[i] = SENT;
+        a.kv_b = NULL; a.k_b = &kw; a.v_b = &vw; a.out = out2;
+        check(cpumla_mla_mha(&a) == 0, "cpumla_mla_mha (k_b, v_b) failed: %s", cpumla_last_error());
+        check(memcmp(out, out2, sizeof(float) * (size_t)(n_q * ldo_t)) == 0,
+              "cpumla_mla_mha with k_b / v_b differs from kv_b (n_q %lld H %lld R %lld dn %lld dv %lld, %s cache)",
+              (long long)n_q, (long long)H, (long long)R, (long long)dn, (long long)dv, bf16 ? "BF16" : "F32");
+        free(kb); free(vb); free(out2);
+    }
     free_weight(&t);
     free(kv); free(lat); free(kv_len); free(q); free(out); free(key); free(val); free(sc); free(ro);
 }
@@ -183,6 +211,7 @@ void test_api_mla_mha(void) {
     static const mha_case cs[] = {
         {1, 1, 8, 2, 4, 4, 0, CPUMLA_F32, 0, 0},          {7, 3, 40, 6, 10, 7, 20, CPUMLA_BF16, 0, 0},
         {5, 2, 33, 4, 8, 9, 30, CPUMLA_E4M3, 1, 0},       {9, 2, 24, 4, 8, 6, 40, CPUMLA_F32, 2, 0},
+        {270, 3, 40, 4, 12, 9, 30, CPUMLA_F32, 0, 1},     /* and the split pair (k_b, v_b) past a block */
         {270, 2, 24, 4, 8, 6, 200, CPUMLA_BF16, 0, 1},    /* two blocks of keys and of queries */
         {3, 1, 32, 4, 8, 8, 4200, CPUMLA_BF16, 0, 1},     /* past one span of rows */
     };
@@ -202,5 +231,13 @@ void test_api_mla_mha(void) {
     a.kv_dtype = CPUMLA_F16;
     check(cpumla_mla_mha(&a) == -1 && strstr(cpumla_last_error(), "F32 or BF16"), "cpumla_mla_mha with an F16 cache: %s",
           cpumla_last_error());
+    a.kv_dtype = CPUMLA_F32;
+    a.kv_b = NULL;
+    a.k_b = &t.w;                                   /* k_b without v_b */
+    check(cpumla_mla_mha(&a) == -1 && strstr(cpumla_last_error(), "neither kv_b nor"), "cpumla_mla_mha without v_b: %s",
+          cpumla_last_error());
+    a.v_b = &t.w;                                   /* 16 columns, dn 4 */
+    check(cpumla_mla_mha(&a) == -1 && strstr(cpumla_last_error(), "k_b must have dn columns") && out[0] == SENT,
+          "cpumla_mla_mha with k_b of 16 columns and dn 4: %s", cpumla_last_error());
     free_weight(&t);
 }

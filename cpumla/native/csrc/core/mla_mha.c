@@ -2,6 +2,10 @@
  * DeepSeek's attention. Portable orchestration: the products run on the table's gemm (kern_gemm,
  * kernels.h) and the softmax on its softmax_block entry, so every level brings its own speed.
  *
+ * W_UK and W_UV are kv_b's rows of the head, or (kv_b NULL) the head's rows of k_b (W_UK transposed) and
+ * v_b, dequantized once a task to fp32 in kv_b's layout [dn + dv][rank] (its scratch): the products
+ * are then kv_b's F32 ones, and a GGUF file's split pair is never copied whole.
+ *
  * The cached rows go in spans of MHA_SPAN: where the table multiplies bf16 directly (gemm_xb) and
  * kv_b is BF16, a span's latents are first rounded to bf16 once for every head (one pool job), as
  * gemm would round them per call. Then one task per head (and per query range when there are fewer
@@ -12,7 +16,8 @@
  *      per query (its causal length masks the block's tail), then O = c O + P V (gemm with V^T).
  * O accumulates in the caller's out rows, the softmax state (m, l) per head and query in the job, and
  * the last span divides O by l. Scratch per thread: the block's keys, values and scores,
- * O(MHA_KB * (rank + dk + 2 dv + MHA_QB)) floats; shared: m and l, and a span's bf16 latents.
+ * O(MHA_KB * (rank + dk + 2 dv + MHA_QB)) floats (with k_b / v_b the head's (dn + dv) * rank more);
+ * shared: m and l, and a span's bf16 latents.
  *
  * R=rank P=rope_dim dk=dn+P H=heads nk=rows in a block */
 #include <math.h>
@@ -63,31 +68,47 @@ static cpumla_weight f32_rows(const float *data, int64_t rows, int64_t cols, int
     return w;
 }
 
-/* kv_b rows [r0, r1) times latent rows [j0, j0 + nk) -> y [nk][ldy] */
-static void kv_b_rows(const mha_job *job, int64_t j0, int64_t nk, float *lat, int64_t r0, int64_t r1, float *y,
-                      int64_t ldy) {
+/* rows [r0, r1) of kv (kv_b, or a head's rows in its layout) times latent rows [j0, j0 + nk) -> y [nk][ldy] */
+static void kv_b_rows(const mha_job *job, const cpumla_weight *kv, int64_t j0, int64_t nk, float *lat, int64_t r0,
+                      int64_t r1, float *y, int64_t ldy) {
     const cpumla_mla_mha_args *a = job->a;
     if (job->xb) {
-        cpumla_k.gemm_xb(a->kv_b, job->xb + (j0 - job->j_begin) * job->ldb, job->ldb, nk, y, ldy, r0, r1);
+        cpumla_k.gemm_xb(kv, job->xb + (j0 - job->j_begin) * job->ldb, job->ldb, nk, y, ldy, r0, r1);
     } else if (a->kv_dtype == CPUMLA_BF16) {
-        kern_gemm(&cpumla_k, a->kv_b, lat, pad16(a->rank), nk, y, ldy, r0, r1);
+        kern_gemm(&cpumla_k, kv, lat, pad16(a->rank), nk, y, ldy, r0, r1);
     } else {
-        kern_gemm(&cpumla_k, a->kv_b, (const float *)a->kv + j0 * a->ld_kv, a->ld_kv, nk, y, ldy, r0, r1);
+        kern_gemm(&cpumla_k, kv, (const float *)a->kv + j0 * a->ld_kv, a->ld_kv, nk, y, ldy, r0, r1);
     }
 }
 
-/* Keys [nk, dk] and transposed values [dv, MHA_KB] of head h for latent rows [j0, j0 + nk). */
-static void decompress(const mha_job *job, int64_t h, int64_t j0, int64_t nk, float *lat, float *k, float *v,
-                       float *vt) {
+/* Head h's W_UK and W_UV from k_b and v_b in fp32, laid out as kv_b's rows of the head: uk [dn + dv][rank]
+ * (row d < dn: W_UK row d, column r of k_b's row h * rank + r; then v_b's rows). tmp: SPLIT_RB * dn floats
+ * (k_b's rows SPLIT_RB at a time, so that the transposed stores fill whole lines). */
+#define SPLIT_RB 16
+static void split_head(const cpumla_mla_mha_args *a, int64_t h, float *uk, float *tmp) {
+    const int64_t R = a->rank, dn = a->dn, dv = a->dv;
+    for (int64_t r0 = 0; r0 < R; r0 += SPLIT_RB) {
+        const int64_t nr = min64(SPLIT_RB, R - r0);
+        for (int64_t i = 0; i < nr; i++) kern_dequant(&cpumla_k, a->k_b, h * R + r0 + i, 0, dn, tmp + i * dn);
+        for (int64_t d = 0; d < dn; d++)
+            for (int64_t i = 0; i < nr; i++) uk[d * R + r0 + i] = tmp[i * dn + d];
+    }
+    for (int64_t d = 0; d < dv; d++) kern_dequant(&cpumla_k, a->v_b, h * dv + d, 0, R, uk + (dn + d) * R);
+}
+
+/* Keys [nk, dk] and transposed values [dv, MHA_KB] of head h for latent rows [j0, j0 + nk): the head's
+ * rows of kv from r0. */
+static void decompress(const mha_job *job, const cpumla_weight *kv, int64_t r0, int64_t j0, int64_t nk, float *lat,
+                       float *k, float *v, float *vt) {
     const cpumla_mla_mha_args *a = job->a;
-    const int64_t R = a->rank, P = a->rope_dim, dn = a->dn, dv = a->dv, dk = dn + P, r0 = h * (dn + dv);
+    const int64_t R = a->rank, P = a->rope_dim, dn = a->dn, dv = a->dv, dk = dn + P;
     if (!job->xb && a->kv_dtype == CPUMLA_BF16)
         for (int64_t j = 0; j < nk; j++)
             for (int64_t d = 0; d < R; d++) lat[j * pad16(R) + d] = latent_at(a, j0 + j, d);
-    kv_b_rows(job, j0, nk, lat, r0, r0 + dn, k, dk);
+    kv_b_rows(job, kv, j0, nk, lat, r0, r0 + dn, k, dk);
     for (int64_t j = 0; j < nk; j++)
         for (int64_t p = 0; p < P; p++) k[j * dk + dn + p] = latent_at(a, j0 + j, R + p);
-    kv_b_rows(job, j0, nk, lat, r0 + dn, r0 + dn + dv, v, dv);
+    kv_b_rows(job, kv, j0, nk, lat, r0 + dn, r0 + dn + dv, v, dv);
     for (int64_t jb = 0; jb < nk; jb += 16)          /* 16 rows at a time: reads stay in L1 */
         for (int64_t d = 0; d < dv; d++)
             for (int64_t j = jb; j < min64(jb + 16, nk); j++) vt[d * MHA_KB + j] = v[j * dv + d];
@@ -100,14 +121,19 @@ static void mha_task(void *p, int64_t t, int tid) {
     const int64_t h = t / job->q_tasks, qa = (t % job->q_tasks) * job->q_per_task;
     const int64_t qb = min64(qa + job->q_per_task, a->n_q);
     if (qb <= qa) return;
-    const int64_t R = a->rank, dv = a->dv, dk = a->dn + a->rope_dim;
+    const int64_t R = a->rank, dn = a->dn, dv = a->dv, dk = dn + a->rope_dim;
     const int64_t lat_floats = !job->xb && a->kv_dtype == CPUMLA_BF16 ? pad16(MHA_KB * pad16(R)) : 0;
+    const int64_t uk_floats = a->kv_b ? 0 : pad16((dn + dv) * R) + pad16(SPLIT_RB * dn);
     size_t floats = (size_t)(lat_floats + pad16(MHA_KB * dk) + 2 * pad16(MHA_KB * dv) + pad16(MHA_QB * MHA_KB) +
-                             pad16(MHA_QB * dv) + pad16(MHA_QB));
+                             pad16(MHA_QB * dv) + pad16(MHA_QB) + uk_floats);
     float *lat = cpumla_scratch(CPUMLA_SCRATCH_MHA, floats * sizeof(float));
     if (!lat) return;
     float *k = lat + lat_floats, *v = k + pad16(MHA_KB * dk), *vt = v + pad16(MHA_KB * dv);
     float *s = vt + pad16(MHA_KB * dv), *pv = s + pad16(MHA_QB * MHA_KB), *c = pv + pad16(MHA_QB * dv);
+    float *uk = c + pad16(MHA_QB);                  /* the split pair: this head's rows in kv_b's layout */
+    cpumla_weight head = f32_rows(uk, dn + dv, R, R);
+    const cpumla_weight *kv = a->kv_b ? a->kv_b : &head;
+    const int64_t r0 = a->kv_b ? h * (dn + dv) : 0;
     float *m = job->m + h * a->n_q, *l = job->l + h * a->n_q;
     int64_t kmax = 0;
     for (int64_t i = qa; i < qb; i++) {
@@ -117,9 +143,11 @@ static void mha_task(void *p, int64_t t, int tid) {
         l[i] = 0.0f;
         memset(a->out + i * a->ldo_t + h * a->ldo_h, 0, sizeof(float) * (size_t)dv);
     }
+    if (!a->kv_b && job->j_begin < min64(kmax, job->j_end))
+        split_head(a, h, uk, uk + pad16((dn + dv) * R));
     for (int64_t j0 = job->j_begin; j0 < min64(kmax, job->j_end); j0 += MHA_KB) {
         const int64_t nk = min64(MHA_KB, min64(kmax, job->j_end) - j0);
-        decompress(job, h, j0, nk, lat, k, v, vt);
+        decompress(job, kv, r0, j0, nk, lat, k, v, vt);
         for (int64_t q0 = qa; q0 < qb; q0 += MHA_QB) {
             int64_t s0 = q0, q1 = min64(q0 + MHA_QB, qb), ne = 0;
             while (s0 < q1 && visible(a, s0) <= j0) s0++;            /* causal: nothing to see yet */
@@ -186,7 +214,7 @@ static void mla_mha(const cpumla_mla_mha_args *a) {
     if (!job.m) return;
     job.l = job.m + a->n_heads * a->n_q;
     int64_t span = job.n_rows;
-    if (cpumla_k.gemm_xb && a->kv_b->dtype == CPUMLA_BF16) {
+    if (cpumla_k.gemm_xb && a->kv_b && a->kv_b->dtype == CPUMLA_BF16) {
         span = min64(span, MHA_SPAN);
         job.ldb = (a->rank + 31) & ~(int64_t)31;
         job.xb = cpumla_scratch(CPUMLA_SCRATCH_MHA_XB, sizeof(uint16_t) * (size_t)(max64(span, 1) * job.ldb));
@@ -209,13 +237,17 @@ static int bad(const char *msg) {
 }
 
 int cpumla_mla_mha(const cpumla_mla_mha_args *a) {
-    if (!a || !a->kv_b) return bad("no arguments or no kv_b weight");
+    if (!a || (!a->kv_b && (!a->k_b || !a->v_b))) return bad("no arguments, or neither kv_b nor k_b and v_b");
     if (a->kv_dtype != CPUMLA_F32 && a->kv_dtype != CPUMLA_BF16) return bad("the latent rows must be F32 or BF16");
     if (a->n_q < 0 || a->n_heads < 0 || a->n_kv < 0 || a->rank < 1 || a->rope_dim < 0 || a->dn < 0 || a->dv < 1)
         return bad("negative counts, or no rank or value width");
     if (a->ld_kv < a->rank + a->rope_dim) return bad("latent rows are narrower than rank + rope_dim");
-    if (a->kv_b->cols != a->rank || a->kv_b->rows < a->n_heads * (a->dn + a->dv))
+    if (a->kv_b && (a->kv_b->cols != a->rank || a->kv_b->rows < a->n_heads * (a->dn + a->dv)))
         return bad("kv_b must have rank columns and n_heads * (dn + dv) rows");
+    if (!a->kv_b && (a->k_b->cols != a->dn || a->k_b->rows < a->n_heads * a->rank))
+        return bad("k_b must have dn columns and n_heads * rank rows");
+    if (!a->kv_b && (a->v_b->cols != a->rank || a->v_b->rows < a->n_heads * a->dv))
+        return bad("v_b must have rank columns and n_heads * dv rows");
     cpumla_enter(NULL);
     cpumla_ensure_init();
     if (a->n_q > 0 && a->n_heads > 0) mla_mha(a);

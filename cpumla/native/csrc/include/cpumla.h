@@ -423,6 +423,10 @@ int cpumla_mla_attention(const cpumla_attn_args *a);
  * latent rows with kv_b instead of absorbing W_UK into the queries and W_UV into the output.
  *   latent row j = kv row j: c_j [0, rank) then k_pe_j [rank, rank + rope_dim), F32 or BF16;
  *   head h: W_UK = kv_b rows h*(dn+dv) + [0, dn), W_UV = the next dv rows (kv_b has rank columns);
+ *   or, kv_b NULL, the two apart as a GGUF file splits them: W_UK transposed in k_b rows h*rank +
+ *   [0, rank) (dn columns), W_UV in v_b rows h*dv + [0, dv) (rank columns), each of any weight
+ *   format, dequantized per head to fp32 (cpumla_dequant's values) into the task's scratch, so
+ *   neither is copied whole;
  *   key_hj = [W_UK c_j | k_pe_j] (dn + rope_dim), value_hj = W_UV c_j (dv), both products as
  *   cpumla_gemm computes them (kernels.h: rounded activations for BF16 / E4M3 weights);
  *   q_ih = [q_nope | q_pe] (dn + rope_dim);  s_h(i, j) = scale * q_ih . key_hj;
@@ -440,11 +444,12 @@ typedef struct cpumla_mla_mha_args {
     int64_t n_q, n_heads;
     const void *kv; int32_t kv_dtype; int64_t ld_kv;   /* [n_kv, ld_kv], F32 or BF16 */
     int64_t n_kv, rank, rope_dim;
-    const cpumla_weight *kv_b;                         /* [n_heads * (dn + dv), rank] */
+    const cpumla_weight *kv_b;                         /* [n_heads * (dn + dv), rank], or NULL: */
     int64_t dn, dv;
     const int64_t *kv_len;                             /* [n_q] or NULL */
     float scale;
     float *out; int64_t ldo_t, ldo_h;                  /* [n_q, H, dv] */
+    const cpumla_weight *k_b, *v_b;                    /* [n_heads * rank, dn], [n_heads * dv, rank] */
 } cpumla_mla_mha_args;
 int cpumla_mla_mha(const cpumla_mla_mha_args *a);
 

@@ -21,9 +21,9 @@ typedef struct cpumla_dsv2_layer {
     const cpumla_weight *q_a;      /* [QL, D] */
     const cpumla_weight *q_b;      /* [H*qk, QL] */
     const cpumla_weight *kv_a;     /* [R+P, D] */
-    const cpumla_weight *kv_b;     /* [H*(dn+dv), R]: per head dn rows of W_UK, then dv rows of W_UV */
-    /* or NULL: W_UK and W_UV as a GGUF file splits them (attn_k_b [H*R, dn]: per head W_UK transposed,
-     * attn_v_b [H*dv, R]), read in place by the absorbed form (kv_b then serves the un-absorbed one) */
+    const cpumla_weight *kv_b;     /* [H*(dn+dv), R]: per head dn rows of W_UK, then dv rows of W_UV; */
+    /* or kv_b NULL and W_UK, W_UV as a GGUF file splits them (attn_k_b [H*R, dn]: per head W_UK
+     * transposed, attn_v_b [H*dv, R]), read in place by both forms of the attention */
     const cpumla_weight *k_b, *v_b;
     const cpumla_weight *o_proj;   /* [D, H*dv] */
     const cpumla_weight *gate;     /* [E, D] router, or NULL for a dense layer */

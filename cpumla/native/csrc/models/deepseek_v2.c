@@ -169,7 +169,7 @@ int dsv2_attn_out(cpumla_dsv2_state *s, int64_t l, int64_t n, int64_t pos0, cons
                                  .kv = s->cache[l], .kv_dtype = CPUMLA_F32, .ld_kv = R + P, .n_kv = pos0 + n,
                                  .rank = R, .rope_dim = P, .kv_b = L->kv_b, .dn = dn, .dv = dv,
                                  .kv_len = s->kv_len, .scale = m->softmax_scale, .out = s->o,
-                                 .ldo_t = H * dv, .ldo_h = dv};
+                                 .ldo_t = H * dv, .ldo_h = dv, .k_b = L->k_b, .v_b = L->v_b};
         TRY(cpumla_mla_mha(&b));
         return attn_proj(s, L, n);
     }
