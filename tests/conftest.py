@@ -9,6 +9,12 @@ from cpumla import native  # noqa: E402
 
 ALL_ISAS = native.ISAS      # every level cpumla knows, built here or not
 
+# Subprocesses (python -m cpumla in a test's folder, the benchmark scripts) import the cpumla these tests
+# do: the checkout's, when that is where it came from (not installed, or run with it first on the path).
+_checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(native.__file__)))) == _checkout:
+    os.environ["PYTHONPATH"] = os.pathsep.join([_checkout] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+
 
 def pytest_report_header(config):
     native.init("")
