@@ -202,3 +202,27 @@ def test_groups_of_names():
                                   "blk.3.ffn_gate_inp.weight", "blk.3.exp_probs_b.bias", "output_norm.weight",
                                   "blk.61.nextn.eh_proj.weight", "blk.0.ffn_down.weight")] == \
         ["norms/other", "attention", "norms/other", "norms/other", "norms/other", "norms/other", "dense MLP"]
+
+
+def test_info_of_a_v3_sized_file(tmp_path):
+    """`cpumla info` on a file of DeepSeek-V3's shapes and Q4_K_M's types (~380 GiB as a sparse file: the
+    index alone is read). Weights: every tensor at its bytes in the file and nothing more (the split MLA
+    pairs read in place, no kv_b rebuilt); the routed experts apart; a token's reads (top 8 of 256
+    experts, one embedding row); not fitting 24 GiB, the part held beside the experts read from disk."""
+    from support import gguf_files
+
+    path = tmp_path / "v3-q4_k_m.gguf"
+    written = gguf_files.write_v3_index(path)
+    assert path.stat().st_size > 370 << 30
+    d = info_json(str(path), CPUMLA_MEMORY_AVAILABLE=str(24 << 30))
+    total = sum(n for _, n in written.values())
+    routed = sum(n for name, (_, n) in written.items() if "_exps." in name)
+    embed = written["token_embd.weight"][1]
+    assert abs(d["params"] - 671.0e9) < 0.1e9
+    assert d["weights"] == {"stored": total} and d["routed"] == routed and d["fits"] == {"stored": False}
+    assert d["gguf"]["total"]["bytes"] == total and d["gguf"]["groups"]["routed experts"]["bytes"] == routed
+    want = total - routed - embed * (1 - 1 / 129280) + routed * 8 / 256
+    assert abs(d["token_bytes"]["stored"] - want) <= 1
+    s = d["streamed"]
+    assert s["resident"] == total - routed + d["cache"] + d["scratch"]
+    assert 0 < s["held"] < 0.1 and s["disk_bytes_per_token"] == pytest.approx((1 - s["held"]) * routed * 8 / 256)
