@@ -516,7 +516,8 @@ def write_v3_index(path: Path) -> dict[str, tuple[str, int]]:
                 ("attn_norm", (D,), T.F32), ("ffn_norm", (D,), T.F32), ("attn_q_a", (cfg.q_lora_rank, D), T.Q4_K),
                 ("attn_q_a_norm", (cfg.q_lora_rank,), T.F32), ("attn_q_b", (H * (dn + P), cfg.q_lora_rank), T.Q4_K),
                 ("attn_kv_a_mqa", (R + P, D), T.Q4_K), ("attn_kv_a_norm", (R,), T.F32),
-                ("attn_k_b", (H, R, dn), T.Q5_0), ("attn_v_b", (H, dv, R), T.Q4_K), ("attn_output", (D, H * dv), T.Q4_K)]:
+                ("attn_k_b", (H, R, dn), T.Q5_0), ("attn_v_b", (H, dv, R), T.Q4_K),
+                ("attn_output", (D, H * dv), T.Q4_K)]:
             t(b + name + ".weight", shape, kind)
         if layer < cfg.first_k_dense_replace:
             I = cfg.intermediate_size
