@@ -209,10 +209,10 @@ def test_info_of_a_v3_sized_file(tmp_path):
     index alone is read). Weights: every tensor at its bytes in the file and nothing more (the split MLA
     pairs read in place, no kv_b rebuilt); the routed experts apart; a token's reads (top 8 of 256
     experts, one embedding row); not fitting 24 GiB, the part held beside the experts read from disk."""
-    from support import gguf_files
+    from support import gguf_index
 
     path = tmp_path / "v3-q4_k_m.gguf"
-    written = gguf_files.write_v3_index(path)
+    written = gguf_index.write_v3_index(path)
     assert path.stat().st_size > 370 << 30
     d = info_json(str(path), CPUMLA_MEMORY_AVAILABLE=str(24 << 30))
     total = sum(n for _, n in written.values())
