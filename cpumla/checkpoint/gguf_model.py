@@ -219,10 +219,7 @@ class GGUFCheckpoint:
         data; an MXFP4 expert served as FP4: I8 [rows, cols / 2] and its scales F8_E8M0 [rows, cols / 32]."""
         how, gname, index = self._entry(name)
         if how == "kv_b":               # as tensor() would rebuild it
-            k, v = (self.file.entries[f"blk.{index}.attn_{s}_b.weight"] for s in "kv")
-            c = self.config
-            shape = (c["num_attention_heads"] * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])
-            return (k.type if k.type == v.type and k.type in FLOAT_TYPES else "F32"), shape
+            return self._kv_b_form(index)
         e = self.file.entries[gname]
         if how == "fp4":
             return "I8", (e.shape[1], e.shape[2] // 2)
@@ -256,6 +253,14 @@ class GGUFCheckpoint:
             return self.file.raw(gname).view(INT_TYPES[e.type]).reshape(e.shape)
         return self.file.array(gname)
 
+    def _kv_b_form(self, layer: int) -> tuple[str, tuple[int, int]]:
+        """(type, shape) of layer `layer`'s kv_b rebuilt from its pair: the pair's float type where they
+        share one, else F32; [H * (dn + dv), R]."""
+        c = self.config
+        k, v = (self.file.entries[f"blk.{layer}.attn_{s}_b.weight"] for s in "kv")
+        shape = (c["num_attention_heads"] * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])
+        return (k.type if k.type == v.type and k.type in FLOAT_TYPES else "F32"), shape
+
     def _kv_b(self, layer: int) -> np.ndarray:
         """kv_b_proj [H * (dn + dv), R] from attn_k_b [H, R, dn] and attn_v_b [H, dv, R]."""
         c = self.config
@@ -265,7 +270,7 @@ class GGUFCheckpoint:
         for n, e, want in ((kn, ke, (H, R, dn)), (vn, ve, (H, dv, R))):
             if int(np.prod(e.shape)) != int(np.prod(want)):
                 raise CpumlaError(f"{e.file}: tensor '{n}' has shape {list(e.shape)}, config wants {list(want)}")
-        same = ke.type == ve.type and ke.type in FLOAT_TYPES
+        same = ke.type == ve.type == self._kv_b_form(layer)[0]       # both of the float type it keeps
         k, v = (self.file.array(kn), self.file.array(vn)) if same else (self._f32(kn), self._f32(vn))
         out = np.empty((H, dn + dv, R), k.dtype)
         out[:, :dn, :] = k.reshape(H, R, dn).transpose(0, 2, 1)
