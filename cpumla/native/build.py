@@ -92,7 +92,7 @@ def package_version() -> str:
 
 
 # The public headers (csrc/include/), in dependency order: the core kernels, then one per model family.
-PUBLIC_HEADERS = ("cpumla.h", "deepseek_v2.h", "deepseek_v32.h", "deepseek_v4.h")
+PUBLIC_HEADERS = ("cpumla.h", "mla_attention.h", "deepseek_v2.h", "deepseek_v32.h", "deepseek_v4.h")
 
 
 def cdef_text() -> str:

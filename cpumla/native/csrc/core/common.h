@@ -5,6 +5,7 @@
 #include <stdint.h>
 #include <string.h>
 #include "cpumla.h"
+#include "mla_attention.h"
 
 #ifndef CPUMLA_FLAGS
 #define CPUMLA_FLAGS "(unrecorded)"

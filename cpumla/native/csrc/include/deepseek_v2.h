@@ -10,6 +10,7 @@
 #ifndef CPUMLA_DEEPSEEK_V2_H
 #define CPUMLA_DEEPSEEK_V2_H
 #include "cpumla.h"
+#include "mla_attention.h"
 #ifdef __cplusplus
 extern "C" {
 #endif
