@@ -34,30 +34,37 @@ static void gqp_k_row(int T, const uint8_t *row, int64_t K, int64_t i, int8_t *o
     const int off = T == GQK_Q6 ? 32 : T == GQK_Q3 ? 4 : 0, per16 = T != GQK_Q4 && T != GQK_Q5;
     const int64_t bytes = gq_types[CPUMLA_Q2_K + T - CPUMLA_Q8_0].bytes;
     const __m256i vo = _mm256_set1_epi8((char)off);
+    const int has_min = T != GQK_Q3 && T != GQK_Q6;
     gqk_u u;
-    int32_t s0[8], s1[8], m0[8], m1[8];
+    float s0[8], s1[8], m0[8], m1[8];
     for (int64_t j = 0; j < K / 256; j++) {
         gqk_unpack(T, row + j * bytes, &u);
         for (int c = 0; c < 8; c++)
             _mm256_storeu_si256((__m256i *)(o + 256 * j + 32 * c), _mm256_xor_si256(_mm256_sub_epi8(u.q[c], vo), fl));
-        _mm256_storeu_si256((__m256i *)s0, u.s0);
-        _mm256_storeu_si256((__m256i *)m0, u.m0);
+        /* the integer scales and mins are small: exact as fp32. Only what gqp_take reads is stored (s1 and
+         * m1 where the halves differ, m and dm where the type has mins); the rest keeps gqp_unpack's zeros */
+        _mm256_storeu_ps(s0, _mm256_cvtepi32_ps(u.s0));
+        if (has_min) _mm256_storeu_ps(m0, _mm256_cvtepi32_ps(u.m0));
         if (per16) {
-            _mm256_storeu_si256((__m256i *)s1, u.s1);
-            _mm256_storeu_si256((__m256i *)m1, u.m1);
+            _mm256_storeu_ps(s1, _mm256_cvtepi32_ps(u.s1));
+            if (has_min) _mm256_storeu_ps(m1, _mm256_cvtepi32_ps(u.m1));
         }
         for (int c = 0; c < 8; c++) {
             gqp_chunk *k = &ch[8 * j + c];
             if (per16) {            /* s0: half 0 of chunks 0-3 | half 1 of 0-3; s1: the same for 4-7 */
-                const int32_t *a = c < 4 ? s0 : s1, *b = c < 4 ? m0 : m1;
-                k->s0[i] = (float)a[c % 4]; k->s1[i] = (float)a[4 + c % 4];
-                k->m0[i] = (float)b[c % 4]; k->m1[i] = (float)b[4 + c % 4];
+                const float *a = c < 4 ? s0 : s1, *b = c < 4 ? m0 : m1;
+                k->s0[i] = a[c % 4];
+                k->s1[i] = a[4 + c % 4];
+                if (has_min) {
+                    k->m0[i] = b[c % 4];
+                    k->m1[i] = b[4 + c % 4];
+                }
             } else {
-                k->s0[i] = k->s1[i] = (float)s0[c];
-                k->m0[i] = k->m1[i] = (float)m0[c];
+                k->s0[i] = s0[c];
+                if (has_min) k->m0[i] = m0[c];
             }
             k->d[i] = u.d;
-            k->dm[i] = u.dm;
+            if (has_min) k->dm[i] = u.dm;
         }
     }
 }
@@ -120,9 +127,11 @@ static int gqp_i_row(int32_t dtype, const uint8_t *row, int64_t K, int64_t i, in
             gqp_chunk *k = &ch[8 * g + c];
             k->s0[i] = (float)s0[c];
             k->s1[i] = (float)s1[c];
-            k->m0[i] = k->m1[i] = (float)has_min;
             k->d[i] = d[c];
-            k->dm[i] = dm[c];
+            if (has_min) {      /* else the zeros gqp_unpack left */
+                k->m0[i] = k->m1[i] = 1.0f;
+                k->dm[i] = dm[c];
+            }
         }
     }
     return 1;
@@ -133,31 +142,27 @@ static int gqp_i_row(int32_t dtype, const uint8_t *row, int64_t K, int64_t i, in
 static int gqp_unpack(const cpumla_weight *w, int64_t p0, int64_t mp, int8_t *codes, gqp_chunk *ch, int flip) {
     const __m256i fl = _mm256_set1_epi8(flip ? (char)0x80 : 0);
     const int64_t K = w->cols, nc = K / 32;
-    int same = 1, unit = 1;
     gq_unpacked u;
     memset(ch, 0, sizeof *ch * (size_t)nc);
-    const int T = w->dtype >= CPUMLA_Q2_K && w->dtype <= CPUMLA_Q6_K ? w->dtype - CPUMLA_Q2_K : -1;
+    const int32_t t = w->dtype;
+    const int T = t >= CPUMLA_Q2_K && t <= CPUMLA_Q6_K ? t - CPUMLA_Q2_K : -1;
+    /* the flags by type: halves where a type scales per 16 (Q2_K, Q3_K, Q6_K, IQ1_M), unit where it has
+     * no scales; the other paths' results are the same wherever every chunk happens to qualify too */
+    int same = T >= 0 ? T == GQK_Q4 || T == GQK_Q5 : t != CPUMLA_IQ1_M;
+    int unit = t == CPUMLA_Q8_0 || t == CPUMLA_Q4_0 || t == CPUMLA_Q5_0 || t == CPUMLA_Q4_1 || t == CPUMLA_Q5_1 ||
+               t == CPUMLA_IQ4_NL || t == CPUMLA_MXFP4;
     for (int64_t i = 0; i < 16; i++) {
         int8_t *o = codes + i * K;
         if (i >= mp) { memset(o, flip ? 0x80 : 0, (size_t)K); continue; }
         const uint8_t *row = (const uint8_t *)w->data + (p0 + i) * w->row_bytes;
         if (T >= 0) {
             gqp_k_row(T, row, K, i, o, ch, fl);
-            if (T != GQK_Q4 && T != GQK_Q5) same = 0;
-            unit = 0;
             continue;
         }
-        if (gqp_i_row(w->dtype, row, K, i, o, ch, fl)) {
-            for (int64_t c = 0; c < nc; c++) {
-                const gqp_chunk *k = &ch[c];
-                same &= k->s0[i] == k->s1[i] && k->m0[i] == k->m1[i];
-                unit &= k->s0[i] == 1.0f && k->s1[i] == 1.0f;
-            }
-            continue;
-        }
+        if (gqp_i_row(t, row, K, i, o, ch, fl)) continue;
         for (int64_t c0 = 0; c0 < K; c0 += 256) {
             const int n = K - c0 >= 256 ? 8 : (int)((K - c0) / 32);
-            gq_unpack(w->dtype, row, c0, n, &u);
+            gq_unpack(t, row, c0, n, &u);
             for (int j = 0; j < 32 * n; j++) o[c0 + j] = (int8_t)(u.q[j] ^ (flip ? 0x80 : 0));
             for (int c = 0; c < n; c++) {
                 gqp_chunk *k = &ch[c0 / 32 + c];
