@@ -1,4 +1,4 @@
-"""numpy-friendly wrappers of each kernel (cpumla.h), for tests, benchmarks and load-time work: every
+"""numpy-friendly wrappers of each kernel (cpumla.h, mla_attention.h), for tests, benchmarks and load-time work: every
 argument checked, a CpumlaError for anything the library would refuse. The runtime's per-token path
 calls the library directly with preallocated buffers (the model's native state)."""
 

@@ -1,4 +1,4 @@
-/* mla_attention.c: MLA attention in the absorbed form (cpumla_mla_attention, cpumla.h: decode and
+/* mla_attention.c: MLA attention in the absorbed form (cpumla_mla_attention, mla_attention.h: decode and
  * short prefill chunks against the latent cache) and the cache store (cpumla_cache_store). Splits
  * each call over the thread pool by query, head block and KV split and calls the chosen level's
  * attn_part and cache_row (kernels.h), between cpumla_enter(NULL) and cpumla_leave (context.c). The

@@ -1,4 +1,4 @@
-/* mla_mha.c: MLA attention in the un-absorbed form (cpumla_mla_mha, cpumla.h), the prefill side of
+/* mla_mha.c: MLA attention in the un-absorbed form (cpumla_mla_mha, mla_attention.h), the prefill side of
  * DeepSeek's attention. Portable orchestration: the products run on the table's gemm (kern_gemm,
  * kernels.h) and the softmax on its softmax_block entry, so every level brings its own speed.
  *
