@@ -34,6 +34,8 @@ static void gqp_k_row(int T, const uint8_t *row, int64_t K, int64_t i, int8_t *o
     const int off = T == GQK_Q6 ? 32 : T == GQK_Q3 ? 4 : 0, per16 = T != GQK_Q4 && T != GQK_Q5;
     const int64_t bytes = gq_types[CPUMLA_Q2_K + T - CPUMLA_Q8_0].bytes;
     const __m256i vo = _mm256_set1_epi8((char)off);
+    /* gq_types' has_min, written from T so that the compiler specializes the row loop on it (read from
+     * gq_types at run time, Q6_K / Q3_K panels of 16 tokens measured 10% slower) */
     const int has_min = T != GQK_Q3 && T != GQK_Q6;
     gqk_u u;
     float s0[8], s1[8], m0[8], m1[8];
@@ -71,8 +73,9 @@ static void gqp_k_row(int T, const uint8_t *row, int64_t K, int64_t i, int8_t *o
 
 /* row i of a panel of the other types by gqi_unpack's SIMD (the spec's values), 256 columns at a time:
  * each chunk's codes from its operand bytes (less the offset, or given their signs) and its scales,
- * mins and factors; Q8_0's codes and scales as stored. Returns 0 where gqi's unpackers do not apply
- * (a sign table other than ggml's: gqi_ksigns_ok), for gq_unpack to serve instead. */
+ * mins and factors; Q8_0's codes and scales as stored. Returns the panel's flags (GQP_HALVES where the
+ * type scales per 16, GQP_UNIT where it has no scales), or -1 where gqi's unpackers do not apply (a sign
+ * table other than ggml's: gqi_ksigns_ok), for gq_unpack to serve instead. */
 static int gqp_i_row(int32_t dtype, const uint8_t *row, int64_t K, int64_t i, int8_t *o, gqp_chunk *ch, __m256i fl) {
     const int64_t nch = K / 32;
     if (dtype == CPUMLA_Q8_0) {
@@ -83,14 +86,15 @@ static int gqp_i_row(int32_t dtype, const uint8_t *row, int64_t K, int64_t i, in
             k->s0[i] = k->s1[i] = 1.0f;
             k->d[i] = gqi_h16(b);
         }
-        return 1;
+        return GQP_UNIT;
     }
-    if ((dtype == CPUMLA_IQ2_XXS || dtype == CPUMLA_IQ3_XXS) && !gqi_ksigns_ok()) return 0;
+    if ((dtype == CPUMLA_IQ2_XXS || dtype == CPUMLA_IQ3_XXS) && !gqi_ksigns_ok()) return -1;
     gqi_ctx cx = {_mm256_setzero_si256(), _mm256_setzero_si256()};
     if (dtype == CPUMLA_IQ4_NL || dtype == CPUMLA_IQ4_XS) gqi_ctx_tab(&cx, gq_kvalues_iq4nl);
     if (dtype == CPUMLA_MXFP4) gqi_ctx_tab(&cx, gq_kvalues_mxfp4);
-    /* gqi_x86.h's table of the types: offset, signs, mins, per-16 scales (u.s stays 1 where a type has none) */
-    int off = 0, sg = GQI_SG_NONE, has_min = 0, halves = 0;
+    /* gqi_x86.h's table of the types: offset, signs, scales, mins, per-16 scales (u.s stays 1 where a type
+     * has none) */
+    int off = 0, sg = GQI_SG_NONE, has_s = 0, has_min = 0, halves = 0;
     for (int64_t g = 0; g * 8 < nch; g++) {
         const int nc = nch - 8 * g < 8 ? (int)(nch - 8 * g) : 8;
         gqi_grp u;
@@ -103,12 +107,12 @@ static int gqp_i_row(int32_t dtype, const uint8_t *row, int64_t K, int64_t i, in
         case CPUMLA_Q5_1: gqi_un_q5_1(row, g, nc, &u, &cx); has_min = 1; break;
         case CPUMLA_IQ4_NL: gqi_un_iq4_nl(row, g, nc, &u, &cx); off = GQI_TAB_OFF; sg = GQI_TAB_SG; break;
         case CPUMLA_MXFP4: gqi_un_mxfp4(row, g, nc, &u, &cx); off = GQI_TAB_OFF; sg = GQI_TAB_SG; break;
-        case CPUMLA_IQ4_XS: gqi_un_iq4_xs(row, g, nc, &u, &cx); off = GQI_TAB_OFF; sg = GQI_TAB_SG; break;
-        case CPUMLA_IQ2_XXS: gqi_un_iq2_xxs(row, g, nc, &u, &cx); sg = GQI_SG_MASK; break;
-        case CPUMLA_IQ3_XXS: gqi_un_iq3_xxs(row, g, nc, &u, &cx); sg = GQI_SG_MASK; break;
-        case CPUMLA_IQ1_S: gqi_un_iq1_s(row, g, nc, &u, &cx); off = 9; break;
+        case CPUMLA_IQ4_XS: gqi_un_iq4_xs(row, g, nc, &u, &cx); off = GQI_TAB_OFF; sg = GQI_TAB_SG; has_s = 1; break;
+        case CPUMLA_IQ2_XXS: gqi_un_iq2_xxs(row, g, nc, &u, &cx); sg = GQI_SG_MASK; has_s = 1; break;
+        case CPUMLA_IQ3_XXS: gqi_un_iq3_xxs(row, g, nc, &u, &cx); sg = GQI_SG_MASK; has_s = 1; break;
+        case CPUMLA_IQ1_S: gqi_un_iq1_s(row, g, nc, &u, &cx); off = 9; has_s = 1; break;
         case CPUMLA_IQ1_M: gqi_un_iq1_m(row, g, nc, &u, &cx); sg = GQI_SG_VAL; halves = 1; break;
-        default: return 0;
+        default: return -1;
         }
         for (int c = 0; c < nc; c++) {
             __m256i q = u.w[c];
@@ -134,7 +138,7 @@ static int gqp_i_row(int32_t dtype, const uint8_t *row, int64_t K, int64_t i, in
             }
         }
     }
-    return 1;
+    return (halves ? GQP_HALVES : 0) | (!has_s && !halves ? GQP_UNIT : 0);
 }
 
 /* rows [p0, p0 + mp) (missing rows zero) unpacked: codes [16][K], chunks [K / 32]; returns the panel's
@@ -146,11 +150,10 @@ static int gqp_unpack(const cpumla_weight *w, int64_t p0, int64_t mp, int8_t *co
     memset(ch, 0, sizeof *ch * (size_t)nc);
     const int32_t t = w->dtype;
     const int T = t >= CPUMLA_Q2_K && t <= CPUMLA_Q6_K ? t - CPUMLA_Q2_K : -1;
-    /* the flags by type: halves where a type scales per 16 (Q2_K, Q3_K, Q6_K, IQ1_M), unit where it has
-     * no scales; the other paths' results are the same wherever every chunk happens to qualify too */
-    int same = T >= 0 ? T == GQK_Q4 || T == GQK_Q5 : t != CPUMLA_IQ1_M;
-    int unit = t == CPUMLA_Q8_0 || t == CPUMLA_Q4_0 || t == CPUMLA_Q5_0 || t == CPUMLA_Q4_1 || t == CPUMLA_Q5_1 ||
-               t == CPUMLA_IQ4_NL || t == CPUMLA_MXFP4;
+    /* the flags by type where the SIMD unpackers serve it (the K types: halves where they scale per 16;
+     * gqp_i_row says the others'), else from the chunks' own scales. Where every chunk of a type happens
+     * to qualify for the other path too, both paths' results are the same. */
+    int flags = T >= 0 ? (T == GQK_Q4 || T == GQK_Q5 ? 0 : GQP_HALVES) : -1, same = 1, unit = 1;
     for (int64_t i = 0; i < 16; i++) {
         int8_t *o = codes + i * K;
         if (i >= mp) { memset(o, flip ? 0x80 : 0, (size_t)K); continue; }
@@ -159,7 +162,11 @@ static int gqp_unpack(const cpumla_weight *w, int64_t p0, int64_t mp, int8_t *co
             gqp_k_row(T, row, K, i, o, ch, fl);
             continue;
         }
-        if (gqp_i_row(t, row, K, i, o, ch, fl)) continue;
+        const int f = gqp_i_row(t, row, K, i, o, ch, fl);
+        if (f >= 0) {
+            flags = f;
+            continue;
+        }
         for (int64_t c0 = 0; c0 < K; c0 += 256) {
             const int n = K - c0 >= 256 ? 8 : (int)((K - c0) / 32);
             gq_unpack(t, row, c0, n, &u);
@@ -177,7 +184,7 @@ static int gqp_unpack(const cpumla_weight *w, int64_t p0, int64_t mp, int8_t *co
             }
         }
     }
-    return (same ? 0 : GQP_HALVES) | (unit ? GQP_UNIT : 0);
+    return flags >= 0 ? flags : (same ? 0 : GQP_HALVES) | (unit ? GQP_UNIT : 0);
 }
 
 /* the tokens' operands, xd and the halves' code sums of every group of 16 tokens (zero past n):
