@@ -134,6 +134,31 @@ def test_bad_block_bytes_refused():
         native.Weight(np.zeros((2, 100), np.uint8), "q4_k")
 
 
+@pytest.mark.parametrize("fmt", TYPES)
+def test_token_panels_are_the_spec(isa, fmt):
+    """Every level's gemm over as many tokens as prefill gives it (the panels of avx2_gqp.c from 8 tokens,
+    avx512vnni_gqp.c's from 16): 8 tokens (one group), 17 (groups of 8 and 16, and one token over), 43;
+    37 rows (panels of 16 and a partial one, a partial tile of 4 rows); a token of zeros, one of tiny
+    values, one with a NaN: bit for bit the spec."""
+    block = native.GGUF_FORMATS[fmt][0]
+    cols = 512 if block == 256 else 288
+    raw = blocks(fmt, 37, cols, seed=13 + len(fmt))
+    w = native.Weight(raw, fmt)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((43, cols)).astype(np.float32)
+    x[2] = 0.0
+    x[9, 32:] *= 1e-4
+    x[40, 7] = np.nan
+    got = [native.gemm(w, x[:n]) for n in (8, 17, 43)]
+    native.init("scalar")
+    try:
+        spec = [native.gemm(w, x[:n]) for n in (8, 17, 43)]
+    finally:
+        native.init(isa)
+    for n, g, s in zip((8, 17, 43), got, spec):
+        assert np.array_equal(g.view(np.uint32), s.view(np.uint32)), f"{fmt} on {isa}, {n} tokens: differs from the spec"
+
+
 @pytest.mark.skipif("amx" not in native.available_isas(), reason="the amx level needs an AMX CPU and OS support")
 @pytest.mark.parametrize("fmt", TYPES)
 def test_amx_tiles_are_the_spec(fmt):

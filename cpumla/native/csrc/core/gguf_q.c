@@ -1,6 +1,7 @@
 /* gguf_q.c: GGUF's block types (gguf_q.h): their table, the spec of their unpacking, their codebooks
  * (cpumla_gguf_tables), and which level has entries of its own for them: dispatch.c calls
  * cpumla_fill_gq after each fill of a level's chain, so a level without any keeps its parent's. */
+#include <stdlib.h>
 #include <string.h>
 #include "core/dispatch.h"
 #include "core/gguf_q.h"
@@ -23,6 +24,7 @@ uint32_t gq_iq3xxs_grid[256];
 uint64_t gq_iq1s_grid[2048];
 uint8_t gq_ksigns[128];
 int8_t gq_kvalues_iq4nl[16], gq_kvalues_mxfp4[16];
+int32_t gq_iq2xxs_max, gq_iq3xxs_max, gq_mxfp4_max;
 
 int cpumla_gguf_tables(const uint8_t *iq2xxs, const uint8_t *iq3xxs, const int8_t *iq1s, const uint8_t *ksigns,
                        const int8_t *iq4nl, const int8_t *mxfp4) {
@@ -42,6 +44,10 @@ int cpumla_gguf_tables(const uint8_t *iq2xxs, const uint8_t *iq3xxs, const int8_
     memcpy(gq_ksigns, ksigns, sizeof gq_ksigns);
     memcpy(gq_kvalues_iq4nl, iq4nl, sizeof gq_kvalues_iq4nl);
     memcpy(gq_kvalues_mxfp4, mxfp4, sizeof gq_kvalues_mxfp4);
+    gq_iq2xxs_max = gq_iq3xxs_max = gq_mxfp4_max = 0;
+    for (int i = 0; i < 256 * 8; i++) gq_iq2xxs_max = iq2xxs[i] > gq_iq2xxs_max ? iq2xxs[i] : gq_iq2xxs_max;
+    for (int i = 0; i < 256 * 4; i++) gq_iq3xxs_max = iq3xxs[i] > gq_iq3xxs_max ? iq3xxs[i] : gq_iq3xxs_max;
+    for (int i = 0; i < 16; i++) gq_mxfp4_max = abs(mxfp4[i]) > gq_mxfp4_max ? abs(mxfp4[i]) : gq_mxfp4_max;
     return 0;
 }
 
@@ -247,7 +253,12 @@ float gq_value(const cpumla_weight *w, int64_t r, int64_t c) {
 void cpumla_fill_gq(cpumla_kernels *k, const char *level) {
     if (!strcmp(level, "scalar")) cpumla_fill_scalar_gq(k);
 #if defined(__x86_64__) || defined(_M_X64)
-    else if (!strcmp(level, "avx2")) { cpumla_fill_avx2_gq(k); cpumla_fill_avx2_gqk(k); cpumla_fill_avx2_gqi(k); }
+    else if (!strcmp(level, "avx2")) {
+        cpumla_fill_avx2_gq(k);
+        cpumla_fill_avx2_gqk(k);
+        cpumla_fill_avx2_gqi(k);
+        cpumla_fill_avx2_gqp(k);
+    }
     else if (!strcmp(level, "avx512vnni")) {
         cpumla_fill_avx512vnni_gq(k);
         cpumla_fill_avx512vnni_gqk(k);

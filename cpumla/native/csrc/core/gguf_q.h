@@ -70,6 +70,9 @@ CPUMLA_INTERNAL extern uint32_t gq_iq3xxs_grid[256];
 CPUMLA_INTERNAL extern uint64_t gq_iq1s_grid[2048];
 CPUMLA_INTERNAL extern uint8_t gq_ksigns[128];
 CPUMLA_INTERNAL extern int8_t gq_kvalues_iq4nl[16], gq_kvalues_mxfp4[16];
+/* the largest |code| each table gives: IQ2_XXS's and IQ3_XXS's grid values, MXFP4's |value| (a bound the
+ * panels of avx2_gqp.c size their biases by) */
+CPUMLA_INTERNAL extern int32_t gq_iq2xxs_max, gq_iq3xxs_max, gq_mxfp4_max;
 
 /* block b of row r of a Q8_0 weight: its fp16 scale as fp32, and its 32 codes */
 static inline const uint8_t *gq8_block(const cpumla_weight *w, int64_t r, int64_t b) {

@@ -209,8 +209,8 @@ enum cpumla_scratch_slot {
     CPUMLA_SCRATCH_AMX_QX,           /* amx.c: the tokens' int8 tiles of a Q8 / Q4 product */
     CPUMLA_SCRATCH_QX,               /* quant.c (kern_gemv, kern_gemm): quantized activations */
     CPUMLA_SCRATCH_QX_JOB,           /* ops.c, moe.c: a job's quantized activations, for all its tasks */
-    CPUMLA_SCRATCH_GQP_PANEL,        /* avx512vnni_gqp.c: a GGUF weight panel */
-    CPUMLA_SCRATCH_GQP_QX,           /* avx512vnni_gqp.c: the tokens' operands of a GGUF product */
+    CPUMLA_SCRATCH_GQP_PANEL,        /* avx512vnni_gqp.c, avx2_gqp.c: a GGUF weight panel */
+    CPUMLA_SCRATCH_GQP_QX,           /* avx512vnni_gqp.c, avx2_gqp.c: the tokens' operands of a GGUF product */
     CPUMLA_SCRATCH_COUNT
 };
 CPUMLA_INTERNAL void *cpumla_scratch(int slot, size_t bytes);
@@ -284,6 +284,7 @@ void cpumla_fill_avx512vnni_gq(cpumla_kernels *k);
  * the level's Q8_0 and generic ones; neon_gq.c the neon level's */
 void cpumla_fill_avx2_gqk(cpumla_kernels *k);
 void cpumla_fill_avx2_gqi(cpumla_kernels *k);
+void cpumla_fill_avx2_gqp(cpumla_kernels *k);          /* avx2_gqp.c: panels from GQ2_MIN tokens */
 void cpumla_fill_avx512vnni_gqk(cpumla_kernels *k);
 void cpumla_fill_avx512vnni_gqp(cpumla_kernels *k);
 void cpumla_fill_avx512vnni_gqi(cpumla_kernels *k);

@@ -1,0 +1,256 @@
+/* avx2_gqp.c: the avx2 level's gemm_gq from a number of tokens (GQ2_MIN), every GGUF type: panels of 16
+ * weight rows unpacked once (gq_panel_unpack_x86.h) against the tokens' codes gathered once per call in
+ * groups of 8. Fewer tokens go to the per-type entries (avx2_gq.c, avx2_gqk.c, avx2_gqi.c), which stay
+ * the gemv. avxvnni keeps it.
+ *
+ * Per (row, chunk), the 8 tokens' sums in one ymm, a token a dword: each dword of 4 codes of the row is
+ * broadcast against the tokens' dwords of the same 4 columns (vpmaddubsw: 16 int16 pairs), so no sum is
+ * ever reduced across lanes. vpmaddubsw multiplies an unsigned operand by a signed one and saturates its
+ * pairs, so the codes are stored u = q + b, b the type's lowest code negated (gq2_types: 0 for the types
+ * whose codes are unsigned), and the bias's share b (s0 x0 + s1 x1), from the tokens' half sums, is taken
+ * out once a chunk; Q8_0 and the IQ4 types (|q| up to 128) keep q and give the tokens' codes its signs
+ * (|q| * (x sign q)). Where u is small, the pairs of several steps are added as int16 (acc: at most
+ * 2 * u_max * 127 a step, below 2^15 in all) before one vpmaddwd by the half's integer scale turns them
+ * into int32. Every sum is exact, the spec's isum and msum; then each (row, token) adds the chunk's
+ * product in column order, each fp32 operation the spec's (this file is compiled without contraction):
+ * every result is the scalar spec's, bit for bit. */
+#include <immintrin.h>
+#include <string.h>
+#include "core/common.h"
+#include "core/gguf_q.h"
+#include "core/kernels.h"
+#include "core/quant.h"
+#include "kernels/x86/gqi_unpack_x86.h"
+#include "kernels/x86/gqk_unpack_x86.h"
+#include "kernels/x86/gq_panel_unpack_x86.h"
+
+#define GQ2_MIN 8                /* tokens from which the panels serve */
+
+/* per type: b, the bias of its stored codes (-1: the sign path), and n, the steps of 4 columns whose
+ * vpmaddubsw pairs add up in int16 (n * 2 * u_max * 127 < 2^15, u_max = 2 b; 1, 2 or 4, or 8 for the
+ * 4-bit types scaled per 32). The codebook types size b by the tables loaded (gguf_q.h): the gguf
+ * package's give IQ2_XXS 43, IQ3_XXS 62, MXFP4 12. */
+typedef struct { int8_t b, n; } gq2_type;
+static gq2_type gq2_table(int32_t amax) {
+    if (amax > 64) return (gq2_type){-1, 1};
+    const int32_t pair = 2 * (2 * amax) * 127;
+    const int8_t n = pair * 4 < 32768 ? 4 : pair * 2 < 32768 ? 2 : 1;
+    return (gq2_type){(int8_t)amax, n};
+}
+static gq2_type gq2_of(int32_t dtype) {
+    switch (dtype) {
+    case CPUMLA_Q4_0: return (gq2_type){8, 8};        /* q in [-8, 7] */
+    case CPUMLA_Q4_1: return (gq2_type){0, 8};        /* [0, 15] */
+    case CPUMLA_Q5_0: return (gq2_type){16, 4};       /* [-16, 15] */
+    case CPUMLA_Q5_1: return (gq2_type){0, 4};        /* [0, 31] */
+    case CPUMLA_Q2_K: return (gq2_type){0, 4};        /* [0, 3], per 16 */
+    case CPUMLA_Q3_K: return (gq2_type){4, 4};        /* [-4, 3], per 16 */
+    case CPUMLA_Q4_K: return (gq2_type){0, 8};        /* [0, 15] */
+    case CPUMLA_Q5_K: return (gq2_type){0, 4};        /* [0, 31] */
+    case CPUMLA_Q6_K: return (gq2_type){32, 2};       /* [-32, 31], per 16 */
+    case CPUMLA_IQ1_S: case CPUMLA_IQ1_M: return (gq2_type){9, 4};   /* [-9, 9]: the grid is -1, 0, 1 */
+    case CPUMLA_IQ2_XXS: return gq2_table(gq_iq2xxs_max);
+    case CPUMLA_IQ3_XXS: return gq2_table(gq_iq3xxs_max);
+    case CPUMLA_MXFP4: return gq2_table(gq_mxfp4_max);
+    default: return (gq2_type){-1, 1};                 /* Q8_0, IQ4_NL, IQ4_XS: |q| up to 128 */
+    }
+}
+
+typedef void (*gq_gemm_fn)(const cpumla_weight *, const void *, int64_t, float *, int64_t, int64_t, int64_t);
+static gq_gemm_fn prev_gq2[GQ_N];
+
+/* a chunk of the panel as the products read it: per row (lane i), int16 pairs (low | high << 16) */
+typedef struct {
+    int32_t s0[16], s1[16];      /* s_h in both halves of the dword: vpmaddwd's multiplier for half h */
+    int32_t sb[16];              /* b s0 | b s1: the bias's share, against the tokens' (x0 | x1) */
+    int32_t m[16];               /* m0 | m1 */
+    float d[16], dm[16];
+} gq2_chunk;
+
+static inline __m256i gq2_pair(__m256i lo, __m256i hi) {
+    return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(hi, 16));
+}
+
+/* gqp_unpack's chunks (fp32 lanes) -> gq2_chunk; per-32 types keep their scale and min in s0 / m0 only */
+static void gq2_meta(const gqp_chunk *k, int64_t nc, int halves, int bias, gq2_chunk *o) {
+    for (int64_t c = 0; c < nc; c++)
+        for (int r = 0; r < 16; r += 8) {
+            const __m256i s0 = _mm256_cvtps_epi32(_mm256_loadu_ps(k[c].s0 + r));
+            const __m256i s1 = halves ? _mm256_cvtps_epi32(_mm256_loadu_ps(k[c].s1 + r)) : s0;
+            const __m256i m0 = _mm256_cvtps_epi32(_mm256_loadu_ps(k[c].m0 + r));
+            const __m256i m1 = halves ? _mm256_cvtps_epi32(_mm256_loadu_ps(k[c].m1 + r)) : m0;
+            const __m256i b = _mm256_set1_epi32(bias);
+            _mm256_storeu_si256((__m256i *)(o[c].s0 + r), gq2_pair(s0, s0));
+            _mm256_storeu_si256((__m256i *)(o[c].s1 + r), gq2_pair(s1, s1));
+            _mm256_storeu_si256((__m256i *)(o[c].sb + r), gq2_pair(_mm256_mullo_epi32(s0, b), _mm256_mullo_epi32(s1, b)));
+            _mm256_storeu_si256((__m256i *)(o[c].m + r), gq2_pair(m0, m1));
+            _mm256_storeu_ps(o[c].d + r, _mm256_loadu_ps(k[c].d + r));
+            _mm256_storeu_ps(o[c].dm + r, _mm256_loadu_ps(k[c].dm + r));
+        }
+}
+
+/* the tokens' operands of every group of 8 (zero past n): bx[((g nc + c) 8 + kk) 8 + t], dword kk of
+ * token t's chunk c; xp[(g nc + c) 8 + t] its halves' code sums as a pair (x0 | x1 << 16: |x_h| <= 2032);
+ * xd likewise */
+static void gq2_pack_x(const uint8_t *qx, int64_t n, int64_t K, int32_t *bx, int32_t *xp, float *xd) {
+    const int64_t nc = K / 32, ng = (n + 7) / 8, per = QX_BYTES(K);
+    const __m256i one8 = _mm256_set1_epi8(1), one16 = _mm256_set1_epi16(1);
+    for (int64_t g = 0; g < ng; g++) {
+        const int64_t nt = n - 8 * g < 8 ? n - 8 * g : 8;
+        const uint8_t *base = qx + 8 * g * per;
+        for (int64_t c = 0; c < nc; c++) {
+            __m256i v[8];
+            for (int t = 0; t < 8; t++)
+                v[t] = t < nt ? _mm256_loadu_si256((const __m256i *)(base + t * per + 32 * c)) : _mm256_setzero_si256();
+            /* 8 x 8 dwords transposed: w[kk] lane t = v[t] dword kk */
+            const __m256i a0 = _mm256_unpacklo_epi32(v[0], v[1]), a1 = _mm256_unpackhi_epi32(v[0], v[1]);
+            const __m256i a2 = _mm256_unpacklo_epi32(v[2], v[3]), a3 = _mm256_unpackhi_epi32(v[2], v[3]);
+            const __m256i a4 = _mm256_unpacklo_epi32(v[4], v[5]), a5 = _mm256_unpackhi_epi32(v[4], v[5]);
+            const __m256i a6 = _mm256_unpacklo_epi32(v[6], v[7]), a7 = _mm256_unpackhi_epi32(v[6], v[7]);
+            const __m256i b0 = _mm256_unpacklo_epi64(a0, a2), b1 = _mm256_unpackhi_epi64(a0, a2);
+            const __m256i b2 = _mm256_unpacklo_epi64(a1, a3), b3 = _mm256_unpackhi_epi64(a1, a3);
+            const __m256i b4 = _mm256_unpacklo_epi64(a4, a6), b5 = _mm256_unpackhi_epi64(a4, a6);
+            const __m256i b6 = _mm256_unpacklo_epi64(a5, a7), b7 = _mm256_unpackhi_epi64(a5, a7);
+            const __m256i w[8] = {_mm256_permute2x128_si256(b0, b4, 0x20), _mm256_permute2x128_si256(b1, b5, 0x20),
+                                  _mm256_permute2x128_si256(b2, b6, 0x20), _mm256_permute2x128_si256(b3, b7, 0x20),
+                                  _mm256_permute2x128_si256(b0, b4, 0x31), _mm256_permute2x128_si256(b1, b5, 0x31),
+                                  _mm256_permute2x128_si256(b2, b6, 0x31), _mm256_permute2x128_si256(b3, b7, 0x31)};
+            int32_t *o = bx + (g * nc + c) * 64;
+            __m256i h[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            for (int kk = 0; kk < 8; kk++) {
+                _mm256_storeu_si256((__m256i *)(o + 8 * kk), w[kk]);
+                h[kk / 4] = _mm256_add_epi32(h[kk / 4], _mm256_madd_epi16(_mm256_maddubs_epi16(one8, w[kk]), one16));
+            }
+            _mm256_storeu_si256((__m256i *)(xp + (g * nc + c) * 8), gq2_pair(h[0], h[1]));
+            for (int t = 0; t < 8; t++) xd[(g * nc + c) * 8 + t] = t < nt ? qx_d(base + t * per, K)[c] : 0.0f;
+        }
+    }
+}
+
+/* rows i0 .. i0 + 3 of the panel against one group of 8 tokens, chunks in column order into sum[i]
+ * (a lane per token); bx / xp / xd: the group's (gq2_pack_x); na: gq2_type's n */
+static inline __attribute__((always_inline)) void gq2_tile(const uint8_t *codes, int64_t K, const gq2_chunk *ch,
+                                                           int i0, const int32_t *bx, const int32_t *xp,
+                                                           const float *xd, int wide, int biased, int na,
+                                                           int halves, int unit, int has_min, __m256 sum[4]) {
+    const int64_t nc = K / 32;
+    const __m256i one16 = _mm256_set1_epi16(1);
+    for (int64_t c = 0; c < nc; c++) {
+        const gq2_chunk *k = &ch[c];
+        const uint8_t *cc = codes + i0 * K + 32 * c;
+        __m256i acc[4], a16[4];
+        for (int i = 0; i < 4; i++) acc[i] = a16[i] = _mm256_setzero_si256();
+        __m256i sv[4];
+#pragma GCC unroll 8
+        for (int kk = 0; kk < 8; kk++) {
+            if (kk % 4 == 0)
+                for (int i = 0; i < 4; i++)
+                    sv[i] = unit ? one16 : _mm256_set1_epi32(kk && halves ? k->s1[i0 + i] : k->s0[i0 + i]);
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(bx + (c * 8 + kk) * 8));
+            for (int i = 0; i < 4; i++) {
+                int32_t u;
+                memcpy(&u, cc + i * K + 4 * kk, 4);
+                const __m256i wb = _mm256_set1_epi32(u);
+                const __m256i p = wide ? _mm256_maddubs_epi16(_mm256_abs_epi8(wb), _mm256_sign_epi8(xv, wb))
+                                       : _mm256_maddubs_epi16(wb, xv);
+                a16[i] = kk % na ? _mm256_add_epi16(a16[i], p) : p;
+                if (kk % na == na - 1) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(a16[i], sv[i]));
+            }
+        }
+        const __m256i xpv = _mm256_loadu_si256((const __m256i *)(xp + 8 * c));
+        const __m256 xdv = _mm256_loadu_ps(xd + 8 * c);
+        for (int i = 0; i < 4; i++) {
+            __m256i isum = acc[i];
+            if (biased) isum = _mm256_sub_epi32(isum, _mm256_madd_epi16(_mm256_set1_epi32(k->sb[i0 + i]), xpv));
+            __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(_mm256_set1_ps(k->d[i0 + i]), xdv));
+            if (has_min) {
+                const __m256i msum = _mm256_madd_epi16(_mm256_set1_epi32(k->m[i0 + i]), xpv);
+                p = _mm256_sub_ps(p, _mm256_mul_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(_mm256_set1_ps(k->dm[i0 + i]), xdv)));
+            }
+            sum[i] = _mm256_add_ps(sum[i], p);
+        }
+    }
+}
+
+/* the panel's rows i0 .. i0 + 3 for one group, each class of type its own loop (constants in each call):
+ * flags are gqp_unpack's (the generic unpacker's, for IQ2_XXS / IQ3_XXS under another sign table) */
+#define GQ2_T(w, b, n, h, u, m) gq2_tile(codes, K, ch, i0, bx, xp, xd, w, b, n, h, u, m, sum)
+static void gq2_rows(int32_t dtype, gq2_type ty, const uint8_t *codes, int64_t K, const gq2_chunk *ch, int i0,
+                     const int32_t *bx, const int32_t *xp, const float *xd, int flags, __m256 sum[4]) {
+    const int halves = flags & GQP_HALVES, unit = flags & GQP_UNIT;
+    switch (dtype) {
+    case CPUMLA_Q4_0: GQ2_T(0, 1, 8, 0, 1, 0); return;
+    case CPUMLA_Q4_1: GQ2_T(0, 0, 8, 0, 1, 1); return;
+    case CPUMLA_Q5_0: GQ2_T(0, 1, 4, 0, 1, 0); return;
+    case CPUMLA_Q5_1: GQ2_T(0, 0, 4, 0, 1, 1); return;
+    case CPUMLA_Q2_K: GQ2_T(0, 0, 4, 1, 0, 1); return;
+    case CPUMLA_Q3_K: GQ2_T(0, 1, 4, 1, 0, 0); return;
+    case CPUMLA_Q4_K: GQ2_T(0, 0, 8, 0, 0, 1); return;
+    case CPUMLA_Q5_K: GQ2_T(0, 0, 4, 0, 0, 1); return;
+    case CPUMLA_Q6_K: GQ2_T(0, 1, 2, 1, 0, 0); return;
+    case CPUMLA_IQ1_S: GQ2_T(0, 1, 4, 0, 0, 0); return;
+    case CPUMLA_IQ1_M: GQ2_T(0, 1, 4, 1, 0, 0); return;
+    default: break;
+    }
+    /* Q8_0, the IQ4 types, and the codebook types by their tables: no mins */
+    if (ty.b < 0) {
+        if (halves) GQ2_T(1, 0, 1, 1, 0, 0);
+        else if (unit) GQ2_T(1, 0, 1, 0, 1, 0);
+        else GQ2_T(1, 0, 1, 0, 0, 0);
+    } else if (halves) {
+        GQ2_T(0, 1, 1, 1, 0, 0);
+    } else if (unit) {                     /* MXFP4 */
+        if (ty.n == 4) GQ2_T(0, 1, 4, 0, 1, 0);
+        else if (ty.n == 2) GQ2_T(0, 1, 2, 0, 1, 0);
+        else GQ2_T(0, 1, 1, 0, 1, 0);
+    } else {                               /* IQ2_XXS, IQ3_XXS */
+        if (ty.n == 4) GQ2_T(0, 1, 4, 0, 0, 0);
+        else if (ty.n == 2) GQ2_T(0, 1, 2, 0, 0, 0);
+        else GQ2_T(0, 1, 1, 0, 0, 0);
+    }
+}
+#undef GQ2_T
+
+static void gemm_gqp_avx2(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
+                          int64_t r1) {
+    const int t = w->dtype - CPUMLA_Q8_0;
+    if (n < GQ2_MIN) { prev_gq2[t](w, qx, n, y, ldy, r0, r1); return; }
+    const gq2_type ty = gq2_of(w->dtype);
+    const int64_t K = w->cols, nc = K / 32, ng = (n + 7) / 8;
+    uint8_t *xs = cpumla_scratch(CPUMLA_SCRATCH_GQP_QX, (size_t)(ng * nc * (256 + 2 * 32)));
+    uint8_t *ps = cpumla_scratch(CPUMLA_SCRATCH_GQP_PANEL,
+                                 (size_t)(16 * K) + (sizeof(gqp_chunk) + sizeof(gq2_chunk)) * (size_t)nc + 64);
+    if (!xs || !ps) return;
+    int32_t *bx = (int32_t *)xs, *xp = bx + ng * nc * 64;
+    float *xd = (float *)(xp + ng * nc * 8);
+    gqp_chunk *ch = (gqp_chunk *)ps;
+    gq2_chunk *c2 = (gq2_chunk *)(ps + sizeof(gqp_chunk) * (size_t)nc);
+    uint8_t *codes = (uint8_t *)(c2 + nc);
+    gq2_pack_x(qx, n, K, bx, xp, xd);
+
+    float fb[4][8];
+    for (int64_t p0 = r0; p0 < r1; p0 += 16) {
+        const int64_t mp = r1 - p0 < 16 ? r1 - p0 : 16;
+        const int flags = gqp_unpack(w, p0, mp, (int8_t *)codes, ch, ty.b > 0 ? ty.b : 0);
+        gq2_meta(ch, nc, flags & GQP_HALVES, ty.b > 0 ? ty.b : 0, c2);
+        for (int64_t g = 0; g < ng; g++) {
+            const int64_t nt = n - 8 * g < 8 ? n - 8 * g : 8;
+            for (int i0 = 0; i0 < mp; i0 += 4) {
+                __m256 sum[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+                gq2_rows(w->dtype, ty, codes, K, c2, i0, bx + g * nc * 64, xp + g * nc * 8, xd + g * nc * 8, flags, sum);
+                for (int i = 0; i < 4; i++) _mm256_storeu_ps(fb[i], sum[i]);
+                const int nr = mp - i0 < 4 ? (int)(mp - i0) : 4;
+                for (int64_t tt = 0; tt < nt; tt++)
+                    for (int i = 0; i < nr; i++) y[(8 * g + tt) * ldy + (p0 - r0) + i0 + i] = fb[i][tt];
+            }
+        }
+    }
+}
+
+/* the level's gemm_gq of every type (its owner stays "avx2", the level's name) */
+void cpumla_fill_avx2_gqp(cpumla_kernels *k) {
+    for (int t = 0; t < GQ_N; t++) {
+        if (k->gemm_gq[t] != gemm_gqp_avx2) prev_gq2[t] = k->gemm_gq[t];
+        k->gemm_gq[t] = gemm_gqp_avx2;
+    }
+}
