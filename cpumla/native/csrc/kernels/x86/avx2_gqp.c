@@ -127,69 +127,86 @@ static void gq2_pack_x(const uint8_t *qx, int64_t n, int64_t K, int32_t *bx, int
     }
 }
 
-/* rows i0 .. i0 + 3 of the panel against one group of 8 tokens, chunks in column order into sum[i]
- * (a lane per token); bx / xp / xd: the group's (gq2_pack_x); na: gq2_type's n */
+/* rows i0 .. i0 + R - 1 of the panel against G groups of 8 tokens, chunks in column order into sum[i][g]
+ * (a lane per token); bx / xp / xd: the first group's (gq2_pack_x), the next 8 nc ints / floats further on
+ * (bx: 64 nc); na: gq2_type's n */
 static inline __attribute__((always_inline)) void gq2_tile(const uint8_t *codes, int64_t K, const gq2_chunk *ch,
                                                            int i0, const int32_t *bx, const int32_t *xp,
-                                                           const float *xd, int wide, int biased, int na,
-                                                           int halves, int unit, int has_min, __m256 sum[4]) {
-    const int64_t nc = K / 32;
+                                                           const float *xd, int R, int G, int wide, int biased,
+                                                           int na, int halves, int unit, int has_min,
+                                                           __m256 sum[4][2]) {
+    const int64_t nc = K / 32, gs = 8 * nc;
     const __m256i one16 = _mm256_set1_epi16(1);
     for (int64_t c = 0; c < nc; c++) {
         const gq2_chunk *k = &ch[c];
         const uint8_t *cc = codes + i0 * K + 32 * c;
-        __m256i acc[4], a16[4];
-        for (int i = 0; i < 4; i++) acc[i] = a16[i] = _mm256_setzero_si256();
-        __m256i sv[4];
+        __m256i acc[4][2], a16[4][2], sv[4];
+        for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = a16[i][0] = a16[i][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
         for (int kk = 0; kk < 8; kk++) {
             if (kk % 4 == 0)
-                for (int i = 0; i < 4; i++)
+                for (int i = 0; i < R; i++)
                     sv[i] = unit ? one16 : _mm256_set1_epi32(kk && halves ? k->s1[i0 + i] : k->s0[i0 + i]);
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(bx + (c * 8 + kk) * 8));
-            for (int i = 0; i < 4; i++) {
+            __m256i xv[2];
+            for (int g = 0; g < G; g++) xv[g] = _mm256_loadu_si256((const __m256i *)(bx + 8 * g * gs + (c * 8 + kk) * 8));
+            for (int i = 0; i < R; i++) {
                 int32_t u;
                 memcpy(&u, cc + i * K + 4 * kk, 4);
-                const __m256i wb = _mm256_set1_epi32(u);
-                const __m256i p = wide ? _mm256_maddubs_epi16(_mm256_abs_epi8(wb), _mm256_sign_epi8(xv, wb))
-                                       : _mm256_maddubs_epi16(wb, xv);
-                a16[i] = kk % na ? _mm256_add_epi16(a16[i], p) : p;
-                if (kk % na == na - 1) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(a16[i], sv[i]));
+                const __m256i wb = _mm256_set1_epi32(u), ab = wide ? _mm256_abs_epi8(wb) : wb;
+                for (int g = 0; g < G; g++) {
+                    const __m256i p = _mm256_maddubs_epi16(ab, wide ? _mm256_sign_epi8(xv[g], wb) : xv[g]);
+                    a16[i][g] = kk % na ? _mm256_add_epi16(a16[i][g], p) : p;
+                    /* one chain of adds per sum: a tree of them (the compiler's reassociation) spills */
+                    __asm__("" : "+x"(a16[i][g]));
+                    if (kk % na == na - 1) acc[i][g] = _mm256_add_epi32(acc[i][g], _mm256_madd_epi16(a16[i][g], sv[i]));
+                }
             }
         }
-        const __m256i xpv = _mm256_loadu_si256((const __m256i *)(xp + 8 * c));
-        const __m256 xdv = _mm256_loadu_ps(xd + 8 * c);
-        for (int i = 0; i < 4; i++) {
-            __m256i isum = acc[i];
-            if (biased) isum = _mm256_sub_epi32(isum, _mm256_madd_epi16(_mm256_set1_epi32(k->sb[i0 + i]), xpv));
-            __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(_mm256_set1_ps(k->d[i0 + i]), xdv));
-            if (has_min) {
-                const __m256i msum = _mm256_madd_epi16(_mm256_set1_epi32(k->m[i0 + i]), xpv);
-                p = _mm256_sub_ps(p, _mm256_mul_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(_mm256_set1_ps(k->dm[i0 + i]), xdv)));
+        for (int g = 0; g < G; g++) {
+            const __m256i xpv = _mm256_loadu_si256((const __m256i *)(xp + g * gs + 8 * c));
+            const __m256 xdv = _mm256_loadu_ps(xd + g * gs + 8 * c);
+            for (int i = 0; i < R; i++) {
+                __m256i isum = acc[i][g];
+                if (biased) isum = _mm256_sub_epi32(isum, _mm256_madd_epi16(_mm256_set1_epi32(k->sb[i0 + i]), xpv));
+                __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(_mm256_set1_ps(k->d[i0 + i]), xdv));
+                if (has_min) {
+                    const __m256i msum = _mm256_madd_epi16(_mm256_set1_epi32(k->m[i0 + i]), xpv);
+                    p = _mm256_sub_ps(p, _mm256_mul_ps(_mm256_cvtepi32_ps(msum),
+                                                       _mm256_mul_ps(_mm256_set1_ps(k->dm[i0 + i]), xdv)));
+                }
+                sum[i][g] = _mm256_add_ps(sum[i][g], p);
             }
-            sum[i] = _mm256_add_ps(sum[i], p);
         }
     }
 }
 
-/* the panel's rows i0 .. i0 + 3 for one group, each class of type its own loop (constants in each call):
- * flags are gqp_unpack's (the generic unpacker's, for IQ2_XXS / IQ3_XXS under another sign table) */
-#define GQ2_T(w, b, n, h, u, m) gq2_tile(codes, K, ch, i0, bx, xp, xd, w, b, n, h, u, m, sum)
-static void gq2_rows(int32_t dtype, gq2_type ty, const uint8_t *codes, int64_t K, const gq2_chunk *ch, int i0,
-                     const int32_t *bx, const int32_t *xp, const float *xd, int flags, __m256 sum[4]) {
+/* the panel's rows i0 .. for G groups, each class of type its own loop (constants in each call), returning
+ * how many rows it took: 4 rows x 2
+ * groups where the pairs add up as int16 over a whole chunk (n 8: one register a sum), else 2 x 2 (two a
+ * sum, the int16 one and the int32 one: 4 x 2 spilled); 4 x 1 where one group is left. flags are
+ * gqp_unpack's (the generic unpacker's, for IQ2_XXS / IQ3_XXS under another sign table) */
+#define GQ2_T(w, b, n, h, u, m)                                                                     \
+    do {                                                                                            \
+        if (G == 1) gq2_tile(codes, K, ch, i0, bx, xp, xd, 4, 1, w, b, n, h, u, m, sum);           \
+        else if (n == 8) gq2_tile(codes, K, ch, i0, bx, xp, xd, 4, 2, w, b, n, h, u, m, sum);      \
+        else gq2_tile(codes, K, ch, i0, bx, xp, xd, 2, 2, w, b, n, h, u, m, sum);                  \
+        return G == 1 || n == 8 ? 4 : 2;                                                            \
+    } while (0)
+static int gq2_rows(int32_t dtype, gq2_type ty, const uint8_t *codes, int64_t K, const gq2_chunk *ch, int i0,
+                     const int32_t *bx, const int32_t *xp, const float *xd, int G, int flags, __m256 sum[4][2]) {
     const int halves = flags & GQP_HALVES, unit = flags & GQP_UNIT;
     switch (dtype) {
-    case CPUMLA_Q4_0: GQ2_T(0, 1, 8, 0, 1, 0); return;
-    case CPUMLA_Q4_1: GQ2_T(0, 0, 8, 0, 1, 1); return;
-    case CPUMLA_Q5_0: GQ2_T(0, 1, 4, 0, 1, 0); return;
-    case CPUMLA_Q5_1: GQ2_T(0, 0, 4, 0, 1, 1); return;
-    case CPUMLA_Q2_K: GQ2_T(0, 0, 4, 1, 0, 1); return;
-    case CPUMLA_Q3_K: GQ2_T(0, 1, 4, 1, 0, 0); return;
-    case CPUMLA_Q4_K: GQ2_T(0, 0, 8, 0, 0, 1); return;
-    case CPUMLA_Q5_K: GQ2_T(0, 0, 4, 0, 0, 1); return;
-    case CPUMLA_Q6_K: GQ2_T(0, 1, 2, 1, 0, 0); return;
-    case CPUMLA_IQ1_S: GQ2_T(0, 1, 4, 0, 0, 0); return;
-    case CPUMLA_IQ1_M: GQ2_T(0, 1, 4, 1, 0, 0); return;
+    case CPUMLA_Q4_0: GQ2_T(0, 1, 8, 0, 1, 0);
+    case CPUMLA_Q4_1: GQ2_T(0, 0, 8, 0, 1, 1);
+    case CPUMLA_Q5_0: GQ2_T(0, 1, 4, 0, 1, 0);
+    case CPUMLA_Q5_1: GQ2_T(0, 0, 4, 0, 1, 1);
+    case CPUMLA_Q2_K: GQ2_T(0, 0, 4, 1, 0, 1);
+    case CPUMLA_Q3_K: GQ2_T(0, 1, 4, 1, 0, 0);
+    case CPUMLA_Q4_K: GQ2_T(0, 0, 8, 0, 0, 1);
+    case CPUMLA_Q5_K: GQ2_T(0, 0, 4, 0, 0, 1);
+    case CPUMLA_Q6_K: GQ2_T(0, 1, 2, 1, 0, 0);
+    case CPUMLA_IQ1_S: GQ2_T(0, 1, 4, 0, 0, 0);
+    case CPUMLA_IQ1_M: GQ2_T(0, 1, 4, 1, 0, 0);
     default: break;
     }
     /* Q8_0, the IQ4 types, and the codebook types by their tables: no mins */
@@ -228,21 +245,27 @@ static void gemm_gqp_avx2(const cpumla_weight *w, const void *qx, int64_t n, flo
     uint8_t *codes = (uint8_t *)(c2 + nc);
     gq2_pack_x(qx, n, K, bx, xp, xd);
 
-    float fb[4][8];
+    float fb[8];
     for (int64_t p0 = r0; p0 < r1; p0 += 16) {
         const int64_t mp = r1 - p0 < 16 ? r1 - p0 : 16;
         const int flags = gqp_unpack(w, p0, mp, (int8_t *)codes, ch, ty.b > 0 ? ty.b : 0);
         gq2_meta(ch, nc, flags & GQP_HALVES, ty.b > 0 ? ty.b : 0, c2);
-        for (int64_t g = 0; g < ng; g++) {
-            const int64_t nt = n - 8 * g < 8 ? n - 8 * g : 8;
-            for (int i0 = 0; i0 < mp; i0 += 4) {
-                __m256 sum[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-                gq2_rows(w->dtype, ty, codes, K, c2, i0, bx + g * nc * 64, xp + g * nc * 8, xd + g * nc * 8, flags, sum);
-                for (int i = 0; i < 4; i++) _mm256_storeu_ps(fb[i], sum[i]);
-                const int nr = mp - i0 < 4 ? (int)(mp - i0) : 4;
-                for (int64_t tt = 0; tt < nt; tt++)
-                    for (int i = 0; i < nr; i++) y[(8 * g + tt) * ldy + (p0 - r0) + i0 + i] = fb[i][tt];
+        for (int64_t g = 0; g < ng;) {
+            const int G = g + 1 < ng ? 2 : 1;
+            for (int i0 = 0, R; i0 < mp; i0 += R) {
+                __m256 sum[4][2];
+                for (int i = 0; i < 4; i++) sum[i][0] = sum[i][1] = _mm256_setzero_ps();
+                R = gq2_rows(w->dtype, ty, codes, K, c2, i0, bx + g * nc * 64, xp + g * nc * 8, xd + g * nc * 8, G, flags, sum);
+                const int nr = mp - i0 < R ? (int)(mp - i0) : R;
+                for (int gg = 0; gg < G; gg++) {
+                    const int64_t t0 = 8 * (g + gg), nt = n - t0 < 8 ? n - t0 : 8;
+                    for (int i = 0; i < nr; i++) {
+                        _mm256_storeu_ps(fb, sum[i][gg]);
+                        for (int64_t tt = 0; tt < nt; tt++) y[(t0 + tt) * ldy + (p0 - r0) + i0 + i] = fb[tt];
+                    }
+                }
             }
+            g += G;
         }
     }
 }
