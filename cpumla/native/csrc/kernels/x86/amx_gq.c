@@ -135,7 +135,7 @@ static void gemm_gq_amx(const cpumla_weight *w, const void *qx, int64_t n, float
     int cfg = -1;
     for (int64_t p0 = r0; p0 < r1; p0 += 16) {
         const int64_t mp = r1 - p0 < 16 ? r1 - p0 : 16;
-        const int flags = gqp_unpack(w, p0, mp, codes, ch, 0);
+        const int flags = gqp_unpack(w, p0, mp, codes, ch, 0, NULL);
         if ((flags & GQP_HALVES) != cfg) gq_tilecfg(cfg = flags & GQP_HALVES);
         for (int64_t g = 0; g < ng; g++) {
             __m512 acc[16];

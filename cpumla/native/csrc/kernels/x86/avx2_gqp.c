@@ -59,36 +59,6 @@ static gq2_type gq2_of(int32_t dtype) {
 typedef void (*gq_gemm_fn)(const cpumla_weight *, const void *, int64_t, float *, int64_t, int64_t, int64_t);
 static gq_gemm_fn prev_gq2[GQ_N];
 
-/* a chunk of the panel as the products read it: per row (lane i), int16 pairs (low | high << 16) */
-typedef struct {
-    int32_t s0[16], s1[16];      /* s_h in both halves of the dword: vpmaddwd's multiplier for half h */
-    int32_t sb[16];              /* b s0 | b s1: the bias's share, against the tokens' (x0 | x1) */
-    int32_t m[16];               /* m0 | m1 */
-    float d[16], dm[16];
-} gq2_chunk;
-
-static inline __m256i gq2_pair(__m256i lo, __m256i hi) {
-    return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(hi, 16));
-}
-
-/* gqp_unpack's chunks (fp32 lanes) -> gq2_chunk; per-32 types keep their scale and min in s0 / m0 only */
-static void gq2_meta(const gqp_chunk *k, int64_t nc, int halves, int bias, gq2_chunk *o) {
-    for (int64_t c = 0; c < nc; c++)
-        for (int r = 0; r < 16; r += 8) {
-            const __m256i s0 = _mm256_cvtps_epi32(_mm256_loadu_ps(k[c].s0 + r));
-            const __m256i s1 = halves ? _mm256_cvtps_epi32(_mm256_loadu_ps(k[c].s1 + r)) : s0;
-            const __m256i m0 = _mm256_cvtps_epi32(_mm256_loadu_ps(k[c].m0 + r));
-            const __m256i m1 = halves ? _mm256_cvtps_epi32(_mm256_loadu_ps(k[c].m1 + r)) : m0;
-            const __m256i b = _mm256_set1_epi32(bias);
-            _mm256_storeu_si256((__m256i *)(o[c].s0 + r), gq2_pair(s0, s0));
-            _mm256_storeu_si256((__m256i *)(o[c].s1 + r), gq2_pair(s1, s1));
-            _mm256_storeu_si256((__m256i *)(o[c].sb + r), gq2_pair(_mm256_mullo_epi32(s0, b), _mm256_mullo_epi32(s1, b)));
-            _mm256_storeu_si256((__m256i *)(o[c].m + r), gq2_pair(m0, m1));
-            _mm256_storeu_ps(o[c].d + r, _mm256_loadu_ps(k[c].d + r));
-            _mm256_storeu_ps(o[c].dm + r, _mm256_loadu_ps(k[c].dm + r));
-        }
-}
-
 /* the tokens' operands of every group of 8 (zero past n): bx[((g nc + c) 8 + kk) 8 + t], dword kk of
  * token t's chunk c; xp[(g nc + c) 8 + t] its halves' code sums as a pair (x0 | x1 << 16: |x_h| <= 2032);
  * xd likewise */
@@ -121,7 +91,7 @@ static void gq2_pack_x(const uint8_t *qx, int64_t n, int64_t K, int32_t *bx, int
                 _mm256_storeu_si256((__m256i *)(o + 8 * kk), w[kk]);
                 h[kk / 4] = _mm256_add_epi32(h[kk / 4], _mm256_madd_epi16(_mm256_maddubs_epi16(one8, w[kk]), one16));
             }
-            _mm256_storeu_si256((__m256i *)(xp + (g * nc + c) * 8), gq2_pair(h[0], h[1]));
+            _mm256_storeu_si256((__m256i *)(xp + (g * nc + c) * 8), gqp_pair(h[0], h[1]));
             for (int t = 0; t < 8; t++) xd[(g * nc + c) * 8 + t] = t < nt ? qx_d(base + t * per, K)[c] : 0.0f;
         }
     }
@@ -130,7 +100,7 @@ static void gq2_pack_x(const uint8_t *qx, int64_t n, int64_t K, int32_t *bx, int
 /* rows i0 .. i0 + R - 1 of the panel against G groups of 8 tokens, chunks in column order into sum[i][g]
  * (a lane per token); bx / xp / xd: the first group's (gq2_pack_x), the next 8 nc ints / floats further on
  * (bx: 64 nc); na: gq2_type's n */
-static inline __attribute__((always_inline)) void gq2_tile(const uint8_t *codes, int64_t K, const gq2_chunk *ch,
+static inline __attribute__((always_inline)) void gq2_tile(const uint8_t *codes, int64_t K, const gqp_rows *rw,
                                                            int i0, const int32_t *bx, const int32_t *xp,
                                                            const float *xd, int R, int G, int wide, int biased,
                                                            int na, int halves, int unit, int has_min,
@@ -138,7 +108,7 @@ static inline __attribute__((always_inline)) void gq2_tile(const uint8_t *codes,
     const int64_t nc = K / 32, gs = 8 * nc;
     const __m256i one16 = _mm256_set1_epi16(1);
     for (int64_t c = 0; c < nc; c++) {
-        const gq2_chunk *k = &ch[c];
+        const int64_t o = i0 * rw->ld + c;            /* row i0's chunk c; row i0 + i: + i ld */
         const uint8_t *cc = codes + i0 * K + 32 * c;
         __m256i acc[4][2], a16[4][2], sv[4];
         for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = a16[i][0] = a16[i][1] = _mm256_setzero_si256();
@@ -146,7 +116,7 @@ static inline __attribute__((always_inline)) void gq2_tile(const uint8_t *codes,
         for (int kk = 0; kk < 8; kk++) {
             if (kk % 4 == 0)
                 for (int i = 0; i < R; i++)
-                    sv[i] = unit ? one16 : _mm256_set1_epi32(kk && halves ? k->s1[i0 + i] : k->s0[i0 + i]);
+                    sv[i] = unit ? one16 : _mm256_set1_epi32((kk && halves ? rw->s1 : rw->s0)[o + i * rw->ld]);
             __m256i xv[2];
             for (int g = 0; g < G; g++) xv[g] = _mm256_loadu_si256((const __m256i *)(bx + 8 * g * gs + (c * 8 + kk) * 8));
             for (int i = 0; i < R; i++) {
@@ -167,12 +137,12 @@ static inline __attribute__((always_inline)) void gq2_tile(const uint8_t *codes,
             const __m256 xdv = _mm256_loadu_ps(xd + g * gs + 8 * c);
             for (int i = 0; i < R; i++) {
                 __m256i isum = acc[i][g];
-                if (biased) isum = _mm256_sub_epi32(isum, _mm256_madd_epi16(_mm256_set1_epi32(k->sb[i0 + i]), xpv));
-                __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(_mm256_set1_ps(k->d[i0 + i]), xdv));
+                if (biased) isum = _mm256_sub_epi32(isum, _mm256_madd_epi16(_mm256_set1_epi32(rw->sb[o + i * rw->ld]), xpv));
+                __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(_mm256_set1_ps(rw->d[o + i * rw->ld]), xdv));
                 if (has_min) {
-                    const __m256i msum = _mm256_madd_epi16(_mm256_set1_epi32(k->m[i0 + i]), xpv);
+                    const __m256i msum = _mm256_madd_epi16(_mm256_set1_epi32(rw->m[o + i * rw->ld]), xpv);
                     p = _mm256_sub_ps(p, _mm256_mul_ps(_mm256_cvtepi32_ps(msum),
-                                                       _mm256_mul_ps(_mm256_set1_ps(k->dm[i0 + i]), xdv)));
+                                                       _mm256_mul_ps(_mm256_set1_ps(rw->dm[o + i * rw->ld]), xdv)));
                 }
                 sum[i][g] = _mm256_add_ps(sum[i][g], p);
             }
@@ -187,12 +157,12 @@ static inline __attribute__((always_inline)) void gq2_tile(const uint8_t *codes,
  * gqp_unpack's (the generic unpacker's, for IQ2_XXS / IQ3_XXS under another sign table) */
 #define GQ2_T(w, b, n, h, u, m)                                                                     \
     do {                                                                                            \
-        if (G == 1) gq2_tile(codes, K, ch, i0, bx, xp, xd, 4, 1, w, b, n, h, u, m, sum);           \
-        else if (n == 8) gq2_tile(codes, K, ch, i0, bx, xp, xd, 4, 2, w, b, n, h, u, m, sum);      \
-        else gq2_tile(codes, K, ch, i0, bx, xp, xd, 2, 2, w, b, n, h, u, m, sum);                  \
+        if (G == 1) gq2_tile(codes, K, rw, i0, bx, xp, xd, 4, 1, w, b, n, h, u, m, sum);           \
+        else if (n == 8) gq2_tile(codes, K, rw, i0, bx, xp, xd, 4, 2, w, b, n, h, u, m, sum);      \
+        else gq2_tile(codes, K, rw, i0, bx, xp, xd, 2, 2, w, b, n, h, u, m, sum);                  \
         return G == 1 || n == 8 ? 4 : 2;                                                            \
     } while (0)
-static int gq2_rows(int32_t dtype, gq2_type ty, const uint8_t *codes, int64_t K, const gq2_chunk *ch, int i0,
+static int gq2_rows(int32_t dtype, gq2_type ty, const uint8_t *codes, int64_t K, const gqp_rows *rw, int i0,
                      const int32_t *bx, const int32_t *xp, const float *xd, int G, int flags, __m256 sum[4][2]) {
     const int halves = flags & GQP_HALVES, unit = flags & GQP_UNIT;
     switch (dtype) {
@@ -235,27 +205,27 @@ static void gemm_gqp_avx2(const cpumla_weight *w, const void *qx, int64_t n, flo
     const gq2_type ty = gq2_of(w->dtype);
     const int64_t K = w->cols, nc = K / 32, ng = (n + 7) / 8;
     uint8_t *xs = cpumla_scratch(CPUMLA_SCRATCH_GQP_QX, (size_t)(ng * nc * (256 + 2 * 32)));
-    uint8_t *ps = cpumla_scratch(CPUMLA_SCRATCH_GQP_PANEL,
-                                 (size_t)(16 * K) + (sizeof(gqp_chunk) + sizeof(gq2_chunk)) * (size_t)nc + 64);
+    const int64_t ld = nc + 8;
+    uint8_t *ps = cpumla_scratch(CPUMLA_SCRATCH_GQP_PANEL, (size_t)(16 * K) + 6 * 16 * sizeof(int32_t) * (size_t)ld);
     if (!xs || !ps) return;
     int32_t *bx = (int32_t *)xs, *xp = bx + ng * nc * 64;
     float *xd = (float *)(xp + ng * nc * 8);
-    gqp_chunk *ch = (gqp_chunk *)ps;
-    gq2_chunk *c2 = (gq2_chunk *)(ps + sizeof(gqp_chunk) * (size_t)nc);
-    uint8_t *codes = (uint8_t *)(c2 + nc);
+    int32_t *f = (int32_t *)ps;
+    const gqp_rows rw = {ld, f, f + 16 * ld, f + 32 * ld, f + 48 * ld, (float *)(f + 64 * ld), (float *)(f + 80 * ld),
+                         ty.b > 0 ? ty.b : 0};
+    uint8_t *codes = (uint8_t *)(f + 96 * ld);
     gq2_pack_x(qx, n, K, bx, xp, xd);
 
     float fb[8];
     for (int64_t p0 = r0; p0 < r1; p0 += 16) {
         const int64_t mp = r1 - p0 < 16 ? r1 - p0 : 16;
-        const int flags = gqp_unpack(w, p0, mp, (int8_t *)codes, ch, ty.b > 0 ? ty.b : 0);
-        gq2_meta(ch, nc, flags & GQP_HALVES, ty.b > 0 ? ty.b : 0, c2);
+        const int flags = gqp_unpack(w, p0, mp, (int8_t *)codes, NULL, rw.bias, &rw);
         for (int64_t g = 0; g < ng;) {
             const int G = g + 1 < ng ? 2 : 1;
             for (int i0 = 0, R; i0 < mp; i0 += R) {
                 __m256 sum[4][2];
                 for (int i = 0; i < 4; i++) sum[i][0] = sum[i][1] = _mm256_setzero_ps();
-                R = gq2_rows(w->dtype, ty, codes, K, c2, i0, bx + g * nc * 64, xp + g * nc * 8, xd + g * nc * 8, G, flags, sum);
+                R = gq2_rows(w->dtype, ty, codes, K, &rw, i0, bx + g * nc * 64, xp + g * nc * 8, xd + g * nc * 8, G, flags, sum);
                 const int nr = mp - i0 < R ? (int)(mp - i0) : R;
                 for (int gg = 0; gg < G; gg++) {
                     const int64_t t0 = 8 * (g + gg), nt = n - t0 < 8 ? n - t0 : 8;

@@ -92,7 +92,7 @@ static void gemm_gqp_avx512vnni(const cpumla_weight *w, const void *qx, int64_t 
     float fb[256] __attribute__((aligned(64)));
     for (int64_t p0 = r0; p0 < r1; p0 += 16) {
         const int64_t mp = r1 - p0 < 16 ? r1 - p0 : 16;
-        const int flags = gqp_unpack(w, p0, mp, (int8_t *)codes, ch, 128);
+        const int flags = gqp_unpack(w, p0, mp, (int8_t *)codes, ch, 128, NULL);
         for (int64_t g = 0; g < ng; g++) {
             __m512 acc[16];
             for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();

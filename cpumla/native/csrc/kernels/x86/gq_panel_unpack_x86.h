@@ -23,9 +23,49 @@ typedef struct {
  * unit (every scale is 1: the sum itself is the product's integer) */
 enum { GQP_HALVES = 1, GQP_UNIT = 2 };
 
+/* the same factors as avx2_gqp.c's products read them, a panel's rows one after another: row i's chunk c
+ * at [i * ld + c] (ld >= nc + 8: 8 chunks' vectors are stored whole, past a row's last chunk too), int16
+ * pairs (low | high << 16) and fp32 */
+typedef struct {
+    int64_t ld;
+    int32_t *s0, *s1;            /* s_h | s_h << 16, half h's scale in both */
+    int32_t *sb;                 /* b s0 | b s1 << 16, b the codes' bias */
+    int32_t *m;                  /* m0 | m1 << 16 */
+    float *d, *dm;
+    int32_t bias;
+} gqp_rows;
+
+static inline __m256i gqp_pair(__m256i lo, __m256i hi) {
+    return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(hi, 16));
+}
+/* row i's chunks c .. c + 7 from their halves' scales h0 / h1, mins m0 / m1 (int32 lanes) and factors */
+static inline void gqp_rows_put8(const gqp_rows *r, int64_t i, int64_t c, __m256i h0, __m256i h1, __m256i m0,
+                                 __m256i m1, __m256 d, __m256 dm) {
+    const int64_t o = i * r->ld + c;
+    const __m256i b = _mm256_set1_epi32(r->bias);
+    _mm256_storeu_si256((__m256i *)(r->s0 + o), gqp_pair(h0, h0));
+    _mm256_storeu_si256((__m256i *)(r->s1 + o), gqp_pair(h1, h1));
+    _mm256_storeu_si256((__m256i *)(r->sb + o), gqp_pair(_mm256_mullo_epi32(h0, b), _mm256_mullo_epi32(h1, b)));
+    _mm256_storeu_si256((__m256i *)(r->m + o), gqp_pair(m0, m1));
+    _mm256_storeu_ps(r->d + o, d);
+    _mm256_storeu_ps(r->dm + o, dm);
+}
+/* row i's chunk c, one at a time */
+static inline void gqp_rows_put1(const gqp_rows *r, int64_t i, int64_t c, int32_t s0, int32_t s1, int32_t m0,
+                                 int32_t m1, float d, float dm) {
+    const int64_t o = i * r->ld + c;
+    r->s0[o] = (int32_t)((uint32_t)(s0 & 0xffff) | (uint32_t)s0 << 16);
+    r->s1[o] = (int32_t)((uint32_t)(s1 & 0xffff) | (uint32_t)s1 << 16);
+    r->sb[o] = (int32_t)((uint32_t)((r->bias * s0) & 0xffff) | (uint32_t)(r->bias * s1) << 16);
+    r->m[o] = (int32_t)((uint32_t)(m0 & 0xffff) | (uint32_t)m1 << 16);
+    r->d[o] = d;
+    r->dm[o] = dm;
+}
+
 /* row i of a K-type panel (Q2_K .. Q6_K) by gqk_unpack (SIMD; the spec's values): codes q = u - off, and
  * each chunk's scales and mins from the gqk_u lanes (per-16 types: gqk_halves order) */
-static void gqp_k_row(int T, const uint8_t *row, int64_t K, int64_t i, int8_t *o, gqp_chunk *ch, int bias) {
+static void gqp_k_row(int T, const uint8_t *row, int64_t K, int64_t i, int8_t *o, gqp_chunk *ch, int bias,
+                      const gqp_rows *rw) {
     const int off = T == GQK_Q6 ? 32 : T == GQK_Q3 ? 4 : 0, per16 = T != GQK_Q4 && T != GQK_Q5;
     const int64_t bytes = gq_types[CPUMLA_Q2_K + T - CPUMLA_Q8_0].bytes;
     const __m256i vb = _mm256_set1_epi8((char)(bias - off));   /* stored: q + bias, q = u - off */
@@ -38,6 +78,15 @@ static void gqp_k_row(int T, const uint8_t *row, int64_t K, int64_t i, int8_t *o
         gqk_unpack(T, row + j * bytes, &u);
         for (int c = 0; c < 8; c++)
             _mm256_storeu_si256((__m256i *)(o + 256 * j + 32 * c), _mm256_add_epi8(u.q[c], vb));
+        if (rw) {               /* per 16: s0 / s1 hold chunks 0-3 / 4-7, half 0 in their low lanes */
+            const __m256i z = _mm256_setzero_si256();
+            const __m256i h0 = per16 ? _mm256_permute2x128_si256(u.s0, u.s1, 0x20) : u.s0;
+            const __m256i h1 = per16 ? _mm256_permute2x128_si256(u.s0, u.s1, 0x31) : u.s0;
+            const __m256i m0 = !has_min ? z : per16 ? _mm256_permute2x128_si256(u.m0, u.m1, 0x20) : u.m0;
+            const __m256i m1 = !has_min ? z : per16 ? _mm256_permute2x128_si256(u.m0, u.m1, 0x31) : u.m0;
+            gqp_rows_put8(rw, i, 8 * j, h0, h1, m0, m1, _mm256_set1_ps(u.d), _mm256_set1_ps(has_min ? u.dm : 0.0f));
+            continue;
+        }
         /* the integer scales and mins are small: exact as fp32. Only what gqp_take reads is stored (s1 and
          * m1 where the halves differ, m and dm where the type has mins); the rest keeps gqp_unpack's zeros */
         _mm256_storeu_ps(s0, _mm256_cvtepi32_ps(u.s0));
@@ -71,13 +120,18 @@ static void gqp_k_row(int T, const uint8_t *row, int64_t K, int64_t i, int8_t *o
  * mins and factors; Q8_0's codes and scales as stored. Returns the panel's flags (GQP_HALVES where the
  * type scales per 16, GQP_UNIT where it has no scales), or -1 where gqi's unpackers do not apply (a sign
  * table other than ggml's: gqi_ksigns_ok), for gq_unpack to serve instead. */
-static int gqp_i_row(int32_t dtype, const uint8_t *row, int64_t K, int64_t i, int8_t *o, gqp_chunk *ch, int bias) {
+static int gqp_i_row(int32_t dtype, const uint8_t *row, int64_t K, int64_t i, int8_t *o, gqp_chunk *ch, int bias,
+                     const gqp_rows *rw) {
     const int64_t nch = K / 32;
     const __m256i fl = _mm256_set1_epi8((char)bias);
     if (dtype == CPUMLA_Q8_0) {
         for (int64_t c = 0; c < nch; c++) {
             const uint8_t *b = row + c * GQ8_0_BYTES;
             _mm256_storeu_si256((__m256i *)(o + 32 * c), _mm256_add_epi8(_mm256_loadu_si256((const __m256i *)(b + 2)), fl));
+            if (rw) {
+                gqp_rows_put1(rw, i, c, 1, 1, 0, 0, gqi_h16(b), 0.0f);
+                continue;
+            }
             gqp_chunk *k = &ch[c];
             k->s0[i] = k->s1[i] = 1.0f;
             k->d[i] = gqi_h16(b);
@@ -117,6 +171,11 @@ static int gqp_i_row(int32_t dtype, const uint8_t *row, int64_t K, int64_t i, in
             else q = _mm256_sub_epi8(q, _mm256_set1_epi8((char)off));
             _mm256_storeu_si256((__m256i *)(o + 256 * g + 32 * c), _mm256_add_epi8(q, fl));
         }
+        if (rw) {
+            const __m256i mm = _mm256_set1_epi32(has_min);
+            gqp_rows_put8(rw, i, 8 * g, u.s, halves ? u.s1 : u.s, mm, mm, u.d, has_min ? u.dm : _mm256_setzero_ps());
+            continue;
+        }
         int32_t s0[8], s1[8];
         float d[8], dm[8];
         _mm256_storeu_si256((__m256i *)s0, u.s);
@@ -139,10 +198,12 @@ static int gqp_i_row(int32_t dtype, const uint8_t *row, int64_t K, int64_t i, in
 
 /* rows [p0, p0 + mp) (missing rows zero) unpacked: codes [16][K], chunks [K / 32]; returns the panel's
  * GQP_HALVES / GQP_UNIT flags */
-static int gqp_unpack(const cpumla_weight *w, int64_t p0, int64_t mp, int8_t *codes, gqp_chunk *ch, int bias) {
+/* rw NULL: the factors into ch (chunk-major fp32); else into rw (row-major pairs), ch unused */
+static int gqp_unpack(const cpumla_weight *w, int64_t p0, int64_t mp, int8_t *codes, gqp_chunk *ch, int bias,
+                      const gqp_rows *rw) {
     const int64_t K = w->cols, nc = K / 32;
     gq_unpacked u;
-    memset(ch, 0, sizeof *ch * (size_t)nc);
+    if (!rw) memset(ch, 0, sizeof *ch * (size_t)nc);
     const int32_t t = w->dtype;
     const int T = t >= CPUMLA_Q2_K && t <= CPUMLA_Q6_K ? t - CPUMLA_Q2_K : -1;
     /* the flags by type where the SIMD unpackers serve it (the K types: halves where they scale per 16;
@@ -151,13 +212,18 @@ static int gqp_unpack(const cpumla_weight *w, int64_t p0, int64_t mp, int8_t *co
     int flags = T >= 0 ? (T == GQK_Q4 || T == GQK_Q5 ? 0 : GQP_HALVES) : -1, same = 1, unit = 1;
     for (int64_t i = 0; i < 16; i++) {
         int8_t *o = codes + i * K;
-        if (i >= mp) { memset(o, bias & 0xff, (size_t)K); continue; }
-        const uint8_t *row = (const uint8_t *)w->data + (p0 + i) * w->row_bytes;
-        if (T >= 0) {
-            gqp_k_row(T, row, K, i, o, ch, bias);
+        if (i >= mp) {
+            memset(o, bias & 0xff, (size_t)K);
+            if (rw)
+                for (int64_t c = 0; c < nc; c++) gqp_rows_put1(rw, i, c, 0, 0, 0, 0, 0.0f, 0.0f);
             continue;
         }
-        const int f = gqp_i_row(t, row, K, i, o, ch, bias);
+        const uint8_t *row = (const uint8_t *)w->data + (p0 + i) * w->row_bytes;
+        if (T >= 0) {
+            gqp_k_row(T, row, K, i, o, ch, bias, rw);
+            continue;
+        }
+        const int f = gqp_i_row(t, row, K, i, o, ch, bias, rw);
         if (f >= 0) {
             flags = f;
             continue;
@@ -167,6 +233,12 @@ static int gqp_unpack(const cpumla_weight *w, int64_t p0, int64_t mp, int8_t *co
             gq_unpack(t, row, c0, n, &u);
             for (int j = 0; j < 32 * n; j++) o[c0 + j] = (int8_t)(uint8_t)(u.q[j] + bias);
             for (int c = 0; c < n; c++) {
+                same &= u.s[2 * c] == u.s[2 * c + 1] && u.m[2 * c] == u.m[2 * c + 1];
+                unit &= u.s[2 * c] == 1 && u.s[2 * c + 1] == 1;
+                if (rw) {
+                    gqp_rows_put1(rw, i, c0 / 32 + c, u.s[2 * c], u.s[2 * c + 1], u.m[2 * c], u.m[2 * c + 1], u.d[c], u.dm[c]);
+                    continue;
+                }
                 gqp_chunk *k = &ch[c0 / 32 + c];
                 k->s0[i] = (float)u.s[2 * c];
                 k->s1[i] = (float)u.s[2 * c + 1];
@@ -174,8 +246,6 @@ static int gqp_unpack(const cpumla_weight *w, int64_t p0, int64_t mp, int8_t *co
                 k->m1[i] = (float)u.m[2 * c + 1];
                 k->d[i] = u.d[c];
                 k->dm[i] = u.dm[c];
-                same &= u.s[2 * c] == u.s[2 * c + 1] && u.m[2 * c] == u.m[2 * c + 1];
-                unit &= u.s[2 * c] == 1 && u.s[2 * c + 1] == 1;
             }
         }
     }
