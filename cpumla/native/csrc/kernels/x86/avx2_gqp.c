@@ -6,7 +6,7 @@
  * Per (row, chunk), the 8 tokens' sums in one ymm, a token a dword: each dword of 4 codes of the row is
  * broadcast against the tokens' dwords of the same 4 columns (vpmaddubsw: 16 int16 pairs), so no sum is
  * ever reduced across lanes. vpmaddubsw multiplies an unsigned operand by a signed one and saturates its
- * pairs, so the codes are stored u = q + b, b the type's lowest code negated (gq2_types: 0 for the types
+ * pairs, so the codes are stored u = q + b, b the type's lowest code negated (gq2_of: 0 for the types
  * whose codes are unsigned), and the bias's share b (s0 x0 + s1 x1), from the tokens' half sums, is taken
  * out once a chunk; Q8_0 and the IQ4 types (|q| up to 128) keep q and give the tokens' codes its signs
  * (|q| * (x sign q)). Where u is small, the pairs of several steps are added as int16 (acc: at most
@@ -27,11 +27,11 @@
 #define GQ2_MIN 8                /* tokens from which the panels serve */
 
 /* per type: b, the bias of its stored codes (-1: the sign path), and n, the steps of 4 columns whose
- * vpmaddubsw pairs add up in int16 (n * 2 * u_max * 127 < 2^15, u_max = 2 b; 1, 2 or 4, or 8 for the
- * 4-bit types scaled per 32). The codebook types size b by the tables loaded (gguf_q.h): the gguf
+ * vpmaddubsw pairs add up in int16 (n * 2 * u_max * 127 < 2^15, u_max the largest stored code; 1, 2 or 4,
+ * or 8 for the 4-bit types scaled per 32). The codebook types size b by the tables loaded (gguf_q.h): the gguf
  * package's give IQ2_XXS 43, IQ3_XXS 62, MXFP4 12. */
 typedef struct { int8_t b, n; } gq2_type;
-static gq2_type gq2_table(int32_t amax) {
+static gq2_type gq2_table(int32_t amax) {     /* codes in [-amax, amax]: u_max = 2 amax */
     if (amax > 64) return (gq2_type){-1, 1};
     const int32_t pair = 2 * (2 * amax) * 127;
     const int8_t n = pair * 4 < 32768 ? 4 : pair * 2 < 32768 ? 2 : 1;

@@ -1,10 +1,10 @@
 /* gq_panel_unpack_x86.h: GGUF weights (gguf_q.h) as panels of 16 rows, unpacked once for the gemms over
  * groups of tokens (amx_gq.c, avx512vnni_gqp.c through gq_panel_x86.h; avx2_gqp.c): the K types by
  * gqk_unpack's SIMD, the others by gqi_unpack's, Q8_0 as stored, into int8 codes in column order,
- * [16][K], each stored as q + bias (a byte: 128 makes the operand vpdpbusd and the tiles multiply
- * unsigned, 64 the one vpmaddubsw does where |q| <= 64, 0 keeps q), and each chunk's s, m, d, dm as fp32
- * vectors over the 16 rows. AVX2 only: every level that has panels includes it.
- * Include after gqk_unpack_x86.h and gqi_unpack_x86.h. */
+ * [16][K], each stored as q + bias (a byte: 128 makes the operand vpdpbusd multiplies unsigned, 0 keeps q
+ * for the tiles, avx2_gqp.c's per-type bias makes vpmaddubsw's), and each chunk's s, m, d, dm: as fp32
+ * vectors over the 16 rows (gqp_chunk), or row by row as int16 pairs (gqp_rows, avx2_gqp.c's). AVX2
+ * only: every level that has panels includes it. Include after gqk_unpack_x86.h and gqi_unpack_x86.h. */
 #ifndef CPUMLA_GQ_PANEL_UNPACK_X86_H
 #define CPUMLA_GQ_PANEL_UNPACK_X86_H
 #include <immintrin.h>
