@@ -95,9 +95,9 @@ def info(
     render.out.print()
     render.table("kernels", ["kernel", "implementation"], [[k, v] for k, v in d["kernels"].items()])
     render.out.print()
-    fmts = list(native.DTYPES)
-    render.table("kernels by weight format", ["kernel", *fmts],
-                 [[k, *(v[f] for f in fmts)] for k, v in d["kernel_formats"].items()])
+    kernels = list(d["kernel_formats"])      # a row a format: the formats outnumber the kernels
+    render.table("kernels by weight format", ["format", *kernels],
+                 [[f, *(d["kernel_formats"][k][f] for k in kernels)] for f in native.DTYPES])
     render.out.print()
     render.table("build", ["", ""], [line.split(": ", 1) for line in d["build"]], header=False)
 
