@@ -126,9 +126,13 @@ static inline __attribute__((always_inline)) void gq2_tile(const uint8_t *codes,
                 for (int g = 0; g < G; g++) {
                     const __m256i p = _mm256_maddubs_epi16(ab, wide ? _mm256_sign_epi8(xv[g], wb) : xv[g]);
                     a16[i][g] = kk % na ? _mm256_add_epi16(a16[i][g], p) : p;
-                    /* one chain of adds per sum: a tree of them (the compiler's reassociation) spills */
+                    /* one chain of adds per sum, int16 and int32: a tree of them (the compiler's
+                     * reassociation, which held Q8_0's products for a tree at the chunk's end) spills */
                     __asm__("" : "+x"(a16[i][g]));
-                    if (kk % na == na - 1) acc[i][g] = _mm256_add_epi32(acc[i][g], _mm256_madd_epi16(a16[i][g], sv[i]));
+                    if (kk % na == na - 1) {
+                        acc[i][g] = _mm256_add_epi32(acc[i][g], _mm256_madd_epi16(a16[i][g], sv[i]));
+                        __asm__("" : "+x"(acc[i][g]));
+                    }
                 }
             }
         }
@@ -151,16 +155,16 @@ static inline __attribute__((always_inline)) void gq2_tile(const uint8_t *codes,
 }
 
 /* the panel's rows i0 .. for G groups, each class of type its own loop (constants in each call), returning
- * how many rows it took: 4 rows x 2
- * groups where the pairs add up as int16 over a whole chunk (n 8: one register a sum), else 2 x 2 (two a
- * sum, the int16 one and the int32 one: 4 x 2 spilled); 4 x 1 where one group is left. flags are
+ * how many rows it took: 4 rows x 2 groups where a sum is one register (n 8: the pairs add up as int16
+ * over a whole chunk; n 1: each step's pairs go straight to int32), else 2 x 2 (two a sum, the int16 one
+ * and the int32 one: 4 x 2 spilled); 4 x 1 where one group is left. flags are
  * gqp_unpack's (the generic unpacker's, for IQ2_XXS / IQ3_XXS under another sign table) */
 #define GQ2_T(w, b, n, h, u, m)                                                                     \
     do {                                                                                            \
         if (G == 1) gq2_tile(codes, K, rw, i0, bx, xp, xd, 4, 1, w, b, n, h, u, m, sum);           \
-        else if (n == 8) gq2_tile(codes, K, rw, i0, bx, xp, xd, 4, 2, w, b, n, h, u, m, sum);      \
+        else if (n == 8 || n == 1) gq2_tile(codes, K, rw, i0, bx, xp, xd, 4, 2, w, b, n, h, u, m, sum); \
         else gq2_tile(codes, K, rw, i0, bx, xp, xd, 2, 2, w, b, n, h, u, m, sum);                  \
-        return G == 1 || n == 8 ? 4 : 2;                                                            \
+        return G == 1 || n == 8 || n == 1 ? 4 : 2;                                                  \
     } while (0)
 static int gq2_rows(int32_t dtype, gq2_type ty, const uint8_t *codes, int64_t K, const gqp_rows *rw, int i0,
                      const int32_t *bx, const int32_t *xp, const float *xd, int G, int flags, __m256 sum[4][2]) {
