@@ -105,7 +105,6 @@ def test_products_every_level_are_the_spec(isa, fmt):
 @pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "iq2_xxs", "q4_0", "mxfp4"])
 def test_strided_rows_of_stacked_tensor(fmt):
     """An expert of a stacked tensor: rows strided, products and dequant as on a packed copy."""
-    block = native.GGUF_FORMATS[fmt][0]
     raw = blocks(fmt, 3 * 8, 256, seed=11).reshape(3, 8, -1)
     view = raw[1][::2]
     w, packed = native.Weight(view, fmt), native.Weight(np.ascontiguousarray(view), fmt)
@@ -134,16 +133,20 @@ def test_bad_block_bytes_refused():
         native.Weight(np.zeros((2, 100), np.uint8), "q4_k")
 
 
+def rows_37(fmt, seed):
+    """A weight of 37 rows of random blocks (panels of 16 rows and a partial one), two super-blocks or 9
+    blocks wide, and its width."""
+    cols = 512 if native.GGUF_FORMATS[fmt][0] == 256 else 288
+    return native.Weight(blocks(fmt, 37, cols, seed=seed), fmt), cols
+
+
 @pytest.mark.parametrize("fmt", TYPES)
 def test_token_panels_are_the_spec(isa, fmt):
     """Every level's gemm over as many tokens as prefill gives it (the panels of avx2_gqp.c from 8 tokens,
     avx512vnni_gqp.c's from 16): 8 tokens (one group), 17 (groups of 8 and 16, and one token over), 43;
     37 rows (panels of 16 and a partial one, a partial tile of 4 rows); a token of zeros, one of tiny
     values, one with a NaN: bit for bit the spec."""
-    block = native.GGUF_FORMATS[fmt][0]
-    cols = 512 if block == 256 else 288
-    raw = blocks(fmt, 37, cols, seed=13 + len(fmt))
-    w = native.Weight(raw, fmt)
+    w, cols = rows_37(fmt, seed=13 + len(fmt))
     rng = np.random.default_rng(8)
     x = rng.standard_normal((43, cols)).astype(np.float32)
     x[2] = 0.0
@@ -165,10 +168,7 @@ def test_amx_tiles_are_the_spec(fmt):
     """The amx level's tiles (amx_gq.c), which serve from 16 tokens: every type at 17 tokens (a group of
     16 and one of 1) and at 161 (a partial group of 16), panels of 16 rows and a partial one, chunks whose
     halves differ and agree: bit for bit the spec."""
-    block = native.GGUF_FORMATS[fmt][0]
-    cols = 512 if block == 256 else 288
-    raw = blocks(fmt, 37, cols, seed=11 + len(fmt))
-    w = native.Weight(raw, fmt)
+    w, cols = rows_37(fmt, seed=11 + len(fmt))
     rng = np.random.default_rng(5)
     x = rng.standard_normal((161, cols)).astype(np.float32)
     x[3, :32] = 0.0

@@ -37,18 +37,25 @@ static gq2_type gq2_table(int32_t amax) {     /* codes in [-amax, amax]: u_max =
     const int8_t n = pair * 4 < 32768 ? 4 : pair * 2 < 32768 ? 2 : 1;
     return (gq2_type){(int8_t)amax, n};
 }
+/* the types of fixed codes: X(type, b, n, per-16 scales, unit scales, mins), read by gq2_of and, as
+ * literals that specialise each loop, by gq2_rows */
+#define GQ2_FIXED(X)                                                            \
+    X(CPUMLA_Q4_0, 8, 8, 0, 1, 0)       /* q in [-8, 7] */                      \
+    X(CPUMLA_Q4_1, 0, 8, 0, 1, 1)       /* [0, 15] */                           \
+    X(CPUMLA_Q5_0, 16, 4, 0, 1, 0)      /* [-16, 15] */                         \
+    X(CPUMLA_Q5_1, 0, 4, 0, 1, 1)       /* [0, 31] */                           \
+    X(CPUMLA_Q2_K, 0, 4, 1, 0, 1)       /* [0, 3] */                            \
+    X(CPUMLA_Q3_K, 4, 4, 1, 0, 0)       /* [-4, 3] */                           \
+    X(CPUMLA_Q4_K, 0, 8, 0, 0, 1)       /* [0, 15] */                           \
+    X(CPUMLA_Q5_K, 0, 4, 0, 0, 1)       /* [0, 31] */                           \
+    X(CPUMLA_Q6_K, 32, 2, 1, 0, 0)      /* [-32, 31] */                         \
+    X(CPUMLA_IQ1_S, 9, 4, 0, 0, 0)      /* [-9, 9]: the grid is -1, 0, 1 */     \
+    X(CPUMLA_IQ1_M, 9, 4, 1, 0, 0)
 static gq2_type gq2_of(int32_t dtype) {
     switch (dtype) {
-    case CPUMLA_Q4_0: return (gq2_type){8, 8};        /* q in [-8, 7] */
-    case CPUMLA_Q4_1: return (gq2_type){0, 8};        /* [0, 15] */
-    case CPUMLA_Q5_0: return (gq2_type){16, 4};       /* [-16, 15] */
-    case CPUMLA_Q5_1: return (gq2_type){0, 4};        /* [0, 31] */
-    case CPUMLA_Q2_K: return (gq2_type){0, 4};        /* [0, 3], per 16 */
-    case CPUMLA_Q3_K: return (gq2_type){4, 4};        /* [-4, 3], per 16 */
-    case CPUMLA_Q4_K: return (gq2_type){0, 8};        /* [0, 15] */
-    case CPUMLA_Q5_K: return (gq2_type){0, 4};        /* [0, 31] */
-    case CPUMLA_Q6_K: return (gq2_type){32, 2};       /* [-32, 31], per 16 */
-    case CPUMLA_IQ1_S: case CPUMLA_IQ1_M: return (gq2_type){9, 4};   /* [-9, 9]: the grid is -1, 0, 1 */
+#define GQ2_OF(t, b, n, h, u, m) case t: return (gq2_type){b, n};
+    GQ2_FIXED(GQ2_OF)
+#undef GQ2_OF
     case CPUMLA_IQ2_XXS: return gq2_table(gq_iq2xxs_max);
     case CPUMLA_IQ3_XXS: return gq2_table(gq_iq3xxs_max);
     case CPUMLA_MXFP4: return gq2_table(gq_mxfp4_max);
@@ -170,17 +177,9 @@ static int gq2_rows(int32_t dtype, gq2_type ty, const uint8_t *codes, int64_t K,
                      const int32_t *bx, const int32_t *xp, const float *xd, int G, int flags, __m256 sum[4][2]) {
     const int halves = flags & GQP_HALVES, unit = flags & GQP_UNIT;
     switch (dtype) {
-    case CPUMLA_Q4_0: GQ2_T(0, 1, 8, 0, 1, 0);
-    case CPUMLA_Q4_1: GQ2_T(0, 0, 8, 0, 1, 1);
-    case CPUMLA_Q5_0: GQ2_T(0, 1, 4, 0, 1, 0);
-    case CPUMLA_Q5_1: GQ2_T(0, 0, 4, 0, 1, 1);
-    case CPUMLA_Q2_K: GQ2_T(0, 0, 4, 1, 0, 1);
-    case CPUMLA_Q3_K: GQ2_T(0, 1, 4, 1, 0, 0);
-    case CPUMLA_Q4_K: GQ2_T(0, 0, 8, 0, 0, 1);
-    case CPUMLA_Q5_K: GQ2_T(0, 0, 4, 0, 0, 1);
-    case CPUMLA_Q6_K: GQ2_T(0, 1, 2, 1, 0, 0);
-    case CPUMLA_IQ1_S: GQ2_T(0, 1, 4, 0, 0, 0);
-    case CPUMLA_IQ1_M: GQ2_T(0, 1, 4, 1, 0, 0);
+#define GQ2_ROWS(t, b, n, h, u, m) case t: GQ2_T(0, b > 0, n, h, u, m);
+    GQ2_FIXED(GQ2_ROWS)
+#undef GQ2_ROWS
     default: break;
     }
     /* Q8_0, the IQ4 types, and the codebook types by their tables: no mins */
