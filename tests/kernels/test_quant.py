@@ -118,6 +118,36 @@ def test_gemm_q(isa, case, n):
     ref.assert_close(y, want, mag, what=f"gemm {case[0]} {isa}")
 
 
+@pytest.mark.skipif("avx2" not in native.available_isas(), reason="the avx2 level needs an AVX2 CPU")
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+@pytest.mark.parametrize("rows, cols", [(37, 288), (130, 1408), (17, 32)])
+def test_avx2_panels_are_the_gemv(fmt, rows, cols):
+    """From 8 tokens the avx2 level multiplies q8 / q4 on the GGUF panels (avx2_gqp.c), adding each row's
+    blocks as its gemv does: at 8 / 17 / 43 tokens (one thread: a call gets every token), with an odd
+    block count (q4's activations come in pairs of blocks; a last step of fewer than 8 blocks), a zero
+    token, a tiny one, a NaN, each token's row is the gemv's bit for bit (prefill and decode agree), and
+    close to the float64 reference."""
+    rng = np.random.default_rng(rows + cols)
+    w, W = build(fmt, rows, cols, rng)
+    x = rng.standard_normal((43, cols)).astype(np.float32)
+    x[2] = 0.0
+    x[9, 16:] *= 1e-4
+    x[40, 7] = np.nan
+    native.set_threads(1)
+    native.init("avx2")
+    try:
+        got = {n: native.gemm(w, x[:n]) for n in (8, 17, 43)}
+        one = np.stack([native.gemv(w, x[t]) for t in range(43)])
+    finally:
+        native.init("")
+        native.set_threads(None)
+    for n in (8, 17, 43):
+        assert np.array_equal(got[n].view(np.uint32), one[:n].view(np.uint32)), f"{fmt} {rows}x{cols}, {n} tokens"
+    finite = np.isfinite(x).all(axis=1)
+    want, mag = W(x[finite])
+    ref.assert_close(got[43][finite], want, mag, what=f"gemm {fmt} avx2 panels")
+
+
 @pytest.mark.parametrize("fmt", ["q8", "q4"])
 @pytest.mark.parametrize("n", [1, 4])
 @pytest.mark.parametrize("shape", [(5, 24, 20, 160), (5, 24, 20, 544), (2, 70, 6, 512)])

@@ -285,6 +285,10 @@ void cpumla_fill_avx512vnni_gq(cpumla_kernels *k);
 void cpumla_fill_avx2_gqk(cpumla_kernels *k);
 void cpumla_fill_avx2_gqi(cpumla_kernels *k);
 void cpumla_fill_avx2_gqp(cpumla_kernels *k);          /* avx2_gqp.c: panels from GQ2_MIN tokens */
+/* avx2_gqp.c's panels for cpumla's Q8 / Q4 (quant_x_avx2's activations): 1 where it served the call (n >=
+ * GQ2_MIN), else 0 */
+int cpumla_gemm_qp_avx2(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
+                        int64_t r1);
 void cpumla_fill_avx512vnni_gqk(cpumla_kernels *k);
 void cpumla_fill_avx512vnni_gqp(cpumla_kernels *k);
 void cpumla_fill_avx512vnni_gqi(cpumla_kernels *k);

@@ -6,7 +6,9 @@
  *   the distance of a software prefetch (0: none), l2 its target (common.h cpumla_pf_l2), always inlined so
  *   its constant arguments specialise it,
  *   e8m0_plain(s, n): 1 when every E8M0 byte of s[0..n) is in [2, 254],
- * QDRIVER_GEMM, the name the GEMM entry gets, and QDRIVER_PF_L2, the gemv's l2 (read once a call). */
+ * QDRIVER_GEMM, the name the GEMM entry gets, and QDRIVER_PF_L2, the gemv's l2 (read once a call);
+ * optionally QDRIVER_PANEL(w, qx, n, y, ldy, r0, r1), a GEMM of several tokens that returns 1 where it
+ * served the call (avx2_q.c: avx2_gqp.c's panels for Q8 / Q4). */
 #if !defined(QDRIVER_GEMM) || !defined(QDRIVER_PF_L2)
 #error "define QDRIVER_GEMM and QDRIVER_PF_L2 before including quant_driver.h"
 #endif
@@ -65,6 +67,9 @@ static void QDRIVER_GEMM(const cpumla_weight *w, const void *qx, int64_t n, floa
         else gemv_q8(w, qx, y, r0, r1);
         return;
     }
+#ifdef QDRIVER_PANEL
+    if (QDRIVER_PANEL(w, qx, n, y, ldy, r0, r1)) return;       /* the level's panels, where they serve */
+#endif
     const int64_t per = QX_BYTES(w->cols);
     for (int64_t r = r0; r < r1; r += 4) {
         const int R = r1 - r < 4 ? (int)(r1 - r) : 4;

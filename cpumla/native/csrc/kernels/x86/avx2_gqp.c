@@ -1,7 +1,9 @@
 /* avx2_gqp.c: the avx2 level's gemm_gq from a number of tokens (GQ2_MIN), every GGUF type: panels of 16
  * weight rows unpacked once (gq_panel_unpack_x86.h) against the tokens' codes gathered once per call in
  * groups of 8. Fewer tokens go to the per-type entries (avx2_gq.c, avx2_gqk.c, avx2_gqi.c), which stay
- * the gemv. avxvnni keeps it.
+ * the gemv. avxvnni keeps it. cpumla's own Q8 / Q4 take the same panels from GQ2_MIN tokens
+ * (cpumla_gemm_qp_avx2, called by avx2_q.c's gemm: their products are Q8_0's and Q4_0's, blocks added in
+ * order, with quant_x_avx2's activations).
  *
  * Per (row, chunk), the 8 tokens' sums in one ymm, a token a dword: each dword of 4 codes of the row is
  * broadcast against the tokens' dwords of the same 4 columns (vpmaddubsw: 16 int16 pairs), so no sum is
@@ -50,7 +52,8 @@ static gq2_type gq2_table(int32_t amax) {     /* codes in [-amax, amax]: u_max =
     X(CPUMLA_Q5_K, 0, 4, 0, 0, 1)       /* [0, 31] */                           \
     X(CPUMLA_Q6_K, 32, 2, 1, 0, 0)      /* [-32, 31] */                         \
     X(CPUMLA_IQ1_S, 9, 4, 0, 0, 0)      /* [-9, 9]: the grid is -1, 0, 1 */     \
-    X(CPUMLA_IQ1_M, 9, 4, 1, 0, 0)
+    X(CPUMLA_IQ1_M, 9, 4, 1, 0, 0)                                              \
+    X(CPUMLA_Q4, 8, 8, 0, 1, 0)         /* cpumla's Q4: nibble - 8 */
 static gq2_type gq2_of(int32_t dtype) {
     switch (dtype) {
 #define GQ2_OF(t, b, n, h, u, m) case t: return (gq2_type){b, n};
@@ -68,8 +71,8 @@ static gq_gemm_fn prev_gq2[GQ_N];
 
 /* the tokens' operands of every group of 8 (zero past n): bx[((g nc + c) 8 + kk) 8 + t], dword kk of
  * token t's chunk c; xp[(g nc + c) 8 + t] its halves' code sums as a pair (x0 | x1 << 16: |x_h| <= 2032);
- * xd likewise */
-static void gq2_pack_x(const uint8_t *qx, int64_t n, int64_t K, int32_t *bx, int32_t *xp, float *xd) {
+ * xd likewise. qx: gq_quant_x's rows, or quant_x_avx2's (the same codes; q4: in its Q4 order) */
+static void gq2_pack_x(const uint8_t *qx, int64_t n, int64_t K, int q4, int32_t *bx, int32_t *xp, float *xd) {
     const int64_t nc = K / 32, ng = (n + 7) / 8, per = QX_BYTES(K);
     const __m256i one8 = _mm256_set1_epi8(1), one16 = _mm256_set1_epi16(1);
     for (int64_t g = 0; g < ng; g++) {
@@ -77,8 +80,14 @@ static void gq2_pack_x(const uint8_t *qx, int64_t n, int64_t K, int32_t *bx, int
         const uint8_t *base = qx + 8 * g * per;
         for (int64_t c = 0; c < nc; c++) {
             __m256i v[8];
-            for (int t = 0; t < 8; t++)
-                v[t] = t < nt ? _mm256_loadu_si256((const __m256i *)(base + t * per + 32 * c)) : _mm256_setzero_si256();
+            for (int t = 0; t < 8; t++) {
+                /* cpumla's Q4 (avx2_q.c's order): block c's first 16 codes at 64 (c / 2) + 16 (c % 2), its
+                 * last 16 32 bytes on */
+                const uint8_t *p = base + t * per + (q4 ? 64 * (c / 2) + 16 * (c % 2) : 32 * c);
+                v[t] = t >= nt ? _mm256_setzero_si256()
+                       : q4    ? _mm256_loadu2_m128i((const __m128i *)(p + 32), (const __m128i *)p)
+                               : _mm256_loadu_si256((const __m256i *)p);
+            }
             /* 8 x 8 dwords transposed: w[kk] lane t = v[t] dword kk */
             const __m256i a0 = _mm256_unpacklo_epi32(v[0], v[1]), a1 = _mm256_unpackhi_epi32(v[0], v[1]);
             const __m256i a2 = _mm256_unpacklo_epi32(v[2], v[3]), a3 = _mm256_unpackhi_epi32(v[2], v[3]);
@@ -111,7 +120,7 @@ static inline __attribute__((always_inline)) void gq2_tile(const uint8_t *codes,
                                                            int i0, const int32_t *bx, const int32_t *xp,
                                                            const float *xd, int R, int G, int wide, int biased,
                                                            int na, int halves, int unit, int has_min,
-                                                           __m256 sum[4][2]) {
+                                                           __m256 sum[4][2], __m256 (*part)[2][8]) {
     const int64_t nc = K / 32, gs = 8 * nc;
     const __m256i one16 = _mm256_set1_epi16(1);
     for (int64_t c = 0; c < nc; c++) {
@@ -155,7 +164,8 @@ static inline __attribute__((always_inline)) void gq2_tile(const uint8_t *codes,
                     p = _mm256_sub_ps(p, _mm256_mul_ps(_mm256_cvtepi32_ps(msum),
                                                        _mm256_mul_ps(_mm256_set1_ps(rw->dm[o + i * rw->ld]), xdv)));
                 }
-                sum[i][g] = _mm256_add_ps(sum[i][g], p);
+                if (part) part[i][g][c & 7] = _mm256_add_ps(part[i][g][c & 7], p);
+                else sum[i][g] = _mm256_add_ps(sum[i][g], p);
             }
         }
     }
@@ -166,45 +176,89 @@ static inline __attribute__((always_inline)) void gq2_tile(const uint8_t *codes,
  * over a whole chunk; n 1: each step's pairs go straight to int32), else 2 x 2 (two a sum, the int16 one
  * and the int32 one: 4 x 2 spilled); 4 x 1 where one group is left. flags are
  * gqp_unpack's (the generic unpacker's, for IQ2_XXS / IQ3_XXS under another sign table) */
-#define GQ2_T(w, b, n, h, u, m)                                                                     \
-    do {                                                                                            \
-        if (G == 1) gq2_tile(codes, K, rw, i0, bx, xp, xd, 4, 1, w, b, n, h, u, m, sum);           \
-        else if (n == 8 || n == 1) gq2_tile(codes, K, rw, i0, bx, xp, xd, 4, 2, w, b, n, h, u, m, sum); \
-        else gq2_tile(codes, K, rw, i0, bx, xp, xd, 2, 2, w, b, n, h, u, m, sum);                  \
-        return G == 1 || n == 8 || n == 1 ? 4 : 2;                                                  \
+#define GQ2_T(w, b, n, h, u, m, own)                                                                 \
+    do {                                                                                              \
+        __m256 (*pt)[2][8] = own ? part : NULL;                                                       \
+        if (G == 1) gq2_tile(codes, K, rw, i0, bx, xp, xd, 4, 1, w, b, n, h, u, m, sum, pt);         \
+        else if (n == 8 || n == 1) gq2_tile(codes, K, rw, i0, bx, xp, xd, 4, 2, w, b, n, h, u, m, sum, pt); \
+        else gq2_tile(codes, K, rw, i0, bx, xp, xd, 2, 2, w, b, n, h, u, m, sum, pt);                \
+        return G == 1 || n == 8 || n == 1 ? 4 : 2;                                                    \
     } while (0)
 static int gq2_rows(int32_t dtype, gq2_type ty, const uint8_t *codes, int64_t K, const gqp_rows *rw, int i0,
-                     const int32_t *bx, const int32_t *xp, const float *xd, int G, int flags, __m256 sum[4][2]) {
+                     const int32_t *bx, const int32_t *xp, const float *xd, int G, int flags, __m256 sum[4][2],
+                     __m256 part[4][2][8]) {
     const int halves = flags & GQP_HALVES, unit = flags & GQP_UNIT;
     switch (dtype) {
-#define GQ2_ROWS(t, b, n, h, u, m) case t: GQ2_T(0, b > 0, n, h, u, m);
+#define GQ2_ROWS(t, b, n, h, u, m) case t: GQ2_T(0, b > 0, n, h, u, m, t == CPUMLA_Q4);
     GQ2_FIXED(GQ2_ROWS)
 #undef GQ2_ROWS
+    case CPUMLA_Q8: GQ2_T(1, 0, 1, 0, 1, 0, 1);
     default: break;
     }
     /* Q8_0, the IQ4 types, and the codebook types by their tables: no mins */
     if (ty.b < 0) {
-        if (halves) GQ2_T(1, 0, 1, 1, 0, 0);
-        else if (unit) GQ2_T(1, 0, 1, 0, 1, 0);
-        else GQ2_T(1, 0, 1, 0, 0, 0);
+        if (halves) GQ2_T(1, 0, 1, 1, 0, 0, 0);
+        else if (unit) GQ2_T(1, 0, 1, 0, 1, 0, 0);
+        else GQ2_T(1, 0, 1, 0, 0, 0, 0);
     } else if (halves) {
-        GQ2_T(0, 1, 1, 1, 0, 0);
+        GQ2_T(0, 1, 1, 1, 0, 0, 0);
     } else if (unit) {                     /* MXFP4 */
-        if (ty.n == 4) GQ2_T(0, 1, 4, 0, 1, 0);
-        else if (ty.n == 2) GQ2_T(0, 1, 2, 0, 1, 0);
-        else GQ2_T(0, 1, 1, 0, 1, 0);
+        if (ty.n == 4) GQ2_T(0, 1, 4, 0, 1, 0, 0);
+        else if (ty.n == 2) GQ2_T(0, 1, 2, 0, 1, 0, 0);
+        else GQ2_T(0, 1, 1, 0, 1, 0, 0);
     } else {                               /* IQ2_XXS, IQ3_XXS */
-        if (ty.n == 4) GQ2_T(0, 1, 4, 0, 0, 0);
-        else if (ty.n == 2) GQ2_T(0, 1, 2, 0, 0, 0);
-        else GQ2_T(0, 1, 1, 0, 0, 0);
+        if (ty.n == 4) GQ2_T(0, 1, 4, 0, 0, 0, 0);
+        else if (ty.n == 2) GQ2_T(0, 1, 2, 0, 0, 0, 0);
+        else GQ2_T(0, 1, 1, 0, 0, 0, 0);
     }
 }
 #undef GQ2_T
 
-static void gemm_gqp_avx2(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
-                          int64_t r1) {
-    const int t = w->dtype - CPUMLA_Q8_0;
-    if (n < GQ2_MIN) { prev_gq2[t](w, qx, n, y, ldy, r0, r1); return; }
+/* rows [p0, p0 + mp) of cpumla's Q8 / Q4 (quant.h: codes in rows, fp16 scales in their own grid) as a
+ * panel, as gqp_unpack does the GGUF types': Q8's codes as stored, Q4's nibbles (q + 8, its bias) */
+static int gq2_unpack_own(const cpumla_weight *w, int64_t p0, int64_t mp, uint8_t *codes, const gqp_rows *rw) {
+    const int64_t K = w->cols, nc = K / 32;
+    for (int64_t i = 0; i < 16; i++) {
+        uint8_t *o = codes + i * K;
+        if (i >= mp) {
+            memset(o, rw->bias & 0xff, (size_t)K);
+            for (int64_t c = 0; c < nc; c++) gqp_rows_put1(rw, i, c, 0, 0, 0, 0, 0.0f, 0.0f);
+            continue;
+        }
+        const uint8_t *row = (const uint8_t *)w->data + (p0 + i) * w->row_bytes;
+        const uint16_t *sc = (const uint16_t *)w->scale + (p0 + i) * w->scale_ld;
+        for (int64_t c = 0; c < nc; c++) {
+            if (w->dtype == CPUMLA_Q4) {
+                const __m128i v = _mm_loadu_si128((const __m128i *)(row + 16 * c));
+                _mm256_storeu_si256((__m256i *)(o + 32 * c),
+                                    _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15)));
+            } else
+                memcpy(o + 32 * c, row + 32 * c, 32);
+            gqp_rows_put1(rw, i, c, 1, 1, 0, 0, _cvtsh_ss(sc[c]), 0.0f);
+        }
+    }
+    return GQP_UNIT;
+}
+
+/* cpumla's Q8 / Q4 on the avx2 level add their blocks as its gemv does (int_avx2.h's tile_run: block b
+ * into lane b % 8 of a vector, the last step of fewer than 8 blocks adding +0 to the other lanes, then
+ * hsum8), so that a token's row of the gemm is the gemv's, bit for bit: part[i][g][j] is lane j's sum of
+ * (row i, group g), each token a lane; into sum the same tree as hsum8 */
+static void gq2_own_sums(__m256 part[4][2][8], int64_t nb, __m256 sum[4][2]) {
+    for (int i = 0; i < 4; i++)
+        for (int g = 0; g < 2; g++) {
+            __m256 *v = part[i][g];
+            if (nb % 8)
+                for (int64_t j = nb % 8; j < 8; j++) v[j] = _mm256_add_ps(v[j], _mm256_setzero_ps());
+            const __m256 s0 = _mm256_add_ps(_mm256_add_ps(v[0], v[4]), _mm256_add_ps(v[2], v[6]));
+            const __m256 s1 = _mm256_add_ps(_mm256_add_ps(v[1], v[5]), _mm256_add_ps(v[3], v[7]));
+            sum[i][g] = _mm256_add_ps(s0, s1);
+        }
+}
+
+/* rows [r0, r1) by n >= GQ2_MIN tokens; own: cpumla's Q8 / Q4 with quant_x_avx2's activations */
+static void gq2_gemm(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0, int64_t r1,
+                     int own) {
     const gq2_type ty = gq2_of(w->dtype);
     const int64_t K = w->cols, nc = K / 32, ng = (n + 7) / 8;
     uint8_t *xs = cpumla_scratch(CPUMLA_SCRATCH_GQP_QX, (size_t)(ng * nc * (256 + 2 * 32)));
@@ -217,18 +271,24 @@ static void gemm_gqp_avx2(const cpumla_weight *w, const void *qx, int64_t n, flo
     const gqp_rows rw = {ld, f, f + 16 * ld, f + 32 * ld, f + 48 * ld, (float *)(f + 64 * ld), (float *)(f + 80 * ld),
                          ty.b > 0 ? ty.b : 0};
     uint8_t *codes = (uint8_t *)(f + 96 * ld);
-    gq2_pack_x(qx, n, K, bx, xp, xd);
+    gq2_pack_x(qx, n, K, own && w->dtype == CPUMLA_Q4, bx, xp, xd);
 
     float fb[8];
     for (int64_t p0 = r0; p0 < r1; p0 += 16) {
         const int64_t mp = r1 - p0 < 16 ? r1 - p0 : 16;
-        const int flags = gqp_unpack(w, p0, mp, (int8_t *)codes, NULL, rw.bias, &rw);
+        const int flags = own ? gq2_unpack_own(w, p0, mp, codes, &rw)
+                              : gqp_unpack(w, p0, mp, (int8_t *)codes, NULL, rw.bias, &rw);
         for (int64_t g = 0; g < ng;) {
             const int G = g + 1 < ng ? 2 : 1;
             for (int i0 = 0, R; i0 < mp; i0 += R) {
-                __m256 sum[4][2];
+                __m256 sum[4][2], part[4][2][8];
                 for (int i = 0; i < 4; i++) sum[i][0] = sum[i][1] = _mm256_setzero_ps();
-                R = gq2_rows(w->dtype, ty, codes, K, &rw, i0, bx + g * nc * 64, xp + g * nc * 8, xd + g * nc * 8, G, flags, sum);
+                if (own)
+                    for (int i = 0; i < 4; i++)
+                        for (int j = 0; j < 8; j++) part[i][0][j] = part[i][1][j] = _mm256_setzero_ps();
+                R = gq2_rows(w->dtype, ty, codes, K, &rw, i0, bx + g * nc * 64, xp + g * nc * 8, xd + g * nc * 8, G, flags,
+                             sum, part);
+                if (own) gq2_own_sums(part, nc, sum);
                 const int nr = mp - i0 < R ? (int)(mp - i0) : R;
                 for (int gg = 0; gg < G; gg++) {
                     const int64_t t0 = 8 * (g + gg), nt = n - t0 < 8 ? n - t0 : 8;
@@ -241,6 +301,19 @@ static void gemm_gqp_avx2(const cpumla_weight *w, const void *qx, int64_t n, flo
             g += G;
         }
     }
+}
+
+static void gemm_gqp_avx2(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
+                          int64_t r1) {
+    if (n < GQ2_MIN) prev_gq2[w->dtype - CPUMLA_Q8_0](w, qx, n, y, ldy, r0, r1);
+    else gq2_gemm(w, qx, n, y, ldy, r0, r1, 0);
+}
+
+int cpumla_gemm_qp_avx2(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
+                        int64_t r1) {
+    if (n < GQ2_MIN || (w->dtype != CPUMLA_Q8 && w->dtype != CPUMLA_Q4)) return 0;
+    gq2_gemm(w, qx, n, y, ldy, r0, r1, 1);
+    return 1;
 }
 
 /* the level's gemm_gq of every type (its owner stays "avx2", the level's name) */
