@@ -2,8 +2,8 @@
  * weight rows unpacked once (gq_panel_unpack_x86.h) against the tokens' codes gathered once per call in
  * groups of 8. Fewer tokens go to the per-type entries (avx2_gq.c, avx2_gqk.c, avx2_gqi.c), which stay
  * the gemv. avxvnni keeps it. cpumla's own Q8 / Q4 take the same panels from GQ2_MIN tokens
- * (cpumla_gemm_qp_avx2, called by avx2_q.c's gemm: their products are Q8_0's and Q4_0's, blocks added in
- * order, with quant_x_avx2's activations).
+ * (cpumla_gemm_qp_avx2, called by avx2_q.c's gemm: their products are Q8_0's and Q4_0's, with
+ * quant_x_avx2's activations, the blocks' terms added as the level's gemv adds them: gq2_own_sums).
  *
  * Per (row, chunk), the 8 tokens' sums in one ymm, a token a dword: each dword of 4 codes of the row is
  * broadcast against the tokens' dwords of the same 4 columns (vpmaddubsw: 16 int16 pairs), so no sum is
