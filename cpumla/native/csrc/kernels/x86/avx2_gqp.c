@@ -221,19 +221,14 @@ static int gq2_unpack_own(const cpumla_weight *w, int64_t p0, int64_t mp, uint8_
     for (int64_t i = 0; i < 16; i++) {
         uint8_t *o = codes + i * K;
         if (i >= mp) {
-            memset(o, rw->bias & 0xff, (size_t)K);
-            for (int64_t c = 0; c < nc; c++) gqp_rows_put1(rw, i, c, 0, 0, 0, 0, 0.0f, 0.0f);
+            gqp_blank_row((int8_t *)o, K, rw->bias, rw, i);
             continue;
         }
         const uint8_t *row = (const uint8_t *)w->data + (p0 + i) * w->row_bytes;
         const uint16_t *sc = (const uint16_t *)w->scale + (p0 + i) * w->scale_ld;
         for (int64_t c = 0; c < nc; c++) {
-            if (w->dtype == CPUMLA_Q4) {
-                const __m128i v = _mm_loadu_si128((const __m128i *)(row + 16 * c));
-                _mm256_storeu_si256((__m256i *)(o + 32 * c),
-                                    _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15)));
-            } else
-                memcpy(o + 32 * c, row + 32 * c, 32);
+            if (w->dtype == CPUMLA_Q4) _mm256_storeu_si256((__m256i *)(o + 32 * c), gqi_nib(row + 16 * c));
+            else memcpy(o + 32 * c, row + 32 * c, 32);
             gqp_rows_put1(rw, i, c, 1, 1, 0, 0, _cvtsh_ss(sc[c]), 0.0f);
         }
     }
@@ -256,9 +251,10 @@ static void gq2_own_sums(__m256 part[4][2][8], int64_t nb, __m256 sum[4][2]) {
         }
 }
 
-/* rows [r0, r1) by n >= GQ2_MIN tokens; own: cpumla's Q8 / Q4 with quant_x_avx2's activations */
-static void gq2_gemm(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0, int64_t r1,
-                     int own) {
+/* rows [r0, r1) by n >= GQ2_MIN tokens: a GGUF type with gq_quant_x's activations, or cpumla's Q8 / Q4
+ * (own) with quant_x_avx2's */
+static void gq2_gemm(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0, int64_t r1) {
+    const int own = w->dtype == CPUMLA_Q8 || w->dtype == CPUMLA_Q4;
     const gq2_type ty = gq2_of(w->dtype);
     const int64_t K = w->cols, nc = K / 32, ng = (n + 7) / 8;
     uint8_t *xs = cpumla_scratch(CPUMLA_SCRATCH_GQP_QX, (size_t)(ng * nc * (256 + 2 * 32)));
@@ -271,7 +267,7 @@ static void gq2_gemm(const cpumla_weight *w, const void *qx, int64_t n, float *y
     const gqp_rows rw = {ld, f, f + 16 * ld, f + 32 * ld, f + 48 * ld, (float *)(f + 64 * ld), (float *)(f + 80 * ld),
                          ty.b > 0 ? ty.b : 0};
     uint8_t *codes = (uint8_t *)(f + 96 * ld);
-    gq2_pack_x(qx, n, K, own && w->dtype == CPUMLA_Q4, bx, xp, xd);
+    gq2_pack_x(qx, n, K, w->dtype == CPUMLA_Q4, bx, xp, xd);
 
     float fb[8];
     for (int64_t p0 = r0; p0 < r1; p0 += 16) {
@@ -306,13 +302,13 @@ static void gq2_gemm(const cpumla_weight *w, const void *qx, int64_t n, float *y
 static void gemm_gqp_avx2(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
                           int64_t r1) {
     if (n < GQ2_MIN) prev_gq2[w->dtype - CPUMLA_Q8_0](w, qx, n, y, ldy, r0, r1);
-    else gq2_gemm(w, qx, n, y, ldy, r0, r1, 0);
+    else gq2_gemm(w, qx, n, y, ldy, r0, r1);
 }
 
 int cpumla_gemm_qp_avx2(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
                         int64_t r1) {
     if (n < GQ2_MIN || (w->dtype != CPUMLA_Q8 && w->dtype != CPUMLA_Q4)) return 0;
-    gq2_gemm(w, qx, n, y, ldy, r0, r1, 1);
+    gq2_gemm(w, qx, n, y, ldy, r0, r1);
     return 1;
 }
 

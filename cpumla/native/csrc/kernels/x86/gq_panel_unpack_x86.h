@@ -62,6 +62,14 @@ static inline void gqp_rows_put1(const gqp_rows *r, int64_t i, int64_t c, int32_
     r->dm[o] = dm;
 }
 
+/* row i of a panel past the weight's rows: codes that stand for 0 (the bias), and into rw (if any) no
+ * scales or factors (ch: gqp_unpack's zeros) */
+static inline void gqp_blank_row(int8_t *o, int64_t K, int bias, const gqp_rows *rw, int64_t i) {
+    memset(o, bias & 0xff, (size_t)K);
+    if (rw)
+        for (int64_t c = 0; c < K / 32; c++) gqp_rows_put1(rw, i, c, 0, 0, 0, 0, 0.0f, 0.0f);
+}
+
 /* row i of a K-type panel (Q2_K .. Q6_K) by gqk_unpack (SIMD; the spec's values): codes q = u - off, and
  * each chunk's scales and mins from the gqk_u lanes (per-16 types: gqk_halves order) */
 static void gqp_k_row(int T, const uint8_t *row, int64_t K, int64_t i, int8_t *o, gqp_chunk *ch, int bias,
@@ -213,9 +221,7 @@ static int gqp_unpack(const cpumla_weight *w, int64_t p0, int64_t mp, int8_t *co
     for (int64_t i = 0; i < 16; i++) {
         int8_t *o = codes + i * K;
         if (i >= mp) {
-            memset(o, bias & 0xff, (size_t)K);
-            if (rw)
-                for (int64_t c = 0; c < nc; c++) gqp_rows_put1(rw, i, c, 0, 0, 0, 0, 0.0f, 0.0f);
+            gqp_blank_row(o, K, bias, rw, i);
             continue;
         }
         const uint8_t *row = (const uint8_t *)w->data + (p0 + i) * w->row_bytes;
