@@ -89,7 +89,7 @@ void test_gemm_tiles(const cpumla_kernels *k) {
         {90, 200, CPUMLA_E4M3, CPUMLA_F32, 64, 80, 0},        /* block edges inside 16 / 32 / 64 columns */
         {50, 544, CPUMLA_E2M1, CPUMLA_E8M0, 1, 32, 0},
     };
-    static const int64_t ns[] = {2, 4, 5, 13, 14, 15, 29, 45};
+    static const int64_t ns[] = {2, 3, 4, 5, 13, 14, 15, 29, 45};
     for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
         const gcase *c = &cs[ci];
         char nm[96];
@@ -124,6 +124,7 @@ void test_gemm_tiles(const cpumla_kernels *k) {
     d[45 * t.w.row_bytes + 200] = 0xff;
     t.qd[45 * 320 + 200] = t.wd[45 * 320 + 200] = NAN;
     run_case(k, &t, "E4M3 64x320 with NaN codes", 1, 0, 64);      /* gemv's row loops */
+    run_case(k, &t, "E4M3 64x320 with NaN codes", 3, 0, 64);      /* avx2: a few tokens' row loops */
     run_case(k, &t, "E4M3 64x320 with NaN codes", 7, 0, 64);
     run_case(k, &t, "E4M3 64x320 with NaN codes", 20, 0, 64);     /* amx: the tiles' decode */
     free_weight(&t);
@@ -133,6 +134,7 @@ void test_gemm_tiles(const cpumla_kernels *k) {
     d[4 * t.w.row_bytes + 260] = 0xff;
     t.qd[4 * 263 + 260] = t.wd[4 * 263 + 260] = NAN;
     run_case(k, &t, "E4M3 9x263 with a NaN code in the tail", 1, 0, 9);
+    run_case(k, &t, "E4M3 9x263 with a NaN code in the tail", 2, 0, 9);
     run_case(k, &t, "E4M3 9x263 with a NaN code in the tail", 5, 0, 9);
     free_weight(&t);
     gemm_e4m3_token_chunks(k);

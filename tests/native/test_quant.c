@@ -339,8 +339,8 @@ static void test_fp4(const cpumla_kernels *k) {
                 if (small_mode && (C > 2000 || (fc != FC_RANDOM && fs != FS_NORMAL))) continue;
                 qweight t = make_fp4(R, C, cs[ci].brows, cs[ci].pad, fc, fs);
                 const float amp = fs == FS_LOW_BIGX ? 0x1p100f : fs == FS_HIGH_TINYX ? 0x1p-100f : 2.0f;
-                static const int64_t ns[] = {1, 2, 5, 13, 50};
-                for (int ni = 0; ni < 5; ni++) {
+                static const int64_t ns[] = {1, 2, 3, 5, 13, 50};
+                for (int ni = 0; ni < 6; ni++) {
                     const int64_t n = ns[ni], ldx = C + 3, r0 = R / 4, r1 = R - R / 5, nr = r1 - r0, ldy = nr + 2;
                     const int fma = n > 1 && k->gemm_fp4 && n >= k->gemm_fp4_min_n;
                     float *x, *y = run_q(k, &t.w, n, ldx, amp, r0, r1, ldy, &x);
@@ -392,8 +392,8 @@ void test_quant(const cpumla_kernels *k) {
             const char *nm = dt == CPUMLA_Q8 ? "Q8" : "Q4";
             qweight t = make_qweight(R, C, dt, qcases[ci].pad);
             /* gemv (rows [r0, r1)) and gemm (n tokens, strided x poisoned with NaN past C) */
-            static const int64_t ns[] = {1, 2, 5, 17, 40};    /* from 16: amx's int8 tiles */
-            for (int ni = 0; ni < 5; ni++) {
+            static const int64_t ns[] = {1, 2, 3, 5, 17, 40};    /* 2, 3: rows one at a time; from 16: amx's int8 tiles */
+            for (int ni = 0; ni < 6; ni++) {
                 int64_t n = ns[ni], ldx = C + 3, r0 = R / 4, r1 = R - R / 5, nr = r1 - r0, ldy = nr + 2;
                 float *x, *y = run_q(k, &t.w, n, ldx, 2.0f, r0, r1, ldy, &x);
                 int bad = 0, gap_ok = 1;

@@ -8,7 +8,8 @@
  *   e8m0_plain(s, n): 1 when every E8M0 byte of s[0..n) is in [2, 254],
  * QDRIVER_GEMM, the name the GEMM entry gets, and QDRIVER_PF_L2, the gemv's l2 (read once a call);
  * optionally QDRIVER_PANEL(w, qx, n, y, ldy, r0, r1), a GEMM of several tokens that returns 1 where it
- * served the call (avx2_q.c: avx2_gqp.c's panels for Q8 / Q4). */
+ * served the call (avx2_q.c: avx2_gqp.c's panels for Q8 / Q4), and QDRIVER_FEW, the most tokens (2 or 3,
+ * what tile_run takes) whose GEMM streams the rows one at a time as the gemv does. */
 #if !defined(QDRIVER_GEMM) || !defined(QDRIVER_PF_L2)
 #error "define QDRIVER_GEMM and QDRIVER_PF_L2 before including quant_driver.h"
 #endif
@@ -58,6 +59,31 @@ static void gemv_q4(const cpumla_weight *w, const uint8_t *qx, float *y, int64_t
 static void gemv_fp4(const cpumla_weight *w, const uint8_t *qx, float *y, int64_t r0, int64_t r1) { GEMV_ROWS(F_FP4); }
 #undef GEMV_ROWS
 
+#ifdef QDRIVER_FEW
+/* 2 .. QDRIVER_FEW tokens (a verify forward of drafts; tile_run takes that many): the gemv's row stream
+ * and prefetch, each row's blocks unpacked once for all the tokens. A token's sums are its gemv's, in
+ * the same order (tile_run's per row and token), so each result is bit for bit its gemv's. */
+INLINE void few_rows(const cpumla_weight *w, const uint8_t *qx, int64_t per, int T, float *y, int64_t ldy,
+                     int64_t r0, int64_t r1, int fmt, int64_t pf, int l2) {
+    const int64_t ahead = (pf + w->row_bytes - 1) / w->row_bytes;
+    const int64_t last = w->rows - ahead < r1 ? w->rows - ahead : r1;
+    const int64_t rp = last > r0 ? last : r0;
+    for (int64_t r = r0; r < rp; r++) tile(w, r, 1, qx, per, T, y + (r - r0), ldy, fmt, pf, l2);
+    for (int64_t r = rp; r < r1; r++) tile(w, r, 1, qx, per, T, y + (r - r0), ldy, fmt, 0, 0);
+}
+#define FEW_ROWS(fmt, T)                                                                                   \
+    GEMV_PF_CASES(QDRIVER_PF_L2, few_rows(w, qx, per, T, y, ldy, r0, r1, fmt, L2 == 2 ? GEMV_PF_FAR_2L : QPF_BYTES, L2))
+#define FEW_FN(name, fmt)                                                                                  \
+    static void name(const cpumla_weight *w, const uint8_t *qx, int64_t per, int64_t n, float *y, int64_t ldy, \
+                     int64_t r0, int64_t r1) {                                                             \
+        if (n == 3) FEW_ROWS(fmt, 3);                                                                      \
+        else FEW_ROWS(fmt, 2);                                                                             \
+    }
+FEW_FN(few_q8, F_Q8) FEW_FN(few_q4, F_Q4) FEW_FN(few_fp4, F_FP4)
+#undef FEW_FN
+#undef FEW_ROWS
+#endif
+
 /* gemm: rows in groups of 4 (outer: they stay in cache), tokens in pairs */
 static void QDRIVER_GEMM(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
                          int64_t r1) {
@@ -71,6 +97,14 @@ static void QDRIVER_GEMM(const cpumla_weight *w, const void *qx, int64_t n, floa
     if (QDRIVER_PANEL(w, qx, n, y, ldy, r0, r1)) return;       /* the level's panels, where they serve */
 #endif
     const int64_t per = QX_BYTES(w->cols);
+#ifdef QDRIVER_FEW
+    if (n <= QDRIVER_FEW) {
+        if (w->dtype == CPUMLA_Q4) few_q4(w, qx, per, n, y, ldy, r0, r1);
+        else if (w->dtype == CPUMLA_E2M1) few_fp4(w, qx, per, n, y, ldy, r0, r1);
+        else few_q8(w, qx, per, n, y, ldy, r0, r1);
+        return;
+    }
+#endif
     for (int64_t r = r0; r < r1; r += 4) {
         const int R = r1 - r < 4 ? (int)(r1 - r) : 4;
         for (int64_t t = 0; t < n; t += 2) {

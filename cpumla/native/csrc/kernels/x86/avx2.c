@@ -14,7 +14,8 @@
  *         value; gemv / gemm hand E2M1 back (kernels.h: the integer product, quant.h).
  * Single-threaded: ops.c and mla_attention.c split rows / columns / heads / KV ranges over the pool.
  *
- * This file holds gemv, gemv_t and dequant_row; the gemm (panels decoded with dequant_row) is in
+ * This file holds gemv, the gemm of 2 or 3 tokens on gemv's loops, gemv_t and dequant_row; the gemm
+ * (panels decoded with dequant_row) is in
  * avx2_gemm.c, the row-wise and attention kernels in avx2_rows.c, the integer products in avx2_q.c,
  * the sampler's passes in avx2_sample.c: cpumla_fill_avx2 sets them all. Shared helpers:
  * avx2_common.h. */
@@ -257,6 +258,130 @@ void cpumla_avx2_gemv(const cpumla_weight *w, const float *x, float *y, int64_t 
     default: break;         /* E2M1: the integer product (kern_gemv) or the spec's fp32 one */
     }
     prev_gemv(w, x, y, r0, r1);
+}
+
+/* ---- a few tokens ----------------------------------------------------------------------------------
+ * Products of 2 or 3 tokens (the verify forward of speculative decoding) with the GEMV's loops, each row
+ * read once for all of them: the row's weights are decoded once a step and every token's sums take the
+ * same operands, FMAs, order and final reduction as that token's gemv, so each result is bit for bit
+ * its gemv's (prefill and decode agree). The blocked gemm (avx2_gemm.c) decodes every weight into a
+ * panel, which costs several GEMVs' time at these counts. One row at a time: 2 x 3 (E4M3) or 4 x 3
+ * (plain) accumulators stay in registers; the tokens' operands are read from L1 / L2. */
+#define FEW_NT 3
+
+/* plain rows (F32 / BF16 / F16; x already rounded for BF16), NT tokens ldx apart, as gemv_plain_pf */
+INLINE void few_plain_pf(const cpumla_weight *w, const float *x, int64_t ldx, int NT, float *y, int64_t ldy,
+                         int64_t r0, int64_t r1, int dt, int l2) {
+    const int64_t K = w->cols, K32 = K & ~(int64_t)31, esz = dt == CPUMLA_F32 ? 4 : 2;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *p = weight_row(w, r);
+        __m256 a[FEW_NT][4];
+        UNROLL for (int t = 0; t < NT; t++) UNROLL for (int i = 0; i < 4; i++) a[t][i] = _mm256_setzero_ps();
+        int64_t c = 0;
+        for (; c < K32; c += 32) {
+            for (int64_t b = 0; b < 32 * esz; b += 64) GEMV_PF_LINE((const char *)p + c * esz + b + GEMV_PF_BYTES, GEMV_PF_BYTES, l2);
+            UNROLL for (int i = 0; i < 4; i++) {
+                const __m256 wv = ld_plain(p, c + 8 * i, dt);
+                UNROLL for (int t = 0; t < NT; t++) a[t][i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * ldx + c + 8 * i), a[t][i]);
+            }
+        }
+        for (; c + 8 <= K; c += 8) {
+            const __m256 wv = ld_plain(p, c, dt);
+            UNROLL for (int t = 0; t < NT; t++) a[t][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * ldx + c), a[t][0]);
+        }
+        const int64_t ct = c;
+        UNROLL for (int t = 0; t < NT; t++) {
+            float s = hsum8(_mm256_add_ps(_mm256_add_ps(a[t][0], a[t][1]), _mm256_add_ps(a[t][2], a[t][3])));
+            for (c = ct; c < K; c++) s += at_plain(p, c, dt) * x[t * ldx + c];
+            y[t * ldy + (r - r0)] = s;
+        }
+    }
+}
+
+/* E4M3 rows [rs, re) of one row block, NT tokens' operands (as gemv_e4m3 makes them) lds apart: each
+ * token's sums as gemv_e4m3_rows's, reduced by the same hsum4x8 */
+INLINE void few_e4m3_rows(const cpumla_weight *w, const float *xs, int64_t lds, int NT, float *y, int64_t ldy,
+                          int64_t rs, int64_t re, int l2) {
+    const int64_t K = w->cols, K32 = K / 32 * 32, pf = PF_ROWS * w->row_bytes;
+    const __m256i hi = _mm256_set1_epi8((char)0x80);
+    for (int64_t r = rs; r < re; r++) {
+        const uint8_t *p = weight_row(w, r);
+        __m256 a[4], b[4];
+        __m256i nan = _mm256_setzero_si256();
+        UNROLL for (int t = 0; t < 4; t++) a[t] = b[t] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < K32; c += 32) {
+            if (PF_ON && (c & 63) == 0) GEMV_PF(p + pf + c, l2);
+            __m256 f[4];
+            const __m256i d = _mm256_loadu_si256((const __m256i *)(p + c));
+            nan = _mm256_max_epu8(nan, _mm256_or_si256(d, hi));
+            e4m3_dec32(d, f);
+            UNROLL for (int t = 0; t < NT; t++) {
+                const float *xt = xs + t * lds + c;
+                a[t] = _mm256_fmadd_ps(f[0], _mm256_load_ps(xt), a[t]);
+                b[t] = _mm256_fmadd_ps(f[1], _mm256_load_ps(xt + 8), b[t]);
+                a[t] = _mm256_fmadd_ps(f[2], _mm256_load_ps(xt + 16), a[t]);
+                b[t] = _mm256_fmadd_ps(f[3], _mm256_load_ps(xt + 24), b[t]);
+            }
+        }
+        float s[4];
+        _mm_storeu_ps(s, hsum4x8(_mm256_add_ps(a[0], b[0]), _mm256_add_ps(a[1], b[1]), _mm256_add_ps(a[2], b[2]),
+                                 _mm256_add_ps(a[3], b[3])));
+        const __m256i met = _mm256_cmpeq_epi8(nan, _mm256_set1_epi8(-1));
+        const int is_nan = !_mm256_testz_si256(met, met);
+        for (int t = 0; t < NT; t++) {
+            for (int64_t c = K32; c < K; c++) s[t] += (e4m3_to_f32(p[c]) * 0x1p-8f) * xs[t * lds + c];
+            y[t * ldy + (r - rs)] = is_nan ? NAN : s[t];
+        }
+    }
+}
+
+/* y[t*ldy + r - r0] for n <= FEW_NT tokens x[t*ldx] of a BF16, F32, F16 or E4M3 (block-scaled)
+ * weight, as n gemvs would give them; returns 0 (nothing done) for other formats or more tokens. Out
+ * of memory: 1, nothing written (the context is marked failed). */
+int cpumla_avx2_gemm_few(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy,
+                         int64_t r0, int64_t r1) {
+    const int dt = w->dtype;
+    const int64_t K = w->cols;
+    if (n < 2 || n > FEW_NT || K <= 0) return 0;
+    if (dt == CPUMLA_E4M3) {
+        if (w->block_cols <= 0 || w->block_rows <= 0) return 0;
+        const int64_t K32 = K / 32 * 32, br = w->block_rows, lds = (K + 32 + 15) & ~(int64_t)15;
+        float *xs = cpumla_scratch(CPUMLA_SCRATCH_AVX2_XR, sizeof(float) * (size_t)(n * lds));
+        if (!xs) return 1;
+        for (int64_t rs = r0; rs < r1;) {
+            const int64_t re = (rs / br + 1) * br < r1 ? (rs / br + 1) * br : r1;
+            for (int64_t t = 0; t < n; t++) {
+                e4m3_act_row(w, rs, x + t * ldx, 0, K, xs + t * lds, 256.0f);
+                e4m3_perm_x(xs + t * lds, K32);
+            }
+            /* the prefetch's target as gemv_e4m3's: L2 for either L2 target, else L1 */
+            const int l2 = cpumla_pf_l2_plain != 0;
+            if (n == 3 && l2) few_e4m3_rows(w, xs, lds, 3, y + (rs - r0), ldy, rs, re, 1);
+            else if (n == 3) few_e4m3_rows(w, xs, lds, 3, y + (rs - r0), ldy, rs, re, 0);
+            else if (l2) few_e4m3_rows(w, xs, lds, 2, y + (rs - r0), ldy, rs, re, 1);
+            else few_e4m3_rows(w, xs, lds, 2, y + (rs - r0), ldy, rs, re, 0);
+            rs = re;
+        }
+        return 1;
+    }
+    if (dt != CPUMLA_F32 && dt != CPUMLA_BF16 && dt != CPUMLA_F16) return 0;
+    const float *xr = x;
+    int64_t ldr = ldx;
+    if (dt == CPUMLA_BF16) {
+        float *b = cpumla_scratch(CPUMLA_SCRATCH_AVX2_XR, sizeof(float) * (size_t)(n * K));
+        if (!b) return 1;
+        bf16_round_rows(x, ldx, n, K, b, K);
+        xr = b;
+        ldr = K;
+    }
+#define FEW(NT, DT) GEMV_PF_CASES(cpumla_pf_l2_plain, few_plain_pf(w, xr, ldr, NT, y, ldy, r0, r1, DT, L2))
+#define FEW_DT(DT) do { if (n == 3) FEW(3, DT); else FEW(2, DT); } while (0)
+    if (dt == CPUMLA_BF16) FEW_DT(CPUMLA_BF16);
+    else if (dt == CPUMLA_F32) FEW_DT(CPUMLA_F32);
+    else FEW_DT(CPUMLA_F16);
+#undef FEW_DT
+#undef FEW
+    return 1;
 }
 
 /* ---- gemv_t: y[c - c0] = sum_i x[i] W[r0 + i, c]; rows stream in order, y chunk kept in L1 ------ */

@@ -11,6 +11,7 @@
 #include "core/common.h"
 
 #define INLINE static inline __attribute__((always_inline))
+#define UNROLL _Pragma("GCC unroll 16")   /* small fixed loops: keep accumulators in registers */
 #define ALIGN64 __attribute__((aligned(64)))
 
 INLINE float hsum8(__m256 v) {
@@ -175,6 +176,9 @@ INLINE float e2m1_at(const uint8_t *row, int64_t c) {
 /* ---- avx2.c, for avx2_gemm.c ------------------------------------------------------------------- */
 /* the table's gemv (gemm of one token) and dequant_row (gemm's panel decoding) */
 CPUMLA_INTERNAL void cpumla_avx2_gemv(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1);
+/* a product of 2 or 3 tokens, each row read once, each token's result its gemv's; 0: not served */
+CPUMLA_INTERNAL int cpumla_avx2_gemm_few(const cpumla_weight *w, const float *x, int64_t ldx, int64_t n, float *y,
+                                         int64_t ldy, int64_t r0, int64_t r1);
 CPUMLA_INTERNAL void cpumla_avx2_dequant_row(const cpumla_weight *w, int64_t r, int64_t c0, int64_t c1, float *out);
 
 #endif

@@ -1,14 +1,15 @@
-/* avx2_gemm.c: the AVX2 + FMA + F16C gemm (prefill): K in chunks of GM_KC columns; for each chunk,
- * 16-row panels of the weights are packed once into fp32 [k][16] (gm_pack), the widening done there:
- * full BF16 / E4M3 panels straight from the weights (gemm_pack's direct paths transpose dwords, i.e.
- * pairs of bf16 or groups of four e4m3 codes, then widen), the rest decoded row by row (dequant_row,
- * in avx2.c; E4M3: e4m3_codes) and transposed (tr8x8_store). Then a 6-token x 16-row FMA microkernel
- * runs over the panel. Its activation operand is x itself, x rounded to bf16 (BF16 weights), or, for
- * E4M3, bf16(x * scale) * 2^8 of the panel's row block (kernels.h; the codes are packed as value *
- * 2^-8, never an fp32 subnormal): E4M3 panels never straddle a row block, and the operands are made
- * once per row block, K chunk and chunk of at most GM_TC tokens (which bounds the buffer). Part of the
- * avx2 level (cpumla_fill_avx2 calls cpumla_fill_avx2_gemm; the same flags as avx2.c). Same semantics
- * as scalar.c (the spec), to fp32 rounding. Single-threaded: ops.c splits rows and tokens. */
+/* avx2_gemm.c: the AVX2 + FMA + F16C gemm (prefill; 1 to 3 tokens take the gemv's loops in avx2.c):
+ * K in chunks of GM_KC columns; for each chunk, 16-row panels of the weights are packed once into
+ * fp32 [k][16] (gm_pack), the widening done there: full BF16 / E4M3 panels straight from the
+ * weights (gemm_pack's direct paths transpose dwords, i.e. pairs of bf16 or groups of four e4m3
+ * codes, then widen), the rest decoded row by row (dequant_row, in avx2.c; E4M3: e4m3_codes) and
+ * transposed (tr8x8_store). Then a 6-token x 16-row FMA microkernel runs over the panel. Its
+ * activation operand is x itself, x rounded to bf16 (BF16 weights), or, for E4M3, bf16(x * scale) *
+ * 2^8 of the panel's row block (kernels.h; the codes are packed as value * 2^-8, never an fp32
+ * subnormal): E4M3 panels never straddle a row block, and the operands are made once per row block,
+ * K chunk and chunk of at most GM_TC tokens (which bounds the buffer). Part of the avx2 level
+ * (cpumla_fill_avx2 calls cpumla_fill_avx2_gemm; the same flags as avx2.c). Same semantics as
+ * scalar.c (the spec), to fp32 rounding. Single-threaded: ops.c splits rows and tokens. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -187,6 +188,7 @@ static void gemm_avx2(const cpumla_weight *w, const float *x, int64_t ldx, int64
     if (n <= 0 || r1 <= r0) return;
     if (w->dtype == CPUMLA_E2M1) { prev_gemm(w, x, ldx, n, y, ldy, r0, r1); return; }   /* as gemv does */
     if (n == 1) { cpumla_avx2_gemv(w, x, y, r0, r1); return; }
+    if (cpumla_avx2_gemm_few(w, x, ldx, n, y, ldy, r0, r1)) return;      /* 2 or 3 tokens: rows read once */
     const int64_t K = w->cols;
     if (K <= 0) {
         for (int64_t t = 0; t < n; t++)

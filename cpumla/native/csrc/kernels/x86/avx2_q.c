@@ -6,6 +6,7 @@
 
 #define QDRIVER_GEMM gemm_q_avx2
 #define QDRIVER_PF_L2 cpumla_pf_l2_plain
+#define QDRIVER_FEW 3                        /* 2 or 3 tokens: rows one at a time (int_avx2.h's tile_run) */
 #define QDRIVER_PANEL cpumla_gemm_qp_avx2    /* Q8 / Q4 from GQ2_MIN tokens: avx2_gqp.c's panels */
 #include "kernels/generic/quant_driver.h"
 

@@ -5,6 +5,7 @@
 
 #define QDRIVER_GEMM gemm_q_avxvnni
 #define QDRIVER_PF_L2 cpumla_pf_l2_plain
+#define QDRIVER_FEW 3                        /* 2 or 3 tokens: rows one at a time (int_avx2.h's tile_run) */
 #include "kernels/generic/quant_driver.h"
 
 const char cpumla_flags_avxvnni[] = CPUMLA_FLAGS;

@@ -17,7 +17,8 @@
  * code sum, E2M1 shifts the high bytes' sums left by 8 before the low bytes' products add in.
  * The fp32 work runs once per 8 blocks. The includer defines QDRIVER_GEMM and QDRIVER_PF_L2 and
  * includes kernels/generic/quant_driver.h after this: gemv reads the rows in order, one at a time (one
- * stream, prefetched ahead); gemm runs tiles of up to 4 rows x 2 tokens sharing each unpacked block. */
+ * stream, prefetched ahead); a gemm of 2 or 3 tokens the same, each row's unpacked blocks shared by its
+ * tokens (quant_driver.h's few_rows); larger ones run tiles of up to 4 rows x 2 tokens. */
 #ifndef CPUMLA_INT_AVX2_H
 #define CPUMLA_INT_AVX2_H
 #include <immintrin.h>
@@ -175,7 +176,7 @@ INLINE int e8m0_plain(const uint8_t *s, int64_t n) {
     return ok;
 }
 
-/* y[t*ldy + i] = row r + i . token t, i < R, t < T; pf: software prefetch distance (0: none); l2 the
+/* y[t*ldy + i] = row r + i . token t, i < R, t < T (T <= 3); pf: software prefetch distance (0: none); l2 the
  * target (common.h cpumla_pf_l2_plain: L1 on AMD, the two-level one on Intel) */
 INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx, int64_t per, int T, float *y,
                     int64_t ldy, int fmt, int64_t pf, int l2) {
@@ -187,12 +188,18 @@ INLINE void tile_run(const cpumla_weight *w, int64_t r, int R, const uint8_t *qx
         rp[i] = weight_row(w, r + (i < R ? i : 0));
         sp[i] = q_scale_row(w, r + (i < R ? i : 0));
     }
-    const uint8_t *xq[2] = {qx, qx + (T > 1 ? per : 0)};
-    const float *xd[2] = {qx_d(xq[0], K), qx_d(xq[1], K)};
-    const int32_t *xs[2] = {qx_s(xq[0], K), qx_s(xq[1], K)};
-    const uint8_t *xl[2] = {(const uint8_t *)qx_lo(xq[0], K), (const uint8_t *)qx_lo(xq[1], K)};
-    __m256 acc[4][2];
-    for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    const uint8_t *xq[3];
+    const float *xd[3];
+    const int32_t *xs[3];
+    const uint8_t *xl[3];
+    __m256 acc[4][3];
+    UNROLL for (int t = 0; t < 3; t++) {
+        xq[t] = qx + (t < T ? t : 0) * per;
+        xd[t] = qx_d(xq[t], K);
+        xs[t] = qx_s(xq[t], K);
+        xl[t] = (const uint8_t *)qx_lo(xq[t], K);
+        UNROLL for (int i = 0; i < 4; i++) acc[i][t] = _mm256_setzero_ps();
+    }
     int64_t b = 0;
     for (; b + 8 <= nb; b += 8) {
         for (int i = 0; i < R; i++) {
