@@ -1,7 +1,7 @@
 """A gemm of 2 or 3 tokens (speculative decoding's verify) reads each row once for every token where a level
 has a row-by-row path for it: the avx512 level's bf16 when the activations fit in L1 (avx512.c,
 gemv_row_nt), the avx2 level's plain and FP8 weights (avx2.c, cpumla_avx2_gemm_few) and the integer
-products of int_avx2.h's levels (quant_driver.h's few_rows). Each token's result is then the bits of its
+products of int_avx2.h's levels (quant_driver.h's gemv_rows). Each token's result is then the bits of its
 own gemv, whatever the row count, the tail and the NaN codes: a verify forward and plain decode agree."""
 
 from __future__ import annotations

@@ -38,51 +38,42 @@ TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(1, 2) TILE(2, 2) TILE(3, 2) TIL
 typedef void (*tile_fn)(const cpumla_weight *, int64_t, const uint8_t *, int64_t, float *, int64_t);
 static const tile_fn tiles[2][4] = {{tile_1_1, tile_2_1, tile_3_1, tile_4_1}, {tile_1_2, tile_2_2, tile_3_2, tile_4_2}};
 
-/* one token: the rows in order, one at a time (one stream), prefetched pf bytes ahead with target l2
- * (common.h: L1, L2, or L2 and L1). The prefetch runs on past r1 to the weight's last row, as the
- * other GEMVs' does: a span job's thread takes the rows after its task's range next (threadpool.h),
- * so its next task starts on rows already on their way. The last rows of the weight, whose prefetch
- * would land past it, prefetch nothing. */
-INLINE void gemv_rows(const cpumla_weight *w, const uint8_t *qx, float *y, int64_t r0, int64_t r1, int fmt,
-                      int64_t pf, int l2) {
-    const int64_t ahead = (pf + w->row_bytes - 1) / w->row_bytes;
-    const int64_t last = w->rows - ahead < r1 ? w->rows - ahead : r1;
-    const int64_t rp = last > r0 ? last : r0;
-    for (int64_t r = r0; r < rp; r++) tile(w, r, 1, qx, 0, 1, y + (r - r0), 0, fmt, pf, l2);
-    for (int64_t r = rp; r < r1; r++) tile(w, r, 1, qx, 0, 1, y + (r - r0), 0, fmt, 0, 0);
-}
-/* QPF_BYTES ahead, or the two-level target's own distance (common.h GEMV_PF_FAR_2L) */
-#define GEMV_ROWS(fmt)                                                                            \
-    GEMV_PF_CASES(QDRIVER_PF_L2, gemv_rows(w, qx, y, r0, r1, fmt, L2 == 2 ? GEMV_PF_FAR_2L : QPF_BYTES, L2))
-static void gemv_q8(const cpumla_weight *w, const uint8_t *qx, float *y, int64_t r0, int64_t r1) { GEMV_ROWS(F_Q8); }
-static void gemv_q4(const cpumla_weight *w, const uint8_t *qx, float *y, int64_t r0, int64_t r1) { GEMV_ROWS(F_Q4); }
-static void gemv_fp4(const cpumla_weight *w, const uint8_t *qx, float *y, int64_t r0, int64_t r1) { GEMV_ROWS(F_FP4); }
-#undef GEMV_ROWS
-
-#ifdef QDRIVER_FEW
-/* 2 .. QDRIVER_FEW tokens (a verify forward of drafts; tile_run takes that many): the gemv's row stream
- * and prefetch, each row's blocks unpacked once for all the tokens. A token's sums are its gemv's, in
- * the same order (tile_run's per row and token), so each result is bit for bit its gemv's. */
-INLINE void few_rows(const cpumla_weight *w, const uint8_t *qx, int64_t per, int T, float *y, int64_t ldy,
-                     int64_t r0, int64_t r1, int fmt, int64_t pf, int l2) {
+/* T tokens (per bytes apart, results ldy apart): the rows in order, one at a time (one stream), each
+ * row's blocks unpacked once for all the tokens, prefetched pf bytes ahead with target l2 (common.h:
+ * L1, L2, or L2 and L1). The prefetch runs on past r1 to the weight's last row, as the other GEMVs'
+ * does: a span job's thread takes the rows after its task's range next (threadpool.h), so its next
+ * task starts on rows already on their way. The last rows of the weight, whose prefetch would land
+ * past it, prefetch nothing. T = 1 is the gemv; 2 .. QDRIVER_FEW tokens (a verify forward of drafts)
+ * keep each token's sums in its gemv's order (tile_run's per row and token): bit for bit its gemv's. */
+INLINE void gemv_rows(const cpumla_weight *w, const uint8_t *qx, int64_t per, int T, float *y, int64_t ldy,
+                      int64_t r0, int64_t r1, int fmt, int64_t pf, int l2) {
     const int64_t ahead = (pf + w->row_bytes - 1) / w->row_bytes;
     const int64_t last = w->rows - ahead < r1 ? w->rows - ahead : r1;
     const int64_t rp = last > r0 ? last : r0;
     for (int64_t r = r0; r < rp; r++) tile(w, r, 1, qx, per, T, y + (r - r0), ldy, fmt, pf, l2);
     for (int64_t r = rp; r < r1; r++) tile(w, r, 1, qx, per, T, y + (r - r0), ldy, fmt, 0, 0);
 }
-#define FEW_ROWS(fmt, T)                                                                                   \
-    GEMV_PF_CASES(QDRIVER_PF_L2, few_rows(w, qx, per, T, y, ldy, r0, r1, fmt, L2 == 2 ? GEMV_PF_FAR_2L : QPF_BYTES, L2))
+/* QPF_BYTES ahead, or the two-level target's own distance (common.h GEMV_PF_FAR_2L) */
+#define GEMV_ROWS(fmt, T)                                                                                  \
+    GEMV_PF_CASES(QDRIVER_PF_L2, gemv_rows(w, qx, per, T, y, ldy, r0, r1, fmt, L2 == 2 ? GEMV_PF_FAR_2L : QPF_BYTES, L2))
+#define GEMV_FN(name, fmt)                                                                                 \
+    static void name(const cpumla_weight *w, const uint8_t *qx, float *y, int64_t r0, int64_t r1) {        \
+        const int64_t per = 0, ldy = 0;                                                                    \
+        GEMV_ROWS(fmt, 1);                                                                                 \
+    }
+GEMV_FN(gemv_q8, F_Q8) GEMV_FN(gemv_q4, F_Q4) GEMV_FN(gemv_fp4, F_FP4)
+#undef GEMV_FN
+#ifdef QDRIVER_FEW
 #define FEW_FN(name, fmt)                                                                                  \
     static void name(const cpumla_weight *w, const uint8_t *qx, int64_t per, int64_t n, float *y, int64_t ldy, \
                      int64_t r0, int64_t r1) {                                                             \
-        if (n == 3) FEW_ROWS(fmt, 3);                                                                      \
-        else FEW_ROWS(fmt, 2);                                                                             \
+        if (n == 3) GEMV_ROWS(fmt, 3);                                                                     \
+        else GEMV_ROWS(fmt, 2);                                                                            \
     }
 FEW_FN(few_q8, F_Q8) FEW_FN(few_q4, F_Q4) FEW_FN(few_fp4, F_FP4)
 #undef FEW_FN
-#undef FEW_ROWS
 #endif
+#undef GEMV_ROWS
 
 /* gemm: rows in groups of 4 (outer: they stay in cache), tokens in pairs */
 static void QDRIVER_GEMM(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,

@@ -18,7 +18,7 @@
  * The fp32 work runs once per 8 blocks. The includer defines QDRIVER_GEMM and QDRIVER_PF_L2 and
  * includes kernels/generic/quant_driver.h after this: gemv reads the rows in order, one at a time (one
  * stream, prefetched ahead); a gemm of 2 or 3 tokens the same, each row's unpacked blocks shared by its
- * tokens (quant_driver.h's few_rows); larger ones run tiles of up to 4 rows x 2 tokens. */
+ * tokens (quant_driver.h's gemv_rows); larger ones run tiles of up to 4 rows x 2 tokens. */
 #ifndef CPUMLA_INT_AVX2_H
 #define CPUMLA_INT_AVX2_H
 #include <immintrin.h>
