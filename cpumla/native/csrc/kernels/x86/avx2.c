@@ -118,27 +118,38 @@ INLINE const char *pf_at(const uint8_t *p0, const uint8_t *pi, int64_t pf, int l
 #ifndef PF_ROWS
 #define PF_ROWS 8
 #endif
+#define FEW_NT 3   /* the most tokens of the gemv's loops (a verify forward of drafts) */
 /* Plain rows (F32 / BF16 / F16) one at a time: the rows of a range are one sequential stream, with a
  * software prefetch GEMV_PF_BYTES ahead of it (common.h). A row is read 32 columns a step into four
  * partial sums: one stream keeps the memory system busier than four rows at a time would, even with
- * their shared x loads. */
-INLINE void gemv_plain_pf(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1, int dt, int l2) {
+ * their shared x loads. NT tokens (x ldx apart, x already rounded for BF16; results ldy apart) share
+ * each step's weights, every token's sums in the same order: NT = 1 is the gemv, 2 and 3 the gemm of
+ * a few tokens below, each token's result bit for bit its gemv's. */
+INLINE void plain_rows_pf(const cpumla_weight *w, const float *x, int64_t ldx, int NT, float *y, int64_t ldy,
+                          int64_t r0, int64_t r1, int dt, int l2) {
     const int64_t K = w->cols, K32 = K & ~(int64_t)31, esz = dt == CPUMLA_F32 ? 4 : 2;
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *p = weight_row(w, r);
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        __m256 a[FEW_NT][4];
+        UNROLL for (int t = 0; t < NT; t++) UNROLL for (int i = 0; i < 4; i++) a[t][i] = _mm256_setzero_ps();
         int64_t c = 0;
         for (; c < K32; c += 32) {
             for (int64_t b = 0; b < 32 * esz; b += 64) GEMV_PF_LINE((const char *)p + c * esz + b + GEMV_PF_BYTES, GEMV_PF_BYTES, l2);
-            a0 = _mm256_fmadd_ps(ld_plain(p, c, dt), _mm256_loadu_ps(x + c), a0);
-            a1 = _mm256_fmadd_ps(ld_plain(p, c + 8, dt), _mm256_loadu_ps(x + c + 8), a1);
-            a2 = _mm256_fmadd_ps(ld_plain(p, c + 16, dt), _mm256_loadu_ps(x + c + 16), a2);
-            a3 = _mm256_fmadd_ps(ld_plain(p, c + 24, dt), _mm256_loadu_ps(x + c + 24), a3);
+            UNROLL for (int i = 0; i < 4; i++) {
+                const __m256 wv = ld_plain(p, c + 8 * i, dt);
+                UNROLL for (int t = 0; t < NT; t++) a[t][i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * ldx + c + 8 * i), a[t][i]);
+            }
         }
-        for (; c + 8 <= K; c += 8) a0 = _mm256_fmadd_ps(ld_plain(p, c, dt), _mm256_loadu_ps(x + c), a0);
-        float t = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-        for (; c < K; c++) t += at_plain(p, c, dt) * x[c];
-        y[r - r0] = t;
+        for (; c + 8 <= K; c += 8) {
+            const __m256 wv = ld_plain(p, c, dt);
+            UNROLL for (int t = 0; t < NT; t++) a[t][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * ldx + c), a[t][0]);
+        }
+        const int64_t ct = c;
+        UNROLL for (int t = 0; t < NT; t++) {
+            float s = hsum8(_mm256_add_ps(_mm256_add_ps(a[t][0], a[t][1]), _mm256_add_ps(a[t][2], a[t][3])));
+            for (c = ct; c < K; c++) s += at_plain(p, c, dt) * x[t * ldx + c];
+            y[t * ldy + (r - r0)] = s;
+        }
     }
 }
 
@@ -236,9 +247,9 @@ static void gemv_e4m3(const cpumla_weight *w, const float *x, float *y, int64_t 
     }
 }
 
-/* gemv_plain with its prefetch target (common.h cpumla_pf_l2_plain) as a constant */
+/* plain_rows_pf of one token with its prefetch target (common.h cpumla_pf_l2_plain) as a constant */
 static void gemv_plain(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1, int dt) {
-    GEMV_PF_CASES(cpumla_pf_l2_plain, gemv_plain_pf(w, x, y, r0, r1, dt, L2));
+    GEMV_PF_CASES(cpumla_pf_l2_plain, plain_rows_pf(w, x, 0, 1, y, 0, r0, r1, dt, L2));
 }
 
 void cpumla_avx2_gemv(const cpumla_weight *w, const float *x, float *y, int64_t r0, int64_t r1) {
@@ -267,36 +278,6 @@ void cpumla_avx2_gemv(const cpumla_weight *w, const float *x, float *y, int64_t 
  * its gemv's (prefill and decode agree). The blocked gemm (avx2_gemm.c) decodes every weight into a
  * panel, which costs several GEMVs' time at these counts. One row at a time: 2 x 3 (E4M3) or 4 x 3
  * (plain) accumulators stay in registers; the tokens' operands are read from L1 / L2. */
-#define FEW_NT 3
-
-/* plain rows (F32 / BF16 / F16; x already rounded for BF16), NT tokens ldx apart, as gemv_plain_pf */
-INLINE void few_plain_pf(const cpumla_weight *w, const float *x, int64_t ldx, int NT, float *y, int64_t ldy,
-                         int64_t r0, int64_t r1, int dt, int l2) {
-    const int64_t K = w->cols, K32 = K & ~(int64_t)31, esz = dt == CPUMLA_F32 ? 4 : 2;
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *p = weight_row(w, r);
-        __m256 a[FEW_NT][4];
-        UNROLL for (int t = 0; t < NT; t++) UNROLL for (int i = 0; i < 4; i++) a[t][i] = _mm256_setzero_ps();
-        int64_t c = 0;
-        for (; c < K32; c += 32) {
-            for (int64_t b = 0; b < 32 * esz; b += 64) GEMV_PF_LINE((const char *)p + c * esz + b + GEMV_PF_BYTES, GEMV_PF_BYTES, l2);
-            UNROLL for (int i = 0; i < 4; i++) {
-                const __m256 wv = ld_plain(p, c + 8 * i, dt);
-                UNROLL for (int t = 0; t < NT; t++) a[t][i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * ldx + c + 8 * i), a[t][i]);
-            }
-        }
-        for (; c + 8 <= K; c += 8) {
-            const __m256 wv = ld_plain(p, c, dt);
-            UNROLL for (int t = 0; t < NT; t++) a[t][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * ldx + c), a[t][0]);
-        }
-        const int64_t ct = c;
-        UNROLL for (int t = 0; t < NT; t++) {
-            float s = hsum8(_mm256_add_ps(_mm256_add_ps(a[t][0], a[t][1]), _mm256_add_ps(a[t][2], a[t][3])));
-            for (c = ct; c < K; c++) s += at_plain(p, c, dt) * x[t * ldx + c];
-            y[t * ldy + (r - r0)] = s;
-        }
-    }
-}
 
 /* E4M3 rows [rs, re) of one row block, NT tokens' operands (as gemv_e4m3 makes them) lds apart: each
  * token's sums as gemv_e4m3_rows's, reduced by the same hsum4x8 */
@@ -374,7 +355,7 @@ int cpumla_avx2_gemm_few(const cpumla_weight *w, const float *x, int64_t ldx, in
         xr = b;
         ldr = K;
     }
-#define FEW(NT, DT) GEMV_PF_CASES(cpumla_pf_l2_plain, few_plain_pf(w, xr, ldr, NT, y, ldy, r0, r1, DT, L2))
+#define FEW(NT, DT) GEMV_PF_CASES(cpumla_pf_l2_plain, plain_rows_pf(w, xr, ldr, NT, y, ldy, r0, r1, DT, L2))
 #define FEW_DT(DT) do { if (n == 3) FEW(3, DT); else FEW(2, DT); } while (0)
     if (dt == CPUMLA_BF16) FEW_DT(CPUMLA_BF16);
     else if (dt == CPUMLA_F32) FEW_DT(CPUMLA_F32);
