@@ -40,11 +40,33 @@ PLAIN.update(_block_types())
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
 
+def is_mtp_file(name: str) -> bool:
+    """Whether a GGUF file's name marks it an MTP layer of its own (llama.cpp's converter, `--mtp`, writes
+    one as `mtp-` + the model's file name): not a model, a draft beside one."""
+    return name.lower().startswith("mtp-")
+
+
+def pick_mtp(model: str, names: list[str]) -> str | None:
+    """Of the MTP files' names in a model's folder (split sets by their first shard), the model's: `mtp-`
+    + the model file's name, else the only one, else None."""
+    named = [n for n in names if n.lower() == "mtp-" + model.lower()]
+    return named[0] if named else names[0] if len(names) == 1 else None
+
+
+def mtp_sidecar(first: Path) -> Path | None:
+    """The MTP file beside a model's first file (pick_mtp), or None."""
+    names = sorted(p.name for p in first.parent.glob("*.gguf") if p.is_file() and is_mtp_file(p.name)
+                   and (not SPLIT.match(p.name) or SPLIT.match(p.name)["no"] == "00001"))
+    name = pick_mtp(first.name, names)
+    return None if name is None else first.with_name(name)
+
+
 def gguf_files(path: Path) -> list[Path]:
     """The files of a GGUF model: path itself, a split set's every shard from its first (any shard may
-    be named), or the one GGUF model in a folder. CpumlaError for a missing shard or an ambiguous folder."""
+    be named), or the one GGUF model in a folder (an MTP file, is_mtp_file, is not one). CpumlaError for
+    a missing shard or an ambiguous folder."""
     if path.is_dir():
-        found = sorted(p for p in path.glob("*.gguf") if p.is_file())
+        found = sorted(p for p in path.glob("*.gguf") if p.is_file() and not is_mtp_file(p.name))
         firsts = [p for p in found if not SPLIT.match(p.name) or SPLIT.match(p.name)["no"] == "00001"]
         if not firsts:
             raise CpumlaError(f"{path}: holds no .gguf file")

@@ -3,7 +3,9 @@ bytes of each group of tensors, and the architecture a file's header names.
 
 Groups, by llama.cpp's tensor names: attention (blk.N.attn_*), shared experts (ffn_*_shexp), routed
 experts (ffn_*_exps, stacked), dense MLP (ffn_gate / ffn_up / ffn_down), embedding/head (token_embd,
-output), and norms/other: every *_norm, the router (ffn_gate_inp, exp_probs_b) and any other tensor.
+output), the MTP layer (every tensor of the NextN blocks appended after the main layers, when the caller
+says where they start), and norms/other: every *_norm, the router (ffn_gate_inp, exp_probs_b) and any
+other tensor.
 """
 
 from __future__ import annotations
@@ -11,14 +13,18 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-GROUPS = ("attention", "shared experts", "routed experts", "dense MLP", "embedding/head", "norms/other")
+GROUPS = ("attention", "shared experts", "routed experts", "dense MLP", "embedding/head", "MTP layer",
+          "norms/other")
 
 
-def group_of(name: str) -> str:
-    """The group of a tensor, by its GGUF name."""
+def group_of(name: str, first_nextn: int | None = None) -> str:
+    """The group of a tensor, by its GGUF name; first_nextn: the first NextN block's index, if any."""
     if name in ("token_embd.weight", "output.weight"):
         return "embedding/head"
     parts = name.split(".")
+    if first_nextn is not None and len(parts) >= 3 and parts[0] == "blk" and parts[1].isdecimal() \
+            and int(parts[1]) >= first_nextn:
+        return "MTP layer"
     if len(parts) >= 3 and parts[0] == "blk":
         t = parts[2]
         if t.endswith("_norm"):
@@ -34,12 +40,15 @@ def group_of(name: str) -> str:
     return "norms/other"
 
 
-def groups(entries) -> dict[str, dict]:
+def groups(entries, first_nextn: int | None = None, mtp_file=None) -> dict[str, dict]:
     """{group: {"tensors": n, "bytes": b, "types": {type: {"tensors": n, "bytes": b}}}} in GROUPS order
-    (empty groups left out), from entries {name: object with .type and .nbytes} (gguf.Entry)."""
+    (empty groups left out), from entries {name: object with .type and .nbytes} (gguf.Entry); mtp_file:
+    the entries of an MTP file beside the model's, every one the MTP layer's."""
     out = {g: {"tensors": 0, "bytes": 0, "types": {}} for g in GROUPS}
-    for name, e in entries.items():
-        g = out[group_of(name)]
+    both = [(group_of(n, first_nextn), e) for n, e in entries.items()]
+    both += [("MTP layer", e) for e in (mtp_file or {}).values()]
+    for group, e in both:
+        g = out[group]
         t = g["types"].setdefault(e.type, {"tensors": 0, "bytes": 0})
         for d in (g, t):
             d["tensors"] += 1

@@ -34,8 +34,14 @@ deepseek_v32) adds the lightning indexer:
   - attention.indexer.head_count / key_length / top_k (index_n_heads / index_head_dim / index_topk),
     all three required. Its routing is V3's sigmoid (expert_gating_func 2 or absent; 1 is refused).
   - block_count counts the NextN (MTP) blocks the converter appends after the main layers;
-    nextn_predict_layers says how many: num_hidden_layers is their difference (those blocks are never
-    read). The same holds for the other arches when the key is there.
+    nextn_predict_layers says how many: num_hidden_layers is their difference. The same holds for
+    deepseek2 when the key is there (llama.cpp's converter leaves V3's out; other writers keep it).
+    Block N = num_hidden_layers is the MTP layer (models/mtp.py): a decoder layer under the usual
+    names, and blk.N.nextn.eh_proj / enorm / hnorm / shared_head_norm (model.layers.N.eh_proj etc.);
+    its copies of the embedding and head (nextn.embed_tokens / shared_head_head) are never read.
+  - A model's file without the block (the converter's `--no-mtp`; V4's always) may have it in a file
+    of its own beside it (`--mtp`: `mtp-` + the model's file name; checkpoint/gguf.py: mtp_sidecar):
+    that file's block N is read as the MTP layer (check_sidecar says what it must agree on).
   - blk.N.indexer.attn_q_b (wq_b), indexer.attn_k (wk), indexer.k_norm weight and bias (its LayerNorm),
     indexer.proj (weights_proj), stored as the checkpoint has them (no permutation).
 
@@ -50,7 +56,7 @@ from pathlib import Path
 import numpy as np
 
 from cpumla.checkpoint import gguf_model_v4 as V4
-from cpumla.checkpoint.gguf import GGUFFile
+from cpumla.checkpoint.gguf import PLAIN, GGUFFile, mtp_sidecar
 from cpumla.checkpoint.gguf_meta import Metadata, common, yarn
 from cpumla.errors import CpumlaError
 
@@ -79,7 +85,13 @@ INDEXER = {   # deepseek32: V3.2's lightning indexer
     "self_attn.indexer.k_norm.weight": "indexer.k_norm.weight", "self_attn.indexer.k_norm.bias": "indexer.k_norm.bias",
     "self_attn.indexer.weights_proj.weight": "indexer.proj.weight",
 }
+# the NextN (MTP) block's own tensors (its decoder layer's are named as any layer's): blk.N.nextn.*
+NEXTN = {"eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.enorm.weight",
+         "hnorm.weight": "nextn.hnorm.weight", "shared_head.norm.weight": "nextn.shared_head_norm.weight",
+         "shared_head.head.weight": "nextn.shared_head_head.weight",
+         "embed_tokens.weight": "nextn.embed_tokens.weight"}
 FLOAT_TYPES = ("F32", "F16", "BF16")
+SIDE = "mtp:"      # the names of the MTP file's tensors, as GGUFCheckpoint serves them
 INT_TYPES = {"I32": np.dtype("<i4"), "I64": np.dtype("<i8")}     # read as raw bytes (gguf.py maps floats and blocks)
 
 
@@ -145,6 +157,30 @@ def mla_config(m: Metadata, g: GGUFFile) -> dict:
     return cfg
 
 
+def check_sidecar(side: GGUFFile, main: GGUFFile, cfg: dict) -> int:
+    """An MTP file (llama.cpp's converter with `--mtp`) beside the model `main` of config cfg: the same
+    arch and width, one NextN block whose index is the model's layer count, with its eh_proj. Returns
+    its nextn_predict_layers (1); CpumlaError naming the MTP file otherwise."""
+    m = Metadata(side)
+    a, L = "{arch}.", cfg["num_hidden_layers"]
+    arch = main.value("general.architecture")[1]
+    if m.arch != arch:
+        raise CpumlaError(f"{m.file}: an MTP file of arch '{m.arch}' beside a model of arch '{arch}' "
+                          f"({main.files[0].name})")
+    blocks, nextn = m.get(a + "block_count", "int"), m.get(a + "nextn_predict_layers", "int", 0)
+    if nextn != 1:
+        m.fail(a + "nextn_predict_layers", f"is {nextn}; an MTP file cpumla reads holds one NextN block")
+    if blocks - nextn != L:
+        m.fail(a + "block_count", f"is {blocks}: an MTP file of a model of {blocks - nextn} layers, not of "
+                                  f"{main.files[0].name}'s {L}")
+    width = m.get(a + "embedding_length", "int")
+    if width != cfg["hidden_size"]:
+        m.fail(a + "embedding_length", f"is {width}, not {main.files[0].name}'s {cfg['hidden_size']}")
+    if f"blk.{L}.nextn.eh_proj.weight" not in side.entries:
+        raise CpumlaError(f"{m.file}: has no tensor 'blk.{L}.nextn.eh_proj.weight'")
+    return nextn
+
+
 class GGUFCheckpoint:
     """A GGUF model as a weight source under Hugging Face names (has / info / tensor, as
     checkpoint/safetensors.py's Checkpoint; V4's official names for deepseek4), with the config dict
@@ -154,21 +190,55 @@ class GGUFCheckpoint:
         self.file = GGUFFile(path)
         self.path = self.file.files[0]
         self.directory = self.path          # where its tensors are, for messages (tensors.where)
+        self.side = None                    # the MTP file beside it (mtp_sidecar), when it is read
         try:
             self.config = config_dict(self.file)
+            self.arch = self.file.value("general.architecture")[1]
+            side = mtp_sidecar(self.path)
+            if side is not None and not self.config.get("num_nextn_predict_layers"):
+                self.side = GGUFFile(side)
+                self.config["num_nextn_predict_layers"] = check_sidecar(self.side, self.file, self.config)
         except BaseException:
-            self.file.close()
+            self.close()
             raise
-        self.arch = self.file.value("general.architecture")[1]
         self._rebuilt: dict = {}
+
+    # ---- the two files: a name of the MTP file's is SIDE + its name there ----
+    def _file(self, gname: str) -> tuple[GGUFFile, str]:
+        if gname.startswith(SIDE):
+            return self.side, gname[len(SIDE):]
+        return self.file, gname
+
+    def _e(self, gname: str):
+        """The entry of a tensor (None where it is not there)."""
+        f, n = self._file(gname)
+        return f.entries.get(n)
+
+    def _raw(self, gname: str) -> np.ndarray:
+        f, n = self._file(gname)
+        return f.raw(n)
+
+    def _plain(self, gname: str) -> np.ndarray:
+        f, n = self._file(gname)
+        return f.array(n)
+
+    def _blk(self, layer: int) -> str:
+        """The prefix of block `layer`'s names: the MTP file's for the MTP layer when that file serves it."""
+        return (SIDE if self.side is not None and layer >= self.config["num_hidden_layers"] else "") + f"blk.{layer}."
 
     # ---- names ----
     def _where(self, name: str):
         """(how, GGUF tensor name, expert index or None) for a name the family reads, or None. how: "view"
         (the file's tensor; an expert a slice of its stacked tensor), "flat" (a per-head tensor as one
         [heads * rows, cols] view), "kv_b" (rebuilt from attn_k_b / attn_v_b, named by attn_k_b), "fp4" /
-        "fp4_scale" (an MXFP4 expert as e2m1 codes / E8M0 scales)."""
+        "fp4_scale" (an MXFP4 expert as e2m1 codes / E8M0 scales), "half0" / "half1" (the first / second
+        half of a tensor's columns: V4's e_proj / h_proj in eh_proj). An MTP file's names start SIDE."""
         if self.arch == "deepseek4":
+            if name.startswith(V4.MTP):
+                if self.side is None:
+                    return None
+                w = V4.where_mtp(self.side.entries, name, self.config["num_hidden_layers"])
+                return None if w is None else (w[0], SIDE + w[1], w[2])
             return V4.where(self.file.entries, name)
         if name in GLOBAL:
             return "view", GLOBAL[name], None
@@ -176,18 +246,20 @@ class GGUFCheckpoint:
         if not m:
             return None
         layer, rest = int(m[1]), m[2]
+        b = self._blk(layer)
         e = EXPERT.match(rest)
         if e:
-            return "view", f"blk.{layer}.ffn_{e[2]}_exps.weight", int(e[1])
+            return "view", f"{b}ffn_{e[2]}_exps.weight", int(e[1])
         if rest in SPLIT_KV_B:
-            return "flat", f"blk.{layer}.{SPLIT_KV_B[rest]}", None
-        sub = PER_LAYER.get(rest) or (INDEXER.get(rest) if self.arch == "deepseek32" else None)
+            return "flat", b + SPLIT_KV_B[rest], None
+        sub = PER_LAYER.get(rest) or (INDEXER.get(rest) if self.arch == "deepseek32" else None) or \
+            (NEXTN.get(rest) if layer >= self.config["num_hidden_layers"] else None)
         if sub is None:
             return None
-        if sub == "attn_kv_b.weight" and f"blk.{layer}.attn_kv_b.weight" not in self.file.entries \
-                and f"blk.{layer}.attn_k_b.weight" in self.file.entries:
-            return "kv_b", f"blk.{layer}.attn_k_b.weight", layer
-        return "view", f"blk.{layer}.{sub}", None
+        if sub == "attn_kv_b.weight" and self._e(b + "attn_kv_b.weight") is None \
+                and self._e(b + "attn_k_b.weight") is not None:
+            return "kv_b", b + "attn_k_b.weight", layer
+        return "view", b + sub, None
 
     def has(self, name: str) -> bool:
         w = self._where(name)
@@ -195,16 +267,21 @@ class GGUFCheckpoint:
             return False
         how, gname, index = w
         if how == "kv_b":
-            return f"blk.{index}.attn_v_b.weight" in self.file.entries
-        e = self.file.entries.get(gname)
+            return self._e(self._blk(index) + "attn_v_b.weight") is not None
+        e = self._e(gname)
         return e is not None and (index is None or (len(e.shape) == 3 and index < e.shape[0]))
 
     __contains__ = has
 
     def _entry(self, name: str):
         if not self.has(name):
-            raise CpumlaError(f"{self.path}: checkpoint has no tensor '{self.label(name)}'")
+            raise CpumlaError(f"{self.home_of(name)}: checkpoint has no tensor '{self.label(name)}'")
         return self._where(name)
+
+    def home_of(self, name: str) -> Path:
+        """The file that holds tensor `name`, or would: the MTP file for the MTP layer's when it serves them."""
+        w = self._where(name)
+        return self.side.files[0] if w is not None and w[1].startswith(SIDE) else self.path
 
     def label(self, name: str) -> str:
         """The file's name of a tensor, present or not (for messages); an expert's with its index."""
@@ -212,6 +289,7 @@ class GGUFCheckpoint:
         if w is None:
             return name
         how, gname, index = w
+        gname = self._file(gname)[1]
         return gname if index is None or how == "kv_b" else f"{gname}[{index}]"
 
     def info(self, name: str) -> tuple[str, tuple[int, ...]]:
@@ -220,7 +298,9 @@ class GGUFCheckpoint:
         how, gname, index = self._entry(name)
         if how == "kv_b":               # as tensor() would rebuild it
             return self._kv_b_form(index)
-        e = self.file.entries[gname]
+        e = self._e(gname)
+        if how in ("half0", "half1"):
+            return e.type, (e.shape[0], self._half_cols(gname))
         if how == "fp4":
             return "I8", (e.shape[1], e.shape[2] // 2)
         if how == "fp4_scale":
@@ -245,19 +325,33 @@ class GGUFCheckpoint:
         a = self._array(gname)
         if how == "flat":
             return a.reshape(-1, a.shape[-1])
+        if how in ("half0", "half1"):          # a view of strided rows: its columns stay contiguous
+            n = a.shape[1] // 2
+            return a[:, :n] if how == "half0" else a[:, n:]
         return a if index is None else a[index]
 
+    def _half_cols(self, gname: str) -> int:
+        """The columns of each half of a [rows, 2 * cols] tensor served as two (V4's eh_proj); CpumlaError
+        where the halves would cut a block of its type."""
+        e = self._e(gname)
+        cols = e.shape[1] // 2
+        block = PLAIN[e.type][1] if e.type in PLAIN else 1
+        if e.shape[1] % 2 or cols % block:
+            raise CpumlaError(f"{e.file}: tensor '{self._file(gname)[1]}' has {e.shape[1]} columns, not two halves "
+                              f"of whole {e.type} blocks")
+        return cols
+
     def _array(self, gname: str) -> np.ndarray:
-        e = self.file.entries[gname]
+        e = self._e(gname)
         if e.type in INT_TYPES:
-            return self.file.raw(gname).view(INT_TYPES[e.type]).reshape(e.shape)
-        return self.file.array(gname)
+            return self._raw(gname).view(INT_TYPES[e.type]).reshape(e.shape)
+        return self._plain(gname)
 
     def _kv_b_form(self, layer: int) -> tuple[str, tuple[int, int]]:
         """(type, shape) of layer `layer`'s kv_b rebuilt from its pair: the pair's float type where they
         share one, else F32; [H * (dn + dv), R]."""
         c = self.config
-        k, v = (self.file.entries[f"blk.{layer}.attn_{s}_b.weight"] for s in "kv")
+        k, v = (self._e(f"{self._blk(layer)}attn_{s}_b.weight") for s in "kv")
         shape = (c["num_attention_heads"] * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])
         return (k.type if k.type == v.type and k.type in FLOAT_TYPES else "F32"), shape
 
@@ -265,13 +359,13 @@ class GGUFCheckpoint:
         """kv_b_proj [H * (dn + dv), R] from attn_k_b [H, R, dn] and attn_v_b [H, dv, R]."""
         c = self.config
         H, R, dn, dv = c["num_attention_heads"], c["kv_lora_rank"], c["qk_nope_head_dim"], c["v_head_dim"]
-        kn, vn = f"blk.{layer}.attn_k_b.weight", f"blk.{layer}.attn_v_b.weight"
-        ke, ve = self.file.entries[kn], self.file.entries[vn]
+        kn, vn = self._blk(layer) + "attn_k_b.weight", self._blk(layer) + "attn_v_b.weight"
+        ke, ve = self._e(kn), self._e(vn)
         for n, e, want in ((kn, ke, (H, R, dn)), (vn, ve, (H, dv, R))):
             if int(np.prod(e.shape)) != int(np.prod(want)):
-                raise CpumlaError(f"{e.file}: tensor '{n}' has shape {list(e.shape)}, config wants {list(want)}")
+                raise CpumlaError(f"{e.file}: tensor '{self._file(n)[1]}' has shape {list(e.shape)}, config wants {list(want)}")
         same = ke.type == ve.type == self._kv_b_form(layer)[0]       # both of the float type it keeps
-        k, v = (self.file.array(kn), self.file.array(vn)) if same else (self._f32(kn), self._f32(vn))
+        k, v = (self._plain(kn), self._plain(vn)) if same else (self._f32(kn), self._f32(vn))
         out = np.empty((H, dn + dv, R), k.dtype)
         out[:, :dn, :] = k.reshape(H, R, dn).transpose(0, 2, 1)
         out[:, dn:, :] = v.reshape(H, dv, R)
@@ -280,9 +374,9 @@ class GGUFCheckpoint:
     def _fp4(self, gname: str, index: int) -> tuple[np.ndarray, np.ndarray]:
         """Expert `index` of a stacked MXFP4 tensor as (e2m1 codes I8 [rows, cols / 2], value 2i in the low
         nibble of byte i and 2i + 1 in the high one; E8M0 scales uint8 [rows, cols / 32])."""
-        e = self.file.entries[gname]
+        e = self._e(gname)
         rows, cols = e.shape[-2:]
-        blocks = self.file.raw(gname).reshape(e.shape[0], rows, cols // 32, 17)[index]
+        blocks = self._raw(gname).reshape(e.shape[0], rows, cols // 32, 17)[index]
         scale = np.ascontiguousarray(blocks[..., 0])
         qs = blocks[..., 1:]
         values = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)          # [rows, blocks, 32], in order
@@ -292,20 +386,20 @@ class GGUFCheckpoint:
     def _f32(self, name: str) -> np.ndarray:
         from gguf import GGMLQuantizationType, quants
 
-        e = self.file.entries[name]
+        e = self._e(name)
         if e.type == "BF16":
-            return (self.file.array(name).astype(np.uint32) << 16).view(np.float32)
+            return (self._plain(name).astype(np.uint32) << 16).view(np.float32)
         if e.type in FLOAT_TYPES:
-            return self.file.array(name).astype(np.float32)
-        raw = self.file.raw(name)
+            return self._plain(name).astype(np.float32)
+        raw = self._raw(name)
         try:
             return quants.dequantize(raw, GGMLQuantizationType[e.type]).astype(np.float32)
         except NotImplementedError:
-            raise CpumlaError(f"{e.file}: tensor '{name}' has type {e.type}, which cpumla cannot read yet") from None
+            raise CpumlaError(f"{e.file}: tensor '{self._file(name)[1]}' has type {e.type}, which cpumla cannot read yet") from None
 
     # ---- the rest of a source's interface ----
     def file_of(self, name: str) -> Path:
-        return self.file.entries[self._entry(name)[1]].file
+        return self._e(self._entry(name)[1]).file
 
     def keys(self) -> list[str]:
         return list(self.file.entries)
@@ -314,8 +408,10 @@ class GGUFCheckpoint:
         """Bytes a model holds of tensor `name`: a split kv_b's are its pair's (read in place)."""
         how, gname, index = self._entry(name)
         if how == "kv_b":
-            return sum(self.file.entries[f"blk.{index}.attn_{s}_b.weight"].nbytes for s in "kv")
-        e = self.file.entries[gname]
+            return sum(self._e(f"{self._blk(index)}attn_{s}_b.weight").nbytes for s in "kv")
+        e = self._e(gname)
+        if how in ("half0", "half1"):
+            return e.nbytes // 2
         if how == "fp4":                   # an MXFP4 block's 16 code bytes and 1 scale byte, without rebuilding
             return e.nbytes // e.shape[0] * 16 // 17
         if how == "fp4_scale":
@@ -324,13 +420,15 @@ class GGUFCheckpoint:
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self.file.entries.values())
+        return sum(e.nbytes for f in (self.file, self.side) if f is not None for e in f.entries.values())
 
     def mappings(self) -> list[tuple[int, int, str]]:
-        return self.file.mappings()
+        return self.file.mappings() + (self.side.mappings() if self.side is not None else [])
 
     def close(self) -> None:
         self.file.close()
+        if self.side is not None:
+            self.side.close()
 
     def __enter__(self):
         return self

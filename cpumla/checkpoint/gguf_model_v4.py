@@ -28,8 +28,14 @@ the official tensor names (deepseek_v4_tensors.py).
     weights_proj), indexer_compressor_{kv,gate,ape,norm}, ffn_gate_inp (gate), exp_probs_b.bias
     (gate.bias, non-hash layers), ffn_gate_tid2eid (gate.tid2eid: I32 [vocab, top_k]),
     ffn_{gate,up,down}_shexp (shared_experts.w1 / w3 / w2) and the routed experts stacked as
-    ffn_{gate,up,down}_exps (experts.e.w1 / w3 / w2). exp_probs_b_vl (image tokens) and the NextN
-    blocks are not read.
+    ffn_{gate,up,down}_exps (experts.e.w1 / w3 / w2). exp_probs_b_vl (image tokens) is not read.
+  - the MTP layer: the converter leaves it out of the model's file and writes it on its own with `--mtp`
+    (`mtp-` + the file's name): block_count one more, nextn_predict_layers 1, block L = the layer count
+    (its decoder layer under the names above), blk.L.nextn.eh_proj (e_proj and h_proj concatenated by
+    columns: [D, 2D], read as its two halves in place), nextn.enorm / hnorm / shared_head_norm (norm),
+    and the layer's own HyperHead as output_hc_fn / _base / _scale; its token_embd / output /
+    output_norm are the model's and not read. gguf_model.py reads that file when it lies beside the
+    model's (checkpoint/gguf.py: mtp_sidecar).
   - types: the converter dequantizes the release's FP8 linears and writes them Q8_0, keeps bf16
     tensors BF16 and f32 ones F32, and repacks the FP4 experts losslessly into MXFP4 blocks (a byte
     of E8M0 scale, then 16 bytes whose low nibbles are values 0-15 and high nibbles 16-31). A block
@@ -140,6 +146,28 @@ def swiglu_limit(m: Metadata, n: int) -> float:
         m.fail("{arch}.swiglu_clamp_shexp", f"is {shexp:g}, swiglu_clamp_exp {exp:g}; cpumla clamps routed and "
                f"shared experts alike")
     return exp
+
+
+# the MTP layer's own tensors in an MTP file (llama.cpp's converter with --mtp): its block L = the layer
+# count, e_proj and h_proj concatenated by columns as nextn.eh_proj [D, 2D], its HyperHead at the root
+MTP = "mtp.0."
+MTP_OWN = {"enorm.weight": "nextn.enorm.weight", "hnorm.weight": "nextn.hnorm.weight",
+           "norm.weight": "nextn.shared_head_norm.weight"}
+MTP_ROOT = {"hc_head_fn": "output_hc_fn.weight", "hc_head_base": "output_hc_base.weight",
+            "hc_head_scale": "output_hc_scale.weight"}
+
+
+def where_mtp(entries: dict, name: str, L: int):
+    """where() for the MTP layer's official names (mtp.0.*) in an MTP file whose NextN block is L; e_proj
+    and h_proj are the column halves ("half0", "half1") of eh_proj."""
+    rest = name[len(MTP):]
+    if rest in ("e_proj.weight", "h_proj.weight"):
+        return ("half0" if rest[0] == "e" else "half1"), f"blk.{L}.nextn.eh_proj.weight", None
+    if rest in MTP_OWN:
+        return "view", f"blk.{L}.{MTP_OWN[rest]}", None
+    if rest in MTP_ROOT:
+        return "view", MTP_ROOT[rest], None
+    return where(entries, f"layers.{L}.{rest}")
 
 
 def where(entries: dict, name: str):

@@ -21,9 +21,12 @@ GGUF_TYPES = {t: t.lower() for t in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2
 
 
 def where(src, name: str | None = None) -> str:
-    """Where a tensor lives, for messages: its shard file, else the checkpoint directory."""
+    """Where a tensor lives, for messages: its shard file, else the file that would hold it (a GGUF
+    model's MTP file for its MTP layer's), else the checkpoint directory."""
     if name is not None and hasattr(src, "file_of") and src.has(name):
         return str(src.file_of(name))
+    if name is not None and hasattr(src, "home_of"):
+        return str(src.home_of(name))
     d = getattr(src, "directory", None)
     return str(d) if d is not None else "dummy weights"
 
@@ -36,7 +39,7 @@ def label(src, name: str) -> str:
 def checked_dtype(src, name: str, shape) -> str:
     """The dtype of tensor `name` after checking it exists with `shape`."""
     if not src.has(name):
-        raise CpumlaError(f"{where(src)}: checkpoint is missing tensor '{label(src, name)}'")
+        raise CpumlaError(f"{where(src, name)}: checkpoint is missing tensor '{label(src, name)}'")
     dtype, got = src.info(name)
     if tuple(got) != tuple(shape):
         raise CpumlaError(f"{where(src, name)}: tensor '{label(src, name)}' has shape {list(got)}, config wants "

@@ -215,7 +215,8 @@ def _free_space(path: Path) -> int | None:
 
 
 def download_gguf(repo_id: str, tag: str, revision: str | None) -> None:
-    """REPO:QUANT: that quantization's files (every shard) into the hub cache."""
+    """REPO:QUANT: that quantization's files (every shard), and the MTP file beside them when the repo has
+    one (gguf_hub.mtp_of), into the hub cache."""
     where = _where(repo_id, revision)
     if offline():
         snap = gguf_hub.snapshot(repo_id, revision)
@@ -224,19 +225,28 @@ def download_gguf(repo_id: str, tag: str, revision: str | None) -> None:
         q = choose(f"{where} in the cache", tag, gguf_hub.quants(gguf_hub.cached_files(snap)))
         first = complete(f"{repo_id}:{q.name}", snap, q, "HF_HUB_OFFLINE is set")
     else:
-        q = choose(where, tag, gguf_hub.quants(remote_files(repo_id, revision)))
+        files = remote_files(repo_id, revision)
+        q = choose(where, tag, gguf_hub.quants(files))
         if q.missing:
             raise CpumlaError(f"{where}: {q.name} is a split set of {len(q.shards)} files, but the repo lacks "
                               f"{', '.join(q.missing)}")
-        n = f"{len(q.shards)} files" if len(q.shards) > 1 else "1 file"
-        render.err.print(f"downloading {repo_id}:{q.name} ({n}, {human_size(q.size)}) into {hf_hub_cache()}",
+        mtp = gguf_hub.mtp_of(files, q)        # its MTP layer in a file of its own (a whole one), fetched with it
+        if mtp is not None and mtp.missing:
+            mtp = None
+        shards = q.shards + (mtp.shards if mtp is not None else [])
+        size = q.size + (mtp.size if mtp is not None else 0)
+        n = f"{len(shards)} files" if len(shards) > 1 else "1 file"
+        with_mtp = f", its MTP layer in {mtp.first}" if mtp is not None else ""
+        render.err.print(f"downloading {repo_id}:{q.name} ({n}, {human_size(size)}{with_mtp}) into {hf_hub_cache()}",
                          style="dim", markup=False, highlight=False, soft_wrap=True)
         free = _free_space(hf_hub_cache())
-        if free is not None and free < q.size:
-            render.print_warning(f"{human_size(free)} free where the cache is, less than {human_size(q.size)} "
+        if free is not None and free < size:
+            render.print_warning(f"{human_size(free)} free where the cache is, less than {human_size(size)} "
                                  f"(less is needed when part of it is cached already)")
-        snap = fetch(repo_id, revision, allow_patterns=[_literal(s) for s in q.shards], want_config=False)
+        snap = fetch(repo_id, revision, allow_patterns=[_literal(s) for s in shards], want_config=False)
         first = complete(f"{repo_id}:{q.name}", snap, q, "the download did not finish: run it again")
+        if mtp is not None:
+            complete(f"{repo_id}:{mtp.first}", snap, mtp, "the download did not finish: run it again")
     size = sum((snap / s).stat().st_size for s in q.shards)
     render.out.print(f"{repo_id}:{q.name}: {human_size(size)} in {first}", markup=False, highlight=False,
                      soft_wrap=True)

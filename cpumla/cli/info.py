@@ -126,8 +126,10 @@ def gguf_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: b
     cfg, resolved = load_config(model, parse_hf_overrides(hf_overrides))
     g = resolved.gguf
     try:
-        by_group = groups(g.file.entries)
+        side = g.side.entries if g.side is not None else None        # an MTP file beside the model's
+        by_group = groups(g.file.entries, cfg.num_hidden_layers if cfg.num_nextn_predict_layers else None, side)
         files = [str(f) for f in g.file.files]
+        mtp_file = str(g.side.files[0]) if g.side is not None else None
         p = plan(model, max_seq_len=ctx, loaded=(cfg, resolved, g))
     finally:
         g.close()
@@ -136,7 +138,7 @@ def gguf_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: b
     gbs = read_gbs()
     if json_out:
         render.print_json({**p.to_dict(), "decode_here": decode_here(p, gbs),
-                           "gguf": {"files": files, "groups": by_group, "total": total},
+                           "gguf": {"files": files, "mtp_file": mtp_file, "groups": by_group, "total": total},
                            **({"per_rank": p.per_rank(tp)} if tp else {})})
         return
     gib = lambda b: f"{b / 2**30:.2f}"   # noqa: E731
@@ -145,6 +147,8 @@ def gguf_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: b
     rows.append(["total", total["tensors"], "", f"{total['bytes']:,}", gib(total["bytes"])])
     render.out.print(f"file: {files[0]}" if len(files) == 1 else f"files: {files[0]} and {len(files) - 1} more shards",
                      markup=False, highlight=False, soft_wrap=True)
+    if mtp_file is not None:
+        render.out.print(f"MTP layer from: {mtp_file}", markup=False, highlight=False, soft_wrap=True)
     render.table("tensors by group", ["group", "tensors", "types", "bytes", "GiB"], rows, right={1, 3, 4})
     render.out.print()
     show_plan(p, gbs)

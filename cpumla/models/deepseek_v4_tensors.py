@@ -176,7 +176,7 @@ class Names:
         alt = hf_name(name)
         if self.src.has(alt):
             return alt
-        raise CpumlaError(f"{W.where(self.src)}: checkpoint is missing tensor '{W.label(self.src, name)}'")
+        raise CpumlaError(f"{W.where(self.src, name)}: checkpoint is missing tensor '{W.label(self.src, name)}'")
 
 
 def stored_name(src, name: str) -> str | None:

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from cpumla.checkpoint.gguf import SPLIT
+from cpumla.checkpoint.gguf import SPLIT, is_mtp_file, pick_mtp
 from cpumla.errors import CpumlaError
 from cpumla.runtime.hub_cache import hf_hub_cache
 
@@ -79,13 +79,14 @@ class Quant:
         return sum(self.sizes.values())
 
 
-def quants(files: dict[str, int | None]) -> list[Quant]:
+def quants(files: dict[str, int | None], mtp: bool = False) -> list[Quant]:
     """The GGUF models among a repo's files ({path: bytes}), smallest first; mmproj files (vision
-    projectors) are not models. A split set lists every shard its names promise, present or not."""
+    projectors) and MTP files (`mtp-*`, a model's MTP layer on its own) are not models. A split set lists
+    every shard its names promise, present or not. mtp: the MTP files instead, grouped the same way."""
     found: dict[tuple, Quant] = {}
     for path, size in files.items():
         p = PurePosixPath(path)
-        if not p.name.lower().endswith(".gguf") or "mmproj" in p.name.lower():
+        if not p.name.lower().endswith(".gguf") or "mmproj" in p.name.lower() or is_mtp_file(p.name) != mtp:
             continue
         m = SPLIT.match(p.name)
         if m and int(m["n"]) >= 1:
@@ -97,6 +98,15 @@ def quants(files: dict[str, int | None]) -> list[Quant]:
         q = found.setdefault(key, Quant(quant_name(path), [s.removeprefix("./") for s in shards]))
         q.sizes[path] = size or 0
     return sorted(found.values(), key=lambda q: (q.size, q.name.lower(), q.first))
+
+
+def mtp_of(files: dict[str, int | None], q: Quant) -> Quant | None:
+    """The MTP file (llama.cpp's converter's `--mtp`: `mtp-` + a model's name) of model q among a repo's
+    files: in q's folder, as checkpoint/gguf.py's pick_mtp picks one beside a model; None if none."""
+    folder = PurePosixPath(q.first).parent
+    beside = {PurePosixPath(m.first).name: m for m in quants(files, mtp=True) if PurePosixPath(m.first).parent == folder}
+    name = pick_mtp(PurePosixPath(q.first).name, sorted(beside))
+    return None if name is None else beside[name]
 
 
 def _names(tag: str, path: str) -> bool:

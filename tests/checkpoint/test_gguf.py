@@ -58,6 +58,24 @@ def test_gguf_config_from_metadata(tiny, tmp_path):
         assert g.config["q_lora_rank"] is None and g.config["topk_method"] == "greedy"
 
 
+def test_gguf_v3_nextn_block(tmp_path):
+    """deepseek2 with a NextN block (V3 with its MTP layer; llama.cpp's converter leaves it out, other
+    writers keep it): read as the MTP layer, its logits in fp32 parity with the spec's reference, and the
+    same greedy text with drafts as without."""
+    ref = models.build_v3_mtp(tmp_path / "hf")
+    path = tmp_path / "m.gguf"
+    gguf_files.write(ref.main, path, mtp=ref)
+    eng = cpumla.load(str(path))
+    assert eng.config.num_hidden_layers == ref.main.config.num_hidden_layers and eng.has_mtp
+    check_fp32(*models.mtp_logits(eng, ref))
+    eng.set_draft("none")
+    eng.reset()
+    plain = list(eng.generate(IDS, 10, stop_ids=[]))
+    eng.set_draft("mtp", 2, p_min=0.0)
+    eng.reset()
+    assert list(eng.generate(IDS, 10, stop_ids=[])) == plain
+
+
 def test_gguf_in_place_and_folder(tiny, tmp_path):
     """Weights are views of the file's mapping (an expert a slice of its stacked tensor); a folder
     holding one .gguf loads as the file does."""

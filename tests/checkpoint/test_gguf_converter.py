@@ -108,14 +108,47 @@ def test_converter_v32(tmp_path, outtype):
         assert np.abs(got - ref).max() < 0.08 * np.abs(ref).max()
 
 
+def test_converter_v32_nextn(tmp_path):
+    """DeepSeek-V3.2 with its MTP layer: the converter appends it as the NextN block (blk.3, block_count 4,
+    nextn_predict_layers 1), which cpumla reads as the MTP layer: its logits in fp32 parity with the
+    spec's reference (support/models.py: Mtp), and greedy text the same with drafts as without."""
+    ref = models.build_v3_mtp(tmp_path / "hf", v32=True, vocab_size=vocab_size())
+    add_tokenizer(tmp_path / "hf")
+    out = tmp_path / "m.gguf"
+    gguf_files.convert_add_bos(tmp_path / "hf", out, "f32")
+    fields = gguf.GGUFReader(out).fields
+    assert (fields["deepseek32.block_count"].contents(), fields["deepseek32.nextn_predict_layers"].contents()) == (4, 1)
+    assert {"blk.3.nextn.eh_proj.weight", "blk.3.nextn.shared_head_norm.weight", "blk.3.ffn_up_exps.weight",
+            "blk.3.indexer.proj.weight"} <= set(held_values(out))
+    eng = cpumla.load(str(out))
+    assert eng.config.num_hidden_layers == 3 and eng.has_mtp and eng.draft == "mtp"
+    check_fp32(*models.mtp_logits(eng, ref))
+    eng.set_draft("none")
+    plain = generate(eng, 12)
+    eng.set_draft("mtp", 2, p_min=0.0)
+    assert generate(eng, 12) == plain
+
+
+def generate(eng, n: int) -> list[int]:
+    eng.reset()
+    return list(eng.generate(IDS, n, stop_ids=[]))
+
+
 V4_IDS = [int(t) for t in np.random.default_rng(1).integers(0, 160, 44)]
 
 
-def test_converter_v4(tmp_path):
-    """DeepSeek-V4 from its release layout: Q8_0 for the FP8 linears, BF16, F32, MXFP4 experts, I32 hash
-    tables; against transformers on the values the file holds, with test_gguf_v4.py's Q8_0 criterion, in
-    prefill and decode. Every layer hash-routed and the indexer keeping every entry, as there."""
+def release_v4(tmp_path: Path, mtp: bool = False):
+    """The tiny V4 (every layer hash-routed, the indexer keeping every entry; mtp: with its MTP layer) in the
+    release layout the converter reads, with the release config's keys: that folder."""
+    from safetensors.torch import load_file, save_file
+
     m = models.build_v4(tmp_path / "hf", vocab_size=vocab_size(), num_hash_layers=5, index_topk=16)
+    if mtp:
+        sd = load_file(tmp_path / "hf" / "model.safetensors")
+        sd.update(models.MtpV4(m, 100).tensors())
+        save_file(sd, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+        cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+        (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
     release = tmp_path / "release"
     models.quantize_v4(tmp_path / "hf", release)
     cfg = json.loads((release / "config.json").read_text())
@@ -125,6 +158,44 @@ def test_converter_v4(tmp_path):
                                                       "beta_fast", "beta_slow")}})
     (release / "config.json").write_text(json.dumps(cfg))
     add_tokenizer(release)
+    return release
+
+
+def test_converter_v4_mtp_file(tmp_path):
+    """V4's MTP layer as the converter writes it, a file of its own (--mtp) beside the model's: read as the
+    MTP layer (e_proj / h_proj the Q8_0 halves of its eh_proj), its logits on the same hidden streams
+    close to those of the release checkpoint's MTP layer (cpumla on the FP8 / FP4 safetensors), and the
+    same greedy text with drafts as without."""
+    release = release_v4(tmp_path, mtp=True)
+    d = tmp_path / "gguf"
+    d.mkdir()
+    gguf_files.convert(release, d / "m.gguf", "f32")
+    gguf_files.convert(release, d / "mtp-m.gguf", "f32", ["--mtp"])
+    fields = gguf.GGUFReader(d / "mtp-m.gguf").fields
+    assert (fields["deepseek4.block_count"].contents(), fields["deepseek4.nextn_predict_layers"].contents()) == (6, 1)
+    eng, st = cpumla.load(str(d)), cpumla.load(str(release))
+    assert eng.has_mtp and st.has_mtp and eng.draft == "mtp"
+    ids = np.asarray(V4_IDS[:12], np.int64)
+    V = eng.config.vocab_size
+    h = np.empty((len(ids), st.model.mtp_width), np.float32)
+    st.model.forward_hidden(ids, 0, np.empty((len(ids), V), np.float32), False, h)
+    got, want = (np.empty((len(ids) - 1, V), np.float32) for _ in range(2))
+    eng.model.mtp_forward(ids[1:], 0, h[:-1], got, False)
+    st.model.mtp_forward(ids[1:], 0, h[:-1], want, False)
+    assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
+    eng.set_draft("none")
+    eng.reset()
+    plain = list(eng.generate(V4_IDS[:12], 10, stop_ids=[]))
+    eng.set_draft("mtp", 2, p_min=0.0)
+    eng.reset()
+    assert list(eng.generate(V4_IDS[:12], 10, stop_ids=[])) == plain
+
+
+def test_converter_v4(tmp_path):
+    """DeepSeek-V4 from its release layout: Q8_0 for the FP8 linears, BF16, F32, MXFP4 experts, I32 hash
+    tables; against transformers on the values the file holds, with test_gguf_v4.py's Q8_0 criterion, in
+    prefill and decode. Every layer hash-routed and the indexer keeping every entry, as there."""
+    release = release_v4(tmp_path)
     out = tmp_path / "m.gguf"
     gguf_files.convert(release, out, "f32")
     Q = gguf.GGMLQuantizationType

@@ -6,6 +6,8 @@ experts, I32 hash table), and bad metadata refused in one line naming the key.""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -199,3 +201,82 @@ def test_v4_bad_tensors(v4, tmp_path, how, words):
     for w in words:
         assert w in str(e.value), str(e.value)
     assert_one_line_error(run_cli("smoke", "--model", str(path)), *words, status=2)
+
+
+# ---- the MTP layer in a file of its own (the converter's --mtp) --------------------------------------
+@pytest.fixture(scope="module")
+def v4_mtp(tmp_path_factory):
+    """(a folder with the model's file m.gguf and its MTP file mtp-m.gguf, both F32; the MtpV4 reference)."""
+    d = tmp_path_factory.mktemp("v4-mtp")
+    ref = models.build_v4_mtp(d / "hf")
+    g = d / "gguf"
+    g.mkdir()
+    gguf_files_v4.write(d / "hf", g / "m.gguf")
+    gguf_files_v4.write_mtp(ref, g / "mtp-m.gguf")
+    return g, ref
+
+
+def generate(eng, n: int) -> list[int]:
+    eng.reset()
+    return list(eng.generate(models.IDS, n, stop_ids=[]))
+
+
+def test_v4_mtp_file_beside_the_model(v4_mtp, tmp_path):
+    """The MTP file beside the model's (`mtp-` + its name) is read as the MTP layer, e_proj and h_proj the
+    halves of its eh_proj: drafting on by default, MTP logits in fp32 parity with the spec's reference, the
+    same greedy text with drafts as without; the folder names the model (the MTP file is no model of its
+    own); without the MTP file the model runs without drafts."""
+    g, ref = v4_mtp
+    for model in (g / "m.gguf", g):
+        eng = cpumla.load(str(model))
+        assert eng.has_mtp and eng.draft == "mtp" and eng.config.num_hidden_layers == ref.main.config.num_hidden_layers
+        check_fp32(*models.mtp_logits(eng, ref))
+    eng.set_draft("none")
+    plain = generate(eng, 12)
+    eng.set_draft("mtp", 2, p_min=0.0)
+    assert generate(eng, 12) == plain
+    alone = tmp_path / "m.gguf"
+    shutil.copy(g / "m.gguf", alone)
+    eng = cpumla.load(str(alone))
+    assert not eng.has_mtp and eng.draft == "none"
+    assert generate(eng, 12) == plain
+
+
+def test_v4_mtp_file_in_the_converters_types(v4_mtp, tmp_path):
+    """The MTP file in the converter's types (eh_proj Q8_0 read as two halves of whole blocks in place,
+    MXFP4 experts, BF16): drafts keep the greedy text; MTP logits close to the F32 file's."""
+    g, ref = v4_mtp
+    d = tmp_path / "q"
+    d.mkdir()
+    shutil.copy(g / "m.gguf", d / "m.gguf")
+    gguf_files_v4.write_mtp(ref, d / "mtp-m.gguf", "converter")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(d / "mtp-m.gguf").tensors}
+    assert (types["blk.5.nextn.eh_proj.weight"], types["blk.5.ffn_up_exps.weight"]) == ("Q8_0", "MXFP4")
+    eng = cpumla.load(str(d / "m.gguf"))
+    got, want = models.mtp_logits(eng, ref)
+    assert np.median(np.abs(got - want).max(-1)) < 0.08 * np.abs(want).max()
+    eng.set_draft("none")
+    plain = generate(eng, 12)
+    eng.set_draft("mtp", 3, p_min=0.0)
+    assert generate(eng, 12) == plain
+
+
+@pytest.mark.parametrize("metadata,drop,words", [
+    ({"deepseek4.block_count": 7}, (), ["deepseek4.block_count", "is 7", "6 layers", "m.gguf's 5"]),
+    ({"deepseek4.nextn_predict_layers": None}, (), ["deepseek4.nextn_predict_layers", "is 0", "one NextN block"]),
+    ({"deepseek4.embedding_length": 32}, (), ["deepseek4.embedding_length", "is 32", "m.gguf's 64"]),
+    ({}, ("blk.5.nextn.eh_proj.weight",), ["blk.5.nextn.eh_proj.weight"]),
+    ({}, ("blk.5.attn_q_a.weight",), ["blk.5.attn_q_a.weight"]),
+    ({}, ("output_hc_fn.weight",), ["output_hc_fn.weight"]),
+])
+def test_v4_bad_mtp_file(v4_mtp, tmp_path, metadata, drop, words):
+    """An MTP file that is not the model's, or lacks a tensor: one line naming it and the key or tensor."""
+    g, ref = v4_mtp
+    shutil.copy(g / "m.gguf", tmp_path / "m.gguf")
+    side = tmp_path / "mtp-m.gguf"
+    gguf_files_v4.write_mtp(ref, side, metadata=metadata, drop=drop)
+    with pytest.raises(CpumlaError) as e:
+        cpumla.load(str(tmp_path / "m.gguf"))
+    for w in [str(side), *words]:
+        assert w in str(e.value), str(e.value)
+    assert_one_line_error(run_cli("smoke", "--model", str(tmp_path / "m.gguf")), str(side), *words, status=2)

@@ -33,10 +33,28 @@ def write_gguf(path: Path, arch: str = "deepseek2", tensors: int = 3, fill: int 
     w.close()
 
 
+def write_mtp(path: Path, cfg) -> None:
+    """An MTP file of the tiny model of config cfg as the loader checks one (checkpoint/gguf_model.py:
+    check_sidecar): its NextN block's eh_proj alone (a V2-Lite reads no MTP layer)."""
+    from support.gguf_files import add
+
+    w = gguf.GGUFWriter(str(path), "deepseek2")
+    for key, value in (("block_count", cfg.num_hidden_layers + 1), ("nextn_predict_layers", 1),
+                       ("embedding_length", cfg.hidden_size)):
+        add(w, "deepseek2." + key, value)
+    D = cfg.hidden_size
+    w.add_tensor(f"blk.{cfg.num_hidden_layers}.nextn.eh_proj.weight", np.zeros((D, 2 * D), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 @pytest.fixture(scope="module")
 def repos(tmp_path_factory):
     """{repo id: {path in the repo: bytes}}: a GGUF repo with single files, a split set in a folder, a UD
-    set, Q2_K beside UD-Q2_K_XL, an mmproj file; a repo holding Q4_K_M twice; a safetensors repo."""
+    set, Q2_K beside UD-Q2_K_XL, an mmproj file, an MTP file (llama.cpp's `mtp-` + a model's name: no model
+    of its own); a repo holding Q4_K_M twice; a safetensors repo."""
     from support import gguf_files, models
 
     d = tmp_path_factory.mktemp("gguf")
@@ -52,6 +70,8 @@ def repos(tmp_path_factory):
     for name, arch, fill in (("Tiny-Q2_K.gguf", "deepseek2", 1), ("mmproj-Tiny-F16.gguf", "clip", 2)):
         write_gguf(d / name, arch, fill=fill)
         files[name] = (d / name).read_bytes()
+    write_mtp(d / "mtp.gguf", model.config)
+    files["Q4_K_M/mtp-Tiny-Q4_K_M.gguf"] = (d / "mtp.gguf").read_bytes()
     files |= {"README.md": b"# tiny\n", ".gitattributes": b"*.gguf filter=lfs\n"}
     write_gguf(d / "two.gguf", fill=3)
     two = {"a/M-Q4_K_M.gguf": (d / "two.gguf").read_bytes(), "b/M-Q4_K_M.gguf": (d / "two.gguf").read_bytes()[:-1]}
@@ -169,7 +189,7 @@ def test_a_repo_files_group_into_models(repos):
 
     files = {p: len(b) for p, b in repos[REPO].items()}
     found = {q.name: q for q in gguf_hub.quants(files)}
-    assert set(found) == {"Q8_0", "F16", "Q4_K_M", "UD-Q2_K_XL", "Q2_K"}          # not mmproj, not README
+    assert set(found) == {"Q8_0", "F16", "Q4_K_M", "UD-Q2_K_XL", "Q2_K"}     # not mmproj, not mtp-, not README
     assert found["Q4_K_M"].shards == [f"Q4_K_M/Tiny-Q4_K_M-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
     assert found["Q4_K_M"].size == sum(files[s] for s in found["Q4_K_M"].shards)
     del files["Q4_K_M/Tiny-Q4_K_M-00002-of-00003.gguf"]
@@ -199,19 +219,27 @@ def test_a_file_name_is_fetched_literally():
 
 # ---- download ----
 
+MTP_Q4 = "Q4_K_M/mtp-Tiny-Q4_K_M.gguf"
+
+
 @pytest.mark.parametrize("tag,files", [
     ("Q8_0", ["Tiny-Q8_0.gguf"]),
-    ("q4_k_m", [f"Q4_K_M/Tiny-Q4_K_M-0000{i}-of-00003.gguf" for i in (1, 2, 3)]),
+    ("q4_k_m", [f"Q4_K_M/Tiny-Q4_K_M-0000{i}-of-00003.gguf" for i in (1, 2, 3)] + [MTP_Q4]),
     ("UD-Q2_K_XL", [f"UD-Q2_K_XL/Tiny-UD-Q2_K_XL-0000{i}-of-00002.gguf" for i in (1, 2)]),
     ("Q2_K", ["Tiny-Q2_K.gguf"])])
 def test_download_fetches_only_that_quantization(fake, repos, capsys, tag, files):
+    """That quantization's files, every shard, and the MTP file beside them where the repo has one
+    (`mtp-` + the model's file name, or the folder's only one)."""
     p = cli(capsys, "download", f"{REPO}:{tag}")
     assert p.returncode == 0, p.stderr
-    assert fake.fetched == [files]
+    assert sorted(fake.fetched[0]) == sorted(files) and len(fake.fetched) == 1
     size = sum(len(repos[REPO][f]) for f in files)
     name = {"q4_k_m": "Q4_K_M"}.get(tag, tag)
     n = f"{len(files)} files" if len(files) > 1 else "1 file"
-    assert f"downloading {REPO}:{name} ({n}, {human(size)}) into {fake.hub}" in p.stderr
+    mtp = f", its MTP layer in {MTP_Q4}" if MTP_Q4 in files else ""
+    assert f"downloading {REPO}:{name} ({n}, {human(size)}{mtp}) into {fake.hub}" in p.stderr
+    files = [f for f in files if f != MTP_Q4]
+    size = sum(len(repos[REPO][f]) for f in files)
     first = fake.hub / f"models--{REPO.replace('/', '--')}" / "snapshots" / sha(REPO) / files[0]
     assert p.stdout.strip() == f"{REPO}:{name}: {human(size)} in {first}"
     assert f"run it with: cpumla chat {first}" in p.stderr
@@ -336,7 +364,9 @@ def test_offline_download_and_info_from_the_cache(cache, capsys):
     assert split_.returncode == 0, split_.stderr
     d = json.loads(split_.stdout)
     assert d["gguf"]["files"] == [str(snap / f"Q4_K_M/Tiny-Q4_K_M-0000{i}-of-00003.gguf") for i in (1, 2, 3)]
-    assert d["gguf"]["groups"] == whole["gguf"]["groups"] and d["weights"] == whole["weights"]
+    groups = d["gguf"]["groups"]
+    assert groups.pop("MTP layer")["tensors"] == 1 and d["gguf"]["mtp_file"] == str(snap / MTP_Q4)
+    assert groups == whole["gguf"]["groups"] and d["weights"] == whole["weights"]
     assert d["model"] == f"{REPO}:Q4_K_M"
 
 

@@ -204,6 +204,49 @@ def test_groups_of_names():
         ["norms/other", "attention", "norms/other", "norms/other", "norms/other", "norms/other", "dense MLP"]
 
 
+def test_info_shows_the_nextn_block_as_the_mtp_layer(tmp_path):
+    """A file with a NextN block (V3 with its MTP layer): every tensor of blk.L (L the main model's layer
+    count), its decoder layer's included, in the "MTP layer" group, the main layers' groups without them;
+    and group_of's names with and without a first NextN block."""
+    from cpumla.checkpoint.gguf_info import group_of
+    from support import gguf_files, models
+
+    ref = models.build_v3_mtp(tmp_path / "hf")
+    L = ref.main.config.num_hidden_layers
+    path = tmp_path / "m.gguf"
+    gguf_files.write(ref.main, path, "Q8_0", mtp=ref)
+    tensors = gguf.GGUFReader(path).tensors
+    block = [t for t in tensors if t.name.startswith(f"blk.{L}.")]
+    assert len(block) > 10
+    groups = info_json(str(path))["gguf"]["groups"]
+    assert groups["MTP layer"] == {"tensors": len(block), "bytes": sum(int(t.n_bytes) for t in block),
+                                   "types": groups["MTP layer"]["types"]}
+    assert sum(v["tensors"] for v in groups.values()) == len(tensors)
+    assert groups["routed experts"]["tensors"] == 3 * (L - ref.main.config.first_k_dense_replace)
+    assert [group_of(n, L) for n in (f"blk.{L}.nextn.eh_proj.weight", f"blk.{L}.attn_q_a.weight",
+                                     f"blk.{L - 1}.attn_q_a.weight", "output.weight")] == \
+        ["MTP layer", "MTP layer", "attention", "embedding/head"]
+
+
+def test_info_counts_an_mtp_file_beside_the_model(tmp_path):
+    """A V3.2 model's file without its NextN block and the MTP file beside it (the converter's --no-mtp and
+    --mtp): every tensor of the MTP file in the "MTP layer" group, the file named; the text says where
+    the MTP layer comes from."""
+    from support import gguf_files, models
+
+    ref = models.build_v3_mtp(tmp_path / "hf", v32=True)
+    gguf_files.write_v32(ref.main, tmp_path / "m.gguf")
+    gguf_files.write_v32_mtp(ref, tmp_path / "mtp-m.gguf")
+    side = gguf.GGUFReader(tmp_path / "mtp-m.gguf").tensors
+    d = info_json(str(tmp_path / "m.gguf"))["gguf"]
+    assert d["mtp_file"] == str(tmp_path / "mtp-m.gguf") and d["files"] == [str(tmp_path / "m.gguf")]
+    assert {k: d["groups"]["MTP layer"][k] for k in ("tensors", "bytes")} == \
+        {"tensors": len(side), "bytes": sum(int(t.n_bytes) for t in side)}
+    assert d["total"]["tensors"] == len(gguf.GGUFReader(tmp_path / "m.gguf").tensors) + len(side)
+    p = run_cli("info", str(tmp_path / "m.gguf"), env=cli_env(), timeout=120)
+    assert p.returncode == 0 and f"MTP layer from: {tmp_path / 'mtp-m.gguf'}" in p.stdout, p.stderr
+
+
 def test_info_of_a_v3_sized_file(tmp_path):
     """`cpumla info` on a file of DeepSeek-V3's shapes and Q4_K_M's types (~380 GiB as a sparse file: the
     index alone is read). Weights: every tensor at its bytes in the file and nothing more (the split MLA

@@ -34,10 +34,11 @@ def llama_cpp() -> Path | None:
     return Path(d) if d and (Path(d) / "convert_hf_to_gguf.py").is_file() else None
 
 
-def convert(model_dir: Path, out: Path, outtype: str = "f32") -> None:
-    """llama.cpp's converter on a saved model (it needs a tokenizer.json in model_dir)."""
+def convert(model_dir: Path, out: Path, outtype: str = "f32", extra=()) -> None:
+    """llama.cpp's converter on a saved model (it needs a tokenizer.json in model_dir); extra: more of its
+    options (--mtp: the MTP layer alone)."""
     conv = llama_cpp() / "convert_hf_to_gguf.py"
-    subprocess.run([sys.executable, str(conv), str(model_dir), "--outtype", outtype, "--outfile", str(out)],
+    subprocess.run([sys.executable, str(conv), str(model_dir), "--outtype", outtype, "--outfile", str(out), *extra],
                    check=True, capture_output=True)
 
 
@@ -45,52 +46,68 @@ def gguf_tensors(model, split_kv_b: bool = True) -> dict[str, np.ndarray]:
     """The converter's tensors of a transformers DeepSeek model: GGUF name -> float32 array (numpy order)."""
     cfg = model.config
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    H, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
     out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
     if not cfg.tie_word_embeddings:
         out["output.weight"] = sd["lm_head.weight"]
     for i in range(cfg.num_hidden_layers):
-        p, b = f"model.layers.{i}.", f"blk.{i}."
-        for hf, g in SUB.items():
-            if p + hf in sd:
-                out[b + g] = sd[p + hf]
-        kv = sd[p + "self_attn.kv_b_proj.weight"].reshape(H, dn + dv, -1)
-        if split_kv_b:
-            out[b + "attn_k_b.weight"] = np.ascontiguousarray(kv[:, :dn].transpose(0, 2, 1))
-            out[b + "attn_v_b.weight"] = np.ascontiguousarray(kv[:, dn:])
-        else:
-            out[b + "attn_kv_b.weight"] = sd[p + "self_attn.kv_b_proj.weight"]
-        for w in ("gate", "up", "down"):
-            names = [f"{p}mlp.experts.{e}.{w}_proj.weight" for e in range(cfg.n_routed_experts or 0)]
-            if names and names[0] in sd:
-                out[f"{b}ffn_{w}_exps.weight"] = np.stack([sd[n] for n in names])
-            elif p + "mlp.experts.gate_up_proj" in sd:            # transformers 5 stacks them itself
-                gu = sd[p + "mlp.experts.gate_up_proj"]
-                if w == "down":
-                    out[f"{b}ffn_down_exps.weight"] = sd[p + "mlp.experts.down_proj"]
-                else:
-                    half = gu.shape[1] // 2
-                    out[f"{b}ffn_{w}_exps.weight"] = gu[:, :half] if w == "gate" else gu[:, half:]
+        out.update(layer_tensors(sd, cfg, i, split_kv_b))
+    return out
+
+
+def layer_tensors(sd: dict, cfg, i: int, split_kv_b: bool = True) -> dict[str, np.ndarray]:
+    """Layer i's tensors under the converter's names (blk.i.*) from a state dict sd (numpy, the
+    checkpoint's names model.layers.i.*)."""
+    H, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    out = {}
+    p, b = f"model.layers.{i}.", f"blk.{i}."
+    for hf, g in SUB.items():
+        if p + hf in sd:
+            out[b + g] = sd[p + hf]
+    kv = sd[p + "self_attn.kv_b_proj.weight"].reshape(H, dn + dv, -1)
+    if split_kv_b:
+        out[b + "attn_k_b.weight"] = np.ascontiguousarray(kv[:, :dn].transpose(0, 2, 1))
+        out[b + "attn_v_b.weight"] = np.ascontiguousarray(kv[:, dn:])
+    else:
+        out[b + "attn_kv_b.weight"] = sd[p + "self_attn.kv_b_proj.weight"]
+    for w in ("gate", "up", "down"):
+        names = [f"{p}mlp.experts.{e}.{w}_proj.weight" for e in range(cfg.n_routed_experts or 0)]
+        if names and names[0] in sd:
+            out[f"{b}ffn_{w}_exps.weight"] = np.stack([sd[n] for n in names])
+        elif p + "mlp.experts.gate_up_proj" in sd:            # transformers 5 stacks them itself
+            gu = sd[p + "mlp.experts.gate_up_proj"]
+            if w == "down":
+                out[f"{b}ffn_down_exps.weight"] = sd[p + "mlp.experts.down_proj"]
+            else:
+                half = gu.shape[1] // 2
+                out[f"{b}ffn_{w}_exps.weight"] = gu[:, :half] if w == "gate" else gu[:, half:]
     return out
 
 
 def write(model, path: Path, qtype: str = "F32", split_kv_b: bool = True, metadata=None, drop=(),
-          transform=None) -> dict[str, np.ndarray]:
+          transform=None, mtp=None) -> dict[str, np.ndarray]:
     """Writes `model` (a transformers DeepSeek V2 / V3 model) as a GGUF file; tensors in `qtype`
     (F32, F16, BF16, Q8_0) where the converter would. metadata: {key: value or None (left out)} over the
-    converter's; drop: tensors left out; transform: {name: f(array) -> the array written}. Returns {GGUF name: the float32 values the file holds} (dequantized by the gguf package)."""
+    converter's; drop: tensors left out; transform: {name: f(array) -> the array written}; mtp: a
+    models.Mtp of a V3 `model`, written as a NextN block (block_count one more, nextn_predict_layers 1:
+    llama.cpp's converter leaves V3's out, other writers keep it). Returns {GGUF name: the float32 values
+    the file holds} (dequantized by the gguf package)."""
     import gguf
 
     cfg = model.config
     w = gguf.GGUFWriter(str(path), "deepseek2")
-    for key, value in converter_metadata(cfg, model).items():
+    md = converter_metadata(cfg, model)
+    tensors = gguf_tensors(model, split_kv_b)
+    if mtp is not None:
+        md.update({"deepseek2.block_count": cfg.num_hidden_layers + 1, "deepseek2.nextn_predict_layers": 1})
+        tensors.update(nextn_tensors(mtp, split_kv_b))
+    for key, value in md.items():
         override = (metadata or {}).get(key, value)
         if override is None:
             continue
         add(w, key, override)
     held = {}
     T = gguf.GGMLQuantizationType
-    for name, a in gguf_tensors(model, split_kv_b).items():
+    for name, a in tensors.items():
         if name in drop:
             continue
         a = np.ascontiguousarray((transform or {}).get(name, lambda x: x)(a), np.float32)
@@ -314,13 +331,53 @@ def gguf_tensors_v32(model, split_kv_b: bool = True) -> dict[str, np.ndarray]:
     return out
 
 
+NEXTN = {"eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.enorm.weight",
+         "hnorm.weight": "nextn.hnorm.weight", "shared_head.norm.weight": "nextn.shared_head_norm.weight",
+         "shared_head.head.weight": "nextn.shared_head_head.weight",
+         "embed_tokens.weight": "nextn.embed_tokens.weight"}
+
+
+def nextn_tensors(mtp, split_kv_b: bool = True) -> dict[str, np.ndarray]:
+    """The NextN block llama.cpp's converter appends for an MTP layer (models.Mtp): blk.L.* with L the
+    main model's layer count, its decoder layer under the usual names (V3.2's indexer included) and
+    blk.L.nextn.* (eh_proj, enorm, hnorm, shared_head_norm and the copies of the embedding and head)."""
+    cfg = mtp.main.config
+    L = cfg.num_hidden_layers
+    sd = {k: v.float().numpy() for k, v in mtp.tensors(L).items()}
+    out = layer_tensors(sd, cfg, L, split_kv_b)
+    p, b = f"model.layers.{L}.", f"blk.{L}."
+    if cfg.model_type == "deepseek_v32":
+        out.update({b + g: sd[p + hf] for hf, g in INDEXER.items()})
+    out.update({b + g: sd[p + hf] for hf, g in NEXTN.items()})
+    return out
+
+
 def write_v32(model, path: Path, qtype: str = "F32", split_kv_b: bool = True, metadata=None, drop=(),
-              transform=None) -> dict[str, np.ndarray]:
-    """write() for a transformers DeepSeek-V3.2 model (arch deepseek32); returns the values the file holds."""
+              transform=None, mtp=None, types=None) -> dict[str, np.ndarray]:
+    """write() for a transformers DeepSeek-V3.2 model (arch deepseek32); returns the values the file holds.
+    mtp: a models.Mtp of `model`, written as the converter's NextN block (block_count one more,
+    nextn_predict_layers 1); types: {name: type} over qtype's."""
     tensors = gguf_tensors_v32(model, split_kv_b)
-    types = {n: qtype if a.ndim > 1 and not n.endswith(F32_ONLY) else "F32" for n, a in tensors.items()}
-    return write_file(path, "deepseek32", converter_metadata_v32(model.config, model), tensors, types, metadata,
-                      drop, transform)
+    md = converter_metadata_v32(model.config, model)
+    if mtp is not None:
+        tensors.update(nextn_tensors(mtp, split_kv_b))
+        md.update({"deepseek32.block_count": model.config.num_hidden_layers + 1, "deepseek32.nextn_predict_layers": 1})
+    kinds = {n: qtype if a.ndim > 1 and not n.endswith(F32_ONLY) else "F32" for n, a in tensors.items()}
+    return write_file(path, "deepseek32", md, tensors, {**kinds, **(types or {})}, metadata, drop, transform)
+
+
+def write_v32_mtp(mtp, path: Path, qtype: str = "F32", metadata=None, drop=()) -> dict[str, np.ndarray]:
+    """The MTP file llama.cpp's converter writes for V3.2 with --mtp: the NextN block (nextn_tensors) and
+    the model's token_embd / output_norm / output, the model's metadata with block_count one more and
+    nextn_predict_layers 1 (the model's own file then written without the block: write_v32)."""
+    model = mtp.main
+    full = gguf_tensors_v32(model)
+    tensors = {n: full[n] for n in ("token_embd.weight", "output_norm.weight", "output.weight") if n in full}
+    tensors.update(nextn_tensors(mtp))
+    md = {**converter_metadata_v32(model.config, model), "deepseek32.block_count": model.config.num_hidden_layers + 1,
+          "deepseek32.nextn_predict_layers": 1}
+    kinds = {n: qtype if a.ndim > 1 and not n.endswith(F32_ONLY) else "F32" for n, a in tensors.items()}
+    return write_file(path, "deepseek32", md, tensors, kinds, metadata, drop)
 
 
 def reference_v32(model, held: dict[str, np.ndarray]):
@@ -333,6 +390,20 @@ def reference_v32(model, held: dict[str, np.ndarray]):
                 t = sd[f"model.layers.{i}.{hf}"]
                 t.copy_(torch.from_numpy(np.ascontiguousarray(held[f"blk.{i}.{g}"], np.float32)).reshape(t.shape))
     return model
+
+
+def reference_mtp(mtp, held: dict[str, np.ndarray]):
+    """mtp (a models.Mtp) with the values a file of write_v32(..., mtp=mtp) holds loaded back into its main
+    model and its layer: the reference of a quantized file's MTP layer."""
+    b = f"blk.{mtp.main.config.num_hidden_layers}."
+    reference_v32(mtp.main, {k: v for k, v in held.items() if not k.startswith(b)})
+    block = {"blk.0." + k[len(b):]: v for k, v in held.items() if k.startswith(b) and ".nextn." not in k}
+    block.update({"output_norm.weight": held[b + "nextn.shared_head_norm.weight"], "output.weight": held["output.weight"]})
+    reference_v32(mtp.block, block)
+    with torch.no_grad():
+        for t, name in ((mtp.eh_proj, "eh_proj"), (mtp.enorm.weight, "enorm"), (mtp.hnorm.weight, "hnorm")):
+            t.copy_(torch.from_numpy(held[f"{b}nextn.{name}.weight"]).reshape(t.shape))
+    return mtp
 
 
 # ---- any arch ---------------------------------------------------------------------------------------

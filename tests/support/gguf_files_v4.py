@@ -38,7 +38,7 @@ V4_SUB = {"attn_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.w
 V4_EXPERTS = {"w1": "ffn_gate_exps.weight", "w2": "ffn_down_exps.weight", "w3": "ffn_up_exps.weight"}
 V4_F32 = ("hc_attn_fn.weight", "hc_ffn_fn.weight", "output_hc_fn.weight")            # f32 in the release
 V4_FP8 = ("attn_q_a.weight", "attn_q_b.weight", "attn_kv.weight", "attn_output_a.weight", "attn_output_b.weight",
-          "indexer.attn_q_b.weight", "_shexp.weight")                                   # FP8 in the release
+          "indexer.attn_q_b.weight", "_shexp.weight", "nextn.eh_proj.weight")          # FP8 in the release
 
 
 def ratios(cfg) -> list[int]:
@@ -128,6 +128,41 @@ def write(saved: Path, path: Path, qtype: str = "F32", metadata=None, drop=(), t
     tensors = gguf_tensors(saved)
     return write_file(path, "deepseek4", converter_metadata(DeepseekV4Config.from_pretrained(saved)), tensors,
                       {**file_types(tensors, qtype), **(types or {})}, metadata, drop, transform)
+
+
+def mtp_tensors(mtp) -> dict[str, np.ndarray]:
+    """The MTP file llama.cpp's converter writes with --mtp for a V4 model's MTP layer (models.MtpV4): block
+    L (the layer count) under the layers' names, blk.L.nextn.eh_proj = [e_proj | h_proj] (columns),
+    nextn.enorm / hnorm / shared_head_norm, the layer's HyperHead as output_hc_*, and the model's
+    token_embd / output / output_norm."""
+    main, L = mtp.main, mtp.main.config.num_hidden_layers
+    t = {k: v.float().numpy() for k, v in mtp.tensors().items()}
+    sd = {k: v.detach().float().numpy() for k, v in main.state_dict().items()}
+    out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output.weight": sd["lm_head.weight"],
+           "output_norm.weight": sd["model.norm.weight"]}
+    b = f"blk.{L}."
+    for name, a in t.items():
+        rest = name[len("mtp.0."):]
+        sub = V4_SUB.get(rest.replace("attn.kv_norm.", "attn.norm."))
+        if sub is not None:
+            out[b + sub] = a.astype(np.int32) if rest.endswith("tid2eid") else a
+    for w, g in V4_EXPERTS.items():
+        out[b + g] = np.stack([t[f"mtp.0.ffn.experts.{e}.{w}.weight"] for e in range(main.config.n_routed_experts)])
+    out.update({b + "nextn.eh_proj.weight": np.concatenate([t["mtp.0.e_proj.weight"], t["mtp.0.h_proj.weight"]], 1),
+                b + "nextn.enorm.weight": t["mtp.0.enorm.weight"], b + "nextn.hnorm.weight": t["mtp.0.hnorm.weight"],
+                b + "nextn.shared_head_norm.weight": t["mtp.0.norm.weight"]})
+    out.update({f"output_hc_{k}.weight": t[f"mtp.0.hc_head_{k}"] for k in ("fn", "base", "scale")})
+    return out
+
+
+def write_mtp(mtp, path: Path, qtype: str = "F32", metadata=None, drop=()) -> dict[str, np.ndarray]:
+    """Writes a V4 model's MTP layer (models.MtpV4) as the converter's MTP file: mtp_tensors, the model's
+    metadata with block_count one more and nextn_predict_layers 1. Returns the values the file holds."""
+    cfg = mtp.main.config
+    tensors = mtp_tensors(mtp)
+    md = {**converter_metadata(cfg), "deepseek4.block_count": cfg.num_hidden_layers + 1,
+          "deepseek4.nextn_predict_layers": 1}
+    return write_file(path, "deepseek4", md, tensors, file_types(tensors, qtype), metadata, drop)
 
 
 def reference(saved: Path, held: dict[str, np.ndarray], out: Path):

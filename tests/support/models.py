@@ -159,12 +159,25 @@ class Mtp:
             return self.block(inputs_embeds=u[None]).logits[0].float().numpy()
 
 
-def build_v3_mtp(out: Path, seed: int = 0, v32: bool = False):
-    """The tiny V3 of build("v3") (v32: V3.2 of build_v32) with an MTP layer added to its checkpoint
-    (num_nextn_predict_layers 1); returns its Mtp (main model and reference)."""
+def mtp_logits(eng, ref: Mtp) -> tuple[np.ndarray, np.ndarray]:
+    """(the engine's MTP logits, the reference's) over IDS, each position with the next token (9 after
+    the last), on the hidden states each computes itself."""
+    m, V = eng.model, eng.config.vocab_size
+    ids = np.asarray(IDS, np.int64)
+    nxt = np.asarray(IDS[1:] + [9], np.int64)
+    h = np.empty((len(ids), m.mtp_width), np.float32)
+    m.forward_hidden(ids, 0, np.empty((len(ids), V), np.float32), False, h)
+    got = np.empty((len(ids), V), np.float32)
+    m.mtp_forward(nxt, 0, h, got, False)
+    return got, ref.logits(ref.hidden(IDS), nxt.tolist())
+
+
+def build_v3_mtp(out: Path, seed: int = 0, v32: bool = False, **overrides):
+    """The tiny V3 of build("v3") (v32: V3.2 of build_v32, with overrides of its config) with an MTP layer
+    added to its checkpoint (num_nextn_predict_layers 1); returns its Mtp (main model and reference)."""
     from safetensors.torch import load_file, save_file
 
-    main = build_v32(out) if v32 else build("v3", out, seed=seed)
+    main = build_v32(out, **overrides) if v32 else build("v3", out, seed=seed)
     mtp = Mtp(main, seed + 100)
     sd = load_file(out / "model.safetensors")
     sd.update(mtp.tensors(main.config.num_hidden_layers))
