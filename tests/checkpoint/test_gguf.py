@@ -68,12 +68,7 @@ def test_gguf_v3_nextn_block(tmp_path):
     eng = cpumla.load(str(path))
     assert eng.config.num_hidden_layers == ref.main.config.num_hidden_layers and eng.has_mtp
     check_fp32(*models.mtp_logits(eng, ref))
-    eng.set_draft("none")
-    eng.reset()
-    plain = list(eng.generate(IDS, 10, stop_ids=[]))
-    eng.set_draft("mtp", 2, p_min=0.0)
-    eng.reset()
-    assert list(eng.generate(IDS, 10, stop_ids=[])) == plain
+    models.same_text_with_drafts(eng)
 
 
 def test_gguf_in_place_and_folder(tiny, tmp_path):

@@ -123,15 +123,7 @@ def test_converter_v32_nextn(tmp_path):
     eng = cpumla.load(str(out))
     assert eng.config.num_hidden_layers == 3 and eng.has_mtp and eng.draft == "mtp"
     check_fp32(*models.mtp_logits(eng, ref))
-    eng.set_draft("none")
-    plain = generate(eng, 12)
-    eng.set_draft("mtp", 2, p_min=0.0)
-    assert generate(eng, 12) == plain
-
-
-def generate(eng, n: int) -> list[int]:
-    eng.reset()
-    return list(eng.generate(IDS, n, stop_ids=[]))
+    models.same_text_with_drafts(eng)
 
 
 V4_IDS = [int(t) for t in np.random.default_rng(1).integers(0, 160, 44)]
@@ -183,12 +175,7 @@ def test_converter_v4_mtp_file(tmp_path):
     eng.model.mtp_forward(ids[1:], 0, h[:-1], got, False)
     st.model.mtp_forward(ids[1:], 0, h[:-1], want, False)
     assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
-    eng.set_draft("none")
-    eng.reset()
-    plain = list(eng.generate(V4_IDS[:12], 10, stop_ids=[]))
-    eng.set_draft("mtp", 2, p_min=0.0)
-    eng.reset()
-    assert list(eng.generate(V4_IDS[:12], 10, stop_ids=[])) == plain
+    models.same_text_with_drafts(eng, ids=V4_IDS[:12])
 
 
 def test_converter_v4(tmp_path):

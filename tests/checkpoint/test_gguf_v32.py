@@ -98,11 +98,6 @@ def v32_mtp(tmp_path_factory):
     return models.build_v3_mtp(tmp_path_factory.mktemp("v32-mtp"), v32=True)
 
 
-def generate(eng, n: int) -> list[int]:
-    eng.reset()
-    return list(eng.generate(IDS, n, stop_ids=[]))
-
-
 def test_v32_gguf_nextn_block_is_the_mtp_layer(v32_mtp, tmp_path):
     """The converter's NextN block (blk.3: a decoder layer with its indexer, nextn.eh_proj / enorm / hnorm /
     shared_head_norm) is read as the MTP layer: drafting on by default, its logits in fp32 parity with the
@@ -112,10 +107,7 @@ def test_v32_gguf_nextn_block_is_the_mtp_layer(v32_mtp, tmp_path):
     eng = cpumla.load(str(path))
     assert eng.config.num_hidden_layers == 3 and eng.has_mtp and eng.draft == "mtp"
     check_fp32(*models.mtp_logits(eng, v32_mtp))
-    eng.set_draft("none")
-    plain = generate(eng, 12)
-    eng.set_draft("mtp", 2, p_min=0.0)
-    assert generate(eng, 12) == plain
+    models.same_text_with_drafts(eng)
     # without its eh_proj the block is no MTP layer: the main model runs as before, without drafts
     gguf_files.write_v32(v32_mtp.main, path, mtp=v32_mtp, drop=("blk.3.nextn.eh_proj.weight",))
     eng = cpumla.load(str(path))
@@ -139,10 +131,7 @@ def test_v32_gguf_nextn_block_q8_0(v32_mtp, tmp_path):
     cos = (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
     close = (np.abs(got - want).max(-1) < 0.08 * np.abs(want).max()) & (1 - cos < 1e-2)
     assert close.sum() >= len(close) - 1, (np.abs(got - want).max(-1), 1 - cos)
-    eng.set_draft("none")
-    plain = generate(eng, 12)
-    eng.set_draft("mtp", 3, p_min=0.0)
-    assert generate(eng, 12) == plain
+    models.same_text_with_drafts(eng, k=3)
 
 
 def test_v32_gguf_mtp_file_beside_the_model(v32_mtp, tmp_path):
@@ -154,10 +143,7 @@ def test_v32_gguf_mtp_file_beside_the_model(v32_mtp, tmp_path):
     eng = cpumla.load(str(tmp_path))
     assert eng.has_mtp and eng.draft == "mtp"
     check_fp32(*models.mtp_logits(eng, v32_mtp))
-    eng.set_draft("none")
-    plain = generate(eng, 12)
-    eng.set_draft("mtp", 2, p_min=0.0)
-    assert generate(eng, 12) == plain
+    models.same_text_with_drafts(eng)
     gguf_files.write_v32_mtp(v32_mtp, tmp_path / "mtp-m.gguf", metadata={"deepseek32.block_count": 5})
     with pytest.raises(CpumlaError) as e:
         cpumla.load(str(tmp_path / "m.gguf"))

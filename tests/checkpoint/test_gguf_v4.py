@@ -216,11 +216,6 @@ def v4_mtp(tmp_path_factory):
     return g, ref
 
 
-def generate(eng, n: int) -> list[int]:
-    eng.reset()
-    return list(eng.generate(models.IDS, n, stop_ids=[]))
-
-
 def test_v4_mtp_file_beside_the_model(v4_mtp, tmp_path):
     """The MTP file beside the model's (`mtp-` + its name) is read as the MTP layer, e_proj and h_proj the
     halves of its eh_proj: drafting on by default, MTP logits in fp32 parity with the spec's reference, the
@@ -231,15 +226,12 @@ def test_v4_mtp_file_beside_the_model(v4_mtp, tmp_path):
         eng = cpumla.load(str(model))
         assert eng.has_mtp and eng.draft == "mtp" and eng.config.num_hidden_layers == ref.main.config.num_hidden_layers
         check_fp32(*models.mtp_logits(eng, ref))
-    eng.set_draft("none")
-    plain = generate(eng, 12)
-    eng.set_draft("mtp", 2, p_min=0.0)
-    assert generate(eng, 12) == plain
+    plain = models.same_text_with_drafts(eng)
     alone = tmp_path / "m.gguf"
     shutil.copy(g / "m.gguf", alone)
     eng = cpumla.load(str(alone))
     assert not eng.has_mtp and eng.draft == "none"
-    assert generate(eng, 12) == plain
+    assert list(eng.generate(models.IDS, 12, stop_ids=[])) == plain
 
 
 def test_v4_mtp_file_in_the_converters_types(v4_mtp, tmp_path):
@@ -255,10 +247,7 @@ def test_v4_mtp_file_in_the_converters_types(v4_mtp, tmp_path):
     eng = cpumla.load(str(d / "m.gguf"))
     got, want = models.mtp_logits(eng, ref)
     assert np.median(np.abs(got - want).max(-1)) < 0.08 * np.abs(want).max()
-    eng.set_draft("none")
-    plain = generate(eng, 12)
-    eng.set_draft("mtp", 3, p_min=0.0)
-    assert generate(eng, 12) == plain
+    models.same_text_with_drafts(eng, k=3)
 
 
 @pytest.mark.parametrize("metadata,drop,words", [

@@ -172,6 +172,19 @@ def mtp_logits(eng, ref: Mtp) -> tuple[np.ndarray, np.ndarray]:
     return got, ref.logits(ref.hidden(IDS), nxt.tolist())
 
 
+def same_text_with_drafts(eng, k: int = 2, n: int = 12, ids=None) -> list[int]:
+    """n greedy tokens after ids (default IDS) from an empty cache without drafts, checked to be the same
+    with MTP drafts of k tokens (p_min 0: a draft every step); returns them. Leaves the engine drafting."""
+    ids = IDS if ids is None else ids
+    eng.set_draft("none")
+    eng.reset()
+    plain = list(eng.generate(ids, n, stop_ids=[]))
+    eng.set_draft("mtp", k, p_min=0.0)
+    eng.reset()
+    assert list(eng.generate(ids, n, stop_ids=[])) == plain
+    return plain
+
+
 def build_v3_mtp(out: Path, seed: int = 0, v32: bool = False, **overrides):
     """The tiny V3 of build("v3") (v32: V3.2 of build_v32, with overrides of its config) with an MTP layer
     added to its checkpoint (num_nextn_predict_layers 1); returns its Mtp (main model and reference)."""
