@@ -247,3 +247,26 @@ def test_gguf_split_kv_b_read_in_place(tmp_path, monkeypatch):
     whole.reset()
     whole.model.mha_min_tokens = 2
     np.testing.assert_array_equal(got_mha, whole.forward(IDS))
+
+
+def test_the_mtp_file_beside_a_model(tmp_path):
+    """Which file beside a model is its MTP file: `mtp-` + its name, else the folder's only `mtp-*.gguf` (a
+    split one by its first shard), else none; a folder of a model and its MTP file names the model."""
+    from cpumla.checkpoint.gguf import gguf_files, mtp_sidecar
+
+    def files(*names):
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        d.mkdir()
+        for n in names:
+            (d / n).write_bytes(b"")
+        return d
+
+    d = files("m-Q4_K_M.gguf", "mtp-m-Q4_K_M.gguf", "mtp-m-Q8_0.gguf")
+    assert mtp_sidecar(d / "m-Q4_K_M.gguf") == d / "mtp-m-Q4_K_M.gguf"
+    assert mtp_sidecar(d / "other.gguf") is None                     # two, neither its own name
+    d = files("m-Q4_K_M.gguf", "MTP-m-Q8_0.gguf")
+    assert mtp_sidecar(d / "m-Q4_K_M.gguf") == d / "MTP-m-Q8_0.gguf"
+    assert gguf_files(d) == [d / "m-Q4_K_M.gguf"]
+    d = files("m.gguf", "mtp-m-00001-of-00002.gguf", "mtp-m-00002-of-00002.gguf")
+    assert mtp_sidecar(d / "m.gguf") == d / "mtp-m-00001-of-00002.gguf"
+    assert mtp_sidecar(files("m.gguf") / "m.gguf") is None
