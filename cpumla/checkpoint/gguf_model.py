@@ -363,7 +363,8 @@ class GGUFCheckpoint:
         ke, ve = self._e(kn), self._e(vn)
         for n, e, want in ((kn, ke, (H, R, dn)), (vn, ve, (H, dv, R))):
             if int(np.prod(e.shape)) != int(np.prod(want)):
-                raise CpumlaError(f"{e.file}: tensor '{self._file(n)[1]}' has shape {list(e.shape)}, config wants {list(want)}")
+                raise CpumlaError(f"{e.file}: tensor '{self._file(n)[1]}' has shape {list(e.shape)}, "
+                                  f"config wants {list(want)}")
         same = ke.type == ve.type == self._kv_b_form(layer)[0]       # both of the float type it keeps
         k, v = (self._plain(kn), self._plain(vn)) if same else (self._f32(kn), self._f32(vn))
         out = np.empty((H, dn + dv, R), k.dtype)
@@ -395,7 +396,8 @@ class GGUFCheckpoint:
         try:
             return quants.dequantize(raw, GGMLQuantizationType[e.type]).astype(np.float32)
         except NotImplementedError:
-            raise CpumlaError(f"{e.file}: tensor '{self._file(name)[1]}' has type {e.type}, which cpumla cannot read yet") from None
+            raise CpumlaError(f"{e.file}: tensor '{self._file(name)[1]}' has type {e.type}, which cpumla cannot "
+                              f"read yet") from None
 
     # ---- the rest of a source's interface ----
     def file_of(self, name: str) -> Path:

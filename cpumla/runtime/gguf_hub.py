@@ -104,7 +104,8 @@ def mtp_of(files: dict[str, int | None], q: Quant) -> Quant | None:
     """The MTP file (llama.cpp's converter's `--mtp`: `mtp-` + a model's name) of model q among a repo's
     files: in q's folder, as checkpoint/gguf.py's pick_mtp picks one beside a model; None if none."""
     folder = PurePosixPath(q.first).parent
-    beside = {PurePosixPath(m.first).name: m for m in quants(files, mtp=True) if PurePosixPath(m.first).parent == folder}
+    beside = {PurePosixPath(m.first).name: m for m in quants(files, mtp=True)
+              if PurePosixPath(m.first).parent == folder}
     name = pick_mtp(PurePosixPath(q.first).name, sorted(beside))
     return None if name is None else beside[name]
 

@@ -15,7 +15,7 @@ import cpumla
 from cpumla.checkpoint.gguf_model import GGUFCheckpoint
 from cpumla.errors import CpumlaError
 
-from support import gguf_files, models
+from support import gguf_files, gguf_files_mtp, models
 from support.cli import assert_one_line_error, run_cli
 from support.models import IDS, check_bf16_drift, check_fp32, stepwise
 
@@ -118,7 +118,7 @@ def test_v32_gguf_nextn_block_is_the_mtp_layer(v32_mtp, tmp_path):
 
 def test_v32_gguf_nextn_block_q8_0(v32_mtp, tmp_path):
     """A Q8_0 file (the NextN block's matrices too, read in place): MTP logits against the reference on the
-    values the file holds (support/gguf_files.py: reference_mtp) within test_gguf.py's Q8_0 bounds at every
+    values the file holds (support/gguf_files_mtp.py: reference_mtp) within test_gguf.py's Q8_0 bounds at every
     position but one (this random layer has a near-tie in its indexer's top-k or its routing that Q8_0's
     activation rounding flips at one of them), and drafts keeping the greedy text."""
     path = tmp_path / "q8.gguf"
@@ -127,7 +127,8 @@ def test_v32_gguf_nextn_block_q8_0(v32_mtp, tmp_path):
         gguf.GGMLQuantizationType.Q8_0
     eng = cpumla.load(str(path))
     assert eng.has_mtp
-    got, want = models.mtp_logits(eng, gguf_files.reference_mtp(models.build_v3_mtp(tmp_path / "ref", v32=True), held))
+    ref = gguf_files_mtp.reference_mtp(models.build_v3_mtp(tmp_path / "ref", v32=True), held)
+    got, want = models.mtp_logits(eng, ref)
     cos = (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
     close = (np.abs(got - want).max(-1) < 0.08 * np.abs(want).max()) & (1 - cos < 1e-2)
     assert close.sum() >= len(close) - 1, (np.abs(got - want).max(-1), 1 - cos)
@@ -139,12 +140,12 @@ def test_v32_gguf_mtp_file_beside_the_model(v32_mtp, tmp_path):
     token_embd, output, output_norm) beside it: the MTP layer read from there, in fp32 parity; an MTP file
     whose block is not the model's next is refused in one line naming it."""
     gguf_files.write_v32(v32_mtp.main, tmp_path / "m.gguf")
-    gguf_files.write_v32_mtp(v32_mtp, tmp_path / "mtp-m.gguf")
+    gguf_files_mtp.write_v32_mtp(v32_mtp, tmp_path / "mtp-m.gguf")
     eng = cpumla.load(str(tmp_path))
     assert eng.has_mtp and eng.draft == "mtp"
     check_fp32(*models.mtp_logits(eng, v32_mtp))
     models.same_text_with_drafts(eng)
-    gguf_files.write_v32_mtp(v32_mtp, tmp_path / "mtp-m.gguf", metadata={"deepseek32.block_count": 5})
+    gguf_files_mtp.write_v32_mtp(v32_mtp, tmp_path / "mtp-m.gguf", metadata={"deepseek32.block_count": 5})
     with pytest.raises(CpumlaError) as e:
         cpumla.load(str(tmp_path / "m.gguf"))
     assert str(tmp_path / "mtp-m.gguf") in str(e.value) and "deepseek32.block_count" in str(e.value), str(e.value)

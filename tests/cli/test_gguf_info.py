@@ -232,11 +232,11 @@ def test_info_counts_an_mtp_file_beside_the_model(tmp_path):
     """A V3.2 model's file without its NextN block and the MTP file beside it (the converter's --no-mtp and
     --mtp): every tensor of the MTP file in the "MTP layer" group, the file named; the text says where
     the MTP layer comes from."""
-    from support import gguf_files, models
+    from support import gguf_files, gguf_files_mtp, models
 
     ref = models.build_v3_mtp(tmp_path / "hf", v32=True)
     gguf_files.write_v32(ref.main, tmp_path / "m.gguf")
-    gguf_files.write_v32_mtp(ref, tmp_path / "mtp-m.gguf")
+    gguf_files_mtp.write_v32_mtp(ref, tmp_path / "mtp-m.gguf")
     side = gguf.GGUFReader(tmp_path / "mtp-m.gguf").tensors
     d = info_json(str(tmp_path / "m.gguf"))["gguf"]
     assert d["mtp_file"] == str(tmp_path / "mtp-m.gguf") and d["files"] == [str(tmp_path / "m.gguf")]

@@ -88,7 +88,7 @@ def write(model, path: Path, qtype: str = "F32", split_kv_b: bool = True, metada
     """Writes `model` (a transformers DeepSeek V2 / V3 model) as a GGUF file; tensors in `qtype`
     (F32, F16, BF16, Q8_0) where the converter would. metadata: {key: value or None (left out)} over the
     converter's; drop: tensors left out; transform: {name: f(array) -> the array written}; mtp: a
-    models.Mtp of a V3 `model`, written as a NextN block (block_count one more, nextn_predict_layers 1:
+    models.Mtp of a V3 `model`, written as a NextN block (gguf_files_mtp.py) (block_count one more, nextn_predict_layers 1:
     llama.cpp's converter leaves V3's out, other writers keep it). Returns {GGUF name: the float32 values
     the file holds} (dequantized by the gguf package)."""
     import gguf
@@ -98,6 +98,8 @@ def write(model, path: Path, qtype: str = "F32", split_kv_b: bool = True, metada
     md = converter_metadata(cfg, model)
     tensors = gguf_tensors(model, split_kv_b)
     if mtp is not None:
+        from support.gguf_files_mtp import nextn_tensors
+
         md.update({"deepseek2.block_count": cfg.num_hidden_layers + 1, "deepseek2.nextn_predict_layers": 1})
         tensors.update(nextn_tensors(mtp, split_kv_b))
     for key, value in md.items():
@@ -331,53 +333,20 @@ def gguf_tensors_v32(model, split_kv_b: bool = True) -> dict[str, np.ndarray]:
     return out
 
 
-NEXTN = {"eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.enorm.weight",
-         "hnorm.weight": "nextn.hnorm.weight", "shared_head.norm.weight": "nextn.shared_head_norm.weight",
-         "shared_head.head.weight": "nextn.shared_head_head.weight",
-         "embed_tokens.weight": "nextn.embed_tokens.weight"}
-
-
-def nextn_tensors(mtp, split_kv_b: bool = True) -> dict[str, np.ndarray]:
-    """The NextN block llama.cpp's converter appends for an MTP layer (models.Mtp): blk.L.* with L the
-    main model's layer count, its decoder layer under the usual names (V3.2's indexer included) and
-    blk.L.nextn.* (eh_proj, enorm, hnorm, shared_head_norm and the copies of the embedding and head)."""
-    cfg = mtp.main.config
-    L = cfg.num_hidden_layers
-    sd = {k: v.float().numpy() for k, v in mtp.tensors(L).items()}
-    out = layer_tensors(sd, cfg, L, split_kv_b)
-    p, b = f"model.layers.{L}.", f"blk.{L}."
-    if cfg.model_type == "deepseek_v32":
-        out.update({b + g: sd[p + hf] for hf, g in INDEXER.items()})
-    out.update({b + g: sd[p + hf] for hf, g in NEXTN.items()})
-    return out
-
-
 def write_v32(model, path: Path, qtype: str = "F32", split_kv_b: bool = True, metadata=None, drop=(),
-              transform=None, mtp=None, types=None) -> dict[str, np.ndarray]:
+              transform=None, mtp=None) -> dict[str, np.ndarray]:
     """write() for a transformers DeepSeek-V3.2 model (arch deepseek32); returns the values the file holds.
     mtp: a models.Mtp of `model`, written as the converter's NextN block (block_count one more,
-    nextn_predict_layers 1); types: {name: type} over qtype's."""
+    nextn_predict_layers 1)."""
     tensors = gguf_tensors_v32(model, split_kv_b)
     md = converter_metadata_v32(model.config, model)
     if mtp is not None:
+        from support.gguf_files_mtp import nextn_tensors
+
         tensors.update(nextn_tensors(mtp, split_kv_b))
         md.update({"deepseek32.block_count": model.config.num_hidden_layers + 1, "deepseek32.nextn_predict_layers": 1})
     kinds = {n: qtype if a.ndim > 1 and not n.endswith(F32_ONLY) else "F32" for n, a in tensors.items()}
-    return write_file(path, "deepseek32", md, tensors, {**kinds, **(types or {})}, metadata, drop, transform)
-
-
-def write_v32_mtp(mtp, path: Path, qtype: str = "F32", metadata=None, drop=()) -> dict[str, np.ndarray]:
-    """The MTP file llama.cpp's converter writes for V3.2 with --mtp: the NextN block (nextn_tensors) and
-    the model's token_embd / output_norm / output, the model's metadata with block_count one more and
-    nextn_predict_layers 1 (the model's own file then written without the block: write_v32)."""
-    model = mtp.main
-    full = gguf_tensors_v32(model)
-    tensors = {n: full[n] for n in ("token_embd.weight", "output_norm.weight", "output.weight") if n in full}
-    tensors.update(nextn_tensors(mtp))
-    md = {**converter_metadata_v32(model.config, model), "deepseek32.block_count": model.config.num_hidden_layers + 1,
-          "deepseek32.nextn_predict_layers": 1}
-    kinds = {n: qtype if a.ndim > 1 and not n.endswith(F32_ONLY) else "F32" for n, a in tensors.items()}
-    return write_file(path, "deepseek32", md, tensors, kinds, metadata, drop)
+    return write_file(path, "deepseek32", md, tensors, kinds, metadata, drop, transform)
 
 
 def reference_v32(model, held: dict[str, np.ndarray]):
@@ -390,20 +359,6 @@ def reference_v32(model, held: dict[str, np.ndarray]):
                 t = sd[f"model.layers.{i}.{hf}"]
                 t.copy_(torch.from_numpy(np.ascontiguousarray(held[f"blk.{i}.{g}"], np.float32)).reshape(t.shape))
     return model
-
-
-def reference_mtp(mtp, held: dict[str, np.ndarray]):
-    """mtp (a models.Mtp) with the values a file of write_v32(..., mtp=mtp) holds loaded back into its main
-    model and its layer: the reference of a quantized file's MTP layer."""
-    b = f"blk.{mtp.main.config.num_hidden_layers}."
-    reference_v32(mtp.main, {k: v for k, v in held.items() if not k.startswith(b)})
-    block = {"blk.0." + k[len(b):]: v for k, v in held.items() if k.startswith(b) and ".nextn." not in k}
-    block.update({"output_norm.weight": held[b + "nextn.shared_head_norm.weight"], "output.weight": held["output.weight"]})
-    reference_v32(mtp.block, block)
-    with torch.no_grad():
-        for t, name in ((mtp.eh_proj, "eh_proj"), (mtp.enorm.weight, "enorm"), (mtp.hnorm.weight, "hnorm")):
-            t.copy_(torch.from_numpy(held[f"{b}nextn.{name}.weight"]).reshape(t.shape))
-    return mtp
 
 
 # ---- any arch ---------------------------------------------------------------------------------------
