@@ -40,6 +40,12 @@ PLAIN.update(_block_types())
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
 
+def is_first_file(name: str) -> bool:
+    """Whether a GGUF file's name is a model's first: a single file, or shard 00001 of a split set."""
+    m = SPLIT.match(name)
+    return not m or m["no"] == "00001"
+
+
 def is_mtp_file(name: str) -> bool:
     """Whether a GGUF file's name marks it an MTP layer of its own (llama.cpp's converter, `--mtp`, writes
     one as `mtp-` + the model's file name): not a model, a draft beside one."""
@@ -56,7 +62,7 @@ def pick_mtp(model: str, names: list[str]) -> str | None:
 def mtp_sidecar(first: Path) -> Path | None:
     """The MTP file beside a model's first file (pick_mtp), or None."""
     names = sorted(p.name for p in first.parent.glob("*.gguf") if p.is_file() and is_mtp_file(p.name)
-                   and (not SPLIT.match(p.name) or SPLIT.match(p.name)["no"] == "00001"))
+                   and is_first_file(p.name))
     name = pick_mtp(first.name, names)
     return None if name is None else first.with_name(name)
 
@@ -67,7 +73,7 @@ def gguf_files(path: Path) -> list[Path]:
     a missing shard or an ambiguous folder."""
     if path.is_dir():
         found = sorted(p for p in path.glob("*.gguf") if p.is_file() and not is_mtp_file(p.name))
-        firsts = [p for p in found if not SPLIT.match(p.name) or SPLIT.match(p.name)["no"] == "00001"]
+        firsts = [p for p in found if is_first_file(p.name)]
         if not firsts:
             raise CpumlaError(f"{path}: holds no .gguf file")
         if len(firsts) > 1:

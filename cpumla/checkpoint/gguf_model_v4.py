@@ -153,8 +153,7 @@ def swiglu_limit(m: Metadata, n: int) -> float:
 MTP = "mtp.0."
 MTP_OWN = {"enorm.weight": "nextn.enorm.weight", "hnorm.weight": "nextn.hnorm.weight",
            "norm.weight": "nextn.shared_head_norm.weight"}
-MTP_ROOT = {"hc_head_fn": "output_hc_fn.weight", "hc_head_base": "output_hc_base.weight",
-            "hc_head_scale": "output_hc_scale.weight"}
+MTP_ROOT = {k: v for k, v in GLOBAL.items() if k.startswith("hc_head_")}     # the model file's names
 
 
 def where_mtp(entries: dict, name: str, L: int):
