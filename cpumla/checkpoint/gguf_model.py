@@ -158,14 +158,14 @@ def mla_config(m: Metadata, g: GGUFFile) -> dict:
 
 
 def check_sidecar(side: GGUFFile, main: GGUFFile, cfg: dict) -> int:
-    """An MTP file (llama.cpp's converter with `--mtp`) beside the model `main` of config cfg: the same
+    """An MTP file (llama.cpp's converter with `--mtp`) for the model `main` of config cfg: the same
     arch and width, one NextN block whose index is the model's layer count, with its eh_proj. Returns
     its nextn_predict_layers (1); CpumlaError naming the MTP file otherwise."""
     m = Metadata(side)
     a, L = "{arch}.", cfg["num_hidden_layers"]
     arch = main.value("general.architecture")[1]
     if m.arch != arch:
-        raise CpumlaError(f"{m.file}: an MTP file of arch '{m.arch}' beside a model of arch '{arch}' "
+        raise CpumlaError(f"{m.file}: an MTP file of arch '{m.arch}' for a model of arch '{arch}' "
                           f"({main.files[0].name})")
     blocks, nextn = m.get(a + "block_count", "int"), m.get(a + "nextn_predict_layers", "int", 0)
     if nextn != 1:
@@ -186,16 +186,25 @@ class GGUFCheckpoint:
     checkpoint/safetensors.py's Checkpoint; V4's official names for deepseek4), with the config dict
     its metadata gives (`config`)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, mtp: str | Path | bool | None = None):
+        """mtp: where the MTP layer comes from when the model's file has no NextN block: None, the MTP file
+        beside it (mtp_sidecar) if there is one; a path, that MTP file (`--draft-model`; refused for a
+        model whose file holds the block); False, nowhere (no file opened: drafts of ngram or none)."""
         self.file = GGUFFile(path)
         self.path = self.file.files[0]
         self.directory = self.path          # where its tensors are, for messages (tensors.where)
-        self.side = None                    # the MTP file beside it (mtp_sidecar), when it is read
+        self.side = None                    # the MTP file (mtp), when it is read
         try:
             self.config = config_dict(self.file)
             self.arch = self.file.value("general.architecture")[1]
-            side = mtp_sidecar(self.path)
-            if side is not None and not self.config.get("num_nextn_predict_layers"):
+            in_file = self.config.get("num_nextn_predict_layers")
+            if mtp not in (None, False) and in_file:
+                raise CpumlaError(f"{self.path}: holds its MTP layer (blk.{self.config['num_hidden_layers']}.nextn.*); "
+                                  f"leave out --draft-model {mtp}")
+            side = mtp_sidecar(self.path) if mtp is None else None if mtp is False else Path(mtp).expanduser()
+            if side is not None and mtp not in (None, False) and not side.is_file():
+                raise CpumlaError(f"--draft-model {side}: no such file")
+            if side is not None and not in_file:
                 self.side = GGUFFile(side)
                 self.config["num_nextn_predict_layers"] = check_sidecar(self.side, self.file, self.config)
         except BaseException:

@@ -15,6 +15,7 @@ from cpumla import native
 from cpumla.bench.peaks import tile_peaks as tile_peaks_of
 from cpumla.cli import render
 from cpumla.cli.options import (
+    DRAFT_MODEL_HELP,
     DRAFT_TOKENS_HELP,
     MEMORY_HELP,
     QUANT_HELP,
@@ -62,6 +63,7 @@ def bench(
                               help="mtp or ngram: also time verifying 2 .. K+1 tokens against 1, and decode with "
                               "every draft kept (the pp / tg tests never draft)."),
     draft_tokens: int = typer.Option(1, "--draft-tokens", help=DRAFT_TOKENS_HELP),
+    draft_model: str = typer.Option(None, "--draft-model", "-md", metavar="FILE", help=DRAFT_MODEL_HELP),
     formats: str = typer.Option(",".join(("f32", "bf16", "f16", "e4m3", "e4m3-e8m0", "e2m1", "q8", "q4")), "--formats",
                                 help="--kernels: comma-separated GEMV weight formats (GGUF's too: q8_0, q4_k, q2_k, iq2_xxs, mxfp4, ...)."),
     report: bool = typer.Option(False, "--report", metavar="", help="--kernels: also `cpumla info --json`, every "
@@ -77,7 +79,7 @@ def bench(
     tp: int = typer.Option(None, "--tp", metavar="N", help=TP_HELP),
 ) -> None:
     check_quant(quant)
-    check_draft(draft, draft_tokens)
+    check_draft(draft, draft_tokens, draft_model)
     apply_tp(tp)
     budget = parse_size(memory)
     if output not in OUTPUTS:
@@ -99,11 +101,11 @@ def bench(
     if model is None:
         raise CpumlaError("name a model (or a preset with --dummy-weights), or pass --kernels")
     _model(model, dummy_weights, parse_hf_overrides(hf_overrides), dummy_dtype, n_prompt, n_gen, reps, threads,
-           depths, output, seed, quant, budget, (draft, draft_tokens))
+           depths, output, seed, quant, budget, (draft or ("mtp" if draft_model else "none"), draft_tokens, draft_model))
 
 
 def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, reps, threads, depths, output, seed,
-           quant=None, memory=None, draft=(None, 1)):
+           quant=None, memory=None, draft=("none", 1, None)):
     from cpumla.bench import model as mb
     from cpumla.runtime import tp as tp_mod
     from cpumla.runtime.loader import load
@@ -120,7 +122,8 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
     dep = _ints(depths, "--n-depth")
     need = max(dep) + max(n_prompt, n_gen, 0, 34 * (draft[1] + 1)) + 1
     from cpumla.runtime.resolve import load_config
-    cfg, resolved = load_config(model, hf_overrides)
+    from cpumla.runtime.speculative import mtp_source
+    cfg, resolved = load_config(model, hf_overrides, mtp=mtp_source(draft[0], draft[2]))
     for w in mb.check_args(cfg.max_position_embeddings, n_prompt, n_gen, reps, thr, dep):
         render.print_warning(w)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
@@ -138,7 +141,7 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
         t0 = time.perf_counter()
         eng = load(model, dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed,
                           max_seq_len=need, dummy_dtype=dummy_dtype, quant=quant, resolved=resolved, memory=memory,
-                          draft=draft[0] or "none", draft_tokens=draft[1], threads=thr[0] if world > 1 else None,
+                          draft=draft[0], draft_tokens=draft[1], draft_model=draft[2], threads=thr[0] if world > 1 else None,
                           progress=lambda done, total: prog.update(task, description=f"quantizing to {quant}",
                                                                    completed=done, total=total))
         load_s = time.perf_counter() - t0

@@ -14,7 +14,7 @@ import time
 import typer
 
 from cpumla.cli import render
-from cpumla.cli.options import DRAFT_HELP, DRAFT_TOKENS_HELP, MEMORY_HELP, QUANT_HELP, TP_HELP
+from cpumla.cli.options import DRAFT_HELP, DRAFT_MODEL_HELP, DRAFT_TOKENS_HELP, MEMORY_HELP, QUANT_HELP, TP_HELP
 from cpumla.errors import CpumlaError
 
 PROGRESS_AFTER_S = 1.0    # a prefill running longer than this shows its progress on stderr
@@ -66,6 +66,7 @@ def chat(
     memory: str = typer.Option(None, "--memory", metavar="SIZE", help=MEMORY_HELP),
     draft: str = typer.Option(None, "--draft", metavar="mtp|ngram|none", help=DRAFT_HELP),
     draft_tokens: int = typer.Option(1, "--draft-tokens", help=DRAFT_TOKENS_HELP),
+    draft_model: str = typer.Option(None, "--draft-model", "-md", metavar="FILE", help=DRAFT_MODEL_HELP),
     tp: int = typer.Option(None, "--tp", metavar="N", help=TP_HELP),
 ) -> None:
     from cpumla.chat.stops import parse_stop
@@ -73,7 +74,7 @@ def chat(
     from cpumla.sampling import check
 
     check_quant(quant)
-    check_draft(draft, draft_tokens)
+    mtp = check_draft(draft, draft_tokens, draft_model)
     apply_tp(tp)
     budget = parse_size(memory)
     interactive = prompt is None and sys.stdin.isatty()
@@ -92,7 +93,7 @@ def chat(
         if not prompt.strip():
             raise CpumlaError("empty prompt (pass -p TEXT or pipe a prompt on stdin)")
     conv, info, notices = _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, system,
-                                sampling, think, interactive, quant, budget, (draft, draft_tokens))
+                                sampling, think, interactive, quant, budget, (draft, draft_tokens, draft_model, mtp))
     for n in warnings + notices:
         render.err.print(f"note: {n}", style="yellow", markup=False, highlight=False, soft_wrap=True)
     render.err.print(f"ready: {info['model']} loaded in {info['load_s']:.1f} s", style="dim", markup=False,
@@ -106,7 +107,7 @@ def chat(
 
 # ---- setup ----
 def _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, system, sampling, think, interactive,
-          quant=None, memory=None, draft=(None, 1)):
+          quant=None, memory=None, draft=(None, 1, None, None)):
     from cpumla import native
     from cpumla.chat.chat_format import format_for
     from cpumla.chat.conversation import Conversation, Settings
@@ -117,7 +118,7 @@ def _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, sys
     from cpumla.runtime.resolve import load_config
 
     overrides = parse_hf_overrides(hf_overrides)
-    cfg, resolved = load_config(model, overrides)
+    cfg, resolved = load_config(model, overrides, mtp=draft[3])
     ctx_notes = check_ctx(ctx, cfg.max_position_embeddings)
     tok, notices = load_tokenizer(resolved, tokenizer, dummy_weights)
     if tok.vocab_size > cfg.vocab_size and "vocab_size" not in overrides:
@@ -129,7 +130,8 @@ def _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, sys
     with render.loading(f"loading {model}", quant, show=interactive or quant is not None) as progress:
         engine = load(model, dummy_weights=dummy_weights, hf_overrides=overrides, seed=seed or 0,
                              threads=threads, max_seq_len=ctx, quant=quant, progress=progress, resolved=resolved,
-                      memory=memory, draft=draft[0], draft_tokens=draft[1])
+                      memory=memory, draft=draft[0], draft_tokens=draft[1],
+                      draft_model=draft[2])
     load_s = time.perf_counter() - t0
     notices += ctx_notes
     fmt = format_for(cfg.model_type, resolved.name or model, tok)

@@ -59,14 +59,16 @@ def dummy_dtypes_help() -> str:
 QUANT_HELP = "Quantize the linear layers as they load: q8 (8.5 bits a weight) or q4 (4.5)."
 
 
-def check_draft(draft, tokens) -> None:
-    """--draft and --draft-tokens, before a model loads."""
-    from cpumla.runtime.speculative import DRAFTS, MAX_DRAFT_TOKENS
+def check_draft(draft, tokens, draft_model=None):
+    """--draft, --draft-tokens and --draft-model, before a model loads: where a GGUF model's MTP layer
+    comes from (runtime/speculative.py: mtp_source), for load_config."""
+    from cpumla.runtime.speculative import DRAFTS, MAX_DRAFT_TOKENS, mtp_source
 
     if draft is not None and draft not in DRAFTS:
         raise CpumlaError(f"--draft must be one of {', '.join(DRAFTS)}, not '{draft}'")
     if not 1 <= tokens <= MAX_DRAFT_TOKENS:
         raise CpumlaError(f"--draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}, not {tokens}")
+    return mtp_source(draft, draft_model)
 
 
 def check_quant(quant) -> None:
@@ -82,6 +84,8 @@ MEMORY_HELP = ("Memory budget, e.g. 16G (K, M, G, T: powers of 1024; default: wh
 DRAFT_HELP = ("Speculative decoding: mtp (the checkpoint's multi-token-prediction layer drafts; the default "
               "where it has one), ngram (prompt lookup: the continuation of an earlier occurrence), none.")
 DRAFT_TOKENS_HELP = "Draft tokens verified in one forward (1 to 8)."
+DRAFT_MODEL_HELP = ("A GGUF model's MTP file (llama.cpp's converter with --mtp), drafting with mtp. Default: the "
+                    "one beside the model, named mtp- and the model's file name.")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 

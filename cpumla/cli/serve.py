@@ -10,7 +10,7 @@ import sys
 import typer
 
 from cpumla.cli import render
-from cpumla.cli.options import DRAFT_HELP, DRAFT_TOKENS_HELP, MEMORY_HELP, QUANT_HELP, TP_HELP
+from cpumla.cli.options import DRAFT_HELP, DRAFT_MODEL_HELP, DRAFT_TOKENS_HELP, MEMORY_HELP, QUANT_HELP, TP_HELP
 from cpumla.errors import CpumlaError
 
 
@@ -38,6 +38,7 @@ def serve(
                                    help="Let browsers at ORIGIN call the API (repeatable; '*' for any)."),
     draft: str = typer.Option(None, "--draft", metavar="mtp|ngram|none", help=DRAFT_HELP),
     draft_tokens: int = typer.Option(1, "--draft-tokens", help=DRAFT_TOKENS_HELP),
+    draft_model: str = typer.Option(None, "--draft-model", "-md", metavar="FILE", help=DRAFT_MODEL_HELP),
     tp: int = typer.Option(None, "--tp", metavar="N", help=TP_HELP),
 ) -> None:
     import uvicorn
@@ -49,7 +50,7 @@ def serve(
     from cpumla.server.model import load_served
 
     check_quant(quant)
-    check_draft(draft, draft_tokens)
+    check_draft(draft, draft_tokens, draft_model)
     apply_tp(tp)
     budget = parse_size(memory)       # the numeric options: cli/options.py's RULES, before this runs
     if api_key is not None and not api_key.strip():
@@ -66,7 +67,7 @@ def serve(
         served, notices = load_served(model, dummy_weights=dummy_weights, hf_overrides=overrides,
                                       dummy_dtype=dummy_dtype, seed=seed or 0, threads=threads, ctx=ctx_size,
                                       tokenizer=tokenizer, quant=quant, progress=progress, memory=budget,
-                                      aliases=aliases, draft=(draft, draft_tokens))
+                                      aliases=aliases, draft=(draft, draft_tokens, draft_model))
     for n in notices:
         render.err.print(f"note: {n}", style="yellow", markup=False, highlight=False, soft_wrap=True)
     if api_key is None and not _loopback(host):

@@ -32,7 +32,7 @@ def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: in
          max_seq_len: int | None = None, dummy_dtype: str = "bf16", quant: str | None = None, progress=None,
          resolved=None, memory: int | None = None, expert_slots: int | None = None, expert_policy: str = "lru",
          tokenizer: str | None = None, draft: str | None = None, draft_tokens: int = 1,
-         draft_p_min: float | None = None, tp: int | None = None):
+         draft_p_min: float | None = None, draft_model: str | None = None, tp: int | None = None):
     """An Engine for `model` (a local directory, a GGUF file or a folder holding one, a Hugging Face repo
     id in the local cache, or a known repo id whose config cpumla bundles). dummy_weights: deterministic random weights from `seed` in
     the checkpoint's in-memory formats (dummy_dtype "bf16", or "fp8" as V3 ships). quant "q8" / "q4":
@@ -45,7 +45,8 @@ def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: in
     which slot an expert replaces, "lru" or "lfu". tokenizer: the text API's (Engine.chat / complete), as
     `cpumla chat --tokenizer` takes it (default: the model's own). draft, draft_tokens, draft_p_min:
     speculative decoding (Engine.set_draft; default: the checkpoint's MTP layer where it has one, one
-    draft token). tp: that many tensor-parallel ranks, started here as processes of their own
+    draft token); draft_model: a GGUF model's MTP file, where it is not beside the model as `mtp-` + the
+    model's file name (with draft "ngram" or "none" no MTP file is opened). tp: that many tensor-parallel ranks, started here as processes of their own
     (runtime/tp.py; under torchrun the launch's ranks are joined whatever tp says); ranks other than 0
     never return. Raises CpumlaError, also when the model
     cannot fit in memory (checked before anything is allocated)."""
@@ -55,13 +56,14 @@ def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: in
                                      or expert_slots < 1):
         raise CpumlaError(f"expert_slots must be a positive integer, got {expert_slots!r}")
     speculative.check_draft(draft, draft_tokens, draft_p_min)
+    mtp = speculative.mtp_source(draft, draft_model)
     tp = tp_mod.default_tp(tp)
-    load_args = {k: v for k, v in locals().items() if k not in ("progress", "resolved", "tp")}
+    load_args = {k: v for k, v in locals().items() if k not in ("progress", "resolved", "tp", "mtp")}
     if threads is not None:        # quantizing runs on the pool: size it first
         native.ensure_init()
         native.set_threads(threads)
     quantizer = Quantizer(quant, progress) if quant is not None else None
-    cfg, resolved = load_config(model, hf_overrides, resolved)
+    cfg, resolved = load_config(model, hf_overrides, resolved, mtp)
     fam = family(cfg.model_type)
     ctx = context_length(cfg, max_seq_len)
     where = f"preset {model}" if resolved.directory is None else str(resolved.directory)

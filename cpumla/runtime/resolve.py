@@ -57,8 +57,8 @@ def open_weights(resolved: Resolved):
     return resolved.gguf if resolved.gguf is not None else Checkpoint(resolved.directory)
 
 
-def _gguf(path: Path) -> Resolved:
-    g = GGUFCheckpoint(path)
+def _gguf(path: Path, mtp=None) -> Resolved:
+    g = GGUFCheckpoint(path, mtp)
     return Resolved("gguf", g.path.parent, None, g.config, g)
 
 
@@ -101,21 +101,30 @@ def _looks_like_path(model: str) -> bool:
     return model.startswith(("/", ".", "~")) or os.sep in model.replace("/", "") or model.count("/") > 1
 
 
-def resolve_model(model: str) -> Resolved:
+def resolve_model(model: str, mtp=None) -> Resolved:
+    """mtp: a GGUF model's MTP source (GGUFCheckpoint's mtp; runtime/speculative.py: mtp_source); a path
+    there is refused for any other model."""
+    got = _resolve(model, mtp)
+    if mtp not in (None, False) and got.gguf is None:
+        raise CpumlaError(f"--draft-model {mtp}: an MTP file drafts for a GGUF model; {model} is not one")
+    return got
+
+
+def _resolve(model: str, mtp) -> Resolved:
     path = Path(model).expanduser()
     if path.is_dir():
         config_path = path / "config.json"
         if not config_path.is_file():
             if any(path.glob("*.gguf")):
-                return _gguf(path.resolve())
+                return _gguf(path.resolve(), mtp)
             raise CpumlaError(f"{path}: has no config.json (is it a model directory?)")
         return Resolved("dir", path.resolve(), None, read_json_object(config_path))
     if path.exists():
         if path.suffix == ".gguf":
-            return _gguf(path.absolute())    # not resolved: a link in the hub cache keeps its shard name
+            return _gguf(path.absolute(), mtp)    # not resolved: a link in the hub cache keeps its shard name
         raise CpumlaError(f"{path}: is a file; --model wants a model directory, a .gguf file or a repo id")
     if gguf_hub.is_ref(model):           # REPO:QUANT, a GGUF quantization in the hub cache
-        return _gguf(gguf_hub.cached_path(model))
+        return _gguf(gguf_hub.cached_path(model), mtp)
     if _looks_like_path(model):
         raise CpumlaError(f"{path}: no such directory")
 
@@ -167,11 +176,12 @@ def check_overrides(overrides: dict[str, Any] | None) -> dict[str, Any]:
     return overrides
 
 
-def load_config(model: str, hf_overrides=None, resolved: Resolved | None = None):
+def load_config(model: str, hf_overrides=None, resolved: Resolved | None = None, mtp=None):
     """(family config, Resolved) for a local directory, a cached repo id or a preset. resolved: `model`
-    resolved already (a GGUF file open once, not parsed again), its config taken under hf_overrides."""
+    resolved already (a GGUF file open once, not parsed again), its config taken under hf_overrides.
+    mtp: where a GGUF model's MTP layer comes from (resolve_model)."""
     if resolved is None:
-        resolved = resolve_model(model)
+        resolved = resolve_model(model, mtp)
     where = resolved.source if resolved.kind != "preset" else f"preset {model}"
     cfg_dict = apply_overrides(resolved.config, hf_overrides)
     fit = getattr(family(cfg_dict.get("model_type"), where), "fit_overrides", None)

@@ -33,6 +33,8 @@ projections, one layer with top-k experts, the head).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from cpumla.errors import CpumlaError
@@ -51,6 +53,20 @@ def check_draft(mode, k, p_min=None) -> None:
         raise CpumlaError(f"draft tokens must be an integer from 1 to {MAX_DRAFT_TOKENS}, not {k!r}")
     if p_min is not None and (isinstance(p_min, bool) or not isinstance(p_min, (int, float)) or not 0 <= p_min <= 1):
         raise CpumlaError(f"the draft's minimum probability must be in [0, 1], not {p_min!r}")
+
+
+def mtp_source(mode, draft_model=None):
+    """Where a GGUF model's MTP layer comes from when its file has none (resolve_model's mtp): draft_model,
+    an MTP file anywhere (llama.cpp's `-md`), drafting with mtp; else the MTP file beside the model
+    (None), unless the drafts are ngram or none (False: no file opened, a bad one in the way of
+    nothing). CpumlaError for draft_model with another mode."""
+    if draft_model is None:
+        return False if mode in ("ngram", "none") else None
+    if isinstance(draft_model, bool) or not isinstance(draft_model, (str, os.PathLike)) or not str(draft_model):
+        raise CpumlaError(f"draft_model must be the path of an MTP GGUF file, not {draft_model!r}")
+    if mode not in (None, "mtp"):
+        raise CpumlaError(f"--draft-model drafts with the MTP layer it holds: not with --draft {mode}")
+    return os.fspath(draft_model)
 
 
 def expert_union(k: int, E: int, n: int) -> float:

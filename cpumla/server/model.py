@@ -21,16 +21,18 @@ class ServedModel(Generator):
 def load_served(model: str, *, dummy_weights: bool = False, hf_overrides=None, dummy_dtype: str = "bf16",
                 seed: int = 0, threads: int | None = None, ctx: int | None = None,
                 tokenizer: str | None = None, quant: str | None = None,
-                progress=None, memory: int | None = None, aliases=(), draft=(None, 1)) -> tuple[ServedModel, list[str]]:
+                progress=None, memory: int | None = None, aliases=(), draft=(None, 1, None)) -> tuple[ServedModel, list[str]]:
     """(ServedModel, notices): the engine, tokenizer and chat format as `cpumla chat` sets them up
-    (a dummy model's vocabulary grows to fit the tokenizer); draft: (mode, tokens) of speculative
-    decoding (Engine.set_draft). Raises CpumlaError."""
+    (a dummy model's vocabulary grows to fit the tokenizer); draft: (mode, tokens, MTP file or
+    None) of speculative decoding (cpumla.load's draft, draft_tokens, draft_model). Raises CpumlaError."""
     from cpumla.chat.tokenizer import load_tokenizer
     from cpumla.runtime.loader import load
     from cpumla.runtime.resolve import load_config
+    from cpumla.runtime.speculative import mtp_source
 
     overrides = dict(hf_overrides or {})
-    cfg, resolved = load_config(model, overrides)
+    mode, tokens, draft_model = (tuple(draft) + (None,))[:3]
+    cfg, resolved = load_config(model, overrides, mtp=mtp_source(mode, draft_model))
     tok, notices = load_tokenizer(resolved, tokenizer, dummy_weights)
     if tok.vocab_size > cfg.vocab_size and "vocab_size" not in overrides:
         if dummy_weights:
@@ -41,5 +43,6 @@ def load_served(model: str, *, dummy_weights: bool = False, hf_overrides=None, d
             notices.append(f"the tokenizer has {tok.vocab_size} ids, the model {cfg.vocab_size}")
     engine = load(model, dummy_weights=dummy_weights, hf_overrides=overrides, seed=seed, threads=threads,
                          max_seq_len=ctx, dummy_dtype=dummy_dtype, quant=quant, progress=progress,
-                         resolved=resolved, memory=memory, draft=draft[0], draft_tokens=draft[1])
+                         resolved=resolved, memory=memory, draft=mode, draft_tokens=tokens,
+                         draft_model=draft_model)
     return ServedModel.of(engine, tok, resolved.name or model, model, aliases), notices
