@@ -28,6 +28,7 @@ MODEL_TYPES = ("deepseek_v32",)
 INDEX_NORM_EPS = 1e-6          # DeepseekV32Indexer.k_norm = nn.LayerNorm(index_head_dim, eps=1e-6)
 
 fit_overrides = v2.fit_overrides
+is_mtp = tables.is_mtp          # the MTP layer (block num_hidden_layers) as V3's: loaded, not decoded with
 
 
 @dataclass

@@ -42,8 +42,9 @@ def test_counts_match_the_tensor_table(model, overrides):
     fam = family(cfg.model_type)
     table = fam.tensors(cfg)
     p = plan(model, overrides)
-    in_mtp = getattr(fam, "is_mtp", lambda cfg, name: False)     # V3's MTP layer: not among the parameters
-    assert p.params == sum(math.prod(s) for name, (s, _) in table.items() if not in_mtp(cfg, name))
+    mtp = f"model.layers.{cfg.num_hidden_layers}."          # V3's and V3.2's MTP layer: not among the parameters
+    assert cfg.model_type == "deepseek_v2" or any(name.startswith(mtp) for name in table)
+    assert p.params == sum(math.prod(s) for name, (s, _) in table.items() if not name.startswith(mtp))
     bf16 = sum(4 * math.prod(s) if k == "bias" else 2 * math.prod(s) for s, k in table.values())
     assert p.weights.get("bf16", p.weights["stored"]) == bf16
     assert p.weights["q4"] < p.weights["q8"] < bf16
@@ -156,7 +157,8 @@ V4_TINY = {"num_hidden_layers": 4, "vocab_size": 1000, "n_routed_experts": 16, "
 
 @pytest.mark.parametrize("model,overrides,dtype,quant,fmt", [
     (V3, TINY, "bf16", None, "bf16"), (V3, TINY, "fp8", None, "stored"), (V3, TINY, "bf16", "q4", "q4"),
-    (V3, TINY, "bf16", "q8", "q8"), ("deepseek-ai/DeepSeek-V4-Flash", V4_TINY, "bf16", None, "stored")])
+    (V3, TINY, "bf16", "q8", "q8"), ("deepseek-ai/DeepSeek-V3.2", TINY, "bf16", None, "bf16"),
+    ("deepseek-ai/DeepSeek-V4-Flash", V4_TINY, "bf16", None, "stored")])
 def test_token_bytes_are_what_a_decode_token_reads(model, overrides, dtype, quant, fmt):
     """The plan's weight bytes a decode token reads (every weight once, top_k of the routed experts, one
     embedding row) are the model's own count of them, once built, within its norms and cache rows."""
