@@ -209,22 +209,43 @@ GQI_INLINE void gqi_un_iq4_nl(const uint8_t *rp, int64_t g, int nc, gqi_grp *u, 
     for (int c = nc; c < 8; c++) u->w[c] = u->v[c] = _mm256_setzero_si256();
     u->d = gqi_h8(b, 18, nc);
 }
-GQI_INLINE void gqi_un_mxfp4(const uint8_t *rp, int64_t g, int nc, gqi_grp *u, const gqi_ctx *cx) {
-    const uint8_t *b = rp + g * 8 * 17;
+/* the d of the nc MXFP4 blocks at b: 2^(e - 128), (e - 1) << 23, or the subnormal 0x00200000 << e for e < 2 */
+GQI_INLINE __m256 gqi_mx_d(const uint8_t *b, int nc) {
     uint32_t e[8] = {0};
-    for (int c = 0; c < nc; c++) {
-        gqi_tab(cx, gqi_nib(b + 17 * c + 1), &u->w[c], &u->v[c]);
-        e[c] = b[17 * c];
-    }
-    for (int c = nc; c < 8; c++) u->w[c] = u->v[c] = _mm256_setzero_si256();
-    /* d = 2^(e - 128): (e - 1) << 23, or the subnormal 0x00200000 << e for e < 2 */
+    for (int c = 0; c < nc; c++) e[c] = b[17 * c];
     const __m256i ev = _mm256_loadu_si256((const __m256i *)e);
     const __m256i nrm = _mm256_slli_epi32(_mm256_sub_epi32(ev, _mm256_set1_epi32(1)), 23);
     const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), ev);
     const __m256i big = _mm256_cmpgt_epi32(ev, _mm256_set1_epi32(1));
     __m256i bits = _mm256_blendv_epi8(sub, nrm, big);
     if (nc < 8) bits = _mm256_and_si256(bits, _mm256_cmpgt_epi32(_mm256_set1_epi32(nc), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-    u->d = _mm256_castsi256_ps(bits);
+    return _mm256_castsi256_ps(bits);
+}
+GQI_INLINE void gqi_un_mxfp4(const uint8_t *rp, int64_t g, int nc, gqi_grp *u, const gqi_ctx *cx) {
+    const uint8_t *b = rp + g * 8 * 17;
+    for (int c = 0; c < nc; c++) gqi_tab(cx, gqi_nib(b + 17 * c + 1), &u->w[c], &u->v[c]);
+    for (int c = nc; c < 8; c++) u->w[c] = u->v[c] = _mm256_setzero_si256();
+    u->d = gqi_mx_d(b, nc);
+}
+/* MXFP4 in gqi_x86.h's gemm: its codes (|v| <= 12) as the unsigned v + GQI_MX_OFF from a table of their
+ * own (gqi_ctx_off), the offset taken out with the activations' code sums. On avx2 that spares the signs
+ * of the other table types (a vpshufb a chunk and row, a vpsignb a chunk and token): vpmaddubsw's pair
+ * sums stay below 2 * 24 * 127; avx512vnni keeps its + 128. */
+#if defined(__AVX512VNNI__)
+#define GQI_MX_OFF GQI_TAB_OFF
+#else
+#define GQI_MX_OFF 12
+#endif
+GQI_INLINE void gqi_ctx_off(gqi_ctx *cx, const int8_t *kv, int off) {
+    const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kv));
+    cx->tab_w = _mm256_add_epi8(t, _mm256_set1_epi8((char)off));
+    cx->tab_v = t;
+}
+GQI_INLINE void gqi_un_mxfp4_u(const uint8_t *rp, int64_t g, int nc, gqi_grp *u, const gqi_ctx *cx) {
+    const uint8_t *b = rp + g * 8 * 17;
+    for (int c = 0; c < nc; c++) u->w[c] = _mm256_shuffle_epi8(cx->tab_w, gqi_nib(b + 17 * c + 1));
+    for (int c = nc; c < 8; c++) u->w[c] = _mm256_setzero_si256();
+    u->d = gqi_mx_d(b, nc);
 }
 GQI_INLINE void gqi_un_iq4_xs(const uint8_t *rp, int64_t g, int nc, gqi_grp *u, const gqi_ctx *cx) {
     const uint8_t *b = rp + g * 136;
