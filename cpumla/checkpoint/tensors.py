@@ -76,6 +76,15 @@ def embedding(src, name: str, shape: tuple[int, int]) -> native.Weight:
     return native.Weight(v, native.format_of(v))
 
 
+def table(src, name: str, shape: tuple[int, int]) -> np.ndarray:
+    """A small 2-D table the forward reads as numbers (V4's compressors' position biases): as `vector`, or
+    dequantized to float32 from a GGUF block format (llama-quantize gives one to every 2-D tensor whose rows
+    hold whole blocks, these too)."""
+    if src.has(name) and src.info(name)[0] in GGUF_TYPES:
+        return native.dequant(gguf_block(src, name, shape))
+    return vector(src, name, shape)
+
+
 def stored_quantized(src, name: str, shape: tuple[int, int]) -> native.Weight:
     """A q8 (I8 [out, in]) or q4 (U8 [out, in/2]) tensor of a cpumla checkpoint with its F16 scale grid."""
     dtype, got = src.info(name)

@@ -100,8 +100,9 @@ def bench(
         raise CpumlaError("--report goes with --kernels")
     if model is None:
         raise CpumlaError("name a model (or a preset with --dummy-weights), or pass --kernels")
+    mode = draft or ("mtp" if draft_model else "none")      # bench drafts only when asked
     _model(model, dummy_weights, parse_hf_overrides(hf_overrides), dummy_dtype, n_prompt, n_gen, reps, threads,
-           depths, output, seed, quant, budget, (draft or ("mtp" if draft_model else "none"), draft_tokens, draft_model))
+           depths, output, seed, quant, budget, (mode, draft_tokens, draft_model))
 
 
 def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, reps, threads, depths, output, seed,
@@ -141,7 +142,8 @@ def _model(model, dummy_weights, hf_overrides, dummy_dtype, n_prompt, n_gen, rep
         t0 = time.perf_counter()
         eng = load(model, dummy_weights=dummy_weights, hf_overrides=hf_overrides, seed=seed,
                           max_seq_len=need, dummy_dtype=dummy_dtype, quant=quant, resolved=resolved, memory=memory,
-                          draft=draft[0], draft_tokens=draft[1], draft_model=draft[2], threads=thr[0] if world > 1 else None,
+                          draft=draft[0], draft_tokens=draft[1], draft_model=draft[2],
+                          threads=thr[0] if world > 1 else None,
                           progress=lambda done, total: prog.update(task, description=f"quantizing to {quant}",
                                                                    completed=done, total=total))
         load_s = time.perf_counter() - t0

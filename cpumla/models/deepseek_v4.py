@@ -70,7 +70,8 @@ class Model(NativeModel):
         names = Names(src)
         D, V, N = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
         self.keep: list = []
-        self.embed = vector(src, names, "embed.weight", (V, D))
+        self._embed_w = W.embedding(src, names("embed.weight"), (V, D))   # a GGUF file's may be K-quant
+        self.embed = self._embed_w.data
         self.lm_head = linear(src, names, "head.weight", (V, D), cfg.block)
         self.head_row0 = 0
         if shard is not None:
@@ -79,7 +80,6 @@ class Model(NativeModel):
         ffi = native.ffi
         m = ffi.new("cpumla_dsv4_model *")
         self._m = m
-        self._embed_w = native.Weight(self.embed, native.format_of(self.embed))
         m.embed, m.lm_head = self._embed_w.c, self.lm_head.c
         native.set_vec(m.norm, self.norm)
         self._hc(m.hc_head, src, names, "hc_head_fn", "hc_head_base", "hc_head_scale", N, 1)
@@ -224,7 +224,9 @@ class Model(NativeModel):
     def _comp(self, c, src, names, prefix, t, lin):
         wkv, wgate = lin(prefix + "wkv.weight"), lin(prefix + "wgate.weight")
         c.wkv, c.wgate = wkv.c, wgate.c
-        self._vec(c.ape, src, names, prefix + "ape", t[prefix + "ape"][0])
+        ape = W.table(src, names(prefix + "ape"), t[prefix + "ape"][0])
+        self.keep.append(ape)
+        native.set_vec(c.ape, ape)
         self._vec(c.norm, src, names, prefix + "norm.weight", t[prefix + "norm.weight"][0])
         return [wkv, wgate]
 

@@ -46,9 +46,9 @@ def load(model: str, *, dummy_weights: bool = False, hf_overrides=None, seed: in
     `cpumla chat --tokenizer` takes it (default: the model's own). draft, draft_tokens, draft_p_min:
     speculative decoding (Engine.set_draft; default: the checkpoint's MTP layer where it has one, one
     draft token); draft_model: a GGUF model's MTP file, where it is not beside the model as `mtp-` + the
-    model's file name (with draft "ngram" or "none" no MTP file is opened). tp: that many tensor-parallel ranks, started here as processes of their own
-    (runtime/tp.py; under torchrun the launch's ranks are joined whatever tp says); ranks other than 0
-    never return. Raises CpumlaError, also when the model
+    model's file name (with draft "ngram" or "none" no MTP file is opened). tp: that many tensor-parallel
+    ranks, started here as processes of their own (runtime/tp.py; under torchrun the launch's ranks are
+    joined whatever tp says); ranks other than 0 never return. Raises CpumlaError, also when the model
     cannot fit in memory (checked before anything is allocated)."""
     if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 1):
         raise CpumlaError(f"memory must be a positive number of bytes, got {memory!r}")

@@ -21,7 +21,8 @@ class ServedModel(Generator):
 def load_served(model: str, *, dummy_weights: bool = False, hf_overrides=None, dummy_dtype: str = "bf16",
                 seed: int = 0, threads: int | None = None, ctx: int | None = None,
                 tokenizer: str | None = None, quant: str | None = None,
-                progress=None, memory: int | None = None, aliases=(), draft=(None, 1, None)) -> tuple[ServedModel, list[str]]:
+                progress=None, memory: int | None = None, aliases=(),
+                draft=(None, 1, None)) -> tuple[ServedModel, list[str]]:
     """(ServedModel, notices): the engine, tokenizer and chat format as `cpumla chat` sets them up
     (a dummy model's vocabulary grows to fit the tokenizer); draft: (mode, tokens, MTP file or
     None) of speculative decoding (cpumla.load's draft, draft_tokens, draft_model). Raises CpumlaError."""

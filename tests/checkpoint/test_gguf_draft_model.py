@@ -65,7 +65,8 @@ def test_no_mtp_file_opened_for_ngram_or_none(files, tmp_path):
         assert not eng.has_mtp and eng.draft == mode
     p = bench(tmp_path / "m.gguf", "--draft", "none")
     assert p.returncode == 0, p.stderr
-    assert_one_line_error(bench(tmp_path / "m.gguf", "--draft", "mtp"), "mtp-m.gguf", "deepseek32.block_count", status=2)
+    assert_one_line_error(bench(tmp_path / "m.gguf", "--draft", "mtp"), "mtp-m.gguf", "deepseek32.block_count",
+                          status=2)
 
 
 @pytest.mark.parametrize("case", ["ngram", "missing", "a-model", "in-file", "not-gguf"])

@@ -137,6 +137,26 @@ def test_v4_gguf_converter_types(v4_rounded, tmp_path):
     gguf_files.check_q8_drift(stepwise(eng, IDS, 5), ref, hf_bf16)
 
 
+def test_v4_gguf_quantizer_types(v4_rounded, tmp_path):
+    """llama-quantize gives a block type to every 2-D tensor whose rows hold whole blocks: the embedding (read
+    a row at a time in place), the mHC fn (read in place), and the compressors' position biases (dequantized
+    when loaded): here Q8_0 (the tiny widths hold whole blocks of 32), against transformers on the values the
+    file holds, prefill and decode."""
+    path = tmp_path / "q8.gguf"
+    blocked = ("token_embd.weight", "blk.1.attn_compressor_ape.weight", "blk.1.indexer_compressor_ape.weight",
+               "blk.2.attn_compressor_ape.weight", "blk.1.hc_attn_fn.weight", "output_hc_fn.weight")
+    held = gguf_files_v4.write(v4_rounded, path, "Q8_0", types=dict.fromkeys(blocked, "Q8_0"))
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert {n: types[n] for n in blocked} == dict.fromkeys(blocked, "Q8_0")
+    rm = gguf_files_v4.reference(v4_rounded, held, tmp_path / "ref")
+    ref = models.reference_logits(rm, IDS)
+    hf_bf16 = models.reference_logits(rm.to(torch.bfloat16), IDS)
+    eng = cpumla.load(str(path))
+    gguf_files.check_q8_drift(eng.forward(IDS), ref, hf_bf16)
+    eng.reset()
+    gguf_files.check_q8_drift(stepwise(eng, IDS, 5), ref, hf_bf16)
+
+
 # ---- bad files ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("metadata,words", [
     ({"deepseek4.attention.compress_ratios": None}, ["deepseek4.attention.compress_ratios", "missing"]),
