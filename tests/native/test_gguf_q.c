@@ -150,8 +150,9 @@ static const gq_case_type gq_case_types[] = {
 };
 #define GQ_CASE_TYPES ((int)(sizeof gq_case_types / sizeof gq_case_types[0]))
 
-/* the codebooks, pseudo-random within each table's range (an rng of their own) */
-static void gq_test_tables(void) {
+/* the codebooks, pseudo-random within each table's range (an rng of their own); mx_own: MXFP4's own
+ * table instead (the doubled e2m1 values, |v| <= 12: the unsigned path of avx2's gemm) */
+static void gq_test_tables(int mx_own) {
     static uint8_t iq2[256 * 8], iq3[256 * 4], ks[128];
     static int8_t iq1[2048 * 8], nl[16], mx[16];
     uint64_t s = 0x2545f4914f6cdd1dull;
@@ -163,6 +164,8 @@ static void gq_test_tables(void) {
     for (int i = 0; i < 16; i++) { nl[i] = (int8_t)(uint8_t)NEXT(); mx[i] = (int8_t)(uint8_t)NEXT(); }
     nl[0] = -128;
     mx[15] = 127;
+    static const int8_t e2m1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+    if (mx_own) memcpy(mx, e2m1x2, sizeof mx);
 #undef NEXT
     check(cpumla_gguf_tables(iq2, iq3, iq1, ks, nl, mx) == 0, "cpumla_gguf_tables refused in-range tables: %s",
           cpumla_last_error());
@@ -347,17 +350,23 @@ static void gq_type_case(const cpumla_kernels *k, const gq_case_type *ty, int64_
 }
 
 void test_gguf_types(const cpumla_kernels *k) {
-    gq_test_tables();
+    /* 32-column types: 288 and 800 columns (not multiples of 256) */
+    static const int64_t shapes32[][3] = {{1, 32, 0}, {7, 288, 6}, {13, 800, 13}};
+    static const int64_t shapes256[][3] = {{1, 256, 0}, {7, 512, 6}, {13, 768, 13}};
+    gq_test_tables(0);
     for (int i = 0; i < GQ_CASE_TYPES; i++) {
         const gq_case_type *ty = &gq_case_types[i];
         const gq_type *g = gq_info(ty->dtype);
         check(g->block == ty->block && g->bytes == ty->bytes && g->has_min == ty->has_min && !strcmp(g->name, ty->name),
               "gq_types[%s] is not ggml's layout", ty->name);
-        /* 32-column types: 288 and 800 columns (not multiples of 256) */
-        static const int64_t shapes32[][3] = {{1, 32, 0}, {7, 288, 6}, {13, 800, 13}};
-        static const int64_t shapes256[][3] = {{1, 256, 0}, {7, 512, 6}, {13, 768, 13}};
         const int64_t(*shapes)[3] = ty->block == 32 ? shapes32 : shapes256;
         for (int s = 0; s < (small_mode ? 2 : 3); s++)
             gq_type_case(k, ty, shapes[s][0], shapes[s][1], shapes[s][2], s == 1 ? 9 : 3);
     }
+    gq_test_tables(1);                  /* MXFP4 again, with its own table */
+    for (int i = 0; i < GQ_CASE_TYPES; i++)
+        if (gq_case_types[i].dtype == CPUMLA_MXFP4)
+            for (int s = 0; s < (small_mode ? 2 : 3); s++)
+                gq_type_case(k, &gq_case_types[i], shapes32[s][0], shapes32[s][1], shapes32[s][2], s == 1 ? 9 : 3);
+    gq_test_tables(0);
 }

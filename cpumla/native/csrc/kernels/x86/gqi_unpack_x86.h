@@ -46,8 +46,9 @@ GQI_INLINE __m256i gqi_bits(uint32_t bits, int8_t v) { return _mm256_and_si256(g
 
 /* how the codes' signs reach the product */
 enum { GQI_SG_NONE, GQI_SG_MASK, GQI_SG_VAL };
-/* the nibble-table types (IQ4_NL, IQ4_XS, MXFP4): avx512vnni takes value + 128 with off 128; avx2
- * the magnitudes, the signs given to x (vpsignb) */
+/* the nibble-table types (IQ4_NL, IQ4_XS, and MXFP4 in the panels; gqi_x86.h's gemm takes MXFP4 as
+ * gqi_un_mxfp4_u below): avx512vnni takes value + 128 with off 128; avx2 the magnitudes, the signs given
+ * to x (vpsignb) */
 #if defined(__AVX512VNNI__)
 #define GQI_TAB_OFF 128
 #define GQI_TAB_SG GQI_SG_NONE
@@ -227,15 +228,12 @@ GQI_INLINE void gqi_un_mxfp4(const uint8_t *rp, int64_t g, int nc, gqi_grp *u, c
     for (int c = nc; c < 8; c++) u->w[c] = u->v[c] = _mm256_setzero_si256();
     u->d = gqi_mx_d(b, nc);
 }
-/* MXFP4 in gqi_x86.h's gemm: its codes (|v| <= 12) as the unsigned v + GQI_MX_OFF from a table of their
- * own (gqi_ctx_off), the offset taken out with the activations' code sums. On avx2 that spares the signs
- * of the other table types (a vpshufb a chunk and row, a vpsignb a chunk and token): vpmaddubsw's pair
- * sums stay below 2 * 24 * 127; avx512vnni keeps its + 128. */
-#if defined(__AVX512VNNI__)
-#define GQI_MX_OFF GQI_TAB_OFF
-#else
-#define GQI_MX_OFF 12
-#endif
+/* MXFP4 in avx2's gemm (gqi_x86.h): its codes as the unsigned v + gq_mxfp4_max from a table of their own
+ * (gqi_ctx_off), the offset taken out with the activations' code sums, which spares the signs of the
+ * other table types (a vpshufb a chunk and row, a vpsignb a chunk and token). vpmaddubsw's pair sums stay
+ * below 2^15 while the table's largest |v| is at most GQI_MX_MAX (the format's is 12); a table beyond it
+ * (cpumla_gguf_tables takes any int8) takes the signs' path. */
+#define GQI_MX_MAX 64
 GQI_INLINE void gqi_ctx_off(gqi_ctx *cx, const int8_t *kv, int off) {
     const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kv));
     cx->tab_w = _mm256_add_epi8(t, _mm256_set1_epi8((char)off));

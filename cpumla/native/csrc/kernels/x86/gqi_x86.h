@@ -116,13 +116,23 @@ GQI_DEFINE(gqi_gemm_q4_1, gqi_un_q4_1, 160, 0, GQI_SG_NONE, 0, 1, 0, GQI_NO_TAB)
 GQI_DEFINE(gqi_gemm_q5_0, gqi_un_q5_0, 176, 16, GQI_SG_NONE, 0, 0, 0, GQI_NO_TAB)
 GQI_DEFINE(gqi_gemm_q5_1, gqi_un_q5_1, 192, 0, GQI_SG_NONE, 0, 1, 0, GQI_NO_TAB)
 GQI_DEFINE(gqi_gemm_iq4_nl, gqi_un_iq4_nl, 144, GQI_TAB_OFF, GQI_TAB_SG, 0, 0, 0, gqi_ctx_tab(&cx, gq_kvalues_iq4nl))
-GQI_DEFINE(gqi_gemm_mxfp4, gqi_un_mxfp4_u, 136, GQI_MX_OFF, GQI_SG_NONE, 0, 0, 0,
-           gqi_ctx_off(&cx, gq_kvalues_mxfp4, GQI_MX_OFF))
+#if defined(__AVX512VNNI__)
+GQI_DEFINE(gqi_gemm_mxfp4, gqi_un_mxfp4, 136, GQI_TAB_OFF, GQI_TAB_SG, 0, 0, 0, gqi_ctx_tab(&cx, gq_kvalues_mxfp4))
+#else
+GQI_DEFINE(gqi_gemm_mxfp4_s, gqi_un_mxfp4, 136, GQI_TAB_OFF, GQI_TAB_SG, 0, 0, 0, gqi_ctx_tab(&cx, gq_kvalues_mxfp4))
+GQI_DEFINE(gqi_gemm_mxfp4_u, gqi_un_mxfp4_u, 136, gq_mxfp4_max, GQI_SG_NONE, 0, 0, 0,
+           gqi_ctx_off(&cx, gq_kvalues_mxfp4, gq_mxfp4_max))
+static void gqi_gemm_mxfp4(const cpumla_weight *w, const void *qx, int64_t n, float *y, int64_t ldy, int64_t r0,
+                           int64_t r1) {
+    if (gq_mxfp4_max <= GQI_MX_MAX) gqi_gemm_mxfp4_u(w, qx, n, y, ldy, r0, r1);
+    else gqi_gemm_mxfp4_s(w, qx, n, y, ldy, r0, r1);
+}
+#endif
 GQI_DEFINE(gqi_gemm_iq4_xs, gqi_un_iq4_xs, 136, GQI_TAB_OFF, GQI_TAB_SG, 1, 0, 0, gqi_ctx_tab(&cx, gq_kvalues_iq4nl))
 GQI_DEFINE(gqi_gemm_iq2_xxs_, gqi_un_iq2_xxs, 66, 0, GQI_SG_MASK, 1, 0, 0, GQI_NO_TAB)
 GQI_DEFINE(gqi_gemm_iq3_xxs_, gqi_un_iq3_xxs, 98, 0, GQI_SG_MASK, 1, 0, 0, GQI_NO_TAB)
 GQI_DEFINE(gqi_gemm_iq1_s, gqi_un_iq1_s, 50, 9, GQI_SG_NONE, 1, 0, 0, GQI_NO_TAB)
-GQI_DEFINE(gqi_gemm_iq1_m, gqi_un_iq1_m, 56, 0, GQI_SG_VAL, 0, 0, 1, NULL)
+GQI_DEFINE(gqi_gemm_iq1_m, gqi_un_iq1_m, 56, 0, GQI_SG_VAL, 0, 0, 1, GQI_NO_TAB)
 
 #if defined(__AVX512VNNI__)
 /* IQ2_XXS on avx512vnni: the grid looked up in registers. Each grid word's 8 bytes take 3 values (8,
