@@ -74,7 +74,7 @@ def chat(
     from cpumla.sampling import check
 
     check_quant(quant)
-    mtp = check_draft(draft, draft_tokens, draft_model)
+    check_draft(draft, draft_tokens, draft_model)
     apply_tp(tp)
     budget = parse_size(memory)
     interactive = prompt is None and sys.stdin.isatty()
@@ -93,7 +93,7 @@ def chat(
         if not prompt.strip():
             raise CpumlaError("empty prompt (pass -p TEXT or pipe a prompt on stdin)")
     conv, info, notices = _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, system,
-                                sampling, think, interactive, quant, budget, (draft, draft_tokens, draft_model, mtp))
+                                sampling, think, interactive, quant, budget, (draft, draft_tokens, draft_model))
     for n in warnings + notices:
         render.err.print(f"note: {n}", style="yellow", markup=False, highlight=False, soft_wrap=True)
     render.err.print(f"ready: {info['model']} loaded in {info['load_s']:.1f} s", style="dim", markup=False,
@@ -107,7 +107,7 @@ def chat(
 
 # ---- setup ----
 def _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, system, sampling, think, interactive,
-          quant=None, memory=None, draft=(None, 1, None, None)):
+          quant=None, memory=None, draft=(None, 1, None)):
     from cpumla import native
     from cpumla.chat.chat_format import format_for
     from cpumla.chat.conversation import Conversation, Settings
@@ -116,9 +116,10 @@ def _open(model, dummy_weights, hf_overrides, seed, threads, ctx, tokenizer, sys
     from cpumla.cli.overrides import parse_hf_overrides
     from cpumla.runtime.loader import load
     from cpumla.runtime.resolve import load_config
+    from cpumla.runtime.speculative import mtp_source
 
     overrides = parse_hf_overrides(hf_overrides)
-    cfg, resolved = load_config(model, overrides, mtp=draft[3])
+    cfg, resolved = load_config(model, overrides, mtp=mtp_source(draft[0], draft[2]))
     ctx_notes = check_ctx(ctx, cfg.max_position_embeddings)
     tok, notices = load_tokenizer(resolved, tokenizer, dummy_weights)
     if tok.vocab_size > cfg.vocab_size and "vocab_size" not in overrides:

@@ -59,16 +59,16 @@ def dummy_dtypes_help() -> str:
 QUANT_HELP = "Quantize the linear layers as they load: q8 (8.5 bits a weight) or q4 (4.5)."
 
 
-def check_draft(draft, tokens, draft_model=None):
-    """--draft, --draft-tokens and --draft-model, before a model loads: where a GGUF model's MTP layer
-    comes from (runtime/speculative.py: mtp_source), for load_config."""
+def check_draft(draft, tokens, draft_model=None) -> None:
+    """--draft, --draft-tokens and --draft-model, before a model loads (runtime/speculative.py:
+    mtp_source refuses --draft-model with another mode)."""
     from cpumla.runtime.speculative import DRAFTS, MAX_DRAFT_TOKENS, mtp_source
 
     if draft is not None and draft not in DRAFTS:
         raise CpumlaError(f"--draft must be one of {', '.join(DRAFTS)}, not '{draft}'")
     if not 1 <= tokens <= MAX_DRAFT_TOKENS:
         raise CpumlaError(f"--draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}, not {tokens}")
-    return mtp_source(draft, draft_model)
+    mtp_source(draft, draft_model)
 
 
 def check_quant(quant) -> None:
