@@ -1,7 +1,8 @@
 """GGUF files made the way users make them: llama.cpp's converter on a tiny random DeepSeek-V3 model
 (widths of 256, so every K and IQ type applies), then llama.cpp's quantizer (llama-quantize) to each
 type and to the mixed recipes of low-bit releases (experts at Q2_K / IQ2_XXS / IQ1_S, attention at
-Q6_K / Q8_0; the IQ types with an importance matrix, as llama-quantize requires).
+Q6_K / Q8_0; the IQ types with an importance matrix, as llama-quantize requires); V2-Lite and V3.2
+models of the same widths to Q4_K_M and two of the mixes.
 
 Reference: transformers fp32 on the values the file holds (dequantized by the gguf package). cpumla's
 logits must be at least as close to it as llama.cpp's own logits on the same file (llama-cpp-python over
@@ -94,25 +95,37 @@ def llama_cpp_module():
     return llama_cpp
 
 
-@pytest.fixture(scope="module")
-def made(tmp_path_factory):
-    """(folder, transformers model, F32 GGUF, imatrix) of the tiny wide V3 model."""
-    d = tmp_path_factory.mktemp("llama-quantize")
+def make(d: Path, family: str):
+    """(folder, transformers model, F32 GGUF, imatrix) of the tiny wide model of `family` (v3, v2-lite, v32)."""
     tok = tokenizer_json()
     import tokenizers
     vocab = tokenizers.Tokenizer.from_file(str(tok)).get_vocab_size()
-    mt, extra = models.VARIANTS["v3"]
-    kw = {**models.BASE, **extra, **WIDE, "vocab_size": vocab}
-    model = models.build_from_kwargs(mt, kw, d / "hf")
-    cfg = json.loads((d / "hf" / "config.json").read_text())
-    cfg.update(scoring_func="sigmoid", topk_method="noaux_tc")      # as DeepSeek-V3's own config says
-    (d / "hf" / "config.json").write_text(json.dumps(cfg))
+    if family == "v32":           # the indexer's head as wide as the rope's part of it (128, as V3.2's own)
+        model = models.build_v32(d / "hf", vocab_size=vocab, index_topk=len(IDS),
+                                 **{**WIDE, "index_head_dim": 128, "index_n_heads": 4})
+    else:
+        mt, extra = models.VARIANTS[family]
+        model = models.build_from_kwargs(mt, {**models.BASE, **extra, **WIDE, "vocab_size": vocab}, d / "hf")
+    if family != "v2-lite":       # as DeepSeek-V3's and V3.2's own configs say (llama-quantize needs the key)
+        cfg = json.loads((d / "hf" / "config.json").read_text())
+        cfg.update(scoring_func="sigmoid", topk_method="noaux_tc")
+        (d / "hf" / "config.json").write_text(json.dumps(cfg))
     for f in tok.parent.glob("tokenizer*.json"):
         shutil.copy(f, d / "hf" / f.name)
     f32 = d / "f32.gguf"
-    gguf_files.convert(d / "hf", f32, "f32")
+    (gguf_files.convert_add_bos if family == "v32" else gguf_files.convert)(d / "hf", f32, "f32")
     write_imatrix(f32, d / "imatrix.dat")
     return d, model, f32, d / "imatrix.dat"
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    return make(tmp_path_factory.mktemp("llama-quantize"), "v3")
+
+
+@pytest.fixture(scope="module", params=["v2-lite", "v32"])
+def made_family(request, tmp_path_factory):
+    return make(tmp_path_factory.mktemp(f"llama-quantize-{request.param}"), request.param)
 
 
 def quantize(made, recipe: str) -> Path:
@@ -144,13 +157,14 @@ def errors(got: np.ndarray, ref: np.ndarray) -> tuple[float, int]:
     return float(np.median(rel)), int((got.argmax(-1) != ref.argmax(-1)).sum())
 
 
-@pytest.mark.parametrize("recipe", list(RECIPES))
-def test_llama_quantize_file(made, recipe):
+def check_file(made, recipe):
+    """The file of `recipe` against the reference and against llama.cpp's own logits (the module's doc)."""
     d, model, _, _ = made
     path = quantize(made, recipe)
     types = {T(t.tensor_type).name for t in gguf.GGUFReader(path).tensors}
     assert RECIPES[recipe][3] <= types, types
-    ref = models.reference_logits(gguf_files.reference(copy.deepcopy(model), held_values(path)), IDS)
+    reference = gguf_files.reference_v32 if model.config.model_type == "deepseek_v32" else gguf_files.reference
+    ref = models.reference_logits(reference(copy.deepcopy(model), held_values(path)), IDS)
     eng = cpumla.load(str(path))
     got = eng.forward(IDS)
     eng.reset()
@@ -173,6 +187,19 @@ def test_llama_quantize_file(made, recipe):
     assert med <= their_med, f"{recipe}: median error {med:.4g}, llama.cpp's {their_med:.4g}"
     # a random tiny model has near-ties at several of the 32 positions: a flip count within 2 of llama.cpp's
     assert flips <= their_flips + 2, f"{recipe}: {flips} flipped positions, llama.cpp's {their_flips}"
+
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_llama_quantize_file(made, recipe):
+    check_file(made, recipe)
+
+
+@pytest.mark.parametrize("recipe", ["Q4_K_M", "experts-Q2_K-attn-Q8_0", "experts-IQ2_XXS-attn-Q6_K"])
+def test_llama_quantize_family(made_family, recipe):
+    """V2-Lite (softmax greedy routing, no q LoRA) and V3.2 (its indexer: the converter's deepseek32, every
+    2-D tensor of it quantized, the indexer's included) as llama-quantize writes them."""
+    check_file(made_family, recipe)
 
 
 def test_llama_cpp_agrees_on_f32(made):
