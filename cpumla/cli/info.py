@@ -16,6 +16,8 @@ from cpumla import __version__, native
 from cpumla.checkpoint.formats import QUANTS
 from cpumla.errors import CpumlaError
 from cpumla.cli import render
+from cpumla.runtime.resolve import resolve_model
+from cpumla.runtime.speculative import mtp_source
 
 
 def isa_missing(isa: str) -> str | None:
@@ -60,9 +62,14 @@ def info(
     hf_overrides: str = typer.Option(None, "--hf-overrides", help="With MODEL: JSON merged into its config."),
     tp: int = typer.Option(None, "--tp", metavar="N", help="With MODEL: what each of N tensor-parallel ranks holds "
                            "and reads a decode token."),
+    draft_model: str = typer.Option(None, "--draft-model", "-md", metavar="FILE", help="With a GGUF MODEL: its MTP "
+                                    "file (llama.cpp's converter with --mtp) wherever it lies, shown and planned as "
+                                    "its MTP layer. Default: the one beside the model."),
 ) -> None:
     if tp is not None and model is None:
         raise CpumlaError("--tp goes with a MODEL: what each rank of it holds")
+    if draft_model is not None and model is None:
+        raise CpumlaError("--draft-model goes with a MODEL: the GGUF model it drafts for")
     if model is not None:
         if threads is not None:
             from cpumla.cli.options import check_threads
@@ -70,8 +77,11 @@ def info(
             for w in check_threads(threads):
                 render.err.print(f"note: {w}", style="yellow", markup=False, highlight=False)
             native.set_threads(threads)            # the read probe's threads, as decode would run
+        mtp = None if draft_model is None else mtp_source("mtp", draft_model)
         if is_gguf(model):
-            return gguf_plan(model, ctx, hf_overrides, json_out, tp)
+            return gguf_plan(model, ctx, hf_overrides, json_out, tp, mtp)
+        if mtp is not None:
+            resolve_model(model, mtp)              # refuses: an MTP file drafts for a GGUF model only
         return model_plan(model, ctx, hf_overrides, json_out, tp)
     d = collect(threads)
     for w in d["warnings"]:
@@ -114,7 +124,9 @@ def is_gguf(model: str) -> bool:
     return is_ref(model)
 
 
-def gguf_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: bool, tp: int | None = None) -> None:
+def gguf_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: bool, tp: int | None = None,
+              mtp=None) -> None:
+    """mtp: where the MTP layer comes from (runtime/speculative.py: mtp_source; None: the file beside)."""
     from cpumla.checkpoint.gguf_info import groups
     from cpumla.cli.options import check_ctx
     from cpumla.cli.overrides import parse_hf_overrides
@@ -123,7 +135,7 @@ def gguf_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: b
 
     if ctx is not None:
         check_ctx(ctx, 1 << 62)
-    cfg, resolved = load_config(model, parse_hf_overrides(hf_overrides))
+    cfg, resolved = load_config(model, parse_hf_overrides(hf_overrides), mtp=mtp)
     g = resolved.gguf
     try:
         side = g.side.entries if g.side is not None else None        # an MTP file beside the model's

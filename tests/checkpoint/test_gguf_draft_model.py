@@ -93,3 +93,28 @@ def test_bad_draft_model(files, tmp_path, case):
     for w in words:
         assert w in str(e.value), str(e.value)
     assert_one_line_error(bench(model, "--draft-model", draft, *args), *words, status=2)
+
+
+def info_json(*args):
+    p = run_cli("info", *map(str, args), "--json")
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+def test_info_draft_model(files, tmp_path):
+    """`cpumla info MODEL -md FILE` plans the named MTP file as it plans one beside the model (its group,
+    the weights held), says where it is read from, and refuses it in one line without a GGUF model."""
+    model, draft, ref = files
+    shutil.copy(model, tmp_path / "m.gguf")
+    shutil.copy(draft, tmp_path / "mtp-m.gguf")
+    named, beside, alone = info_json(model, "-md", draft), info_json(tmp_path / "m.gguf"), info_json(model)
+    assert named["gguf"]["mtp_file"] == str(draft) and alone["gguf"]["mtp_file"] is None
+    assert named["gguf"]["groups"] == beside["gguf"]["groups"] and "MTP layer" in named["gguf"]["groups"]
+    assert "MTP layer" not in alone["gguf"]["groups"]
+    assert named["weights"] == beside["weights"] and named["weights"]["stored"] > alone["weights"]["stored"]
+    p = run_cli("info", str(model), "-md", str(draft))
+    assert p.returncode == 0 and f"MTP layer from: {draft}" in " ".join(p.stdout.split()), p.stdout
+    assert_one_line_error(run_cli("info", "-md", str(draft)), "--draft-model", "MODEL", status=2)
+    assert_one_line_error(run_cli("info", "deepseek-ai/DeepSeek-V2-Lite", "-md", str(draft)), "--draft-model",
+                          "not one", status=2)
+    assert_one_line_error(run_cli("info", str(model), "-md", str(model)), "nextn_predict_layers", status=2)
