@@ -16,8 +16,6 @@ from cpumla import __version__, native
 from cpumla.checkpoint.formats import QUANTS
 from cpumla.errors import CpumlaError
 from cpumla.cli import render
-from cpumla.runtime.resolve import resolve_model
-from cpumla.runtime.speculative import mtp_source
 
 
 def isa_missing(isa: str) -> str | None:
@@ -77,6 +75,9 @@ def info(
             for w in check_threads(threads):
                 render.err.print(f"note: {w}", style="yellow", markup=False, highlight=False)
             native.set_threads(threads)            # the read probe's threads, as decode would run
+        from cpumla.runtime.resolve import resolve_model
+        from cpumla.runtime.speculative import mtp_source
+
         mtp = None if draft_model is None else mtp_source("mtp", draft_model)
         if is_gguf(model):
             return gguf_plan(model, ctx, hf_overrides, json_out, tp, mtp)
@@ -138,7 +139,7 @@ def gguf_plan(model: str, ctx: int | None, hf_overrides: str | None, json_out: b
     cfg, resolved = load_config(model, parse_hf_overrides(hf_overrides), mtp=mtp)
     g = resolved.gguf
     try:
-        side = g.side.entries if g.side is not None else None        # an MTP file beside the model's
+        side = g.side.entries if g.side is not None else None        # an MTP file: beside it, or -md's
         by_group = groups(g.file.entries, cfg.num_hidden_layers if cfg.num_nextn_predict_layers else None, side)
         files = [str(f) for f in g.file.files]
         mtp_file = str(g.side.files[0]) if g.side is not None else None
