@@ -189,7 +189,6 @@ def check_file(made, recipe):
     assert flips <= their_flips + 2, f"{recipe}: {flips} flipped positions, llama.cpp's {their_flips}"
 
 
-
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_llama_quantize_file(made, recipe):
     check_file(made, recipe)
@@ -197,8 +196,8 @@ def test_llama_quantize_file(made, recipe):
 
 @pytest.mark.parametrize("recipe", ["Q4_K_M", "experts-Q2_K-attn-Q8_0", "experts-IQ2_XXS-attn-Q6_K"])
 def test_llama_quantize_family(made_family, recipe):
-    """V2-Lite (softmax greedy routing, no q LoRA) and V3.2 (its indexer: the converter's deepseek32, every
-    2-D tensor of it quantized, the indexer's included) as llama-quantize writes them."""
+    """V2-Lite (softmax greedy routing, no q LoRA) and V3.2 (the converter's deepseek32: its indexer's
+    matrices quantized too, Q4_K and Q8_0 in Q4_K_M) as llama-quantize writes them."""
     check_file(made_family, recipe)
 
 
