@@ -6,9 +6,18 @@ models of the same widths to Q4_K_M and two of the mixes.
 
 Reference: transformers fp32 on the values the file holds (dequantized by the gguf package). cpumla's
 logits must be at least as close to it as llama.cpp's own logits on the same file (llama-cpp-python over
-the same build), per position (median relative error) and in positions whose top token flips (within 2
-of its count: near-ties); a one-token decode must give the full forward's logits (or, where an int8
-rounding tips a near-tie of the router, logits as close to the reference).
+the same build), over three prompts: the median relative error over their positions, and the positions
+whose top token flips (within 2 a prompt of llama.cpp's count: near-ties); a one-token decode must give
+the full forward's logits (or, where an int8 rounding tips a near-tie of the router, logits as close to
+the reference).
+
+Where both engines compute the same thing, int8 activations per 32 against weights of 32-wide blocks
+(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4: SAME_ARITHMETIC), the two errors are two draws of one
+noise: any difference in float order moves some activation across a rounding boundary and the model
+(random, tiny) carries that as a new draw of the int8 noise: over three more seeds the ratio of the two
+medians ran from 0.88 to 1.14. Such a file's median must be within 1.25x of llama.cpp's (activations
+rounded to 7 bits instead of 8 give 1.7x). The K and IQ types are held to "at most llama.cpp's": cpumla
+quantizes their activations per 32, llama.cpp per 256 (Q8_K).
 
 Needs CPUMLA_LLAMA_CPP (llama.cpp's source folder: convert_hf_to_gguf.py) and CPUMLA_LLAMA_BIN (the
 folder holding llama-quantize and libllama); skipped without them. llama.cpp's logits come from the
@@ -49,6 +58,9 @@ WIDE = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, k
             v_head_dim=128, rope_scaling=None)
 IDS = [3, 17, 99, 5, 150, 42, 7, 7, 120, 64, 1, 33, 900, 1200, 77, 300, 8, 2048, 15, 61, 4095, 19, 250, 6,
        31337, 12, 400, 44, 9, 100000, 23, 18]
+# two more prompts of the same length (V3.2's indexer keeps every token of len(IDS))
+PROMPTS = [IDS] + [[int(i) for i in np.random.default_rng(seed).integers(2, 100000, len(IDS))] for seed in (1, 2)]
+SAME_ARITHMETIC = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4_MOE"}
 EXPS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 ATTN = ("attn_q_a", "attn_q_b", "attn_kv_a_mqa", "attn_output")
 
@@ -164,7 +176,9 @@ def check_file(made, recipe):
     types = {T(t.tensor_type).name for t in gguf.GGUFReader(path).tensors}
     assert RECIPES[recipe][3] <= types, types
     reference = gguf_files.reference_v32 if model.config.model_type == "deepseek_v32" else gguf_files.reference
-    ref = models.reference_logits(reference(copy.deepcopy(model), held_values(path)), IDS)
+    ref_model = reference(copy.deepcopy(model), held_values(path))
+    refs = [models.reference_logits(ref_model, ids) for ids in PROMPTS]
+    ref = refs[0]
     eng = cpumla.load(str(path))
     got = eng.forward(IDS)
     eng.reset()
@@ -175,18 +189,26 @@ def check_file(made, recipe):
     if np.abs(dec - got).max() > 1e-5 * np.abs(got).max():
         last = [errors(a[-1:], ref[-1:])[0] for a in (got, dec)]
         assert last[1] <= 1.25 * last[0] and np.abs(dec[:-1] - got[:-1]).max() <= 1e-5 * np.abs(got).max(), last
-    med, flips = errors(got, ref)
+    ours = [got]
+    for ids in PROMPTS[1:]:
+        eng.reset()
+        ours.append(eng.forward(ids))
+    med, flips = errors(np.concatenate(ours), np.concatenate(refs))
     assert med < 0.1, med
     llama_cpp = llama_cpp_module()
     if llama_cpp is None:
         return
     llm = load_llama(path, extra_bufts=False, logits_all=True, n_ctx=64, n_threads=2)
-    llm.eval(list(IDS))
-    theirs = np.array(llm.scores[:len(IDS)], np.float32)
-    their_med, their_flips = errors(theirs, ref)
-    assert med <= their_med, f"{recipe}: median error {med:.4g}, llama.cpp's {their_med:.4g}"
-    # a random tiny model has near-ties at several of the 32 positions: a flip count within 2 of llama.cpp's
-    assert flips <= their_flips + 2, f"{recipe}: {flips} flipped positions, llama.cpp's {their_flips}"
+    theirs = []
+    for ids in PROMPTS:
+        llm.reset()
+        llm.eval(list(ids))
+        theirs.append(np.array(llm.scores[:len(ids)], np.float32))
+    their_med, their_flips = errors(np.concatenate(theirs), np.concatenate(refs))
+    bound = 1.25 * their_med if recipe in SAME_ARITHMETIC else their_med
+    assert med <= bound, f"{recipe}: median error {med:.4g}, llama.cpp's {their_med:.4g}"
+    # a random tiny model has near-ties at several of each prompt's positions: flips within 2 a prompt
+    assert flips <= their_flips + 2 * len(PROMPTS), f"{recipe}: {flips} flipped positions, llama.cpp's {their_flips}"
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
