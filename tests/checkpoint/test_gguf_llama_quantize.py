@@ -11,11 +11,11 @@ whose top token flips (within 2 a prompt of llama.cpp's count: near-ties); a one
 the full forward's logits (or, where an int8 rounding tips a near-tie of the router, logits as close to
 the reference).
 
-Where both engines compute the same thing, int8 activations per 32 against weights of 32-wide blocks
-(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4: SAME_ARITHMETIC), the two errors are two draws of one
-noise: any difference in float order moves some activation across a rounding boundary and the model
-(random, tiny) carries that as a new draw of the int8 noise: over three more seeds the ratio of the two
-medians ran from 0.88 to 1.14. Such a file's median must be within 1.25x of llama.cpp's (activations
+Where both engines compute alike, int8 activations per 32 against weights of 32-wide blocks (Q8_0,
+Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4: SAME_ARITHMETIC), the two errors are two draws of one noise: any
+difference in float order moves some activation across a rounding boundary, and the model (random, tiny)
+carries that as a new draw of the int8 noise; over four model seeds (18 files) the ratio of the two
+medians ran from 0.87 to 1.15. Such a file's median must be within 1.25x of llama.cpp's (activations
 rounded to 7 bits instead of 8 give 1.7x). The K and IQ types are held to "at most llama.cpp's": cpumla
 quantizes their activations per 32, llama.cpp per 256 (Q8_K).
 
